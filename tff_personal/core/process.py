@@ -1,0 +1,320 @@
+"""The stateful-client process: TFF iterative processes with private client state.
+
+TFF's `LearningProcess.next` takes exactly `(server_state, client_data)`, so it
+cannot carry per-client state between rounds. TFF's own answer is the
+`examples/stateful_clients` pattern, which this module generalises: a plain
+`tff.templates.IterativeProcess` whose `next` has the type
+
+    (<S@SERVER, {C}@CLIENTS, {D*}@CLIENTS> -> <S@SERVER, {C}@CLIENTS, M@SERVER>)
+
+where `C` is the private client state. The driver (see `core/training_loop.py`)
+reads the sampled clients' `C` from a client-state store, passes them in, and
+writes the returned values back.
+
+The process is composed from TFF's own parts: the distributor is
+`tff.learning.templates.build_broadcast_process`, the aggregation is any
+`tff.aggregators` factory (weighted mean, or the DP factories of
+`core/privacy.py`), the finalizer is
+`tff.learning.templates.build_apply_optimizer_finalizer` with a
+`tff.learning.optimizers` server optimizer, and the server state is TFF's
+`LearningAlgorithmState`. What TFF lacks, and is written here, is the client
+work that takes and returns client state (its `ClientWorkProcess` has no
+client-state input or output) and the wiring.
+
+Privacy invariant (tested by reading type signatures): the only client-placed
+values that reach the server are the shared update (through the named
+aggregator) and the training-metric sums (through `federated_sum`; pass
+`train_metrics=False` to release nothing but the aggregate). The client state
+`C` is returned at CLIENTS and never aggregated.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.core import split_training
+from tff_personal.models import split_model as split_model_lib
+
+ModelWeights = tff.learning.models.ModelWeights
+LearningAlgorithmState = tff.learning.templates.LearningAlgorithmState
+
+CLIENT_STATE_PRIVATE = 'private'
+CLIENT_STATE_ROUNDS = 'rounds_participated'
+
+
+class StatefulClientProcess(tff.templates.IterativeProcess):
+  """An `IterativeProcess` whose clients keep private state between rounds.
+
+  `next(server_state, client_states@CLIENTS, client_data@CLIENTS)` returns
+  `(server_state, client_states@CLIENTS, metrics@SERVER)`.
+
+  Beyond `initialize` and `next` it exposes the types a driver needs and the
+  model-weights accessors that let stages compose (the output of one process
+  is the initial state of the next).
+  """
+
+  def __init__(self, initialize_fn: tff.Computation, next_fn: tff.Computation,
+               *, client_state_type: tff.Type,
+               aggregation_value_type: tff.Type,
+               initial_client_state: Callable[[int], Any] | None = None):
+    super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
+    self._client_state_type = client_state_type
+    self._aggregation_value_type = aggregation_value_type
+    self._initial_client_state = initial_client_state
+
+  @property
+  def client_state_type(self) -> tff.Type:
+    """The (unplaced) type `C` of one client's private state."""
+    return self._client_state_type
+
+  @property
+  def aggregation_value_type(self) -> tff.Type:
+    """The type of the value each client hands to the server's aggregator."""
+    return self._aggregation_value_type
+
+  @property
+  def client_data_type(self) -> tff.Type:
+    return self.next.type_signature.parameter[2].member
+
+  def get_model_weights(self, state) -> ModelWeights:
+    return state.global_model_weights
+
+  def set_model_weights(self, state, weights: ModelWeights):
+    """A copy of `state` with the shared model weights replaced."""
+    weights = ModelWeights(trainable=tuple(weights.trainable),
+                           non_trainable=tuple(weights.non_trainable))
+    return LearningAlgorithmState(
+        global_model_weights=weights, distributor=state.distributor,
+        client_work=state.client_work, aggregator=state.aggregator,
+        finalizer=state.finalizer)
+
+
+def model_weights_type(weights: ModelWeights) -> tff.Type:
+  """The TFF type of numpy `ModelWeights`, keeping the `ModelWeights` container."""
+  as_type = lambda values: tff.StructWithPythonType(
+      [(None, tff.TensorType(np.asarray(v).dtype, np.shape(v)))
+       for v in values], tuple)
+  return tff.StructWithPythonType(
+      [('trainable', as_type(weights.trainable)),
+       ('non_trainable', as_type(weights.non_trainable))], ModelWeights)
+
+
+def _metrics_finalizer(metric_sums_type: tff.Type):
+  """Server-side: means over examples of every `*_sum`, plus counts."""
+
+  @tff.tensorflow.computation(metric_sums_type)
+  def finalize(sums):
+    n = tf.maximum(tf.cast(sums['num_examples'], tf.float32), 1.0)
+    out = collections.OrderedDict()
+    for name in sums:
+      value = sums[name]
+      if name.endswith('_sum'):
+        out[name[:-len('_sum')]] = tf.cast(value, tf.float32) / n
+      else:
+        out[name] = value
+    return out
+
+  return finalize
+
+
+def compose_stateful_client_process(
+    *,
+    initial_model_weights: ModelWeights,
+    client_state_type: tff.Type,
+    client_work: tff.Computation,
+    aggregator_factory,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    train_metrics: bool = True,
+    initial_client_state: Callable[[int], Any] | None = None,
+) -> StatefulClientProcess:
+  """Wires a client work with client state into a `StatefulClientProcess`.
+
+  Args:
+    initial_model_weights: numpy `ModelWeights` of the shared model (tuples).
+    client_state_type: the unplaced type of one client's state.
+    client_work: a TFF TensorFlow computation
+      `(ModelWeights, C, D*) -> <update, update_weight, client_state, metrics>`
+      (an OrderedDict with those keys). `metrics` must hold `num_examples`.
+    aggregator_factory: a `tff.aggregators` weighted or unweighted factory for
+      the shared update (for DP, an unweighted `DifferentiallyPrivateFactory`).
+    server_optimizer: applied to the aggregated update by TFF's
+      `build_apply_optimizer_finalizer`.
+    train_metrics: release sums of training metrics to the server.
+    initial_client_state: optional `client_id -> C` (numpy) for new clients.
+
+  Returns:
+    A `StatefulClientProcess`.
+  """
+  weights_value = tf.nest.map_structure(np.asarray, initial_model_weights)
+  weights_type = model_weights_type(weights_value)
+  param = client_work.type_signature.parameter
+  data_type = param[2]
+  result_type = client_work.type_signature.result
+  update_type = result_type.update
+  metrics_type = result_type.metrics
+  if not param[1].is_assignable_from(client_state_type):
+    raise TypeError(
+        f'client_work takes client state {param[1]}, not {client_state_type}')
+
+  if isinstance(aggregator_factory, tff.aggregators.WeightedAggregationFactory):
+    aggregation = aggregator_factory.create(
+        update_type, result_type.update_weight)
+    weighted = True
+  elif isinstance(aggregator_factory,
+                  tff.aggregators.UnweightedAggregationFactory):
+    aggregation = aggregator_factory.create(update_type)
+    weighted = False
+  else:
+    raise TypeError('aggregator_factory must be a tff.aggregators weighted or '
+                    f'unweighted factory, got {type(aggregator_factory)}')
+  distributor = tff.learning.templates.build_broadcast_process(weights_type)
+  finalizer = tff.learning.templates.build_apply_optimizer_finalizer(
+      server_optimizer, weights_type)
+  finalize_metrics = _metrics_finalizer(metrics_type)
+
+  @tff.tensorflow.computation
+  def initial_weights_fn():
+    return tf.nest.map_structure(tf.constant, weights_value)
+
+  @tff.federated_computation
+  def initialize_fn():
+    return tff.federated_zip(LearningAlgorithmState(
+        global_model_weights=tff.federated_eval(initial_weights_fn, tff.SERVER),
+        distributor=distributor.initialize(),
+        client_work=tff.federated_value((), tff.SERVER),
+        aggregator=aggregation.initialize(),
+        finalizer=finalizer.initialize()))
+
+  state_type = initialize_fn.type_signature.result
+
+  @tff.federated_computation(
+      state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
+      tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, client_states, client_data):
+    distributed = distributor.next(state.distributor, state.global_model_weights)
+    outputs = tff.federated_map(
+        client_work, (distributed.result, client_states, client_data))
+    if weighted:
+      aggregated = aggregation.next(
+          state.aggregator, outputs.update, outputs.update_weight)
+    else:
+      aggregated = aggregation.next(state.aggregator, outputs.update)
+    finalized = finalizer.next(
+        state.finalizer, state.global_model_weights, aggregated.result)
+    new_state = tff.federated_zip(LearningAlgorithmState(
+        global_model_weights=finalized.result,
+        distributor=distributed.state,
+        client_work=state.client_work,
+        aggregator=aggregated.state,
+        finalizer=finalized.state))
+    measurements = collections.OrderedDict(
+        aggregator=aggregated.measurements,
+        finalizer=finalized.measurements)
+    if train_metrics:
+      measurements['train'] = tff.federated_map(
+          finalize_metrics, tff.federated_sum(outputs.metrics))
+    return new_state, outputs.client_state, tff.federated_zip(measurements)
+
+  return StatefulClientProcess(
+      initialize_fn, next_fn, client_state_type=client_state_type,
+      aggregation_value_type=update_type,
+      initial_client_state=initial_client_state)
+
+
+def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
+                           seed: Optional[int] = None) -> ModelWeights:
+  """Builds the model once, eagerly, and returns its shared weights (numpy).
+
+  With a seed the initialisation is reproducible (Keras initialisers draw from
+  the global seed set by `tf.keras.utils.set_random_seed`).
+  """
+  if seed is not None:
+    tf.keras.utils.set_random_seed(seed)
+  model = model_fn()
+  return ModelWeights(
+      trainable=tuple(v.numpy() for v in model.shared_trainable_variables),
+      non_trainable=tuple(
+          v.numpy() for v in model.shared_non_trainable_variables))
+
+
+def split_client_state_type(model_fn: split_model_lib.SplitModelFn) -> tff.Type:
+  """Type of the client state of a split model: its private variables."""
+  with tf.Graph().as_default():
+    model = model_fn()
+    private = split_model_lib.private_weights_spec(model)
+  return tff.types.to_type(collections.OrderedDict([
+      (CLIENT_STATE_PRIVATE,
+       tuple(tff.TensorType(s.dtype.as_numpy_dtype, s.shape) for s in private)),
+      (CLIENT_STATE_ROUNDS, np.int32),
+  ]))
+
+
+def build_split_client_work(
+    model_fn: split_model_lib.SplitModelFn,
+    client_optimizer: tff.learning.optimizers.Optimizer,
+    weights_type: tff.Type,
+    client_state_type: tff.Type,
+    metrics_fn=None) -> tff.Computation:
+  """The client work of a split model: joint local training of both parts."""
+  with tf.Graph().as_default():
+    input_spec = model_fn().input_spec
+  if input_spec is None:
+    raise ValueError('model_fn() must return a SplitModel with input_spec')
+  data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
+
+  @tff.tensorflow.computation(weights_type, client_state_type, data_type)
+  def client_work(weights, client_state, dataset):
+    model = model_fn()
+    # tf.function for automatic control dependencies between the variable
+    # assignments and reads (TFF traces computations in graph mode).
+    train = tf.function(lambda w, p, d: split_training.local_train(
+        model, client_optimizer, w, p, d, metrics_fn))
+    update, weight, new_private, metrics = train(
+        weights, tuple(client_state[CLIENT_STATE_PRIVATE]), dataset)
+    metrics['clients'] = tf.constant(1, tf.int32)
+    new_state = collections.OrderedDict([
+        (CLIENT_STATE_PRIVATE, new_private),
+        (CLIENT_STATE_ROUNDS, client_state[CLIENT_STATE_ROUNDS] + 1),
+    ])
+    return collections.OrderedDict(
+        update=update, update_weight=weight, client_state=new_state,
+        metrics=metrics)
+
+  return client_work
+
+
+def build_split_model_process(
+    model_fn: split_model_lib.SplitModelFn,
+    *,
+    client_optimizer: tff.learning.optimizers.Optimizer,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    aggregator_factory=None,
+    metrics_fn=None,
+    train_metrics: bool = True,
+    seed: Optional[int] = None,
+) -> StatefulClientProcess:
+  """FedAvg of the shared variables; private variables are client state.
+
+  This is Global+ (FedEmbed) and FURL's split personalization: shared and
+  private variables are trained jointly on each client; the shared update is
+  aggregated (weighted mean by examples by default, or any factory, DP
+  included) and applied by the server optimizer; the private variables are
+  returned as client state and never leave the client. With no private
+  variables it is `tff.learning.algorithms.build_weighted_fed_avg`.
+  """
+  if aggregator_factory is None:
+    aggregator_factory = tff.aggregators.MeanFactory()
+  weights = initial_shared_weights(model_fn, seed)
+  weights_type = model_weights_type(weights)
+  client_state_type = split_client_state_type(model_fn)
+  client_work = build_split_client_work(
+      model_fn, client_optimizer, weights_type, client_state_type, metrics_fn)
+  return compose_stateful_client_process(
+      initial_model_weights=weights, client_state_type=client_state_type,
+      client_work=client_work, aggregator_factory=aggregator_factory,
+      server_optimizer=server_optimizer, train_metrics=train_metrics)

@@ -1,0 +1,135 @@
+"""TensorFlow logic of local training for models with private variables.
+
+This is the client side of every "shared + private parameters" algorithm
+(Global+, FURL, and the personal parts of FedEmbed): one pass of local
+optimisation over the client's dataset that updates shared and private
+variables jointly, then returns
+
+* the shared update `initial - final` (TFF's sign convention, so the server
+  optimizer treats it as a gradient), zeroed with weight 0 if any value is
+  non-finite, exactly as `tff.learning.templates.build_model_delta_client_work`
+  does;
+* the new private variables (the client state), or the old ones unchanged if
+  training produced non-finite values;
+* sums for training metrics.
+
+It mirrors TFF's `build_model_delta_update_with_tff_optimizer` (a
+`dataset.reduce` over batches with a functional `tff.learning.optimizers`
+optimizer), so that with no private variables it computes bit-for-bit what
+`tff.learning.algorithms.build_weighted_fed_avg` computes. The difference TFF
+lacks is the private variables: they are assigned from, and returned to, the
+client state.
+
+Only TensorFlow here; the federated orchestration is in `core/process.py`.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.models import split_model as split_model_lib
+
+
+def _assign(variables, values):
+  for var, value in zip(variables, values):
+    var.assign(value)
+
+
+def _all_finite(structure) -> tf.Tensor:
+  flat = [tf.reduce_all(tf.math.is_finite(t)) for t in tf.nest.flatten(structure)]
+  return tf.reduce_all(tf.stack(flat)) if flat else tf.constant(True)
+
+
+def local_train(model: split_model_lib.SplitModel,
+                optimizer: tff.learning.optimizers.Optimizer,
+                initial_weights: tff.learning.models.ModelWeights,
+                private_weights: tuple[Any, ...],
+                dataset: tf.data.Dataset,
+                metrics_fn=None):
+  """Runs local training; returns (update, weight, new_private, metric sums).
+
+  Must be called inside a TFF TensorFlow computation (graph mode) with a
+  freshly built `model`.
+
+  Args:
+    model: the split model (fresh variables).
+    optimizer: a `tff.learning.optimizers.Optimizer` applied to the shared
+      trainable and the private variables together (it is element-wise, so
+      this equals one optimizer per group with the same hyper-parameters).
+    initial_weights: the broadcast shared weights (`ModelWeights` of tuples).
+    private_weights: the client's private variables (tuple of tensors).
+    dataset: batches of the client's data.
+    metrics_fn: optional `(batch, outputs) -> dict` of per-batch metric sums.
+
+  Returns:
+    `(update, update_weight, new_private_weights, metrics)` where `metrics` is
+    an OrderedDict with `loss_sum`, `num_examples`, `nonfinite` and the sums of
+    `metrics_fn`.
+  """
+  shared = model.shared_trainable_variables
+  shared_nt = model.shared_non_trainable_variables
+  private = list(model.private_variables)
+  _assign(shared, initial_weights.trainable)
+  _assign(shared_nt, initial_weights.non_trainable)
+  _assign(private, private_weights)
+  trainable = shared + private
+  specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable)
+
+  def metric_zeros():
+    if metrics_fn is None:
+      return collections.OrderedDict()
+    sample = metrics_fn(
+        tf.nest.map_structure(
+            lambda s: tf.zeros([0] + s.shape[1:].as_list(), s.dtype),
+            dataset.element_spec),
+        model.forward(
+            tf.nest.map_structure(
+                lambda s: tf.zeros([0] + s.shape[1:].as_list(), s.dtype),
+                dataset.element_spec), training=False))
+    return collections.OrderedDict(
+        (k, tf.zeros_like(v)) for k, v in sample.items())
+
+  def reduce_fn(state, batch):
+    num_examples, loss_sum, sums, opt_state = state
+    with tf.GradientTape() as tape:
+      outputs = model.forward(batch, training=True)
+      loss = model.loss(batch, outputs)
+    grads = tape.gradient(loss, trainable)
+    grads = [tf.zeros_like(v) if g is None else g
+             for g, v in zip(grads, trainable)]
+    opt_state, updated = optimizer.next(
+        opt_state, tuple(trainable), tuple(grads))
+    _assign(trainable, updated)
+    batch_size = tf.shape(tf.nest.flatten(batch)[0])[0]
+    num_examples += tf.cast(batch_size, tf.int64)
+    loss_sum += loss * tf.cast(batch_size, tf.float32)
+    if metrics_fn is not None:
+      batch_sums = metrics_fn(batch, outputs)
+      sums = collections.OrderedDict(
+          (k, sums[k] + batch_sums[k]) for k in sums)
+    return num_examples, loss_sum, sums, opt_state
+
+  initial_state = (tf.constant(0, tf.int64), tf.constant(0.0, tf.float32),
+                   metric_zeros(), optimizer.initialize(specs))
+  num_examples, loss_sum, sums, _ = dataset.reduce(initial_state, reduce_fn)
+
+  update = tuple(tf.subtract(a, b.read_value())
+                 for a, b in zip(initial_weights.trainable, shared))
+  new_private = tuple(v.read_value() for v in private)
+  finite = tf.logical_and(_all_finite(update), _all_finite(new_private))
+  update = tuple(tf.where(finite, u, tf.zeros_like(u)) for u in update)
+  new_private = tuple(tf.where(finite, n, tf.cast(p, n.dtype))
+                      for n, p in zip(new_private, private_weights))
+  update_weight = tf.where(finite, tf.cast(num_examples, tf.float32), 0.0)
+  metrics = collections.OrderedDict(
+      loss_sum=tf.where(finite, loss_sum, 0.0),
+      num_examples=tf.where(finite, num_examples, tf.constant(0, tf.int64)),
+      nonfinite=tf.cast(tf.logical_not(finite), tf.int32),
+  )
+  for k, v in sums.items():
+    metrics[k] = tf.where(finite, v, tf.zeros_like(v))
+  return update, update_weight, new_private, metrics
