@@ -1,0 +1,179 @@
+"""Flags shared by the experiment binaries, and their translation to configs.
+
+Flags are grouped (task, algorithm, training, privacy, output) and all their
+values are written into summary.json.
+"""
+
+import json
+import os
+import sys
+
+from absl import flags
+import tensorflow as tf
+
+from tasks import registry as task_registry
+from tff_personal import experiment
+from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.core import privacy
+from tff_personal.core import runtime
+from tff_personal.core import training_loop
+
+FLAG_GROUPS = {}
+
+
+def _group(name, flag_names):
+  FLAG_GROUPS[name] = flag_names
+
+
+def define_flags():
+  """Defines every flag of the experiment binaries (idempotent per process)."""
+  if 'task' in flags.FLAGS:
+    return
+  # Task.
+  flags.DEFINE_enum('task', 'mnist_preference', task_registry.TASKS,
+                    'The federated task.')
+  flags.DEFINE_string('data_dir', None,
+                      'Directory of the task data files (e.g. '
+                      '../shared/data/mnist). None: download with '
+                      'tensorflow-datasets where a network is available.')
+  flags.DEFINE_integer('num_users', 9000, 'Population size.')
+  flags.DEFINE_enum('population', 'balanced', ['balanced', 'imbalanced'],
+                    'Sub-population proportions.')
+  flags.DEFINE_integer('batch_size', 10, 'Local batch size.')
+  flags.DEFINE_integer('local_epochs', 1, 'Local epochs per round.')
+  _group('task', ['task', 'data_dir', 'num_users', 'population', 'batch_size',
+                  'local_epochs'])
+  # Algorithm.
+  flags.DEFINE_string('algorithm', 'global_plus',
+                      f'One of {sorted(algorithm_registry.ALGORITHMS)}.')
+  flags.DEFINE_integer('embedding_dim', 28, 'Personal embedding size.')
+  flags.DEFINE_float('personal_init_stddev', 0.1,
+                     'New clients\' personal embeddings ~ N(0, stddev^2), '
+                     'seeded by (seed, client id).')
+  flags.DEFINE_float('client_learning_rate', 1e-3, 'Local Adam learning rate.')
+  flags.DEFINE_enum('server_optimizer', 'adam', ['adam', 'sgd'],
+                    'Server optimizer.')
+  flags.DEFINE_float('server_learning_rate', 1.0,
+                     'Server learning rate (FedEmbed: Adam, lr 1).')
+  _group('algorithm', ['algorithm', 'embedding_dim', 'personal_init_stddev',
+                       'client_learning_rate', 'server_optimizer',
+                       'server_learning_rate'])
+  # Training.
+  flags.DEFINE_integer('rounds', 5, 'Training rounds.')
+  flags.DEFINE_integer('clients_per_round', 20, 'Cohort size.')
+  flags.DEFINE_enum('sampling', 'fixed_size', list(training_loop.SAMPLING_SCHEMES),
+                    'Cohort sampling scheme (also what DP accounting assumes).')
+  flags.DEFINE_integer('seed', 0, 'Seed of data, sampling and initialisation.')
+  flags.DEFINE_integer('eval_every', 0, 'Evaluate every N rounds (0: at end).')
+  flags.DEFINE_integer('eval_clients', 0,
+                       'Clients evaluated (0: the whole population).')
+  flags.DEFINE_integer('checkpoint_every', 1, 'Checkpoint every N rounds.')
+  flags.DEFINE_bool('resume', False, 'Resume from the last checkpoint.')
+  flags.DEFINE_enum('client_state_backend', 'auto', ['auto', 'memory', 'sqlite'],
+                    'Client-state store (auto: sqlite above 100,000 clients).')
+  flags.DEFINE_bool('train_metrics', True,
+                    'Release training-metric sums (not covered by DP).')
+  flags.DEFINE_bool('use_gpu', False,
+                    'Allow TF to place client computations on a GPU. Off by '
+                    'default; CPU is what the tests and CI use.')
+  _group('training', ['rounds', 'clients_per_round', 'sampling', 'seed',
+                      'eval_every', 'eval_clients', 'checkpoint_every',
+                      'resume', 'client_state_backend', 'train_metrics',
+                      'use_gpu'])
+  # Privacy.
+  flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
+                    'User-level DP of the shared update.')
+  flags.DEFINE_float('noise_multiplier', None,
+                     'Noise std / clip norm (or give --target_epsilon).')
+  flags.DEFINE_float('clip_norm', 1.0, 'L2 clip of a client\'s whole update.')
+  flags.DEFINE_float('target_delta', None, 'Delta (default < 1/population).')
+  flags.DEFINE_float('target_epsilon', None,
+                     'Calibrate the noise multiplier to this epsilon.')
+  _group('privacy', ['dp', 'noise_multiplier', 'clip_norm', 'target_delta',
+                     'target_epsilon'])
+  # Output.
+  flags.DEFINE_string('root_output_dir', '/tmp/tff_personal',
+                      'Root of experiment directories.')
+  flags.DEFINE_string('experiment_name', 'experiment', 'Experiment name.')
+  _group('output', ['root_output_dir', 'experiment_name'])
+
+
+def flag_values(flag_values_obj) -> dict:
+  """Grouped flag values for summary.json."""
+  return {group: {name: flag_values_obj[name].value for name in names}
+          for group, names in FLAG_GROUPS.items()}
+
+
+def configs_from_flags(f):
+  """Builds the experiment config and task arguments; validates early."""
+  if f.algorithm not in algorithm_registry.ALGORITHMS:
+    raise ValueError(f'unknown --algorithm={f.algorithm!r}; known: '
+                     f'{sorted(algorithm_registry.ALGORITHMS)}')
+  if f.num_users < 1:
+    raise ValueError(f'--num_users must be positive, got {f.num_users}')
+  if f.clients_per_round > f.num_users:
+    raise ValueError(f'--clients_per_round={f.clients_per_round} is larger '
+                     f'than the population --num_users={f.num_users}')
+  if f.noise_multiplier is not None and f.noise_multiplier < 0:
+    raise ValueError(f'--noise_multiplier must be >= 0, got '
+                     f'{f.noise_multiplier}')
+  if f.dp != 'none' and f.noise_multiplier is None and f.target_epsilon is None:
+    raise ValueError(f'--dp={f.dp} needs --noise_multiplier or '
+                     '--target_epsilon')
+  if f.dp == 'none' and (f.noise_multiplier is not None or
+                         f.target_epsilon is not None):
+    raise ValueError('--noise_multiplier/--target_epsilon given with --dp=none;'
+                     ' choose --dp=gaussian_fixed or gaussian_adaptive')
+  dp = privacy.DPConfig(
+      mechanism=f.dp, noise_multiplier=f.noise_multiplier,
+      clip_norm=f.clip_norm, target_delta=f.target_delta,
+      target_epsilon=f.target_epsilon, clients_per_round=f.clients_per_round,
+      population=f.num_users, rounds=f.rounds, sampling=f.sampling)
+  config = experiment.ExperimentConfig(
+      algorithm=f.algorithm, rounds=f.rounds,
+      clients_per_round=f.clients_per_round,
+      root_output_dir=f.root_output_dir, experiment_name=f.experiment_name,
+      client_learning_rate=f.client_learning_rate,
+      server_optimizer=f.server_optimizer,
+      server_learning_rate=f.server_learning_rate,
+      embedding_dim=f.embedding_dim,
+      personal_init_stddev=f.personal_init_stddev, sampling=f.sampling,
+      seed=f.seed, checkpoint_every=f.checkpoint_every,
+      eval_every=f.eval_every, eval_clients=f.eval_clients, resume=f.resume,
+      client_state_backend=f.client_state_backend,
+      train_metrics=f.train_metrics, dp=dp)
+  experiment.validate(config, f.num_users)
+  task_kwargs = dict(data_dir=f.data_dir, num_users=f.num_users,
+                     population=f.population, seed=f.seed,
+                     batch_size=f.batch_size, local_epochs=f.local_epochs)
+  return config, task_kwargs
+
+
+def run(config, task_kwargs, f) -> int:
+  """Loads the task, runs the experiment in a runtime that always shuts down."""
+  if not f.use_gpu:
+    tf.config.set_visible_devices([], 'GPU')
+  try:
+    task = task_registry.build_task(f.task, **task_kwargs)
+  except ValueError as e:  # Data errors name the file and what is wrong.
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  with runtime.local_runtime(
+      log_path=os.path.join(config.experiment_dir, 'worker_binary.log')
+      if _mkdir(config.experiment_dir) else None):
+    try:
+      summary = experiment.run_experiment(
+          task, config, log_fn=lambda s: print(s, flush=True),
+          flag_values=flag_values(f))
+    except training_loop.CheckpointError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 3
+  print(json.dumps({k: summary[k] for k in (
+      'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
+      'privacy')}, indent=1, default=str))
+  return 0
+
+
+def _mkdir(path) -> bool:
+  os.makedirs(path, exist_ok=True)
+  return True

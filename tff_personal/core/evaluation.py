@@ -1,0 +1,143 @@
+"""Personalized evaluation: each client evaluates with its own private state.
+
+`build_personal_eval` is a TFF computation
+
+    (<ModelWeights@SERVER, {C}@CLIENTS, {D*}@CLIENTS> -> {<outputs, labels>}@CLIENTS)
+
+that broadcasts the shared weights and returns each client's model outputs and
+labels *at the clients*: in a deployment the client computes its own metrics
+from them and only an aggregate is released; in simulation the driver reads
+them to compute per-user metrics (FedEmbed reports the mean over
+sub-populations of per-user F1, which needs per-user counts).
+
+The numpy metric functions below are written by hand (F1 per user grouped by
+sub-population, pooled ROC AUC); they are a few lines each and the project
+avoids a scikit-learn dependency in the library.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.core import process as process_lib
+from tff_personal.models import split_model as split_model_lib
+
+
+def build_personal_eval(model_fn: split_model_lib.SplitModelFn,
+                        weights_type: tff.Type,
+                        client_state_type: tff.Type) -> tff.Computation:
+  """Per-client outputs on the client's eval data with its private state."""
+  with tf.Graph().as_default():
+    input_spec = model_fn().input_spec
+  data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
+
+  @tff.tensorflow.computation(weights_type, client_state_type, data_type)
+  def client_eval(weights, client_state, dataset):
+    model = model_fn()
+
+    @tf.function
+    def run(weights, private, dataset):
+      for var, value in zip(model.shared_trainable_variables, weights.trainable):
+        var.assign(value)
+      for var, value in zip(model.shared_non_trainable_variables,
+                            weights.non_trainable):
+        var.assign(value)
+      for var, value in zip(model.private_variables, private):
+        var.assign(value)
+      # The whole eval set as one batch (client eval sets are small).
+      batch = tf.data.experimental.get_single_element(
+          dataset.unbatch().batch(1 << 30))
+      return collections.OrderedDict(
+          outputs=model.forward(batch, training=False), labels=batch['y'])
+
+    return run(weights,
+               tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset)
+
+  @tff.federated_computation(
+      tff.FederatedType(weights_type, tff.SERVER),
+      tff.FederatedType(client_state_type, tff.CLIENTS),
+      tff.FederatedType(data_type, tff.CLIENTS))
+  def personal_eval(weights, client_states, client_data):
+    return tff.federated_map(
+        client_eval,
+        (tff.federated_broadcast(weights), client_states, client_data))
+
+  return personal_eval
+
+
+def binary_f1(labels: np.ndarray, predictions: np.ndarray) -> float:
+  """F1 of the positive class; 0 when there are no true positives."""
+  labels = np.asarray(labels).astype(bool)
+  predictions = np.asarray(predictions).astype(bool)
+  tp = np.sum(labels & predictions)
+  fp = np.sum(~labels & predictions)
+  fn = np.sum(labels & ~predictions)
+  denom = 2 * tp + fp + fn
+  return float(2 * tp / denom) if denom else 0.0
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+  """Area under the ROC curve (Mann-Whitney U with tie correction)."""
+  labels = np.asarray(labels).astype(bool)
+  scores = np.asarray(scores, dtype=np.float64)
+  n_pos, n_neg = labels.sum(), (~labels).sum()
+  if n_pos == 0 or n_neg == 0:
+    return float('nan')
+  order = np.argsort(scores, kind='mergesort')
+  ranks = np.empty(len(scores), dtype=np.float64)
+  sorted_scores = scores[order]
+  i = 0
+  while i < len(scores):  # average ranks over ties
+    j = i
+    while j + 1 < len(scores) and sorted_scores[j + 1] == sorted_scores[i]:
+      j += 1
+    ranks[order[i:j + 1]] = 0.5 * (i + j) + 1
+    i = j + 1
+  u = ranks[labels].sum() - n_pos * (n_pos + 1) / 2
+  return float(u / (n_pos * n_neg))
+
+
+def preference_metrics(per_client: Sequence[Mapping[str, Any]],
+                       groups: Sequence[int]) -> dict[str, Any]:
+  """FedEmbed's metrics from per-client binary logits and labels.
+
+  Args:
+    per_client: for each client, `outputs` ([n, 2] logits) and `labels` ([n]).
+    groups: each client's sub-population.
+
+  Returns:
+    `f1`: mean over sub-populations of the mean per-user F1 (FedEmbed's "mean
+    F1 across all K sub-populations"); `f1_per_group`; `f1_user_mean`;
+    `accuracy` over all examples; `auc` pooled over all examples.
+  """
+  if len(per_client) != len(groups):
+    raise ValueError('per_client and groups differ in length')
+  by_group = collections.defaultdict(list)
+  all_labels, all_scores, all_preds = [], [], []
+  for out, group in zip(per_client, groups):
+    logits = np.asarray(out['outputs'], dtype=np.float64)
+    labels = np.asarray(out['labels'])
+    preds = logits.argmax(axis=-1)
+    scores = logits[:, 1] - logits[:, 0]  # monotone in P(y = 1)
+    by_group[int(group)].append(binary_f1(labels, preds))
+    all_labels.append(labels)
+    all_scores.append(scores)
+    all_preds.append(preds)
+  labels = np.concatenate(all_labels)
+  preds = np.concatenate(all_preds)
+  f1_per_group = {g: float(np.mean(v)) for g, v in sorted(by_group.items())}
+  return {
+      'f1': float(np.mean(list(f1_per_group.values()))),
+      'f1_per_group': f1_per_group,
+      'f1_user_mean': float(np.mean(
+          [f for v in by_group.values() for f in v])),
+      'accuracy': float(np.mean(labels == preds)),
+      'auc': roc_auc(labels, np.concatenate(all_scores)),
+      'num_clients': len(per_client),
+      'num_examples': int(len(labels)),
+  }

@@ -1,0 +1,303 @@
+"""The round loop: sample, load client states, next(), save states, metrics, checkpoints.
+
+Crash consistency (kill the program at any moment, `--resume`, and nothing is
+lost or duplicated):
+
+1. Round 0: the initial server state is saved as program-state version 0 with
+   `tff.program.FileProgramStateManager` (an atomic directory rename), then the
+   client-state store commits round 0.
+2. Round r: the cohort is sampled from `(seed, r)` alone; its states are loaded
+   from the store; `process.next` runs; the returned states are saved tagged
+   with round r; metrics are released (CSV rows with key >= r are replaced, so
+   a replayed round overwrites, never duplicates).
+3. Every `checkpoint_every` rounds and at the last round: the server state is
+   saved as version r, then the store commits r.
+4. `--resume`: the latest server-state version v is loaded (a corrupt one is
+   an error, never a silent fresh start), the store rolls back every save
+   tagged after v, and the loop continues at round v + 1. Because sampling,
+   client shuffling and new-client initial states are pure functions of the
+   seed, the round and the client id, the resumed run computes what the
+   uninterrupted run computes.
+
+Written by hand: TFF's `tff.program` gives the state manager and release
+managers used here, but its program logic has no client-state store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.core import client_state as client_state_lib
+
+SAMPLING_SCHEMES = ('fixed_size', 'poisson')
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint exists but cannot be used; nothing was overwritten."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  rounds: int
+  clients_per_round: int
+  population: int
+  experiment_dir: str
+  sampling: str = 'fixed_size'
+  seed: int = 0
+  checkpoint_every: int = 1
+  eval_every: int = 0  # 0: evaluate only after the last round.
+  resume: bool = False
+  keep_checkpoints: int = 3
+
+  def validate(self):
+    if self.rounds < 1:
+      raise ValueError(f'rounds must be >= 1, got {self.rounds}')
+    if self.population < 1:
+      raise ValueError(f'population must be >= 1, got {self.population}')
+    if not 1 <= self.clients_per_round <= self.population:
+      raise ValueError(
+          f'clients_per_round must be in [1, population={self.population}], '
+          f'got {self.clients_per_round}')
+    if self.sampling not in SAMPLING_SCHEMES:
+      raise ValueError(f'sampling must be one of {SAMPLING_SCHEMES}, '
+                       f'got {self.sampling!r}')
+    if self.checkpoint_every < 1:
+      raise ValueError(
+          f'checkpoint_every must be >= 1, got {self.checkpoint_every}')
+    if self.eval_every < 0:
+      raise ValueError(f'eval_every must be >= 0, got {self.eval_every}')
+
+
+@dataclasses.dataclass
+class LoopResult:
+  state: Any
+  rounds_completed: int
+  rounds_run_here: int
+  seconds_per_round: float
+  first_round_seconds: float
+  train_metrics: dict
+  eval_metrics: dict
+  resumed_from: Optional[int]
+
+
+def sample_clients(population: int, clients_per_round: int, round_num: int,
+                   seed: int, scheme: str = 'fixed_size') -> np.ndarray:
+  """The cohort of a round: a pure function of (seed, round).
+
+  'fixed_size': `clients_per_round` distinct clients, uniformly without
+  replacement. 'poisson': every client independently with probability
+  `clients_per_round / population` (the cohort size varies; this is the scheme
+  that `privacy.compute_epsilon` accounts with add-or-remove-one).
+  """
+  rng = np.random.default_rng([seed, round_num, 0x5A3])
+  if scheme == 'fixed_size':
+    return np.sort(rng.choice(population, clients_per_round, replace=False))
+  if scheme == 'poisson':
+    q = clients_per_round / population
+    return np.flatnonzero(rng.random(population) < q)
+  raise ValueError(f'unknown sampling scheme {scheme!r}')
+
+
+def _flatten(prefix: str, value, out: dict):
+  if isinstance(value, dict) or hasattr(value, 'items'):
+    for k, v in value.items():
+      _flatten(f'{prefix}/{k}' if prefix else str(k), v, out)
+  elif isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      _flatten(f'{prefix}/{i}', v, out)
+  else:
+    arr = np.asarray(value)
+    out[prefix] = arr.item() if arr.size == 1 else arr.tolist()
+  return out
+
+
+def flatten_metrics(metrics) -> dict[str, Any]:
+  return _flatten('', metrics, {})
+
+
+def _fmt_seconds(s: float) -> str:
+  if not math.isfinite(s):
+    return '?'
+  s = int(round(s))
+  return f'{s // 3600}h{(s % 3600) // 60:02d}m' if s >= 3600 else (
+      f'{s // 60}m{s % 60:02d}s')
+
+
+def _to_numpy_state(state):
+  return tf.nest.map_structure(np.asarray, state)
+
+
+def run_training(
+    process,
+    *,
+    store: client_state_lib.ClientStateStore,
+    train_data_fn: Callable[[Sequence[int], int], list],
+    config: LoopConfig,
+    eval_fn: Optional[Callable[[Any, int], dict]] = None,
+    log_fn: Callable[[str], None] = print,
+) -> LoopResult:
+  """Drives a `StatefulClientProcess` for `config.rounds` rounds.
+
+  Args:
+    process: a `StatefulClientProcess`.
+    store: the client-state store (owned by the caller, not closed here).
+    train_data_fn: `(client_ids, round_num) -> list of tf.data.Dataset`; must
+      be deterministic in its arguments for exact resumption.
+    config: the loop configuration.
+    eval_fn: `(server_state, round_num) -> dict` of evaluation metrics.
+    log_fn: receives the one-line progress reports.
+
+  Returns:
+    A `LoopResult`.
+  """
+  config.validate()
+  ckpt_dir = os.path.join(config.experiment_dir, 'checkpoints')
+  manager = tff.program.FileProgramStateManager(
+      ckpt_dir, keep_total=config.keep_checkpoints, keep_first=False)
+  train_release = tff.program.CSVFileReleaseManager(
+      os.path.join(config.experiment_dir, 'train_metrics.csv'),
+      key_fieldname='round')
+  eval_release = tff.program.CSVFileReleaseManager(
+      os.path.join(config.experiment_dir, 'eval_metrics.csv'),
+      key_fieldname='round')
+  tb_release = tff.program.TensorBoardReleaseManager(
+      os.path.join(config.experiment_dir, 'tensorboard'))
+
+  def release(value, round_num, csv_manager):
+    async def _release():
+      await csv_manager.release(value, round_num)
+      await tb_release.release(value, round_num)
+    asyncio.run(_release())
+
+  initial_state = process.initialize()
+  versions = asyncio.run(manager.get_versions())
+  resumed_from = None
+  if versions:
+    if not config.resume:
+      raise CheckpointError(
+          f'{ckpt_dir} already holds checkpoints (rounds {versions}); pass '
+          '--resume to continue that run, or choose a new --experiment_name. '
+          'Nothing was changed.')
+    latest = versions[-1]
+    try:
+      program_state = asyncio.run(manager.load(
+          latest, {'server_state': initial_state, 'round_num': 0}))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f'checkpoint for round {latest} in {ckpt_dir} cannot be read '
+          f'({type(e).__name__}: {e}). Refusing to start fresh; remove that '
+          'checkpoint directory to resume from an earlier round.') from e
+    if int(program_state['round_num']) != latest:
+      raise CheckpointError(
+          f'checkpoint directory for round {latest} holds round '
+          f'{program_state["round_num"]}; the checkpoint is inconsistent')
+    state = program_state['server_state']
+    store.rollback(latest)
+    start = latest + 1
+    resumed_from = latest
+    log_fn(f'resumed from round {latest} checkpoint in {ckpt_dir}')
+  else:
+    state = initial_state
+    if store.num_saved():  # states of a run killed before its first checkpoint
+      store.rollback(0)
+    asyncio.run(manager.save(
+        {'server_state': _to_numpy_state(state), 'round_num': 0}, 0))
+    store.commit(0)
+    start = 1
+
+  round_times = []
+  train_metrics: dict = {}
+  eval_metrics: dict = {}
+  first_round_seconds = float('nan')
+  for round_num in range(start, config.rounds + 1):
+    t0 = time.perf_counter()
+    cohort = sample_clients(config.population, config.clients_per_round,
+                            round_num, config.seed, config.sampling)
+    cohort_ids = [int(c) for c in cohort]
+    client_states = store.load(cohort_ids)
+    datasets = train_data_fn(cohort_ids, round_num)
+    state, new_client_states, metrics = process.next(
+        state, client_states, datasets)
+    store.save(cohort_ids,
+               [_to_numpy_state(s) for s in new_client_states], round_num)
+    elapsed = time.perf_counter() - t0
+    if round_num == start:
+      first_round_seconds = elapsed
+    round_times.append(elapsed)
+    train_metrics = flatten_metrics(metrics)
+    train_metrics['cohort_size'] = len(cohort_ids)
+    train_metrics['round_seconds'] = elapsed
+    release(train_metrics, round_num, train_release)
+
+    last = round_num == config.rounds
+    if last or round_num % config.checkpoint_every == 0:
+      asyncio.run(manager.save(
+          {'server_state': _to_numpy_state(state), 'round_num': round_num},
+          round_num))
+      store.commit(round_num)
+
+    steady = round_times[1:] or round_times
+    per_round = float(np.mean(steady))
+    eta = per_round * (config.rounds - round_num)
+    loss = train_metrics.get('train/loss', float('nan'))
+    line = (f'round {round_num}/{config.rounds} | cohort {len(cohort_ids)} | '
+            f'train loss {loss:.4f}')
+    if 'train/accuracy' in train_metrics:
+      line += f' acc {train_metrics["train/accuracy"]:.3f}'
+    if train_metrics.get('train/nonfinite'):
+      line += f' | {train_metrics["train/nonfinite"]} non-finite clients left out'
+    line += (f' | {1.0 / per_round:.2f} rounds/s | ETA {_fmt_seconds(eta)}')
+
+    if eval_fn is not None and (last or (
+        config.eval_every and round_num % config.eval_every == 0)):
+      eval_metrics = eval_fn(state, round_num)
+      flat_eval = {k: v for k, v in flatten_metrics(eval_metrics).items()
+                   if isinstance(v, (int, float))}
+      release(flat_eval, round_num, eval_release)
+      shown = ', '.join(f'{k} {v:.4f}' for k, v in flat_eval.items()
+                        if k in ('f1', 'accuracy', 'auc'))
+      line += f' | eval {shown}'
+    log_fn(line)
+
+  rounds_run = len(round_times)
+  steady = round_times[1:] or round_times
+  if rounds_run == 0 and eval_fn is not None:
+    eval_metrics = eval_fn(state, config.rounds)
+  return LoopResult(
+      state=state,
+      rounds_completed=config.rounds,
+      rounds_run_here=rounds_run,
+      seconds_per_round=float(np.mean(steady)) if steady else float('nan'),
+      first_round_seconds=first_round_seconds,
+      train_metrics=train_metrics,
+      eval_metrics=eval_metrics,
+      resumed_from=resumed_from)
+
+
+def write_summary(path: str, summary: dict) -> None:
+  """Writes summary.json atomically (temp file + rename)."""
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(summary, f, indent=2, sort_keys=True, default=_json_default)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _json_default(o):
+  if isinstance(o, np.generic):
+    return o.item()
+  if isinstance(o, np.ndarray):
+    return o.tolist()
+  return str(o)

@@ -1,0 +1,180 @@
+"""One experiment: a task, an algorithm, DP, a client-state store and the loop.
+
+The binaries parse flags and call `run_experiment`; everything worth testing
+is here or below. A task is duck-typed (see `tasks/preference_task.py`):
+`population`, `model_fn_factory(embedding_dim)`, `metrics_fn`,
+`train_datasets(ids, round)`, `eval_datasets(ids)`, `evaluate(outputs, ids)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import registry
+from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import evaluation
+from tff_personal.core import privacy
+from tff_personal.core import training_loop
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  algorithm: str
+  rounds: int
+  clients_per_round: int
+  root_output_dir: str
+  experiment_name: str
+  client_learning_rate: float = 1e-3
+  server_optimizer: str = 'adam'
+  server_learning_rate: float = 1.0
+  embedding_dim: int = 28
+  personal_init_stddev: float = 0.1
+  sampling: str = 'fixed_size'
+  seed: int = 0
+  checkpoint_every: int = 1
+  eval_every: int = 0
+  eval_clients: int = 0  # 0: every client of the population.
+  eval_chunk: int = 250
+  resume: bool = False
+  client_state_backend: str = 'auto'
+  train_metrics: bool = True
+  dp: privacy.DPConfig = privacy.DPConfig()
+
+  @property
+  def experiment_dir(self) -> str:
+    return os.path.join(self.root_output_dir, self.experiment_name)
+
+
+def _server_optimizer(name: str, lr: float):
+  if name == 'adam':
+    return fedavg.adam(lr)
+  if name == 'sgd':
+    return tff.learning.optimizers.build_sgdm(learning_rate=lr)
+  raise ValueError(f"server_optimizer must be 'adam' or 'sgd', got {name!r}")
+
+
+def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
+  """Checks the configuration before any work starts; returns the DP config."""
+  if config.algorithm not in registry.ALGORITHMS:
+    raise ValueError(f'unknown algorithm {config.algorithm!r}; known: '
+                     f'{sorted(registry.ALGORITHMS)}')
+  training_loop.LoopConfig(
+      rounds=config.rounds, clients_per_round=config.clients_per_round,
+      population=population, experiment_dir=config.experiment_dir,
+      sampling=config.sampling, checkpoint_every=config.checkpoint_every,
+      eval_every=config.eval_every).validate()
+  if config.client_learning_rate <= 0 or config.server_learning_rate <= 0:
+    raise ValueError('learning rates must be positive')
+  if config.eval_clients < 0 or config.eval_clients > population:
+    raise ValueError(f'eval_clients must be in [0, population={population}], '
+                     f'got {config.eval_clients}')
+  _server_optimizer(config.server_optimizer, config.server_learning_rate)
+  dp = dataclasses.replace(
+      config.dp, clients_per_round=config.clients_per_round,
+      population=population, rounds=config.rounds, sampling=config.sampling)
+  if dp.mechanism == 'none':
+    return dp
+  return privacy.resolve(dp)
+
+
+def run_experiment(task, config: ExperimentConfig,
+                   log_fn: Callable[[str], None] = print,
+                   flag_values: Optional[dict[str, Any]] = None) -> dict:
+  """Trains and evaluates; writes and returns the summary (summary.json)."""
+  population = task.population
+  dp = validate(config, population)
+  os.makedirs(config.experiment_dir, exist_ok=True)
+  t_start = time.perf_counter()
+
+  aggregator = privacy.build_aggregator(dp)
+  proc = registry.build(
+      config.algorithm, task.model_fn_factory,
+      client_optimizer=fedavg.adam(config.client_learning_rate),
+      server_optimizer=_server_optimizer(config.server_optimizer,
+                                         config.server_learning_rate),
+      aggregator_factory=aggregator, metrics_fn=task.metrics_fn,
+      train_metrics=config.train_metrics, seed=config.seed,
+      embedding_dim=config.embedding_dim)
+  template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  initial_state_fn = client_state_lib.seeded_initial_state_fn(
+      template, config.seed, init='normal', stddev=config.personal_init_stddev)
+  store = client_state_lib.make_store(
+      config.client_state_backend, initial_state_fn, population=population,
+      directory=os.path.join(config.experiment_dir, 'client_states'))
+
+  weights_type = proc.next.type_signature.parameter[0].member.global_model_weights
+  personal_eval = evaluation.build_personal_eval(
+      task.model_fn_factory(
+          config.embedding_dim if config.algorithm != 'global' else 0),
+      weights_type, proc.client_state_type)
+  if config.eval_clients:
+    rng = np.random.default_rng([config.seed, 0xE7A1])
+    eval_ids = np.sort(rng.choice(population, config.eval_clients,
+                                  replace=False)).tolist()
+  else:
+    eval_ids = list(range(population))
+
+  def eval_fn(state, round_num):
+    del round_num
+    weights = proc.get_model_weights(state)
+    outputs = []
+    for i in range(0, len(eval_ids), config.eval_chunk):
+      chunk = eval_ids[i:i + config.eval_chunk]
+      outputs.extend(personal_eval(weights, store.load(chunk),
+                                   task.eval_datasets(chunk)))
+    return task.evaluate(outputs, eval_ids)
+
+  loop_config = training_loop.LoopConfig(
+      rounds=config.rounds, clients_per_round=config.clients_per_round,
+      population=population, experiment_dir=config.experiment_dir,
+      sampling=config.sampling, seed=config.seed,
+      checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
+      resume=config.resume)
+  setup_seconds = time.perf_counter() - t_start
+  try:
+    result = training_loop.run_training(
+        proc, store=store, train_data_fn=task.train_datasets,
+        config=loop_config, eval_fn=eval_fn, log_fn=log_fn)
+  finally:
+    store.close()
+
+  report = privacy.privacy_report(dp, result.rounds_completed)
+  if report is not None:
+    report['train_metrics_released'] = config.train_metrics
+    if config.train_metrics:
+      report['notes'] = (report.get('notes', '') + ' Training-metric sums '
+                         '(loss, accuracy) are released without noise as '
+                         'simulation diagnostics and are not covered by '
+                         'epsilon; run with --notrain_metrics to release only '
+                         'the DP aggregate.').strip()
+  summary = {
+      'task': getattr(task, 'name', type(task).__name__),
+      'algorithm': config.algorithm,
+      'rounds_completed': result.rounds_completed,
+      'rounds_run_in_this_process': result.rounds_run_here,
+      'resumed_from_round': result.resumed_from,
+      'seconds_per_round': result.seconds_per_round,
+      'first_round_seconds': result.first_round_seconds,
+      'setup_seconds': setup_seconds,
+      'population': population,
+      'eval': result.eval_metrics,
+      'final_train_metrics': result.train_metrics,
+      'privacy': report,
+      'flags': flag_values if flag_values is not None else dataclasses.asdict(
+          config),
+  }
+  training_loop.write_summary(
+      os.path.join(config.experiment_dir, 'summary.json'), summary)
+  if report is not None:
+    log_fn(f'privacy: epsilon={report["epsilon"]:.4g} delta={report["delta"]:.3g} '
+           f'({report["accountant"]}, {report["sampling"]} sampling, '
+           f'noise_multiplier={report["noise_multiplier"]:.4g})')
+  return summary
