@@ -1,0 +1,653 @@
+"""User-level differential privacy for federated aggregation, with accounting.
+
+What this module does
+---------------------
+`build_aggregator` turns a `DPConfig` into a TFF aggregation factory that the
+federated algorithms use to average client model updates:
+
+* `'none'`: `tff.aggregators.MeanFactory()` (weighted mean, no privacy).
+* `'gaussian_fixed'`: `tff.aggregators.DifferentiallyPrivateFactory.
+  gaussian_fixed`, i.e. tensorflow-privacy's `GaussianSumQuery` wrapped in a
+  `NormalizedQuery`: every client update is clipped to L2 norm `clip_norm`
+  *jointly over all of its tensors* (`tf.clip_by_global_norm` of the whole
+  update structure), the clipped updates are summed, Gaussian noise of standard
+  deviation `noise_multiplier * clip_norm` is added to every coordinate of the
+  sum, and the result is divided by the *expected* cohort size
+  `clients_per_round`. Clipping the whole update of a client bounds that
+  client's (the user's) total influence: this is user-level DP.
+* `'gaussian_adaptive'`: `DifferentiallyPrivateFactory.gaussian_adaptive`
+  (tensorflow-privacy's `QuantileAdaptiveClipSumQuery`, Andrew et al. 2021,
+  https://arxiv.org/abs/1905.03871), whose clip norm starts at `clip_norm` and
+  tracks the `target_unclipped_quantile` of the update norms, estimated with a
+  noised count of unclipped clients.
+
+`compute_epsilon` / `privacy_report` account the privacy cost of running such
+an aggregator for a number of rounds with `dp_accounting`, and
+`calibrate_noise_multiplier` finds the noise multiplier meeting a target
+epsilon.
+
+What is hand-written and what is not
+------------------------------------
+The mechanisms (clipping, noising, adaptive-clip estimation) are entirely
+TFF's and tensorflow-privacy's; the privacy analyses (RDP of the Poisson
+subsampled Gaussian and of the Gaussian sampled without replacement, PLD of
+the Poisson subsampled Gaussian) are entirely `dp_accounting`'s, and the root
+finder is scipy's `brentq`. Written here by hand is only the glue:
+configuration and its validation, the choice of `DpEvent` and neighbouring
+relation for each sampling scheme, the conversion of TFF's noise multiplier
+into the one those events expect (the factor 1/2 under replace-one, below),
+the effective noise multiplier of the adaptive mechanism, and the bracketing
+for calibration.
+
+Trust model and scope
+---------------------
+This is central DP as in DP-FedAvg (McMahan et al. 2018): the clipped updates
+are summed by `tff.federated_sum` (in a deployment, a trusted aggregator or
+secure aggregation, so that no one sees the sum before noise) and the server's
+training logic receives only the noisy mean. The guarantee covers exactly what
+flows through this aggregator. Client-local private state (personalized
+layers, per-client optimizer state, data) never goes through this path: it
+stays on the client and is neither clipped, noised nor released. Anything else
+the algorithm releases from clients (e.g. non-private training metrics) is not
+covered by the epsilon reported here.
+
+Accounting choices
+------------------
+The noise multiplier z of TFF/tensorflow-privacy is `stddev / clip_norm`, i.e.
+noise std relative to the L2 sensitivity of the sum under *add-or-remove-one*
+(adding or removing one client changes the sum of clipped updates by at most
+`clip_norm`). The `dp_accounting` events take "the ratio of the standard
+deviation of the Gaussian noise to the l2-sensitivity of the function to which
+it is added" (`rdp_privacy_accountant._compute_rdp_sample_wor_gaussian`; the
+`GaussianDpEvent` docstring: "If the norms of the values are bounded
+||v_i|| <= C, the noise_multiplier is defined as s / C").
+
+* `sampling='poisson'` (each client joins a round independently with
+  probability q = clients_per_round / population):
+  `SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(z)), rounds)`
+  under add-or-remove-one; both the RDP and the PLD accountant are run and the
+  (tighter) PLD epsilon is reported.
+* `sampling='fixed_size'` (exactly clients_per_round of population clients,
+  uniformly without replacement): `dp_accounting` supports this only as
+  `SampledWithoutReplacementDpEvent` with the RDP accountant and
+  `NeighboringRelation.REPLACE_ONE` (Wang, Balle, Kasiviswanathan 2019, Thm.
+  27); the PLD accountant has no such event, so `epsilon_pld` is None, except
+  for the unsampled case clients_per_round == population, where the mechanism
+  is a plain Gaussian and PLD is reported as well. Replacing one client's
+  update v by v' changes the sum by ||v - v'|| <= 2 * clip_norm, so the L2
+  sensitivity is twice the add-or-remove one and the event gets the
+  noise multiplier z / 2. Replace-one epsilons are therefore much larger than
+  Poisson ones at equal z, and the two are guarantees for different
+  neighbouring relations (the population size is public under replace-one).
+* `mechanism='gaussian_adaptive'`: TFF splits the requested z into a larger
+  noise multiplier z_v for the update sum and a noise multiplier 2 * sigma_b
+  for the count of unclipped clients (std sigma_b, default
+  0.05 * clients_per_round, on records of +-0.5, sensitivity 0.5), such that
+  z_v**-2 + (2 * sigma_b)**-2 == z**-2 (`adaptive_clip_noise_params`). Both
+  queries see the same sampled clients, so the pair is one Gaussian mechanism
+  with the effective multiplier (z_v**-2 + (2 sigma_b)**-2)**-0.5 (Mironov et
+  al. 2019, Sec. 3; what `dp_accounting` itself does for a `ComposedDpEvent`
+  of Gaussians). It is recomputed here from TFF's own split and used in place
+  of z; the count's sensitivity doubles under replace-one as well (-0.5 to
+  +0.5), so the same factor 1/2 applies.
+
+The accounting is planned from the configuration; it assumes the training loop
+samples clients exactly as `sampling` says and that the aggregator divides by
+the expected cohort `clients_per_round` (as TFF's factories do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from typing import Callable, Optional, Union
+import warnings
+
+import dp_accounting
+from dp_accounting import pld as dp_pld
+from dp_accounting import rdp as dp_rdp
+from scipy import optimize
+import tensorflow_federated as tff
+# TFF's own split of the noise multiplier between the update sum and the
+# adaptive-clip count (not exported under `tff.aggregators`).
+from tensorflow_federated.python.aggregators import differential_privacy as _tff_dp
+
+MECHANISMS = ('none', 'gaussian_fixed', 'gaussian_adaptive')
+SAMPLING_SCHEMES = ('fixed_size', 'poisson')
+
+_DP_MECHANISMS = ('gaussian_fixed', 'gaussian_adaptive')
+# Relative precision of `calibrate_noise_multiplier`.
+_CALIBRATION_RTOL = 1e-3
+
+
+def _adaptive_z_limit(clients_per_round: int) -> float:
+  """TFF's `gaussian_adaptive` requires z < this (for z > 0).
+
+  Its default `clipped_count_stddev` is 0.05 * clients_per_round and
+  `adaptive_clip_noise_params` rejects noise_multiplier >= 2 * that; computed
+  the same way, so that the float comparison agrees with TFF's.
+
+  Args:
+    clients_per_round: The expected cohort size.
+
+  Returns:
+    The exclusive upper bound on the noise multiplier.
+  """
+  return 2 * (0.05 * float(clients_per_round))
+
+AggregationFactory = Union[tff.aggregators.UnweightedAggregationFactory,
+                           tff.aggregators.WeightedAggregationFactory]
+
+
+def default_target_delta(population: int) -> float:
+  """Default delta: `min(1e-5, population ** -1.1)`.
+
+  Strictly below 1 / population (a delta of about 1/n allows releasing one
+  user's data outright), with the usual cap of 1e-5 for small populations.
+
+  Args:
+    population: Number of clients (users) the cohorts are drawn from.
+
+  Returns:
+    The default target delta.
+  """
+  return min(1e-5, float(population) ** -1.1)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPConfig:
+  """Configuration of the user-level DP aggregation and of its accounting.
+
+  Attributes:
+    mechanism: One of `MECHANISMS`.
+    noise_multiplier: Noise std / clip norm (add-or-remove-one sensitivity), as
+      in TFF's `DifferentiallyPrivateFactory`. For 'gaussian_adaptive' it is
+      the effective multiplier including the clip estimation. None when
+      `target_epsilon` is given (then `resolve` calibrates it). 0 is allowed
+      (no noise, epsilon is infinite).
+    clip_norm: L2 clip of a client's whole update; the initial clip for
+      'gaussian_adaptive'.
+    target_delta: Delta of the reported (epsilon, delta). None means
+      `default_target_delta(population)`. Must be < 1 / population.
+    target_epsilon: If set, `resolve` calibrates `noise_multiplier` so that
+      `rounds` rounds cost at most this epsilon.
+    clients_per_round: Cohort size (expected cohort size under Poisson
+      sampling); also the denominator of the mean.
+    population: Number of clients the cohorts are drawn from.
+    rounds: Planned number of training rounds.
+    sampling: One of `SAMPLING_SCHEMES`, how the training loop picks cohorts.
+    target_unclipped_quantile: Quantile tracked by 'gaussian_adaptive'.
+  """
+  mechanism: str = 'none'
+  noise_multiplier: Optional[float] = None
+  clip_norm: float = 1.0
+  target_delta: Optional[float] = None
+  target_epsilon: Optional[float] = None
+  clients_per_round: int = 10
+  population: int = 100
+  rounds: int = 1
+  sampling: str = 'fixed_size'
+  target_unclipped_quantile: float = 0.5
+
+  @property
+  def is_private(self) -> bool:
+    """Whether the mechanism is a DP one."""
+    return self.mechanism in _DP_MECHANISMS
+
+  @property
+  def sampling_probability(self) -> float:
+    """clients_per_round / population."""
+    return self.clients_per_round / self.population
+
+  def validate(self) -> None:
+    """Checks every field.
+
+    Raises:
+      ValueError: naming the offending field and its value.
+    """
+    if self.mechanism not in MECHANISMS:
+      raise ValueError(
+          f'mechanism must be one of {MECHANISMS}, got {self.mechanism!r}.')
+    if self.sampling not in SAMPLING_SCHEMES:
+      raise ValueError(
+          f'sampling must be one of {SAMPLING_SCHEMES}, got {self.sampling!r}.')
+    for name in ('clients_per_round', 'population', 'rounds'):
+      value = getattr(self, name)
+      if not _is_int(value) or value < 1:
+        raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
+    if self.clients_per_round > self.population:
+      raise ValueError(
+          f'clients_per_round ({self.clients_per_round}) must not exceed '
+          f'population ({self.population}).')
+    if (not _is_real(self.clip_norm) or not math.isfinite(self.clip_norm) or
+        self.clip_norm <= 0):
+      raise ValueError(
+          f'clip_norm must be a finite number > 0, got {self.clip_norm!r}.')
+    if self.noise_multiplier is not None and (
+        not _is_real(self.noise_multiplier) or
+        not math.isfinite(self.noise_multiplier) or self.noise_multiplier < 0):
+      raise ValueError('noise_multiplier must be a finite number >= 0 or None, '
+                       f'got {self.noise_multiplier!r}.')
+    if self.target_epsilon is not None and (
+        not _is_real(self.target_epsilon) or
+        not math.isfinite(self.target_epsilon) or self.target_epsilon <= 0):
+      raise ValueError('target_epsilon must be a finite number > 0 or None, '
+                       f'got {self.target_epsilon!r}.')
+    if self.target_delta is not None:
+      if (not _is_real(self.target_delta) or
+          not 0 < self.target_delta < 1):
+        raise ValueError('target_delta must be a number in (0, 1) or None, '
+                         f'got {self.target_delta!r}.')
+      if self.target_delta >= 1 / self.population:
+        raise ValueError(
+            f'target_delta ({self.target_delta!r}) must be < 1 / population '
+            f'(= {1 / self.population:.3g}).')
+    if (not _is_real(self.target_unclipped_quantile) or
+        not 0 <= self.target_unclipped_quantile <= 1):
+      raise ValueError('target_unclipped_quantile must be in [0, 1], got '
+                       f'{self.target_unclipped_quantile!r}.')
+    if not self.is_private:
+      for name in ('noise_multiplier', 'target_epsilon'):
+        if getattr(self, name) is not None:
+          raise ValueError(
+              f'{name} must be None when mechanism is {self.mechanism!r} '
+              f'(got {getattr(self, name)!r}); choose a DP mechanism.')
+      return
+    if self.noise_multiplier is not None and self.target_epsilon is not None:
+      raise ValueError(
+          f'noise_multiplier ({self.noise_multiplier!r}) and target_epsilon '
+          f'({self.target_epsilon!r}) are mutually exclusive: give one.')
+    if self.noise_multiplier is None and self.target_epsilon is None:
+      raise ValueError(
+          f'mechanism {self.mechanism!r} needs noise_multiplier or '
+          'target_epsilon; both are None.')
+    if self.mechanism == 'gaussian_adaptive' and (
+        self.noise_multiplier is not None and
+        self.noise_multiplier > 0 and
+        self.noise_multiplier >= _adaptive_z_limit(self.clients_per_round)):
+      raise ValueError(
+          f'noise_multiplier ({self.noise_multiplier!r}) must be < 0.1 * '
+          'clients_per_round (= '
+          f'{_adaptive_z_limit(self.clients_per_round):.3g}) for '
+          "'gaussian_adaptive': TFF's clip estimation uses count noise "
+          'std 0.05 * clients_per_round; use more clients per round.')
+
+
+def resolve(config: DPConfig) -> DPConfig:
+  """Returns a validated, fully explicit copy of `config`.
+
+  Fills `target_delta` with `default_target_delta(population)` if it is None
+  and, if `target_epsilon` is set, replaces it by the calibrated
+  `noise_multiplier` (`calibrate_noise_multiplier`): the result has
+  `target_epsilon=None`, since the two fields are mutually exclusive. A
+  resolved config resolves to itself.
+
+  Args:
+    config: The configuration.
+
+  Returns:
+    The resolved configuration.
+
+  Raises:
+    ValueError: if the configuration is invalid.
+  """
+  config.validate()
+  # Memoized: calibration takes seconds and reports call this every round.
+  return _resolve_cached(config)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_cached(config: DPConfig) -> DPConfig:
+  """`resolve` after validation."""
+  if config.target_delta is None:
+    config = dataclasses.replace(
+        config, target_delta=default_target_delta(config.population))
+  if config.is_private and config.noise_multiplier is None:
+    z = calibrate_noise_multiplier(config)
+    config = dataclasses.replace(config, noise_multiplier=z,
+                                 target_epsilon=None)
+  config.validate()
+  return config
+
+
+def build_aggregator(config: DPConfig) -> AggregationFactory:
+  """Builds the TFF aggregation factory for the client model updates.
+
+  Args:
+    config: The configuration (resolved here if it is not already).
+
+  Returns:
+    'none': `tff.aggregators.MeanFactory()` (weighted by the client weight).
+    'gaussian_fixed': `DifferentiallyPrivateFactory.gaussian_fixed(
+      noise_multiplier, clients_per_round, clip_norm)` (unweighted: mean over
+      the expected cohort of updates clipped by their global L2 norm).
+    'gaussian_adaptive': `DifferentiallyPrivateFactory.gaussian_adaptive(
+      noise_multiplier, clients_per_round, initial_l2_norm_clip=clip_norm,
+      target_unclipped_quantile=target_unclipped_quantile)`.
+    Use `is_weighted` to know whether to pass client weights.
+
+  Raises:
+    ValueError: if the configuration is invalid.
+  """
+  config = resolve(config)
+  if config.mechanism == 'none':
+    return tff.aggregators.MeanFactory()
+  dp_factory = tff.aggregators.DifferentiallyPrivateFactory
+  if config.mechanism == 'gaussian_fixed':
+    return dp_factory.gaussian_fixed(
+        noise_multiplier=float(config.noise_multiplier),
+        clients_per_round=float(config.clients_per_round),
+        clip=float(config.clip_norm))
+  return dp_factory.gaussian_adaptive(
+      noise_multiplier=float(config.noise_multiplier),
+      clients_per_round=float(config.clients_per_round),
+      initial_l2_norm_clip=float(config.clip_norm),
+      target_unclipped_quantile=float(config.target_unclipped_quantile))
+
+
+def is_weighted(factory: AggregationFactory) -> bool:
+  """Whether `factory` is a weighted one (its process takes client weights)."""
+  return isinstance(factory, tff.aggregators.WeightedAggregationFactory)
+
+
+def effective_noise_multiplier(config: DPConfig,
+                               noise_multiplier: Optional[float] = None
+                              ) -> float:
+  """Effective add-or-remove-one noise multiplier of one round's release.
+
+  For 'gaussian_fixed' this is z itself. For 'gaussian_adaptive' it is
+  recomputed from TFF's split of z into the value noise multiplier and the
+  clipped-count stddev (sensitivity 0.5):
+  `(z_value**-2 + (2 * count_stddev)**-2) ** -0.5`, which is z up to rounding.
+
+  Args:
+    config: The configuration.
+    noise_multiplier: Overrides `config.noise_multiplier` (for calibration).
+
+  Returns:
+    The effective noise multiplier (0 means no noise).
+  """
+  z = config.noise_multiplier if noise_multiplier is None else noise_multiplier
+  z = float(z)
+  if config.mechanism != 'gaussian_adaptive' or z == 0:
+    return z
+  with warnings.catch_warnings():
+    # TFF warns when the value noise is much larger than z; irrelevant here.
+    warnings.simplefilter('ignore', UserWarning)
+    value_z, count_stddev = _tff_dp.adaptive_clip_noise_params(
+        z, float(config.clients_per_round))
+  return (value_z**-2 + (2 * count_stddev)**-2)**-0.5
+
+
+def _round_event(config: DPConfig, z_eff: float) -> dp_accounting.DpEvent:
+  """The `DpEvent` of one round, in the units of the accountant used."""
+  if config.sampling == 'poisson':
+    return dp_accounting.PoissonSampledDpEvent(
+        config.sampling_probability, dp_accounting.GaussianDpEvent(z_eff))
+  # Replace-one: the L2 sensitivity of the clipped sum is 2 * clip_norm.
+  gaussian = dp_accounting.GaussianDpEvent(z_eff / 2)
+  if config.clients_per_round == config.population:
+    return gaussian
+  return dp_accounting.SampledWithoutReplacementDpEvent(
+      config.population, config.clients_per_round, gaussian)
+
+
+def _neighboring_relation(
+    config: DPConfig) -> dp_accounting.NeighboringRelation:
+  if config.sampling == 'poisson':
+    return dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+  return dp_accounting.NeighboringRelation.REPLACE_ONE
+
+
+def _pld_supported(config: DPConfig) -> bool:
+  return (config.sampling == 'poisson' or
+          config.clients_per_round == config.population)
+
+
+def _make_accountant(config: DPConfig, kind: str
+                    ) -> dp_accounting.PrivacyAccountant:
+  relation = _neighboring_relation(config)
+  if kind == 'pld':
+    return dp_pld.PLDAccountant(neighboring_relation=relation)
+  return dp_rdp.RdpAccountant(neighboring_relation=relation)
+
+
+def _epsilon(config: DPConfig, z_eff: float, rounds: int, delta: float,
+             kind: str) -> float:
+  if rounds == 0:
+    return 0.0
+  if z_eff == 0:
+    return math.inf
+  event = dp_accounting.SelfComposedDpEvent(_round_event(config, z_eff),
+                                            rounds)
+  return float(_make_accountant(config, kind).compose(event).get_epsilon(delta))
+
+
+def compute_epsilon(config: DPConfig, rounds: int) -> dict:
+  """(epsilon, delta) of `rounds` rounds, at `target_delta`.
+
+  See the module docstring for the events and neighbouring relations.
+
+  Args:
+    config: The configuration (resolved here if it is not already).
+    rounds: Number of rounds run (>= 0).
+
+  Returns:
+    A dict with 'epsilon' (PLD where available, else RDP), 'delta',
+    'epsilon_rdp', 'epsilon_pld' (None if PLD does not apply), 'accountant'
+    ('pld' or 'rdp'), 'neighboring_relation' ('add_or_remove_one' or
+    'replace_one'), 'mechanism', 'noise_multiplier', 'clip_norm',
+    'clients_per_round', 'population', 'rounds', 'sampling',
+    'sampling_probability', 'notes'. For mechanism 'none' epsilon is inf.
+
+  Raises:
+    ValueError: if the configuration or `rounds` is invalid.
+  """
+  if not _is_int(rounds) or rounds < 0:
+    raise ValueError(f'rounds must be an integer >= 0, got {rounds!r}.')
+  config = resolve(config)
+  delta = config.target_delta
+  notes = []
+  relation = ('add_or_remove_one' if config.sampling == 'poisson'
+              else 'replace_one')
+  if not config.is_private:
+    eps_rdp, eps_pld, accountant = math.inf, None, 'rdp'
+    notes.append("mechanism 'none': no differential privacy.")
+  else:
+    z_eff = effective_noise_multiplier(config)
+    if config.sampling == 'poisson':
+      notes.append(
+          f'Poisson sampling q={config.sampling_probability:.6g}: '
+          'PoissonSampledDpEvent(q, GaussianDpEvent(z)), add-or-remove-one.')
+    else:
+      notes.append(
+          f'Fixed-size sampling {config.clients_per_round} of '
+          f'{config.population} without replacement, replace-one: '
+          'sensitivity 2*clip, so GaussianDpEvent(z/2) '
+          f'(= {z_eff / 2:.6g}).')
+    if config.mechanism == 'gaussian_adaptive':
+      notes.append(
+          'gaussian_adaptive: update noise and clipped-count noise combined '
+          f'into effective z={z_eff:.6g} (TFF split).')
+    if z_eff == 0:
+      notes.append('noise_multiplier 0: epsilon is infinite.')
+    eps_rdp = _epsilon(config, z_eff, rounds, delta, 'rdp')
+    if _pld_supported(config):
+      eps_pld = _epsilon(config, z_eff, rounds, delta, 'pld')
+      accountant = 'pld'
+      if config.sampling == 'fixed_size':
+        notes.append('clients_per_round == population: no sampling, plain '
+                     'Gaussian, PLD applies.')
+    else:
+      eps_pld, accountant = None, 'rdp'
+      notes.append('PLD: None, dp_accounting PLD does not support sampling '
+                   'without replacement (SampledWithoutReplacementDpEvent).')
+  return {
+      'epsilon': eps_pld if eps_pld is not None else eps_rdp,
+      'delta': delta,
+      'epsilon_rdp': eps_rdp,
+      'epsilon_pld': eps_pld,
+      'accountant': accountant,
+      'neighboring_relation': relation,
+      'mechanism': config.mechanism,
+      'noise_multiplier': config.noise_multiplier,
+      'clip_norm': config.clip_norm,
+      'clients_per_round': config.clients_per_round,
+      'population': config.population,
+      'rounds': rounds,
+      'sampling': config.sampling,
+      'sampling_probability': config.sampling_probability,
+      'notes': ' '.join(notes),
+  }
+
+
+def _find_bracket(eps: Callable[[float], float], target: float, start: float,
+                  factor: float, z_max: float) -> Optional[tuple[float, float]]:
+  """Geometric search for lo < hi with eps(lo) > target >= eps(hi).
+
+  Args:
+    eps: Epsilon as a function of the noise multiplier (decreasing).
+    target: Target epsilon.
+    start: First point tried.
+    factor: Ratio between successive points.
+    z_max: Largest noise multiplier allowed.
+
+  Returns:
+    The bracket, with eps(lo) finite; None if eps(z) <= target already for
+    z < 1e-6.
+
+  Raises:
+    ValueError: if eps(z_max) > target.
+  """
+  hi = min(start, z_max)
+  if eps(hi) > target:
+    lo = hi
+    while eps(hi) > target:
+      if hi >= z_max:
+        raise ValueError(
+            f'target_epsilon {target!r} is not reachable with '
+            f'noise_multiplier <= {z_max:.4g}.')
+      lo, hi = hi, min(hi * factor, z_max)
+  else:
+    lo = hi / factor
+    while eps(lo) <= target:
+      if lo < 1e-6:
+        return None
+      lo, hi = lo / factor, lo
+  while not math.isfinite(eps(lo)):
+    mid = math.sqrt(lo * hi)
+    if eps(mid) <= target:
+      hi = mid
+    else:
+      lo = mid
+  return lo, hi
+
+
+def _solve(eps: Callable[[float], float], target: float,
+           bracket: tuple[float, float]) -> float:
+  """Brent's method on eps(z) = target, then the nearest z meeting it."""
+  lo, hi = bracket
+  xtol = 0.5 * _CALIBRATION_RTOL * lo
+  z = optimize.brentq(lambda x: eps(x) - target, lo, hi, xtol=xtol)
+  step = xtol
+  while eps(z) > target:  # Terminates: eps(hi) <= target.
+    z = min(z + step, hi)
+    step *= 2
+  return z
+
+
+def calibrate_noise_multiplier(config: DPConfig) -> float:
+  """Smallest z with epsilon <= target_epsilon after `config.rounds` rounds.
+
+  Uses the same events and accountant as `compute_epsilon` (PLD where it
+  applies, else RDP). Root finding is Brent's method (`scipy.optimize.brentq`,
+  the algorithm of `dp_accounting.calibrate_dp_mechanism`, here on a memoized
+  epsilon function, since one PLD evaluation takes about a second) inside a
+  bracket from a geometric search, to an absolute tolerance of 5e-4 times the
+  bracket's lower end (better than 1e-3 relative), followed by a step up to
+  the nearest z that meets the target. For PLD, the RDP solution (cheap, and
+  an upper bound in practice) seeds a narrow bracket.
+
+  Args:
+    config: A configuration with a DP mechanism and `target_epsilon` set;
+      `noise_multiplier` is ignored.
+
+  Returns:
+    The noise multiplier.
+
+  Raises:
+    ValueError: if the configuration is invalid, has no target epsilon, or the
+      target needs a noise multiplier larger than 'gaussian_adaptive' allows
+      (< 0.1 * clients_per_round).
+  """
+  if config.target_epsilon is None:
+    raise ValueError('target_epsilon must be set to calibrate the noise '
+                     'multiplier, got None.')
+  if not config.is_private:
+    raise ValueError(f'mechanism {config.mechanism!r} has no noise to '
+                     'calibrate.')
+  dataclasses.replace(config, noise_multiplier=None).validate()
+  if config.target_delta is None:
+    config = dataclasses.replace(
+        config, target_delta=default_target_delta(config.population))
+  target = float(config.target_epsilon)
+  delta = float(config.target_delta)
+  if config.mechanism == 'gaussian_adaptive':
+    z_max = _adaptive_z_limit(config.clients_per_round) * (1 - 1e-9)
+  else:
+    z_max = 1e6
+
+  def make_eps(kind: str) -> Callable[[float], float]:
+    @functools.lru_cache(maxsize=None)
+    def eps(z: float) -> float:
+      return _epsilon(config, effective_noise_multiplier(config, z),
+                      config.rounds, delta, kind)
+    return eps
+
+  try:
+    eps_rdp = make_eps('rdp')
+    bracket = _find_bracket(eps_rdp, target, 1.0, 2.0, z_max)
+    if bracket is None:
+      return 1e-6
+    z = _solve(eps_rdp, target, bracket)
+    if _pld_supported(config):
+      eps_pld = make_eps('pld')
+      bracket = _find_bracket(eps_pld, target, z, 1.1, z_max)
+      if bracket is None:
+        return 1e-6
+      z = _solve(eps_pld, target, bracket)
+  except ValueError as e:
+    raise ValueError(f'{e} (mechanism {config.mechanism!r}, '
+                     f'clients_per_round {config.clients_per_round}, '
+                     f'rounds {config.rounds}); for gaussian_adaptive use '
+                     'more clients per round, else more epsilon.') from e
+  return float(z)
+
+
+def privacy_report(config: DPConfig, rounds_completed: int) -> Optional[dict]:
+  """Privacy spent after `rounds_completed` rounds, for logs and summaries.
+
+  Args:
+    config: The configuration (resolved here if it is not already).
+    rounds_completed: Rounds run so far.
+
+  Returns:
+    None for mechanism 'none'; otherwise `compute_epsilon(config,
+    rounds_completed)` plus 'rounds_planned' (`config.rounds`).
+  """
+  config.validate()
+  if config.mechanism == 'none':
+    return None
+  report = compute_epsilon(config, rounds_completed)
+  report['rounds_planned'] = config.rounds
+  return report
