@@ -9,6 +9,7 @@ import os
 import sys
 
 from absl import flags
+from absl import logging
 import tensorflow as tf
 
 from tasks import registry as task_registry
@@ -153,6 +154,8 @@ def run(config, task_kwargs, f) -> int:
   """Loads the task, runs the experiment in a runtime that always shuts down."""
   if not f.use_gpu:
     tf.config.set_visible_devices([], 'GPU')
+  if not f['verbosity'].present:  # TFF's checkpoint INFO lines drown progress.
+    logging.set_verbosity(logging.WARNING)
   try:
     task = task_registry.build_task(f.task, **task_kwargs)
   except ValueError as e:  # Data errors name the file and what is wrong.

@@ -85,6 +85,7 @@ class LocalCppRuntime:
     self._stub = None
     self._lock = threading.Lock()
     self._closed = False
+    self._previous_default = None
     factory = _python_executor_stacks.ResourceManagingExecutorFactory(
         executor_stack_fn=self._stack_fn)
     self.context = _sync_execution_context.SyncExecutionContext(
@@ -155,14 +156,26 @@ class LocalCppRuntime:
       proc.wait()
 
   def install(self) -> 'LocalCppRuntime':
-    _context_stack_impl.context_stack.set_default_context(self.context)
+    """Makes this runtime TFF's default context (until `close`)."""
+    stack = _context_stack_impl.context_stack
+    if self._previous_default is None:
+      self._previous_default = stack._stack[0]  # pylint: disable=protected-access
+    stack.set_default_context(self.context)
     return self
 
   def close(self) -> None:
-    """Stops the worker. Idempotent; safe from atexit and signal handlers."""
+    """Stops the worker and restores the previous default context.
+
+    Idempotent; safe from atexit and signal handlers.
+    """
     with self._lock:
       self._closed = True
       self._stop_worker()
+      stack = _context_stack_impl.context_stack
+      if (self._previous_default is not None and
+          stack._stack[0] is self.context):  # pylint: disable=protected-access
+        stack.set_default_context(self._previous_default)
+      self._previous_default = None
 
   def __enter__(self) -> 'LocalCppRuntime':
     return self.install()

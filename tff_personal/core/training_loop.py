@@ -138,6 +138,43 @@ def _to_numpy_state(state):
   return tf.nest.map_structure(np.asarray, state)
 
 
+def _restore(manager, ckpt_dir, versions, store, initial_state):
+  """Latest round that both the server checkpoint and the store can restore.
+
+  The server state of round r is saved before the store commits r, so a kill
+  in between leaves a server checkpoint the store cannot match (the in-memory
+  store only snapshots at commit). Then the previous checkpoint is used, and
+  the newer server versions are removed so that the replayed rounds can save
+  them again.
+  """
+  for latest in reversed(versions):
+    try:
+      program_state = asyncio.run(manager.load(
+          latest, {'server_state': initial_state, 'round_num': 0}))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          f'checkpoint for round {latest} in {ckpt_dir} cannot be read '
+          f'({type(e).__name__}: {e}). Refusing to start fresh; nothing was '
+          'changed (the client-state store is untouched). Restore the '
+          'checkpoint or start a new --experiment_name.') from e
+    if int(program_state['round_num']) != latest:
+      raise CheckpointError(
+          f'checkpoint directory for round {latest} holds round '
+          f'{program_state["round_num"]}; the checkpoint is inconsistent')
+    try:
+      store.rollback(latest)
+    except client_state_lib.SnapshotNotFoundError:
+      continue
+    for newer in versions:
+      if newer > latest:
+        tf.io.gfile.rmtree(os.path.join(ckpt_dir, f'program_state_{newer}'))
+    return latest, program_state
+  raise CheckpointError(
+      f'none of the server checkpoints {versions} in {ckpt_dir} has a '
+      'matching client-state snapshot; cannot resume without losing client '
+      'state. Nothing was changed.')
+
+
 def run_training(
     process,
     *,
@@ -189,21 +226,9 @@ def run_training(
           f'{ckpt_dir} already holds checkpoints (rounds {versions}); pass '
           '--resume to continue that run, or choose a new --experiment_name. '
           'Nothing was changed.')
-    latest = versions[-1]
-    try:
-      program_state = asyncio.run(manager.load(
-          latest, {'server_state': initial_state, 'round_num': 0}))
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(
-          f'checkpoint for round {latest} in {ckpt_dir} cannot be read '
-          f'({type(e).__name__}: {e}). Refusing to start fresh; remove that '
-          'checkpoint directory to resume from an earlier round.') from e
-    if int(program_state['round_num']) != latest:
-      raise CheckpointError(
-          f'checkpoint directory for round {latest} holds round '
-          f'{program_state["round_num"]}; the checkpoint is inconsistent')
+    latest, program_state = _restore(
+        manager, ckpt_dir, versions, store, initial_state)
     state = program_state['server_state']
-    store.rollback(latest)
     start = latest + 1
     resumed_from = latest
     log_fn(f'resumed from round {latest} checkpoint in {ckpt_dir}')
