@@ -33,7 +33,7 @@ class ExperimentConfig:
   root_output_dir: str
   experiment_name: str
   client_learning_rate: float = 1e-3
-  server_optimizer: str = 'adam'
+  server_optimizer: str = 'sgd'
   server_learning_rate: float = 1.0
   embedding_dim: int = 28
   personal_init_stddev: float = 0.1

@@ -54,6 +54,29 @@ _GRPC_CHANNEL_OPTIONS = [
 _PR_SET_PDEATHSIG = 1
 
 
+def _release_tff_import_time_context() -> None:
+  """Drops the context TFF installs at import, before interpreter teardown.
+
+  `import tensorflow_federated` installs a local C++ context whose
+  `ServiceManager.__del__` runs during interpreter teardown, when the
+  `subprocess` module is already gone, and prints an AttributeError traceback.
+  Releasing it from an atexit hook (which runs before teardown) lets `__del__`
+  run while it still can; a worker it started, if any, is then stopped too.
+  """
+  import gc  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.impl.context_stack import runtime_error_context  # pylint: disable=g-import-not-at-top
+  stack = _context_stack_impl.context_stack
+  if not isinstance(stack._stack[0], _sync_execution_context.SyncExecutionContext) or any(  # pylint: disable=protected-access
+      rt.context is stack._stack[0] for rt in _RUNTIMES):  # pylint: disable=protected-access
+    return
+  stack.set_default_context(runtime_error_context.RuntimeErrorContext())
+  gc.collect()
+
+
+_RUNTIMES = []
+atexit.register(_release_tff_import_time_context)
+
+
 def worker_binary_path() -> str:
   """Path of the `worker_binary` shipped inside the TFF pip package."""
   return os.path.join(os.path.dirname(tff.__file__), 'data', 'worker_binary')
@@ -95,6 +118,7 @@ class LocalCppRuntime:
         transform_result=_tf_computation.transform_result,
     )
     atexit.register(self.close)
+    _RUNTIMES.append(self)
 
   @property
   def worker_pid(self) -> Optional[int]:

@@ -1,0 +1,104 @@
+"""The project's TFF runtime never leaves a worker_binary behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import tensorflow_federated as tff
+
+from tff_personal.core import runtime
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _alive(pid):
+  try:
+    with open(f'/proc/{pid}/status') as f:
+      return not any(line.startswith('State:\tZ') for line in f)
+  except OSError:
+    return False
+
+
+def _wait_dead(pid, seconds=10):
+  deadline = time.monotonic() + seconds
+  while _alive(pid) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return not _alive(pid)
+
+
+@tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+def _mean(x):
+  return tff.federated_mean(x)
+
+
+def test_close_stops_worker_and_restores_context():
+  outer = tff.framework.get_context_stack().current
+  rt = runtime.LocalCppRuntime()
+  with rt:
+    assert _mean([1.0, 2.0, 6.0]) == 3.0
+    pid = rt.worker_pid
+    assert _alive(pid)
+  assert _wait_dead(pid)
+  assert tff.framework.get_context_stack().current is outer
+  assert _mean([2.0, 4.0]) == 3.0  # the outer (session) runtime still works
+
+
+def test_close_on_error_path():
+  rt = runtime.LocalCppRuntime()
+  try:
+    with rt:
+      _mean([1.0])
+      pid = rt.worker_pid
+      raise KeyError('boom')
+  except KeyError:
+    pass
+  assert _wait_dead(pid)
+
+
+_CHILD = textwrap.dedent('''
+    import os, sys, time
+    import numpy as np
+    import tensorflow_federated as tff
+    from tff_personal.core import runtime
+    @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+    def f(x):
+      return tff.federated_mean(x)
+    with runtime.local_runtime() as rt:
+      f([1.0])
+      print(rt.worker_pid, flush=True)
+      mode = sys.argv[1]
+      if mode == 'exit':
+        pass
+      elif mode == 'raise':
+        raise RuntimeError('failing on purpose')
+      else:
+        time.sleep(60)
+    ''')
+
+
+def _child(mode):
+  proc = subprocess.Popen([sys.executable, '-c', _CHILD, mode], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  worker = int(proc.stdout.readline())
+  return proc, worker
+
+
+def test_worker_ends_with_program_on_every_exit_path():
+  for mode, sig in (('exit', None), ('raise', None), ('sleep', signal.SIGTERM),
+                    ('sleep', signal.SIGKILL)):
+    proc, worker = _child(mode)
+    if sig is not None:
+      proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert _wait_dead(worker), (mode, sig)
+    # Nothing but our own error is printed at exit (no TFF __del__ traceback).
+    assert "'NoneType' object has no attribute 'Popen'" not in err
+    if mode == 'exit':
+      assert proc.returncode == 0
+    if sig == signal.SIGTERM:
+      assert proc.returncode == 128 + signal.SIGTERM
