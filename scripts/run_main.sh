@@ -6,6 +6,7 @@
 #
 #   bash scripts/run_main.sh [--data_dir=...] [--root_output_dir=...]
 set -euo pipefail
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"

@@ -159,12 +159,19 @@ def _summary(out_dir, name):
     return json.load(f)
 
 
+@pytest.fixture(scope='module')
+def straight_run(tmp_path_factory):
+  """One uninterrupted run; the store backend does not change the numbers."""
+  out = tmp_path_factory.mktemp('straight')
+  _run(_cmd(out, 'straight', ['--client_state_backend=memory']))
+  return _summary(out, 'straight')
+
+
 @pytest.mark.parametrize('backend', ['memory', 'sqlite'])
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
-                                                   backend):
+                                                   straight_run, backend):
   del mnist_dir  # the subprocess reads ../shared/data/mnist itself
   extra = [f'--client_state_backend={backend}']
-  _run(_cmd(tmp_path, 'straight', extra))
   workers = _kill_after_round(_cmd(tmp_path, 'killed', extra), 3)
   assert len(workers) == 1
   deadline = time.monotonic() + 10
@@ -177,7 +184,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
   assert refused.returncode == 3 and '--resume' in refused.stderr
   resumed = _run(_cmd(tmp_path, 'killed', extra + ['--resume']))
   assert 'resumed from round' in resumed.stdout
-  straight, killed = _summary(tmp_path, 'straight'), _summary(tmp_path, 'killed')
+  straight, killed = straight_run, _summary(tmp_path, 'killed')
   assert killed['resumed_from_round'] >= 2
   assert killed['rounds_completed'] == straight['rounds_completed'] == 6
   for key in ('f1', 'accuracy', 'auc'):

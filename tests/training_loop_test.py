@@ -1,0 +1,102 @@
+"""Unit tests of the training loop's pieces: sampling, metrics, checkpoints."""
+
+import json
+import os
+
+from absl import flags
+from absl.testing import flagsaver
+import numpy as np
+import pytest
+
+from binaries import train
+from tff_personal.core import training_loop
+
+FLAGS = flags.FLAGS
+
+
+def test_fixed_size_sampling_is_seeded_and_without_replacement():
+  a = training_loop.sample_clients(100, 10, round_num=3, seed=1)
+  b = training_loop.sample_clients(100, 10, round_num=3, seed=1)
+  c = training_loop.sample_clients(100, 10, round_num=4, seed=1)
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+  assert len(set(a.tolist())) == 10 and a.min() >= 0 and a.max() < 100
+
+
+def test_fixed_size_sampling_is_uniform():
+  counts = np.zeros(20)
+  for r in range(4000):
+    counts[training_loop.sample_clients(20, 5, r, seed=0)] += 1
+  expected = 4000 * 5 / 20  # 1000 per client
+  assert np.all(np.abs(counts - expected) < 5 * np.sqrt(expected))
+
+
+def test_poisson_sampling_has_binomial_cohorts():
+  sizes = [len(training_loop.sample_clients(1000, 50, r, seed=2, scheme='poisson'))
+           for r in range(400)]
+  # Binomial(1000, 0.05): mean 50, std ~6.9.
+  assert abs(np.mean(sizes) - 50) < 5 * 6.9 / np.sqrt(400)
+  assert np.std(sizes) == pytest.approx(np.sqrt(1000 * 0.05 * 0.95), rel=0.2)
+
+
+def test_loop_config_rejects_bad_values():
+  ok = dict(rounds=1, clients_per_round=1, population=2, experiment_dir='/x')
+  for bad, msg in ((dict(rounds=0), 'rounds'),
+                   (dict(clients_per_round=3), 'clients_per_round'),
+                   (dict(sampling='cyclic'), 'sampling'),
+                   (dict(checkpoint_every=0), 'checkpoint_every')):
+    with pytest.raises(ValueError, match=msg):
+      training_loop.LoopConfig(**{**ok, **bad}).validate()
+
+
+def test_flatten_metrics_names_nested_values():
+  flat = training_loop.flatten_metrics(
+      {'train': {'loss': np.float32(0.5), 'n': np.int64(3)}, 'agg': ()})
+  assert flat == {'train/loss': 0.5, 'train/n': 3}
+
+
+def _flags(tmp_path, mnist_dir, **kw):
+  values = dict(task='mnist_preference', algorithm='global_plus',
+                data_dir=mnist_dir, num_users=30, rounds=2,
+                clients_per_round=5, root_output_dir=str(tmp_path),
+                experiment_name='ckpt', seed=3, eval_clients=10)
+  values.update(kw)
+  return values
+
+
+def test_corrupt_checkpoint_is_reported_not_replaced(tmp_path, mnist_dir,
+                                                     capsys):
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  with flagsaver.flagsaver(**_flags(tmp_path, mnist_dir)):
+    assert train.main(['train']) == 0
+  ckpt = tmp_path / 'ckpt' / 'checkpoints' / 'program_state_2'
+  variables = [os.path.join(d, f) for d, _, fs in os.walk(ckpt) for f in fs
+               if 'variables.data' in f]
+  assert variables
+  with open(variables[0], 'r+b') as f:
+    f.truncate(10)
+  summary_before = (tmp_path / 'ckpt' / 'summary.json').read_bytes()
+  with flagsaver.flagsaver(**_flags(tmp_path, mnist_dir, rounds=4,
+                                    resume=True)):
+    assert train.main(['train']) == 3
+  err = capsys.readouterr().err
+  assert 'checkpoint for round 2' in err and 'cannot be read' in err
+  assert 'Refusing to start fresh' in err
+  # Nothing was replaced: the checkpoint directory and summary are as they were.
+  assert ckpt.exists()
+  assert (tmp_path / 'ckpt' / 'summary.json').read_bytes() == summary_before
+
+
+def test_target_epsilon_calibrates_noise(tmp_path, mnist_dir):
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  with flagsaver.flagsaver(**_flags(tmp_path, mnist_dir, dp='gaussian_fixed',
+                                    target_epsilon=8.0, clip_norm=0.3,
+                                    experiment_name='eps')):
+    assert train.main(['train']) == 0
+  with open(tmp_path / 'eps' / 'summary.json') as f:
+    privacy = json.load(f)['privacy']
+  assert privacy['epsilon'] <= 8.0
+  assert privacy['epsilon'] > 7.5  # calibrated, not merely conservative
+  assert privacy['noise_multiplier'] > 0
