@@ -29,7 +29,12 @@ echo "setup_env: installing the pinned environment into $VENV (about 2 minutes) 
 "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >&2 \
   || "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" >&2
 # The only mismatches allowed are TFF's jax/jaxlib pins (documented in requirements.txt).
-"$VENV/bin/python" -m pip check 2>/dev/null | grep -v -E "^tensorflow-federated 0.87.0 has requirement jax(lib)?==0.4.14" \
-  | grep . && { echo "setup_env: pip check found unexpected conflicts (above)" >&2; exit 1; } || true
+UNEXPECTED="$("$VENV/bin/python" -m pip check 2>/dev/null \
+  | grep -v -E "^(tensorflow-federated 0.87.0 has requirement jax(lib)?==0.4.14|No broken requirements)" || true)"
+if [ -n "$UNEXPECTED" ]; then
+  echo "$UNEXPECTED" >&2
+  echo "setup_env: pip check found unexpected conflicts (above)" >&2
+  exit 1
+fi
 echo "$WANT" > "$STAMP"
 echo "setup_env: ready ($VENV)" >&2

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.algorithms import registry
 from tff_personal.core import process
 from tff_personal.models import fedembed_mnist
 
@@ -84,6 +85,26 @@ def test_type_signature_keeps_client_state_at_clients():
     model = model_fn(28)()
     shared_shapes = [tuple(v.shape) for v in model.shared_trainable_variables]
   assert [tuple(t.shape) for t in agg_type] == shared_shapes
+
+
+@pytest.mark.parametrize('name', sorted(registry.ALGORITHMS))
+def test_every_algorithm_aggregates_only_shared_weights(name):
+  """For each registered algorithm: C stays at CLIENTS, only shared weights aggregate."""
+  spy = SpyFactory()
+  proc = registry.build(
+      name, model_fn, client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      aggregator_factory=spy, seed=0)
+  sig = proc.next.type_signature
+  assert sig.parameter[1].placement is tff.CLIENTS
+  assert sig.result[1].placement is tff.CLIENTS
+  assert sig.parameter[1].member == sig.result[1].member == proc.client_state_type
+  server_weights = sig.parameter[0].member.global_model_weights.trainable
+  assert [spy.value_types[0]] == [proc.aggregation_value_type]
+  assert list(spy.value_types[0]) == list(server_weights)
+  private_types = list(proc.client_state_type.private)
+  for t in private_types:
+    assert t not in list(server_weights)
 
 
 def test_private_state_is_trained_and_only_for_participants():
