@@ -94,7 +94,7 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
   proc = registry.build(
       name, model_fn, client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
-      aggregator_factory=spy, seed=0)
+      aggregator_factory=spy, seed=0, embedding_dim=28)
   sig = proc.next.type_signature
   assert sig.parameter[1].placement is tff.CLIENTS
   assert sig.result[1].placement is tff.CLIENTS

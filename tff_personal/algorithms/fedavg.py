@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import tensorflow_federated as tff
 
+from tff_personal.algorithms import furl
 from tff_personal.core import process as process_lib
 from tff_personal.models import split_model as split_model_lib
 
@@ -57,11 +58,16 @@ def build_global_plus(model_fn_factory: ModelFnFactory, *,
                       seed: Optional[int] = None,
                       embedding_dim: int = 28
                       ) -> process_lib.StatefulClientProcess:
-  """FedAvg plus a private personal embedding per user (client state)."""
+  """FedAvg plus a private personal embedding per user (client state).
+
+  This is FURL's split personalization with FedEmbed's model (the embedding
+  enters as an input channel and next to the features): `furl.build_furl`.
+  """
   if embedding_dim <= 0:
     raise ValueError(
         f'global_plus needs a personal embedding; embedding_dim={embedding_dim}')
-  return process_lib.build_split_model_process(
-      model_fn_factory(embedding_dim), client_optimizer=client_optimizer,
+  return furl.build_furl(
+      model_fn_factory, client_optimizer=client_optimizer,
       server_optimizer=server_optimizer, aggregator_factory=aggregator_factory,
-      metrics_fn=metrics_fn, train_metrics=train_metrics, seed=seed)
+      metrics_fn=metrics_fn, train_metrics=train_metrics, seed=seed,
+      embedding_dim=embedding_dim)

@@ -9,10 +9,12 @@ and returns a `StatefulClientProcess`.
 from __future__ import annotations
 
 from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import furl
 
 ALGORITHMS = {
     'global': fedavg.build_global,
     'global_plus': fedavg.build_global_plus,
+    'furl': furl.build_furl,
 }
 
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_training
 from tff_personal.models import split_model as split_model_lib
 
 
@@ -42,18 +43,8 @@ def build_personal_eval(model_fn: split_model_lib.SplitModelFn,
 
     @tf.function
     def run(weights, private, dataset):
-      for var, value in zip(model.shared_trainable_variables, weights.trainable):
-        var.assign(value)
-      for var, value in zip(model.shared_non_trainable_variables,
-                            weights.non_trainable):
-        var.assign(value)
-      for var, value in zip(model.private_variables, private):
-        var.assign(value)
-      # The whole eval set as one batch (client eval sets are small).
-      batch = tf.data.experimental.get_single_element(
-          dataset.unbatch().batch(1 << 30))
-      return collections.OrderedDict(
-          outputs=model.forward(batch, training=False), labels=batch['y'])
+      split_training.assign_weights(model, weights, private)
+      return _outputs_and_labels(model, dataset)
 
     return run(weights,
                tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset)
@@ -68,6 +59,78 @@ def build_personal_eval(model_fn: split_model_lib.SplitModelFn,
         (tff.federated_broadcast(weights), client_states, client_data))
 
   return personal_eval
+
+
+def _outputs_and_labels(model, dataset):
+  # The whole eval set as one batch (client eval sets are small).
+  batch = dataset.unbatch().batch(1 << 30).get_single_element()
+  return collections.OrderedDict(
+      outputs=model.forward(batch, training=False), labels=batch['y'])
+
+
+def build_cold_start_eval(model_fn: split_model_lib.SplitModelFn,
+                          weights_type: tff.Type,
+                          client_state_type: tff.Type,
+                          optimizer: tff.learning.optimizers.Optimizer,
+                          ) -> tff.Computation:
+  """Evaluation after local fine-tuning of the private state only.
+
+    (<ModelWeights@SERVER, {C}@CLIENTS, {D*}@CLIENTS, {D*}@CLIENTS>
+      -> {<outputs, labels>}@CLIENTS)
+
+  Each client starts from the given private state (for a user who never took
+  part in training: the documented initial state of the client-state store),
+  trains only its private variables on its own training data (the shared model
+  is frozen; repeat the dataset for more local epochs), then evaluates on its
+  test data. Nothing leaves the client. This is FURL's stated future work
+  (cold start) and the test-time fine-tuning of FedPerC.
+  """
+  with tf.Graph().as_default():
+    input_spec = model_fn().input_spec
+  data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
+
+  @tff.tensorflow.computation(weights_type, client_state_type, data_type,
+                              data_type)
+  def client_eval(weights, client_state, train_data, test_data):
+    model = model_fn()
+
+    @tf.function
+    def run(weights, private, train_data, test_data):
+      split_training.assign_weights(model, weights, private)
+      split_training.fine_tune_private(model, optimizer, train_data)
+      return _outputs_and_labels(model, test_data)
+
+    return run(weights, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
+               train_data, test_data)
+
+  @tff.federated_computation(
+      tff.FederatedType(weights_type, tff.SERVER),
+      tff.FederatedType(client_state_type, tff.CLIENTS),
+      tff.FederatedType(data_type, tff.CLIENTS),
+      tff.FederatedType(data_type, tff.CLIENTS))
+  def cold_start_eval(weights, client_states, train_data, test_data):
+    return tff.federated_map(
+        client_eval, (tff.federated_broadcast(weights), client_states,
+                      train_data, test_data))
+
+  return cold_start_eval
+
+
+def classification_metrics(per_client: Sequence[Mapping[str, Any]]
+                           ) -> dict[str, Any]:
+  """Accuracy over all examples and the mean of per-user accuracies."""
+  correct, total, per_user = 0, 0, []
+  for out in per_client:
+    preds = np.asarray(out['outputs']).argmax(axis=-1)
+    labels = np.asarray(out['labels'])
+    correct += int(np.sum(preds == labels))
+    total += len(labels)
+    if len(labels):
+      per_user.append(float(np.mean(preds == labels)))
+  return {'accuracy': correct / total if total else float('nan'),
+          'user_mean_accuracy': float(np.mean(per_user)) if per_user
+                                else float('nan'),
+          'num_clients': len(per_client), 'num_examples': total}
 
 
 def binary_f1(labels: np.ndarray, predictions: np.ndarray) -> float:

@@ -133,3 +133,41 @@ def local_train(model: split_model_lib.SplitModel,
   for k, v in sums.items():
     metrics[k] = tf.where(finite, v, tf.zeros_like(v))
   return update, update_weight, new_private, metrics
+
+
+def assign_weights(model: split_model_lib.SplitModel,
+                   weights: tff.learning.models.ModelWeights,
+                   private_weights: tuple[Any, ...]) -> None:
+  """Loads shared and private values into a freshly built model."""
+  _assign(model.shared_trainable_variables, weights.trainable)
+  _assign(model.shared_non_trainable_variables, weights.non_trainable)
+  _assign(model.private_variables, private_weights)
+
+
+def fine_tune_private(model: split_model_lib.SplitModel,
+                      optimizer: tff.learning.optimizers.Optimizer,
+                      dataset: tf.data.Dataset) -> tf.Tensor:
+  """Trains only the private variables over `dataset` (shared ones frozen).
+
+  Used for cold start and test-time personalization: a user who never took
+  part in training adapts its own private state locally; nothing is sent.
+  Returns the number of examples seen.
+  """
+  private = list(model.private_variables)
+  specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in private)
+
+  def reduce_fn(state, batch):
+    num_examples, opt_state = state
+    with tf.GradientTape() as tape:
+      loss = model.loss(batch, model.forward(batch, training=True))
+    grads = tape.gradient(loss, private)
+    grads = [tf.zeros_like(v) if g is None else g
+             for g, v in zip(grads, private)]
+    opt_state, updated = optimizer.next(opt_state, tuple(private), tuple(grads))
+    _assign(private, updated)
+    batch_size = tf.shape(tf.nest.flatten(batch)[0])[0]
+    return num_examples + tf.cast(batch_size, tf.int64), opt_state
+
+  num_examples, _ = dataset.reduce(
+      (tf.constant(0, tf.int64), optimizer.initialize(specs)), reduce_fn)
+  return num_examples
