@@ -43,6 +43,7 @@ class ExperimentConfig:
   eval_every: int = 0
   eval_clients: int = 0  # 0: every client of the population.
   eval_chunk: int = 250
+  cold_start_epochs: int = 5
   resume: bool = False
   client_state_backend: str = 'auto'
   train_metrics: bool = True
@@ -110,11 +111,9 @@ def run_experiment(task, config: ExperimentConfig,
       config.client_state_backend, initial_state_fn, population=population,
       directory=os.path.join(config.experiment_dir, 'client_states'))
 
-  weights_type = proc.next.type_signature.parameter[0].member.global_model_weights
+  weights_type = proc.model_weights_type
   personal_eval = evaluation.build_personal_eval(
-      task.model_fn_factory(
-          config.embedding_dim if config.algorithm != 'global' else 0),
-      weights_type, proc.client_state_type)
+      proc.model_fn, weights_type, proc.client_state_type)
   if config.eval_clients:
     rng = np.random.default_rng([config.seed, 0xE7A1])
     eval_ids = np.sort(rng.choice(population, config.eval_clients,
@@ -122,15 +121,18 @@ def run_experiment(task, config: ExperimentConfig,
   else:
     eval_ids = list(range(population))
 
-  def eval_fn(state, round_num):
-    del round_num
+  def evaluate(state, datasets_fn, ids=eval_ids):
     weights = proc.get_model_weights(state)
     outputs = []
-    for i in range(0, len(eval_ids), config.eval_chunk):
-      chunk = eval_ids[i:i + config.eval_chunk]
+    for i in range(0, len(ids), config.eval_chunk):
+      chunk = ids[i:i + config.eval_chunk]
       outputs.extend(personal_eval(weights, store.load(chunk),
-                                   task.eval_datasets(chunk)))
-    return task.evaluate(outputs, eval_ids)
+                                   datasets_fn(chunk)))
+    return task.evaluate(outputs, ids)
+
+  def eval_fn(state, round_num):
+    del round_num
+    return evaluate(state, task.eval_datasets)
 
   loop_config = training_loop.LoopConfig(
       rounds=config.rounds, clients_per_round=config.clients_per_round,
@@ -139,10 +141,18 @@ def run_experiment(task, config: ExperimentConfig,
       checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
       resume=config.resume)
   setup_seconds = time.perf_counter() - t_start
+  test_metrics = cold_start_metrics = None
   try:
     result = training_loop.run_training(
         proc, store=store, train_data_fn=task.train_datasets,
         config=loop_config, eval_fn=eval_fn, log_fn=log_fn)
+    if hasattr(task, 'test_datasets'):  # held-out test split, after training
+      test_metrics = evaluate(result.state, task.test_datasets)
+      log_fn(f'test: {_short(test_metrics)}')
+    if getattr(task, 'cold_client_ids', None):
+      cold_start_metrics = _cold_start(task, proc, result.state, store, config)
+      log_fn(f'cold start ({len(task.cold_client_ids)} users never trained): '
+             f'{_short(cold_start_metrics)}')
   finally:
     store.close()
 
@@ -166,6 +176,8 @@ def run_experiment(task, config: ExperimentConfig,
       'setup_seconds': setup_seconds,
       'population': population,
       'eval': result.eval_metrics,
+      'test': test_metrics,
+      'cold_start': cold_start_metrics,
       'final_train_metrics': result.train_metrics,
       'privacy': report,
       'flags': flag_values if flag_values is not None else dataclasses.asdict(
@@ -178,3 +190,30 @@ def run_experiment(task, config: ExperimentConfig,
            f'({report["accountant"]}, {report["sampling"]} sampling, '
            f'noise_multiplier={report["noise_multiplier"]:.4g})')
   return summary
+
+
+def _short(metrics: dict) -> str:
+  return ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()
+                   if isinstance(v, float))
+
+
+def _cold_start(task, proc, state, store, config: ExperimentConfig) -> dict:
+  """Users who never trained: initial private state + local steps, then test.
+
+  Their initial state is the store's documented one (the seeded
+  `personal_init_stddev` normal draw for their id); `cold_start_epochs` passes
+  over their own training data update only their private variables with the
+  client optimizer, and nothing leaves the client.
+  """
+  cold_eval = evaluation.build_cold_start_eval(
+      proc.model_fn, proc.model_weights_type, proc.client_state_type,
+      fedavg.adam(config.client_learning_rate))
+  ids = list(task.cold_client_ids)
+  weights = proc.get_model_weights(state)
+  states = [store.initial_state(i) for i in ids]
+  train, test = task.cold_start_datasets(ids, config.cold_start_epochs)
+  outputs = []
+  for i in range(0, len(ids), config.eval_chunk):
+    sl = slice(i, i + config.eval_chunk)
+    outputs.extend(cold_eval(weights, states[sl], train[sl], test[sl]))
+  return task.evaluate(outputs, ids)

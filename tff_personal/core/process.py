@@ -61,11 +61,23 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
   def __init__(self, initialize_fn: tff.Computation, next_fn: tff.Computation,
                *, client_state_type: tff.Type,
                aggregation_value_type: tff.Type,
-               initial_client_state: Callable[[int], Any] | None = None):
+               initial_client_state: Callable[[int], Any] | None = None,
+               model_fn: split_model_lib.SplitModelFn | None = None):
     super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
     self._client_state_type = client_state_type
     self._aggregation_value_type = aggregation_value_type
     self._initial_client_state = initial_client_state
+    self._model_fn = model_fn
+
+  @property
+  def model_fn(self) -> split_model_lib.SplitModelFn | None:
+    """The split-model builder the process trains (for evaluation), if any."""
+    return self._model_fn
+
+  @property
+  def model_weights_type(self) -> tff.Type:
+    """The unplaced type of the shared `ModelWeights`."""
+    return self.next.type_signature.parameter[0].member.global_model_weights
 
   @property
   def client_state_type(self) -> tff.Type:
@@ -131,6 +143,7 @@ def compose_stateful_client_process(
     server_optimizer: tff.learning.optimizers.Optimizer,
     train_metrics: bool = True,
     initial_client_state: Callable[[int], Any] | None = None,
+    model_fn: split_model_lib.SplitModelFn | None = None,
 ) -> StatefulClientProcess:
   """Wires a client work with client state into a `StatefulClientProcess`.
 
@@ -146,6 +159,7 @@ def compose_stateful_client_process(
       `build_apply_optimizer_finalizer`.
     train_metrics: release sums of training metrics to the server.
     initial_client_state: optional `client_id -> C` (numpy) for new clients.
+    model_fn: optional split-model builder, exposed for evaluation.
 
   Returns:
     A `StatefulClientProcess`.
@@ -223,7 +237,7 @@ def compose_stateful_client_process(
   return StatefulClientProcess(
       initialize_fn, next_fn, client_state_type=client_state_type,
       aggregation_value_type=update_type,
-      initial_client_state=initial_client_state)
+      initial_client_state=initial_client_state, model_fn=model_fn)
 
 
 def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
@@ -317,4 +331,5 @@ def build_split_model_process(
   return compose_stateful_client_process(
       initial_model_weights=weights, client_state_type=client_state_type,
       client_work=client_work, aggregator_factory=aggregator_factory,
-      server_optimizer=server_optimizer, train_metrics=train_metrics)
+      server_optimizer=server_optimizer, train_metrics=train_metrics,
+      model_fn=model_fn)

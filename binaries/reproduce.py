@@ -1,0 +1,99 @@
+r"""Reproduces a paper's table: runs its cells, records them, prints tables.
+
+  python -m binaries.reproduce --paper=fedembed --table=table2 \
+    --root_output_dir=/tmp/repro --seeds=3 [--methods=a,b] [--settings=...] \
+    [--data_dir=../shared/data/mnist --rounds=... --dry_run]
+
+Every finished cell is appended to <root_output_dir>/results.jsonl; a rerun
+skips the finished cells, so kill it at any moment and rerun the same command.
+Tables (ours next to the paper's numbers) are rewritten after every cell to
+<root_output_dir>/tables/<paper>/<table>.{md,csv} and printed at the end.
+Per-cell outputs: <root_output_dir>/runs/<paper>/<method>/<setting>/seed_<n>.
+
+Papers are registered below with `reporting.register_paper(name, module)`;
+see `tff_personal/reporting.py` for what a paper module provides.
+"""
+
+import sys
+from typing import Any, Callable, Optional
+
+from absl import app
+from absl import flags
+
+from tff_personal import reporting
+
+FLAGS = flags.FLAGS
+
+# Paper modules. Each paper issue adds its registration here, e.g.
+#   from papers import fedembed
+#   reporting.register_paper('fedembed', fedembed)
+
+
+def _define(kind: str, name: str, default: Any, help_text: str):
+  """Defines a flag unless another binary in this process already did."""
+  if name not in FLAGS:
+    getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
+
+
+def define_flags():
+  """Defines the registered papers' own flags, then the binary's.
+
+  Papers go first so that a paper which defines one of the common flags
+  itself (or through binaries.common) keeps its definition.
+  """
+  for module in reporting.papers().values():
+    if hasattr(module, 'define_flags'):
+      module.define_flags()
+  _define('string', 'paper', None, 'Registered paper to reproduce.')
+  _define('string', 'table', None,
+          'Table of the paper (optional when it has only one).')
+  _define('string', 'root_output_dir', None,
+          'Holds results.jsonl, tables/ and runs/.')
+  _define('integer', 'seeds', 1, 'Number of seeds: 0..n-1.')
+  _define('list', 'methods', None,
+          'Comma-separated methods to run (default: all of the table).')
+  _define('list', 'settings', None,
+          'Comma-separated table column names and/or key=value conditions '
+          '(default: every setting).')
+  _define('bool', 'dry_run', False,
+          'Print the cells that would run and the table from existing '
+          'results; run nothing.')
+  # Common per-paper knobs; None means "the paper module's default".
+  _define('string', 'data_dir', None, 'Data directory (None: paper default).')
+  _define('integer', 'rounds', None, 'Training rounds (None: paper default).')
+  _define('integer', 'clients_per_round', None,
+          'Cohort size (None: paper default).')
+  _define('integer', 'num_users', None, 'Population (None: paper default).')
+
+
+def run(f: Any, log_fn: Callable[[str], None] = print) -> int:
+  """Plans (validating everything first), then runs; returns the exit code."""
+  try:
+    plan = reporting.plan(
+        f.paper, f.table, f.root_output_dir, f, seeds=f.seeds,
+        methods=_as_list(f.methods), settings=_as_list(f.settings))
+  except reporting.ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  reporting.reproduce(plan, f, f.root_output_dir, dry_run=f.dry_run,
+                      log_fn=log_fn)
+  return 0
+
+
+def _as_list(value) -> Optional[list[str]]:
+  if value is None:
+    return None
+  if isinstance(value, str):
+    value = value.split(',')
+  return [v.strip() for v in value if v.strip()] or None
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  return run(FLAGS, log_fn=lambda s: print(s, flush=True))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

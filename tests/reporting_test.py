@@ -1,0 +1,262 @@
+"""The reproduction framework: results file, restart, tables, the binary."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from binaries import reproduce
+from tff_personal import reporting
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_TABLE = reporting.Table(
+    name='table1', paper='fake', metric='accuracy',
+    methods=('global', 'personal'),
+    columns=(reporting.Column('small', {'num_users': 10, 'dp': 'none'}),
+             reporting.Column('large', {'num_users': 100, 'dp': 'none'})),
+    paper_values={('global', 'small'): '0.88 ± 0.02',
+                  ('personal', 'large'): '0.91'},
+    title='Fake table 1')
+
+
+class FakePaper(types.ModuleType):
+  """A paper module whose run_cell counts calls; metrics follow the seed."""
+
+  def __init__(self, fail_on=None):
+    super().__init__('fake_paper')
+    self.TABLES = {'table1': _TABLE}  # pylint: disable=invalid-name
+    self.calls = []
+    self.fail_on = fail_on
+
+  def cells(self, table, flags):
+    return self.TABLES[table].cells(flags.seeds)
+
+  def run_cell(self, cell, flags, out_dir):
+    del flags
+    assert os.path.isdir(out_dir)
+    if self.fail_on is not None and cell.key() == self.fail_on.key():
+      raise RuntimeError('killed')
+    self.calls.append(cell)
+    bonus = 0.1 if cell.method == 'personal' else 0.0
+    return {'accuracy': 0.5 + 0.2 * cell.seed + bonus,
+            'loss': 1.0 / (1 + cell.seed)}
+
+
+@pytest.fixture
+def paper():
+  module = FakePaper()
+  reporting.register_paper('fake', module)
+  yield module
+  reporting.unregister_paper('fake')
+
+
+def _flags(root, **kw):
+  values = dict(paper='fake', table='table1', root_output_dir=str(root),
+                seeds=2, methods=None, settings=None, dry_run=False,
+                data_dir=None, rounds=None, clients_per_round=None,
+                num_users=None)
+  values.update(kw)
+  return types.SimpleNamespace(**values)
+
+
+def _cell(method='global', seed=0, **setting):
+  return reporting.Cell('fake', method, setting or {'num_users': 10,
+                                                    'dp': 'none'}, seed)
+
+
+def test_cell_key_is_canonical():
+  a = reporting.Cell('p', 'm', {'b': 1, 'a': [1, 2]}, 0)
+  b = reporting.Cell('p', 'm', {'a': [1, 2], 'b': 1}, 0)
+  assert a.key() == b.key() and a == b and hash(a) == hash(b)
+  assert json.loads(a.key()) == {'paper': 'p', 'method': 'm',
+                                 'setting': {'a': [1, 2], 'b': 1}, 'seed': 0}
+  assert a != reporting.Cell('p', 'm', {'b': 1, 'a': [1, 2]}, 1)
+  with pytest.raises(ValueError, match='JSON'):
+    reporting.Cell('p', 'm', {'x': object()}, 0)
+
+
+def test_results_file_round_trip(tmp_path):
+  results = reporting.ResultsFile(str(tmp_path / 'sub' / 'results.jsonl'))
+  assert results.records() == [] and results.finished_keys() == set()
+  c0, c1 = _cell(seed=0), _cell(seed=1)
+  results.append(c1, {'accuracy': 0.7}, extra={'seconds': 1.5})
+  results.append(c0, {'accuracy': 0.5})
+  records = results.records()
+  assert [r['seed'] for r in records] == [1, 0]
+  assert records[0] == {'paper': 'fake', 'method': 'global',
+                        'setting': {'dp': 'none', 'num_users': 10}, 'seed': 1,
+                        'metrics': {'accuracy': 0.7}, 'seconds': 1.5}
+  assert results.finished_keys() == {c0.key(), c1.key()}
+  assert results.metrics_for('fake', 'global',
+                             {'num_users': 10, 'dp': 'none'}) == [
+                                 {'accuracy': 0.5}, {'accuracy': 0.7}]
+  assert results.metrics_for('fake', 'personal', c0.setting) == []
+  with open(results.path, encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  assert len(lines) == 2 and all(json.loads(line) for line in lines)
+  with pytest.raises(ValueError, match='collides'):
+    results.append(c0, {}, extra={'metrics': 1})
+
+
+def test_truncated_last_line_is_skipped_and_kept(tmp_path, caplog):
+  path = tmp_path / 'results.jsonl'
+  results = reporting.ResultsFile(str(path))
+  results.append(_cell(seed=0), {'accuracy': 0.5})
+  results.append(_cell(seed=1), {'accuracy': 0.7})
+  fragment = b'{"metrics": {"accuracy": 0.9}, "method": "glo'
+  with open(path, 'ab') as f:
+    f.write(fragment)
+  before = path.read_bytes()
+  with caplog.at_level(logging.WARNING):
+    records = results.records()
+  assert [r['seed'] for r in records] == [0, 1]
+  assert path.read_bytes() == before  # Nothing deleted or rewritten.
+  assert any('results.jsonl:3' in m and 'truncated last line' in m
+             for m in caplog.messages)
+  # The next append terminates the fragment; both survive.
+  results.append(_cell(seed=2), {'accuracy': 0.9})
+  assert path.read_bytes().startswith(before + b'\n')
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    fresh = reporting.ResultsFile(str(path))
+    assert [r['seed'] for r in fresh.records()] == [0, 1, 2]
+  assert any('results.jsonl:3' in m for m in caplog.messages)
+
+
+def test_markdown_mean_std_and_paper_value(tmp_path):
+  results = reporting.ResultsFile(str(tmp_path / 'results.jsonl'))
+  results.append(_cell(seed=0), {'accuracy': 0.5})
+  results.append(_cell(seed=1), {'accuracy': 0.7})
+  results.append(_cell('personal', 0, num_users=100, dp='none'),
+                 {'accuracy': 0.8})
+  md = reporting.render_markdown(results, _TABLE)
+  lines = md.splitlines()
+  header = next(line for line in lines if line.startswith('| method'))
+  assert header == ('| method | small (ours) | small (paper) | large (ours) '
+                    '| large (paper) |')
+  row = {line.split('|')[1].strip(): [c.strip() for c in line.split('|')[2:-1]]
+         for line in lines if line.startswith('| ') and '---' not in line}
+  assert row['global'] == ['0.60 ± 0.14 (2)', '0.88 ± 0.02', '—', '—']
+  assert row['personal'] == ['—', '—', '0.80 ± 0.00 (1)', '0.91']
+  assert 'std is 0 when n=1' in md
+  csv_text = reporting.render_csv(results, _TABLE)
+  assert csv_text.splitlines()[0] == ','.join(reporting.CSV_FIELDS)
+  assert 'global,small,' in csv_text
+  assert '0.60 ± 0.14 (2),0.88 ± 0.02' in csv_text
+  s = reporting.summarize([0.5, 0.7])
+  assert s.n == 2 and s.mean == pytest.approx(0.6)
+  assert s.std == pytest.approx(0.1414213562)
+
+
+def test_write_tables_is_atomic(tmp_path):
+  results = reporting.ResultsFile(str(tmp_path / 'results.jsonl'))
+  results.append(_cell(seed=0), {'accuracy': 0.5})
+  out = tmp_path / 'tables'
+  paths = reporting.write_tables(results, {'table1': _TABLE}, str(out))
+  assert sorted(os.listdir(out)) == ['table1.csv', 'table1.md']
+  assert sorted(paths) == sorted(str(out / n) for n in os.listdir(out))
+  assert (out / 'table1.md').read_text(encoding='utf-8') == (
+      reporting.render_markdown(results, _TABLE))
+
+
+def test_finished_cells_are_skipped_on_restart(tmp_path, paper, capsys):
+  f = _flags(tmp_path)
+  assert reproduce.run(f) == 0
+  assert len(paper.calls) == 2 * 2 * 2  # methods x columns x seeds
+  out = capsys.readouterr().out
+  assert '[1/8] global small seed=0 -> accuracy=0.5, loss=1 (' in out
+  table_md = tmp_path / 'tables' / 'fake' / 'table1.md'
+  first = table_md.read_text(encoding='utf-8')
+  assert '| global | 0.60 ± 0.14 (2) | 0.88 ± 0.02 |' in first
+  records = reporting.ResultsFile(
+      str(tmp_path / 'results.jsonl')).records()
+  assert len(records) == 8
+  assert {tuple(sorted(r)) for r in records} == {tuple(sorted(
+      reporting.RECORD_KEYS + ('seconds', 'out_dir', 'finished_at')))}
+
+  paper.calls.clear()
+  assert reproduce.run(f) == 0
+  assert paper.calls == []
+  assert table_md.read_text(encoding='utf-8') == first
+  assert '0 to run' in capsys.readouterr().out
+  assert len(reporting.ResultsFile(
+      str(tmp_path / 'results.jsonl')).records()) == 8
+
+
+def test_killed_run_resumes_with_the_remaining_cells(tmp_path, paper):
+  paper.fail_on = reporting.Cell('fake', 'personal',
+                                 {'num_users': 10, 'dp': 'none'}, 1)
+  with pytest.raises(RuntimeError, match='killed'):
+    reproduce.run(_flags(tmp_path))
+  assert len(paper.calls) == 5  # global x 4, then personal small seed 0.
+  with open(tmp_path / 'results.jsonl', 'ab') as f:
+    f.write(b'{"paper": "fake", "meth')  # As if killed mid-append.
+  paper.fail_on = None
+  paper.calls.clear()
+  assert reproduce.run(_flags(tmp_path)) == 0
+  assert [(c.method, c.setting['num_users'], c.seed) for c in paper.calls] == [
+      ('personal', 10, 1), ('personal', 100, 0), ('personal', 100, 1)]
+  assert len(reporting.ResultsFile(
+      str(tmp_path / 'results.jsonl')).records()) == 8
+
+
+def test_filters_and_dry_run(tmp_path, paper, capsys):
+  assert reproduce.run(_flags(tmp_path, dry_run=True)) == 0
+  assert paper.calls == [] and not os.path.exists(tmp_path / 'results.jsonl')
+  assert not os.listdir(tmp_path)
+  out = capsys.readouterr().out
+  assert '[8/8] would run personal large seed=1' in out
+  assert '| global | — | 0.88 ± 0.02 |' in out
+
+  assert reproduce.run(_flags(tmp_path, methods='personal',
+                              settings='large', seeds=1)) == 0
+  assert [(c.method, c.setting['num_users'], c.seed)
+          for c in paper.calls] == [('personal', 100, 0)]
+  paper.calls.clear()
+  assert reproduce.run(_flags(tmp_path, methods=['global'],
+                              settings=['num_users=10', 'dp=none'])) == 0
+  assert [(c.method, c.setting['num_users'], c.seed)
+          for c in paper.calls] == [('global', 10, 0), ('global', 10, 1)]
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(paper='nope'), "unknown --paper='nope'"),
+    (dict(table='table9'), "unknown --table='table9'"),
+    (dict(methods='fedavg'), 'unknown --methods'),
+    (dict(settings='huge'), 'unknown --settings'),
+    (dict(seeds=0), '--seeds must be a positive integer'),
+    (dict(root_output_dir=None), '--root_output_dir is required'),
+])
+def test_bad_flags_fail_before_any_work(tmp_path, paper, capsys, overrides,
+                                        message):
+  root = tmp_path / 'root'
+  assert reproduce.run(_flags(root, **overrides)) == 2
+  assert message in capsys.readouterr().err
+  assert paper.calls == [] and not os.path.exists(root)
+
+
+def test_register_paper_checks_the_module():
+  with pytest.raises(TypeError, match='run_cell'):
+    reporting.register_paper('bad', types.SimpleNamespace(TABLES={},
+                                                          cells=None))
+  with pytest.raises(TypeError, match='paper'):
+    reporting.register_paper('other', FakePaper())  # Its tables say 'fake'.
+  with pytest.raises(ValueError, match='unknown'):
+    reporting.Table(name='t', paper='p', metric='m', methods=['a'],
+                    columns=[reporting.Column('c', {})],
+                    paper_values={('b', 'c'): '1'})
+
+
+def test_binary_rejects_unknown_paper(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, '-m', 'binaries.reproduce', '--paper=nope',
+       f'--root_output_dir={tmp_path}'],
+      cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 2, proc.stderr
+  assert "unknown --paper='nope'" in proc.stderr
+  assert not os.listdir(tmp_path)

@@ -1,0 +1,623 @@
+"""Paper reproduction: cells, the results file, tables next to the papers'.
+
+A *cell* is one run of a paper's grid: (paper, method, setting, seed). Every
+finished cell is appended to `<root_output_dir>/results.jsonl`, one JSON object
+per line with keys `paper`, `method`, `setting` (an object), `seed`, `metrics`
+(an object) and any extra keys (`seconds`, `finished_at`, `out_dir`). That file
+is the only state: finished cells are skipped on restart and every table is
+rebuilt from it.
+
+A *paper module* (registered with `register_paper`) has:
+
+  TABLES: dict[str, Table]                  # table name -> spec
+  cells(table: str, flags) -> list[Cell]    # TABLES[table].cells(flags.seeds)
+  run_cell(cell: Cell, flags, out_dir: str) -> dict[str, float]   # metrics
+  define_flags() -> None                    # optional: its own absl flags
+
+`flags` is the binary's absl FLAGS (any object with attributes in tests).
+`out_dir` is stable per cell, so a `run_cell` may resume a killed run there.
+
+Nothing here needs TensorFlow or TFF.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from typing import (Any, Callable, Iterable, Mapping, Optional, Protocol,
+                    Sequence, Union)
+
+RESULTS_FILENAME = 'results.jsonl'
+TABLES_DIRNAME = 'tables'
+RUNS_DIRNAME = 'runs'
+MISSING = '—'
+RECORD_KEYS = ('paper', 'method', 'setting', 'seed', 'metrics')
+
+_NAME_RE = re.compile(r'^[A-Za-z0-9_.-]+$')
+
+
+class ConfigError(ValueError):
+  """A bad paper, table, filter or flag, detected before any cell runs."""
+
+
+def canonical_json(value: Any) -> str:
+  """Sorted-key, compact JSON: the identity of settings and cells."""
+  return json.dumps(value, sort_keys=True, separators=(',', ':'),
+                    allow_nan=False)
+
+
+def _jsonable(value: Any) -> Any:
+  """Converts numpy scalars/arrays (anything with .item()/.tolist()) to JSON."""
+  if isinstance(value, Mapping):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    return value
+  if hasattr(value, 'tolist'):  # numpy arrays and scalars.
+    return _jsonable(value.tolist())
+  if hasattr(value, 'item'):
+    return value.item()
+  raise TypeError(f'not JSON-serializable: {value!r} '
+                  f'({type(value).__name__})')
+
+
+def setting_label(setting: Mapping[str, Any]) -> str:
+  """Compact display of a setting, e.g. 'dp=none num_users=1000'."""
+  if not setting:
+    return '{}'
+  return ' '.join(f'{k}={_display(setting[k])}' for k in sorted(setting))
+
+
+def _display(value: Any) -> str:
+  return value if isinstance(value, str) else json.dumps(value)
+
+
+# --------------------------------------------------------------------- cells
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Cell:
+  """One run of a paper's grid. Identity is `key()` (canonical JSON)."""
+  paper: str
+  method: str
+  setting: Mapping[str, Any]
+  seed: int
+
+  def __post_init__(self):
+    if not isinstance(self.paper, str) or not self.paper:
+      raise ValueError(f'Cell.paper must be a non-empty string, got '
+                       f'{self.paper!r}')
+    if not isinstance(self.method, str) or not self.method:
+      raise ValueError(f'Cell.method must be a non-empty string, got '
+                       f'{self.method!r}')
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+      raise ValueError(f'Cell.seed must be an int, got {self.seed!r}')
+    if not isinstance(self.setting, Mapping):
+      raise ValueError(f'Cell.setting must be a dict, got {self.setting!r}')
+    try:
+      setting = _jsonable(dict(self.setting))
+      canonical_json(setting)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f'Cell.setting is not JSON-able: {e}') from e
+    object.__setattr__(self, 'setting', setting)
+
+  def key(self) -> str:
+    """Canonical JSON of (paper, method, setting, seed)."""
+    return canonical_json({'paper': self.paper, 'method': self.method,
+                           'setting': self.setting, 'seed': self.seed})
+
+  def __eq__(self, other):
+    return isinstance(other, Cell) and self.key() == other.key()
+
+  def __hash__(self):
+    return hash(self.key())
+
+  @classmethod
+  def from_record(cls, record: Mapping[str, Any]) -> 'Cell':
+    return cls(paper=record['paper'], method=record['method'],
+               setting=record['setting'], seed=record['seed'])
+
+  def out_dir(self, root_output_dir: str) -> str:
+    """Stable per-cell dir: <root>/runs/<paper>/<method>/<setting>/seed_<n>."""
+    label = '_'.join(f'{k}={self.setting[k]}' for k in sorted(self.setting))
+    label = re.sub(r'[^A-Za-z0-9_.=-]+', '-', label)[:80] or 'default'
+    digest = hashlib.sha1(
+        canonical_json(self.setting).encode()).hexdigest()[:8]
+    method = re.sub(r'[^A-Za-z0-9_.=-]+', '-', self.method)
+    return os.path.join(root_output_dir, RUNS_DIRNAME, self.paper, method,
+                        f'{label}-{digest}', f'seed_{self.seed}')
+
+
+# -------------------------------------------------------------- results file
+
+
+class ResultsFile:
+  """Append-only JSON-lines file of finished cells.
+
+  A line that does not parse (the truncated last line of a killed run, or one
+  that a later append terminated) is skipped with a warning naming its line
+  number; nothing is ever deleted or rewritten. When a cell appears twice, the
+  last line wins.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self._warned: set[tuple[int, str]] = set()
+
+  def append(self, cell: Cell, metrics: Mapping[str, Any],
+             extra: Optional[Mapping[str, Any]] = None) -> dict:
+    """Appends one record (write, flush, fsync); returns it."""
+    if not isinstance(metrics, Mapping):
+      raise TypeError(f'metrics must be a dict, got {type(metrics).__name__}')
+    record = {'paper': cell.paper, 'method': cell.method,
+              'setting': cell.setting, 'seed': cell.seed,
+              'metrics': _jsonable(dict(metrics))}
+    for k, v in (extra or {}).items():
+      if k in RECORD_KEYS:
+        raise ValueError(f'extra key {k!r} collides with a record key')
+      record[k] = _jsonable(v)
+    line = json.dumps(record, sort_keys=True) + '\n'
+    directory = os.path.dirname(self.path)
+    if directory:
+      os.makedirs(directory, exist_ok=True)
+    # A killed writer may have left a line without its newline: terminate it
+    # so that the new record stays a line of its own (the fragment is kept).
+    prefix = ''
+    if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+      with open(self.path, 'rb') as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b'\n':
+          prefix = '\n'
+    with open(self.path, 'a', encoding='utf-8') as f:
+      f.write(prefix + line)
+      f.flush()
+      os.fsync(f.fileno())
+    return record
+
+  def records(self) -> list[dict]:
+    """All valid records in file order (duplicates included)."""
+    if not os.path.exists(self.path):
+      return []
+    with open(self.path, 'rb') as f:
+      data = f.read()
+    lines = data.split(b'\n')
+    records = []
+    for i, raw in enumerate(lines):
+      if not raw.strip():
+        continue
+      lineno = i + 1
+      is_last = i == len(lines) - 1  # No newline after it.
+      try:
+        record = json.loads(raw.decode('utf-8'))
+        _check_record(record)
+      except (UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
+        self._warn(lineno, raw, is_last, e)
+        continue
+      records.append(record)
+    return records
+
+  def _warn(self, lineno: int, raw: bytes, is_last: bool, error: Exception):
+    token = (lineno, hashlib.sha1(raw).hexdigest())
+    if token in self._warned:
+      return
+    self._warned.add(token)
+    what = ('truncated last line (a killed run?)' if is_last else
+            'unreadable line')
+    logging.warning('%s:%d: skipping %s: %s; the line is kept in the file.',
+                    self.path, lineno, what, error)
+
+  def latest(self) -> dict[str, dict]:
+    """Cell key -> its last record."""
+    return {Cell.from_record(r).key(): r for r in self.records()}
+
+  def finished_keys(self) -> set[str]:
+    return set(self.latest())
+
+  def metrics_for(self, paper: str, method: str,
+                  setting: Mapping[str, Any]) -> list[dict]:
+    """Metric dicts of the finished seeds of (paper, method, setting)."""
+    return _metrics_for(self.latest().values(), paper, method, setting)
+
+
+def _check_record(record: Any):
+  if not isinstance(record, dict):
+    raise ValueError('not a JSON object')
+  missing = [k for k in RECORD_KEYS if k not in record]
+  if missing:
+    raise ValueError(f'missing keys {missing}')
+  if not isinstance(record['setting'], dict):
+    raise ValueError('"setting" is not an object')
+  if not isinstance(record['metrics'], dict):
+    raise ValueError('"metrics" is not an object')
+  Cell.from_record(record)  # Validates the types.
+
+
+def _metrics_for(records: Iterable[Mapping[str, Any]], paper: str, method: str,
+                 setting: Mapping[str, Any]) -> list[dict]:
+  want = canonical_json(_jsonable(dict(setting)))
+  by_seed = {}
+  for r in records:
+    if (r['paper'] == paper and r['method'] == method and
+        canonical_json(r['setting']) == want):
+      by_seed[r['seed']] = r['metrics']
+  return [by_seed[s] for s in sorted(by_seed)]
+
+
+Results = Union[ResultsFile, Iterable[Mapping[str, Any]]]
+
+
+def _latest_records(results: Results) -> list[dict]:
+  if isinstance(results, ResultsFile):
+    return list(results.latest().values())
+  return list({Cell.from_record(r).key(): r for r in results}.values())
+
+
+# -------------------------------------------------------------------- tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+  """A table column: a setting and its display name."""
+  name: str
+  setting: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """Rows = methods, columns = settings, one metric; the paper's numbers.
+
+  `paper_values[(method, column_name)]` is the paper's cell as printed (e.g.
+  '0.88 ± 0.02'). Our values are multiplied by `scale` (e.g. 100 when the
+  paper reports percent) and printed with `digits` decimals.
+  """
+  name: str
+  paper: str
+  metric: str
+  methods: Sequence[str]
+  columns: Sequence[Column]
+  paper_values: Mapping[tuple[str, str], str] = dataclasses.field(
+      default_factory=dict)
+  title: str = ''
+  digits: int = 2
+  scale: float = 1.0
+  notes: str = ''
+
+  def __post_init__(self):
+    object.__setattr__(self, 'methods', tuple(self.methods))
+    object.__setattr__(self, 'columns', tuple(self.columns))
+    if not _NAME_RE.match(self.name):
+      raise ValueError(f'table name {self.name!r} must match '
+                       f'{_NAME_RE.pattern}')
+    for kind, names in (('method', self.methods),
+                        ('column', [c.name for c in self.columns])):
+      dup = sorted({n for n in names if list(names).count(n) > 1})
+      if dup:
+        raise ValueError(f'table {self.name!r}: duplicate {kind}s {dup}')
+    settings = [canonical_json(_jsonable(dict(c.setting)))
+                for c in self.columns]
+    if len(set(settings)) != len(settings):
+      raise ValueError(f'table {self.name!r}: two columns have one setting')
+    columns = {c.name for c in self.columns}
+    for method, column in self.paper_values:
+      if method not in self.methods or column not in columns:
+        raise ValueError(f'table {self.name!r}: paper value for unknown '
+                         f'(method, column) ({method!r}, {column!r})')
+
+  def column_for(self, setting: Mapping[str, Any]) -> Optional[Column]:
+    want = canonical_json(_jsonable(dict(setting)))
+    for c in self.columns:
+      if canonical_json(_jsonable(dict(c.setting))) == want:
+        return c
+    return None
+
+  def cells(self, seeds: int) -> list[Cell]:
+    """Every (method, column, seed in range(seeds)) cell, row by row."""
+    return [Cell(self.paper, m, c.setting, s)
+            for m in self.methods for c in self.columns for s in range(seeds)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  n: int
+  mean: float
+  std: float  # Sample std (ddof=1); 0 for n=1.
+
+
+def summarize(values: Sequence[float]) -> Optional[Summary]:
+  values = [float(v) for v in values]
+  n = len(values)
+  if not n:
+    return None
+  mean = math.fsum(values) / n
+  std = (math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+         if n > 1 else 0.0)
+  return Summary(n, mean, std)
+
+
+def _cell_summaries(records, table: Table):
+  out = {}
+  for method in table.methods:
+    for column in table.columns:
+      metrics = _metrics_for(records, table.paper, method, column.setting)
+      values = [m[table.metric] * table.scale for m in metrics
+                if isinstance(m.get(table.metric), (int, float))]
+      out[(method, column.name)] = summarize(values)
+  return out
+
+
+def _fmt(s: Optional[Summary], digits: int) -> str:
+  if s is None:
+    return MISSING
+  return f'{s.mean:.{digits}f} ± {s.std:.{digits}f} ({s.n})'
+
+
+def render_markdown(results: Results, table: Table) -> str:
+  """A markdown table: per column, our 'mean ± std (n)' and the paper's."""
+  records = _latest_records(results)
+  summaries = _cell_summaries(records, table)
+  title = table.title or f'{table.paper} {table.name}'
+  scale = f' × {table.scale:g}' if table.scale != 1 else ''
+  lines = [f'### {title}', '', f'Metric: `{table.metric}`{scale}.', '']
+  header = ['method']
+  for c in table.columns:
+    header += [f'{c.name} (ours)', f'{c.name} (paper)']
+  lines.append('| ' + ' | '.join(header) + ' |')
+  lines.append('|' + '|'.join(['---'] + ['---:'] * (len(header) - 1)) + '|')
+  for m in table.methods:
+    row = [m]
+    for c in table.columns:
+      row += [_fmt(summaries[(m, c.name)], table.digits),
+              table.paper_values.get((m, c.name), MISSING)]
+    lines.append('| ' + ' | '.join(row) + ' |')
+  lines += ['', 'ours: mean ± sample standard deviation (ddof=1) over seeds, '
+            '(n) seeds; the std is 0 when n=1. paper: as reported. '
+            f'{MISSING}: not run yet / not reported.']
+  if table.notes:
+    lines += ['', table.notes]
+  return '\n'.join(lines) + '\n'
+
+
+CSV_FIELDS = ('method', 'column', 'setting', 'metric', 'n', 'mean', 'std',
+              'ours', 'paper')
+
+
+def render_csv(results: Results, table: Table) -> str:
+  """One row per (method, column): n, mean, std (scaled), ours, paper."""
+  summaries = _cell_summaries(_latest_records(results), table)
+  buf = io.StringIO()
+  writer = csv.writer(buf, lineterminator='\n')
+  writer.writerow(CSV_FIELDS)
+  for m in table.methods:
+    for c in table.columns:
+      s = summaries[(m, c.name)]
+      writer.writerow([
+          m, c.name, canonical_json(_jsonable(dict(c.setting))), table.metric,
+          s.n if s else 0, repr(s.mean) if s else '', repr(s.std) if s else '',
+          _fmt(s, table.digits), table.paper_values.get((m, c.name), '')])
+  return buf.getvalue()
+
+
+def _write_atomic(path: str, text: str):
+  directory = os.path.dirname(path) or '.'
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.' + os.path.basename(path),
+                             suffix='.tmp')
+  try:
+    with os.fdopen(fd, 'w', encoding='utf-8') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_tables(results: Results, tables: Union[Mapping[str, Table],
+                                                 Iterable[Table]],
+                 out_dir: str) -> list[str]:
+  """Writes <name>.md and <name>.csv per table atomically; returns the paths."""
+  if isinstance(tables, Mapping):
+    tables = tables.values()
+  records = _latest_records(results)
+  paths = []
+  for table in tables:
+    for ext, render in (('md', render_markdown), ('csv', render_csv)):
+      path = os.path.join(out_dir, f'{table.name}.{ext}')
+      _write_atomic(path, render(records, table))
+      paths.append(path)
+  return paths
+
+
+# ------------------------------------------------------------------ registry
+
+
+class PaperModule(Protocol):
+  TABLES: Mapping[str, Table]
+
+  def cells(self, table: str, flags: Any) -> list[Cell]:
+    ...
+
+  def run_cell(self, cell: Cell, flags: Any, out_dir: str) -> dict:
+    ...
+
+
+_PAPERS: dict[str, Any] = {}
+
+
+def register_paper(name: str, module: Any) -> None:
+  """Registers a paper module (see the module docstring for its interface)."""
+  for attr in ('TABLES', 'cells', 'run_cell'):
+    if not hasattr(module, attr):
+      raise TypeError(f'paper module for {name!r} has no {attr!r}')
+  for key, table in module.TABLES.items():
+    if not isinstance(table, Table) or table.name != key or table.paper != name:
+      raise TypeError(f'paper {name!r}: TABLES[{key!r}] must be a Table with '
+                      f'name {key!r} and paper {name!r}')
+  if name in _PAPERS and _PAPERS[name] is not module:
+    raise ValueError(f'paper {name!r} is already registered')
+  _PAPERS[name] = module
+
+
+def unregister_paper(name: str) -> None:
+  _PAPERS.pop(name, None)
+
+
+def papers() -> dict[str, Any]:
+  return dict(_PAPERS)
+
+
+def get_paper(name: str) -> Any:
+  if name not in _PAPERS:
+    raise ConfigError(f'unknown --paper={name!r}; registered: '
+                      f'{sorted(_PAPERS) or "none"}')
+  return _PAPERS[name]
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class Plan:
+  paper: str
+  module: Any
+  table: Table
+  cells: list[Cell]    # Every selected cell.
+  pending: list[Cell]  # Those not in results.jsonl yet.
+  results: ResultsFile
+  tables_dir: str
+
+
+def _filter_settings(cells: list[Cell], table: Table,
+                     settings: Sequence[str]) -> list[Cell]:
+  """Keeps cells matching any named column and every key=value condition."""
+  names = [s for s in settings if '=' not in s]
+  conditions = [s.split('=', 1) for s in settings if '=' in s]
+  columns = {c.name: c for c in table.columns}
+  unknown = [n for n in names if n not in columns]
+  if unknown:
+    raise ConfigError(f'unknown --settings {unknown} for table '
+                      f'{table.name!r}; columns: {list(columns)} '
+                      '(or key=value)')
+  wanted = {canonical_json(_jsonable(dict(columns[n].setting))) for n in names}
+
+  def keep(cell):
+    if wanted and canonical_json(cell.setting) not in wanted:
+      return False
+    for k, v in conditions:
+      if k not in cell.setting:
+        return False
+      if v != _display(cell.setting[k]):
+        return False
+    return True
+
+  return [c for c in cells if keep(c)]
+
+
+def plan(paper: str, table: Optional[str], root_output_dir: Optional[str],
+         flag_values: Any, seeds: int = 1,
+         methods: Optional[Sequence[str]] = None,
+         settings: Optional[Sequence[str]] = None) -> Plan:
+  """Resolves paper, table, filters and pending cells; raises ConfigError."""
+  module = get_paper(paper)
+  tables = module.TABLES
+  if table is None:
+    if len(tables) != 1:
+      raise ConfigError(f'--table is required for paper {paper!r}; tables: '
+                        f'{sorted(tables)}')
+    table = next(iter(tables))
+  if table not in tables:
+    raise ConfigError(f'unknown --table={table!r} for paper {paper!r}; '
+                      f'tables: {sorted(tables)}')
+  spec = tables[table]
+  if not root_output_dir:
+    raise ConfigError('--root_output_dir is required')
+  if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+    raise ConfigError(f'--seeds must be a positive integer, got {seeds!r}')
+  if methods:
+    unknown = [m for m in methods if m not in spec.methods]
+    if unknown:
+      raise ConfigError(f'unknown --methods {unknown} for table {table!r}; '
+                        f'methods: {list(spec.methods)}')
+  try:
+    cells = list(module.cells(table, flag_values))
+  except ValueError as e:  # The paper module validates its flags here.
+    raise ConfigError(str(e)) from e
+  for c in cells:
+    if not isinstance(c, Cell) or c.paper != paper:
+      raise ConfigError(f'paper {paper!r}: cells() returned {c!r}')
+  cells = [c for c in cells if c.seed < seeds]
+  if methods:
+    cells = [c for c in cells if c.method in methods]
+  if settings:
+    cells = _filter_settings(cells, spec, settings)
+  cells = list(dict.fromkeys(cells))  # Drops duplicates, keeps the order.
+  results = ResultsFile(os.path.join(root_output_dir, RESULTS_FILENAME))
+  finished = results.finished_keys()
+  pending = [c for c in cells if c.key() not in finished]
+  return Plan(paper, module, spec, cells, pending, results,
+              os.path.join(root_output_dir, TABLES_DIRNAME, paper))
+
+
+def _fmt_metrics(metrics: Mapping[str, Any]) -> str:
+  return ', '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}'
+                   for k, v in sorted(metrics.items()))
+
+
+def _cell_label(cell: Cell, table: Table) -> str:
+  column = table.column_for(cell.setting)
+  label = column.name if column else setting_label(cell.setting)
+  return f'{cell.method} {label} seed={cell.seed}'
+
+
+def reproduce(p: Plan, flag_values: Any, root_output_dir: str,
+              dry_run: bool = False,
+              log_fn: Callable[[str], None] = print) -> str:
+  """Runs the plan's pending cells; returns the table's markdown.
+
+  After each cell: append to results.jsonl, rewrite every table of the paper
+  (<root>/tables/<paper>/<table>.{md,csv}), print progress. A cell that raises
+  stops the loop (finished cells stay recorded; rerun to continue).
+  """
+  done = len(p.cells) - len(p.pending)
+  log_fn(f'{p.paper}/{p.table.name}: {len(p.cells)} cells, {done} already in '
+         f'{p.results.path}, {len(p.pending)} to run.')
+  if dry_run:
+    for i, cell in enumerate(p.pending, 1):
+      log_fn(f'[{i}/{len(p.pending)}] would run {_cell_label(cell, p.table)} '
+             f'-> {cell.out_dir(root_output_dir)}')
+    markdown = render_markdown(p.results, p.table)
+    log_fn(markdown)
+    return markdown
+  for i, cell in enumerate(p.pending, 1):
+    out_dir = cell.out_dir(root_output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    start = time.perf_counter()
+    metrics = p.module.run_cell(cell, flag_values, out_dir)
+    seconds = time.perf_counter() - start
+    if not isinstance(metrics, Mapping):
+      raise TypeError(f'{p.paper}.run_cell returned {type(metrics).__name__}, '
+                      'not a dict of metrics')
+    p.results.append(cell, metrics, extra={
+        'seconds': round(seconds, 3), 'out_dir': out_dir,
+        'finished_at': datetime.datetime.now(
+            datetime.timezone.utc).isoformat(timespec='seconds')})
+    write_tables(p.results, p.module.TABLES, p.tables_dir)
+    log_fn(f'[{i}/{len(p.pending)}] {_cell_label(cell, p.table)} -> '
+           f'{_fmt_metrics(metrics)} ({seconds:.1f} s)')
+  write_tables(p.results, p.module.TABLES, p.tables_dir)
+  markdown = render_markdown(p.results, p.table)
+  log_fn(markdown)
+  return markdown
