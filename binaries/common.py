@@ -42,12 +42,21 @@ def define_flags():
                     'Sub-population proportions.')
   flags.DEFINE_integer('batch_size', 10, 'Local batch size.')
   flags.DEFINE_integer('local_epochs', 1, 'Local epochs per round.')
+  flags.DEFINE_integer('max_chars', 100,
+                       'speaker_context: characters kept per document.')
+  flags.DEFINE_integer('lstm_units', 32,
+                       'speaker_context: BLSTM units per direction.')
+  flags.DEFINE_float('cold_fraction', 0.1,
+                     'speaker_context: users held out of training and '
+                     'evaluated with cold start.')
   _group('task', ['task', 'data_dir', 'num_users', 'population', 'batch_size',
-                  'local_epochs'])
+                  'local_epochs', 'max_chars', 'lstm_units', 'cold_fraction'])
   # Algorithm.
   flags.DEFINE_string('algorithm', 'global_plus',
                       f'One of {sorted(algorithm_registry.ALGORITHMS)}.')
-  flags.DEFINE_integer('embedding_dim', 28, 'Personal embedding size.')
+  flags.DEFINE_integer('embedding_dim', None,
+                       'Personal (private) embedding size; default: the '
+                       "algorithm's (global_plus 28, furl 32).")
   flags.DEFINE_float('personal_init_stddev', 0.1,
                      'New clients\' personal embeddings ~ N(0, stddev^2), '
                      'seeded by (seed, client id).')
@@ -70,6 +79,9 @@ def define_flags():
   flags.DEFINE_integer('eval_clients', 0,
                        'Clients evaluated (0: the whole population).')
   flags.DEFINE_integer('checkpoint_every', 1, 'Checkpoint every N rounds.')
+  flags.DEFINE_integer('cold_start_epochs', 5,
+                       'Local epochs of private-state fine-tuning for users '
+                       'who never trained (tasks with cold-start users).')
   flags.DEFINE_bool('resume', False, 'Resume from the last checkpoint.')
   flags.DEFINE_enum('client_state_backend', 'auto', ['auto', 'memory', 'sqlite'],
                     'Client-state store (auto: sqlite above 100,000 clients).')
@@ -80,6 +92,7 @@ def define_flags():
                     'default; CPU is what the tests and CI use.')
   _group('training', ['rounds', 'clients_per_round', 'sampling', 'seed',
                       'eval_every', 'eval_clients', 'checkpoint_every',
+                      'cold_start_epochs',
                       'resume', 'client_state_backend', 'train_metrics',
                       'use_gpu'])
   # Privacy.
@@ -111,9 +124,10 @@ def configs_from_flags(f):
   if f.algorithm not in algorithm_registry.ALGORITHMS:
     raise ValueError(f'unknown --algorithm={f.algorithm!r}; known: '
                      f'{sorted(algorithm_registry.ALGORITHMS)}')
-  if f.num_users < 1:
+  population_from_flags = f.task == 'mnist_preference'
+  if population_from_flags and f.num_users < 1:
     raise ValueError(f'--num_users must be positive, got {f.num_users}')
-  if f.clients_per_round > f.num_users:
+  if population_from_flags and f.clients_per_round > f.num_users:
     raise ValueError(f'--clients_per_round={f.clients_per_round} is larger '
                      f'than the population --num_users={f.num_users}')
   if f.noise_multiplier is not None and f.noise_multiplier < 0:
@@ -142,12 +156,18 @@ def configs_from_flags(f):
       personal_init_stddev=f.personal_init_stddev, sampling=f.sampling,
       seed=f.seed, checkpoint_every=f.checkpoint_every,
       eval_every=f.eval_every, eval_clients=f.eval_clients, resume=f.resume,
+      cold_start_epochs=f.cold_start_epochs,
       client_state_backend=f.client_state_backend,
       train_metrics=f.train_metrics, dp=dp)
-  experiment.validate(config, f.num_users)
-  task_kwargs = dict(data_dir=f.data_dir, num_users=f.num_users,
-                     population=f.population, seed=f.seed,
-                     batch_size=f.batch_size, local_epochs=f.local_epochs)
+  if population_from_flags:  # else validated once the task is loaded
+    experiment.validate(config, f.num_users)
+  task_kwargs = dict(data_dir=f.data_dir, seed=f.seed, batch_size=f.batch_size,
+                     local_epochs=f.local_epochs)
+  if f.task == 'mnist_preference':
+    task_kwargs.update(num_users=f.num_users, population=f.population)
+  else:
+    task_kwargs.update(max_chars=f.max_chars, lstm_units=f.lstm_units,
+                       cold_fraction=f.cold_fraction)
   return config, task_kwargs
 
 
@@ -159,6 +179,7 @@ def run(config, task_kwargs, f) -> int:
     logging.set_verbosity(logging.WARNING)
   try:
     task = task_registry.build_task(f.task, **task_kwargs)
+    experiment.validate(config, task.population)
   except ValueError as e:  # Data errors name the file and what is wrong.
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from tasks import preference_task
+from tasks import speaker_task
 
-TASKS = ['mnist_preference']
+TASKS = ['mnist_preference', 'speaker_context']
 
 
 def build_task(name: str, **kwargs):
@@ -12,4 +13,6 @@ def build_task(name: str, **kwargs):
   if name == 'mnist_preference':
     return preference_task.mnist_preference_task(
         kwargs.pop('data_dir'), **kwargs)
+  if name == 'speaker_context':
+    return speaker_task.speaker_context_task(kwargs.pop('data_dir'), **kwargs)
   raise ValueError(f'unknown task {name!r}; known: {TASKS}')

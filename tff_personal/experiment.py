@@ -35,7 +35,7 @@ class ExperimentConfig:
   client_learning_rate: float = 1e-3
   server_optimizer: str = 'sgd'
   server_learning_rate: float = 1.0
-  embedding_dim: int = 28
+  embedding_dim: Optional[int] = None  # None: the algorithm's default
   personal_init_stddev: float = 0.1
   sampling: str = 'fixed_size'
   seed: int = 0
@@ -103,7 +103,8 @@ def run_experiment(task, config: ExperimentConfig,
                                          config.server_learning_rate),
       aggregator_factory=aggregator, metrics_fn=task.metrics_fn,
       train_metrics=config.train_metrics, seed=config.seed,
-      embedding_dim=config.embedding_dim)
+      **({} if config.embedding_dim is None else
+         {'embedding_dim': config.embedding_dim}))
   template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
   initial_state_fn = client_state_lib.seeded_initial_state_fn(
       template, config.seed, init='normal', stddev=config.personal_init_stddev)
