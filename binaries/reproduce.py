@@ -19,14 +19,17 @@ from typing import Any, Callable, Optional
 
 from absl import app
 from absl import flags
+from absl import logging
+import tensorflow as tf
 
 from tff_personal import reporting
 
 FLAGS = flags.FLAGS
 
-# Paper modules. Each paper issue adds its registration here, e.g.
-#   from papers import fedembed
-#   reporting.register_paper('fedembed', fedembed)
+# Paper modules. Each paper issue adds its registration here.
+from papers import furl  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+reporting.register_paper('furl', furl)
 
 
 def _define(kind: str, name: str, default: Any, help_text: str):
@@ -91,6 +94,9 @@ def _as_list(value) -> Optional[list[str]]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if not FLAGS['verbosity'].present:  # checkpoint INFO lines drown progress
+    logging.set_verbosity(logging.WARNING)
+    tf.get_logger().setLevel('ERROR')
   return run(FLAGS, log_fn=lambda s: print(s, flush=True))
 
 

@@ -88,8 +88,15 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
 
 def run_experiment(task, config: ExperimentConfig,
                    log_fn: Callable[[str], None] = print,
-                   flag_values: Optional[dict[str, Any]] = None) -> dict:
-  """Trains and evaluates; writes and returns the summary (summary.json)."""
+                   flag_values: Optional[dict[str, Any]] = None,
+                   export_private_states: bool = False) -> dict:
+  """Trains and evaluates; writes and returns the summary (summary.json).
+
+  With `export_private_states`, the final private states of the evaluated
+  clients are written to `private_states.npz` (ids and each private tensor)
+  for analysis such as the t-SNE of user embeddings. This reads every
+  client's state, which only a simulation can do; a deployment never would.
+  """
   population = task.population
   dp = validate(config, population)
   os.makedirs(config.experiment_dir, exist_ok=True)
@@ -150,6 +157,8 @@ def run_experiment(task, config: ExperimentConfig,
     if hasattr(task, 'test_datasets'):  # held-out test split, after training
       test_metrics = evaluate(result.state, task.test_datasets)
       log_fn(f'test: {_short(test_metrics)}')
+    if export_private_states:
+      _export_private_states(store, eval_ids, config.experiment_dir)
     if getattr(task, 'cold_client_ids', None):
       cold_start_metrics = _cold_start(task, proc, result.state, store, config)
       log_fn(f'cold start ({len(task.cold_client_ids)} users never trained): '
@@ -218,3 +227,11 @@ def _cold_start(task, proc, state, store, config: ExperimentConfig) -> dict:
     sl = slice(i, i + config.eval_chunk)
     outputs.extend(cold_eval(weights, states[sl], train[sl], test[sl]))
   return task.evaluate(outputs, ids)
+
+
+def _export_private_states(store, ids, directory) -> None:
+  states = store.load(ids)
+  arrays = {'ids': np.asarray(ids, np.int64)}
+  for i in range(len(states[0]['private']) if states else 0):
+    arrays[f'private_{i}'] = np.stack([s['private'][i] for s in states])
+  np.savez(os.path.join(directory, 'private_states.npz'), **arrays)

@@ -1,0 +1,308 @@
+"""FURL (Bui et al. 2019) Table 2 on the `speaker_context` task.
+
+The four configurations of FURL's Table 2, on the same users and splits:
+
+* `global_server`, `personalized_server`: centralized Keras training of the
+  document model on all training users' pooled documents, without and with a
+  user-embedding table (`algorithms/centralized.py`).
+* `global_fl`: FedAvg of the same model without a user embedding
+  (`--algorithm=global`).
+* `personalized_fl`: FURL (`--algorithm=furl`): the user embedding is private
+  client state.
+
+FL uses 10 users per round and 1 local epoch, as the paper; an FL "epoch" is
+ceil(training users / 10) rounds (every training document used once in
+expectation). Users held out of training (`--cold_fraction`) are evaluated
+with cold start and reported separately. The paper trained 40 epochs on
+Subreddit; the epochs here are flags sized for a 2-core CPU (README states
+what was run).
+
+Tables: `table2` (methods x {no DP, DP}); `sweep` (personalized methods over
+user-embedding sizes 4, 8, 16, 32). Figures, rebuilt after every cell from
+what the runs saved: `furl_learning_curves.png` (eval accuracy vs epoch, FL
+and server on one plot, as FURL Figure 5) and `furl_embeddings_tsne.png`
+(t-SNE of user embeddings coloured by community, as Figure 7), plus
+`furl_purity.json` (5-nearest-neighbour community purity of the embeddings).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import json
+import math
+import os
+from typing import Any
+
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+from tasks import speaker_context
+from tasks import speaker_task
+from tff_personal import experiment
+from tff_personal import reporting
+from tff_personal.algorithms import centralized
+from tff_personal.core import privacy
+from tff_personal.core import runtime
+from tff_personal.models import furl_text
+
+PAPER = 'furl'
+_DIM = 32  # FURL's best user-embedding size on Subreddit.
+_METHODS = ('global_server', 'personalized_server', 'global_fl',
+            'personalized_fl')
+_SERVER = ('global_server', 'personalized_server')
+
+TABLES = {
+    'table2': reporting.Table(
+        name='table2', paper=PAPER, metric='accuracy', methods=_METHODS,
+        columns=[
+            reporting.Column('no DP', {'dp': 'none', 'embedding_dim': _DIM}),
+            reporting.Column('DP', {'dp': 'gaussian_fixed',
+                                    'embedding_dim': _DIM}),
+        ],
+        # FURL Table 2, Subreddit (accuracy; the Sticker task reports AUC).
+        paper_values={('global_server', 'no DP'): '28.93',
+                      ('personalized_server', 'no DP'): '66.13',
+                      ('global_fl', 'no DP'): '11.90',
+                      ('personalized_fl', 'no DP'): '62.41'},
+        title='FURL Table 2 (test accuracy, %); paper: Subreddit',
+        scale=100.0, digits=2,
+        notes='DP: user-level DP on the federated parameters only (server '
+              'methods have no DP cell); epsilon in results.jsonl.'),
+    'sweep': reporting.Table(
+        name='sweep', paper=PAPER, metric='accuracy',
+        methods=('personalized_server', 'personalized_fl'),
+        columns=[reporting.Column(f'dim {d}', {'dp': 'none', 'embedding_dim': d})
+                 for d in (4, 8, 16, 32)],
+        title='User-embedding size sweep (test accuracy, %)', scale=100.0),
+}
+
+
+def define_flags():
+  def define(kind, name, default, help_text):
+    if name not in flags.FLAGS:
+      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
+  define('integer', 'furl_fl_epochs', 5, 'FURL: FL epochs.')
+  define('integer', 'furl_server_epochs', 5, 'FURL: server-training epochs.')
+  define('float', 'furl_client_learning_rate', 3e-3, 'FURL: local Adam lr.')
+  define('float', 'furl_server_learning_rate', 3e-3,
+         'FURL: centralized Adam lr.')
+  define('float', 'furl_target_epsilon', 10.0, 'FURL: epsilon of DP cells.')
+  define('float', 'furl_clip_norm', 0.5, 'FURL: DP clip of a client update.')
+  define('integer', 'furl_min_docs', speaker_context.DEFAULT_MIN_DOCS,
+         'FURL: users need at least this many documents.')
+
+
+def cells(table: str, flag_values) -> list[reporting.Cell]:
+  out = TABLES[table].cells(flag_values.seeds)
+  # Server training has no DP cell: DP here protects the federated update.
+  return [c for c in out
+          if not (c.method in _SERVER and c.setting['dp'] != 'none')]
+
+
+_TASKS: dict[tuple, Any] = {}
+
+
+def _task(data_dir: str, seed: int, min_docs: int) -> speaker_task.SpeakerTask:
+  key = (data_dir, seed, min_docs)
+  if key not in _TASKS:
+    _TASKS[key] = speaker_task.speaker_context_task(
+        data_dir, seed=seed, min_docs=min_docs)
+  return _TASKS[key]
+
+
+def _data_dir(flag_values) -> str:
+  return flag_values.data_dir or os.path.join(
+      os.path.dirname(__file__), '..', '..', 'shared', 'data')
+
+
+def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
+  task = _task(_data_dir(flag_values), cell.seed, flag_values.furl_min_docs)
+  dim = cell.setting['embedding_dim']
+  if cell.method in _SERVER:
+    metrics = _run_server(task, cell, flag_values, out_dir,
+                          dim if cell.method == 'personalized_server' else 0)
+  else:
+    metrics = _run_fl(task, cell, flag_values, out_dir, dim)
+  root = os.path.dirname(out_dir)
+  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
+    root = os.path.dirname(root)
+  make_figures(os.path.dirname(root), task)
+  return metrics
+
+
+def _pooled(task: speaker_task.SpeakerTask, client_ids, split: str,
+            batch_size: int, shuffle_seed=None) -> tf.data.Dataset:
+  """Documents of the given clients pooled, with a `user` (client id) field."""
+  xs, ys, users = [], [], []
+  for cid in client_ids:
+    x, y = task.data.arrays(task.user_of(cid), split)
+    xs.append(x)
+    ys.append(y)
+    users.append(np.full(len(y), cid, np.int32))
+  ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=np.concatenate(xs), y=np.concatenate(ys).astype(np.int32),
+      user=np.concatenate(users)))
+  if shuffle_seed is not None:
+    ds = ds.shuffle(sum(len(y) for y in ys), seed=shuffle_seed)
+  return ds.batch(batch_size)
+
+
+def _run_server(task, cell, f, out_dir, dim) -> dict:
+  warm = list(range(task.population))
+  config = dataclasses.replace(task.model_config, user_embedding_dim=dim)
+  model = furl_text.build_centralized_model(config, task.population)
+  result = centralized.train_centralized(
+      model, _pooled(task, warm, 'train', 32, shuffle_seed=cell.seed),
+      _pooled(task, warm, 'eval', 256), epochs=f.furl_server_epochs,
+      learning_rate=f.furl_server_learning_rate, optimizer='adam',
+      seed=cell.seed)
+  test = model.evaluate(
+      _pooled(task, warm, 'test', 256).map(
+          lambda d: ({'x': d['x'], 'user': d['user']}, d['y'])),
+      verbose=0, return_dict=True)
+  curve = {'epoch': list(range(1, len(result.eval_accuracy_per_epoch) + 1)),
+           'eval_accuracy': result.eval_accuracy_per_epoch}
+  _write_json(os.path.join(out_dir, 'curve.json'), curve)
+  if dim:
+    table = model.get_layer('user_embedding_table').get_weights()[0]
+    np.savez(os.path.join(out_dir, 'embeddings.npz'), ids=np.arange(len(warm)),
+             embeddings=table)
+  return {'accuracy': float(test['accuracy']),
+          'seconds_per_epoch': result.seconds_per_epoch,
+          'epochs': f.furl_server_epochs}
+
+
+def _run_fl(task, cell, f, out_dir, dim) -> dict:
+  rounds_per_epoch = math.ceil(task.population / 10)
+  dp = privacy.DPConfig()
+  if cell.setting['dp'] != 'none':
+    dp = privacy.DPConfig(mechanism=cell.setting['dp'],
+                          target_epsilon=f.furl_target_epsilon,
+                          clip_norm=f.furl_clip_norm,
+                          target_delta=1.0 / (task.population + 1))
+  config = experiment.ExperimentConfig(
+      algorithm='furl' if cell.method == 'personalized_fl' else 'global',
+      rounds=f.furl_fl_epochs * rounds_per_epoch, clients_per_round=10,
+      root_output_dir=out_dir, experiment_name='fl',
+      client_learning_rate=f.furl_client_learning_rate,
+      server_optimizer='sgd', server_learning_rate=1.0,
+      embedding_dim=dim if cell.method == 'personalized_fl' else None,
+      seed=cell.seed, eval_every=rounds_per_epoch,
+      checkpoint_every=rounds_per_epoch, resume=True, dp=dp)
+  with runtime.local_runtime(
+      log_path=os.path.join(out_dir, 'worker_binary.log')):
+    summary = experiment.run_experiment(
+        task, config, export_private_states=cell.method == 'personalized_fl')
+  exp_dir = config.experiment_dir
+  curve = _fl_curve(os.path.join(exp_dir, 'eval_metrics.csv'),
+                    rounds_per_epoch)
+  _write_json(os.path.join(out_dir, 'curve.json'), curve)
+  states = os.path.join(exp_dir, 'private_states.npz')
+  if os.path.exists(states):
+    with np.load(states) as z:
+      np.savez(os.path.join(out_dir, 'embeddings.npz'), ids=z['ids'],
+               embeddings=z['private_0'])
+  metrics = {'accuracy': summary['test']['accuracy'],
+             'seconds_per_round': summary['seconds_per_round'],
+             'rounds': summary['rounds_completed'],
+             'epochs': f.furl_fl_epochs}
+  if summary.get('cold_start'):
+    metrics['cold_start_accuracy'] = summary['cold_start']['accuracy']
+  if summary['privacy']:
+    metrics['epsilon'] = summary['privacy']['epsilon']
+    metrics['delta'] = summary['privacy']['delta']
+    metrics['noise_multiplier'] = summary['privacy']['noise_multiplier']
+  return metrics
+
+
+def _fl_curve(csv_path: str, rounds_per_epoch: int) -> dict:
+  import csv  # pylint: disable=g-import-not-at-top
+  epochs, acc = [], []
+  with open(csv_path) as f:
+    for row in csv.DictReader(f):
+      if row.get('accuracy'):
+        epochs.append(int(row['round']) / rounds_per_epoch)
+        acc.append(float(row['accuracy']))
+  return {'epoch': epochs, 'eval_accuracy': acc}
+
+
+def _write_json(path, value):
+  with open(path, 'w') as f:
+    json.dump(value, f, indent=1)
+
+
+def knn_purity(embeddings: np.ndarray, labels: np.ndarray, k: int = 5) -> float:
+  """Mean fraction of each point's k nearest neighbours with its label."""
+  d = np.sum((embeddings[:, None, :] - embeddings[None, :, :]) ** 2, -1)
+  np.fill_diagonal(d, np.inf)
+  nn = np.argsort(d, axis=1)[:, :k]
+  return float(np.mean(labels[nn] == labels[:, None]))
+
+
+def chance_purity(labels: np.ndarray) -> float:
+  """Expected purity of random neighbours (sum of squared label shares)."""
+  _, counts = np.unique(labels, return_counts=True)
+  p = counts / counts.sum()
+  return float(np.sum(p * (counts - 1) / max(len(labels) - 1, 1)))
+
+
+def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
+  """Learning curves, embedding t-SNE and purity from the saved runs."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  runs = os.path.join(root_output_dir, reporting.RUNS_DIRNAME, PAPER)
+  out = os.path.join(root_output_dir, 'tables', PAPER)
+  os.makedirs(out, exist_ok=True)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for method in _METHODS:
+    for path in sorted(glob.glob(os.path.join(runs, method, f'*dp=none*embedding_dim={_DIM}*',
+                                              'seed_0', 'curve.json'))):
+      with open(path) as f:
+        c = json.load(f)
+      ax.plot(c['epoch'], c['eval_accuracy'], marker='o', label=method)
+  ax.set_xlabel('epoch')
+  ax.set_ylabel('eval accuracy')
+  ax.set_title('speaker_context: FL vs server (FURL Fig. 5)')
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, 'furl_learning_curves.png'), dpi=120)
+  plt.close(fig)
+
+  purity = {}
+  panels = []
+  for method in ('personalized_server', 'personalized_fl'):
+    for path in sorted(glob.glob(os.path.join(
+        runs, method, f'*dp=none*embedding_dim={_DIM}*', 'seed_0',
+        'embeddings.npz'))):
+      with np.load(path) as z:
+        ids, emb = z['ids'], z['embeddings']
+      labels = task.communities(ids)
+      purity[method] = {'knn5_purity': knn_purity(emb, labels),
+                        'chance': chance_purity(labels), 'users': len(ids)}
+      panels.append((method, emb, labels))
+  _write_json(os.path.join(out, 'furl_purity.json'), purity)
+  if panels:
+    from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5))
+    axes = np.atleast_1d(axes)
+    for ax, (method, emb, labels) in zip(axes, panels):
+      xy = TSNE(n_components=2, perplexity=min(30, len(emb) - 1),
+                random_state=0, init='pca').fit_transform(emb)
+      shows = labels < 2  # friends, game_of_thrones; the rest are plays
+      ax.scatter(xy[~shows, 0], xy[~shows, 1], c=labels[~shows], cmap='tab20',
+                 s=8, label='Shakespeare plays (colour = play)')
+      for lab, colour, name in ((0, 'black', 'Friends'),
+                                (1, 'red', 'Game of Thrones')):
+        sel = labels == lab
+        ax.scatter(xy[sel, 0], xy[sel, 1], c=colour, s=10, marker='x',
+                   label=name)
+      ax.set_title(f'{method}: user embeddings (5-NN purity '
+                   f'{purity[method]["knn5_purity"]:.2f})')
+      ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, 'furl_embeddings_tsne.png'), dpi=110)
+    plt.close(fig)
