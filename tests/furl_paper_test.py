@@ -1,0 +1,72 @@
+"""The FURL reproduction pieces: cells, purity, and one tiny end-to-end cell."""
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+from papers import furl
+from tasks import speaker_task
+from tff_personal import reporting
+
+DATA = os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data')
+
+
+def test_cells_skip_server_dp():
+  cells = furl.cells('table2', types.SimpleNamespace(seeds=2))
+  methods = {(c.method, c.setting['dp']) for c in cells}
+  assert ('global_server', 'gaussian_fixed') not in methods
+  assert ('personalized_fl', 'gaussian_fixed') in methods
+  assert len(cells) == 2 * (4 + 2)
+
+
+def test_knn_purity_on_known_clusters():
+  rng = np.random.default_rng(0)
+  labels = np.repeat(np.arange(3), 20)
+  tight = rng.normal(size=(60, 4)) * 0.01 + labels[:, None] * 10.0
+  assert furl.knn_purity(tight, labels) == 1.0
+  mixed = rng.normal(size=(60, 4))
+  assert furl.knn_purity(mixed, labels) < 0.6
+  # Chance: 3 equal classes of 20 -> 19/59 of other points share the label.
+  assert furl.chance_purity(labels) == pytest.approx(19 / 59)
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, 'friends')),
+                    reason='shared data not found')
+def test_speaker_task_holds_out_cold_users():
+  task = speaker_task.speaker_context_task(DATA, min_docs=150, seed=0)
+  n = task.data.num_users
+  assert len(task.cold_client_ids) == round(0.1 * n)
+  assert task.population == n - len(task.cold_client_ids)
+  warm = {task.user_of(c) for c in range(task.population)}
+  cold = {task.user_of(c) for c in task.cold_client_ids}
+  assert not warm & cold and len(warm | cold) == n
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, 'friends')),
+                    reason='shared data not found')
+def test_personalized_fl_cell_end_to_end(tmp_path):
+  flag_values = types.SimpleNamespace(
+      data_dir=DATA, seeds=1, furl_min_docs=150, furl_fl_epochs=1,
+      furl_server_epochs=1, furl_client_learning_rate=3e-3,
+      furl_server_learning_rate=3e-3, furl_target_epsilon=10.0,
+      furl_clip_norm=0.5)
+  cell = reporting.Cell('furl', 'personalized_fl',
+                        {'dp': 'none', 'embedding_dim': 32}, 0)
+  out_dir = cell.out_dir(str(tmp_path))
+  os.makedirs(out_dir)
+  metrics = furl.run_cell(cell, flag_values, out_dir)
+  assert 0.0 <= metrics['accuracy'] <= 1.0
+  assert 0.0 <= metrics['cold_start_accuracy'] <= 1.0
+  task = furl._task(DATA, 0, 150)  # pylint: disable=protected-access
+  assert metrics['rounds'] == -(-task.population // 10)
+  with np.load(os.path.join(out_dir, 'embeddings.npz')) as z:
+    assert z['embeddings'].shape == (task.population, 32)
+  with open(os.path.join(out_dir, 'curve.json')) as f:
+    assert json.load(f)['epoch'] == [1.0]
+  purity_path = tmp_path / 'tables' / 'furl' / 'furl_purity.json'
+  purity = json.loads(purity_path.read_text())['personalized_fl']
+  assert purity['users'] == task.population
+  assert (tmp_path / 'tables' / 'furl' / 'furl_embeddings_tsne.png').exists()
