@@ -32,10 +32,11 @@ import logging
 import math
 import os
 import re
-import tempfile
 import time
 from typing import (Any, Callable, Iterable, Mapping, Optional, Protocol,
                     Sequence, Union)
+
+from tff_personal import atomic_io
 
 RESULTS_FILENAME = 'results.jsonl'
 TABLES_DIRNAME = 'tables'
@@ -409,20 +410,8 @@ def render_csv(results: Results, table: Table) -> str:
 
 
 def _write_atomic(path: str, text: str):
-  directory = os.path.dirname(path) or '.'
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.' + os.path.basename(path),
-                             suffix='.tmp')
-  try:
-    with os.fdopen(fd, 'w', encoding='utf-8') as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  with atomic_io.atomic_write(path) as f:
+    f.write(text)
 
 
 def write_tables(results: Results, tables: Union[Mapping[str, Table],

@@ -73,18 +73,19 @@ import json
 import os
 import re
 import sqlite3
-import tempfile
 import zipfile
 import zlib
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from tff_personal import atomic_io
+
 Structure = Any
 InitialStateFn = Callable[[int], Structure]
 
 _SNAPSHOT_RE = re.compile(r'^client_states_(\d+)\.npz$')
-_TMP_PREFIX = '.client_states_'
+_TMP_PREFIX = '.client_states_'  # atomic_io's temp files: '.<name>.<rand>.tmp'
 _SQLITE_CHUNK = 500  # Ids per `IN (...)` query; below every SQLite limit.
 _CRC_BYTES = 4
 _FORMAT_VERSION = '1'
@@ -634,20 +635,8 @@ class InMemoryClientStateStore(ClientStateStore):
     for i, (dtype, shape) in enumerate(zip(codec.dtypes, codec.shapes)):
       arrays[f'leaf_{i}'] = (np.stack([r[i] for r in rows]) if rows
                              else np.empty((0,) + shape, dtype))
-    path = self.snapshot_path(round_num)
-    fd, tmp = tempfile.mkstemp(dir=self._checkpoint_dir, prefix=_TMP_PREFIX,
-                               suffix='.tmp')
-    try:
-      with os.fdopen(fd, 'wb') as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, path)
-    except BaseException:
-      if os.path.exists(tmp):
-        os.remove(tmp)
-      raise
-    _fsync_dir(self._checkpoint_dir)
+    with atomic_io.atomic_write(self.snapshot_path(round_num), 'wb') as f:
+      np.savez(f, **arrays)
     # Keep this snapshot and the newest older one; drop the rest.
     older = [r for r in self.snapshot_rounds() if r < round_num]
     keep = {round_num} | set(older[-1:])
@@ -656,16 +645,8 @@ class InMemoryClientStateStore(ClientStateStore):
         os.remove(self.snapshot_path(r))
     for name in os.listdir(self._checkpoint_dir):
       full = os.path.join(self._checkpoint_dir, name)
-      if name.startswith(_TMP_PREFIX) and name.endswith('.tmp') and full != tmp:
+      if name.startswith(_TMP_PREFIX) and name.endswith('.tmp'):
         os.remove(full)  # Left by a killed commit.
-
-
-def _fsync_dir(directory: str) -> None:
-  fd = os.open(directory, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 class SqliteClientStateStore(ClientStateStore):

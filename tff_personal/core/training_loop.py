@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal import atomic_io
 from tff_personal.core import client_state as client_state_lib
 
 SAMPLING_SCHEMES = ('fixed_size', 'poisson')
@@ -312,12 +313,8 @@ def run_training(
 
 def write_summary(path: str, summary: dict) -> None:
   """Writes summary.json atomically (temp file + rename)."""
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
+  with atomic_io.atomic_write(path) as f:
     json.dump(summary, f, indent=2, sort_keys=True, default=_json_default)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
 
 
 def _json_default(o):
