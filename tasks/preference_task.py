@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tasks import mnist_preference
 from tff_personal.core import evaluation
+from tff_personal.models import fedembed
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import split_model
 
@@ -61,6 +62,13 @@ class PreferenceTask:
   def model_fn_factory(self, embedding_dim: int) -> split_model.SplitModelFn:
     spec = self.element_spec
     return lambda: self.model_builder(embedding_dim, input_spec=spec)
+
+  def fedembed_model_fn_factory(
+      self, config: fedembed.FedEmbedConfig) -> split_model.SplitModelFn:
+    config = dataclasses.replace(
+        config, num_subpopulations=self.data.num_subpopulations)
+    spec = self.element_spec
+    return lambda: fedembed.build_fedembed_model(config, input_spec=spec)
 
   metrics_fn = staticmethod(accuracy_sums)
 

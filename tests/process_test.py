@@ -1,6 +1,7 @@
 """Tests of the stateful-client process: types, privacy invariant, FedAvg reduction."""
 
 import collections
+import types
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import tensorflow_federated as tff
 
 from tff_personal.algorithms import registry
 from tff_personal.core import process
+from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 
 SPEC = collections.OrderedDict(
@@ -91,8 +93,15 @@ def test_type_signature_keeps_client_state_at_clients():
 def test_every_algorithm_aggregates_only_shared_weights(name):
   """For each registered algorithm: C stays at CLIENTS, only shared weights aggregate."""
   spy = SpyFactory()
+  typed_spec = collections.OrderedDict(
+      SPEC, type=tf.TensorSpec([None], tf.int32))
+  task = types.SimpleNamespace(
+      model_fn_factory=model_fn,
+      fedembed_model_fn_factory=lambda config: lambda: (
+          fedembed_model.build_fedembed_model(config, input_spec=typed_spec)))
   proc = registry.build(
-      name, model_fn, client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+      name, registry.model_factory(name, task),
+      client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
       aggregator_factory=spy, seed=0, embedding_dim=28)
   sig = proc.next.type_signature
@@ -102,9 +111,17 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
   server_weights = sig.parameter[0].member.global_model_weights.trainable
   assert [spy.value_types[0]] == [proc.aggregation_value_type]
   assert list(spy.value_types[0]) == list(server_weights)
-  private_types = list(proc.client_state_type.private)
-  for t in private_types:
-    assert t not in list(server_weights)
+  # The aggregated value is exactly the model's shared trainable variables;
+  # every private variable is in the client state instead.
+  with tf.Graph().as_default():
+    model = proc.model_fn()
+    shared = [tuple(v.shape) for v in model.shared_trainable_variables]
+    private = [tuple(v.shape) for v in model.private_variables]
+    private_refs = {v.ref() for v in model.private_variables}
+    assert not any(v.ref() in private_refs
+                   for v in model.shared_trainable_variables)
+  assert [tuple(t.shape) for t in spy.value_types[0]] == shared
+  assert [tuple(t.shape) for t in proc.client_state_type.private] == private
 
 
 def test_private_state_is_trained_and_only_for_participants():

@@ -104,7 +104,7 @@ def run_experiment(task, config: ExperimentConfig,
 
   aggregator = privacy.build_aggregator(dp)
   proc = registry.build(
-      config.algorithm, task.model_fn_factory,
+      config.algorithm, registry.model_factory(config.algorithm, task),
       client_optimizer=fedavg.adam(config.client_learning_rate),
       server_optimizer=_server_optimizer(config.server_optimizer,
                                          config.server_learning_rate),

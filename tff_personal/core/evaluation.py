@@ -65,7 +65,8 @@ def _outputs_and_labels(model, dataset):
   # The whole eval set as one batch (client eval sets are small).
   batch = dataset.unbatch().batch(1 << 30).get_single_element()
   return collections.OrderedDict(
-      outputs=model.forward(batch, training=False), labels=batch['y'])
+      outputs=model.predict(model.forward(batch, training=False)),
+      labels=batch['y'])
 
 
 def build_cold_start_eval(model_fn: split_model_lib.SplitModelFn,

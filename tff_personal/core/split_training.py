@@ -76,20 +76,19 @@ def local_train(model: split_model_lib.SplitModel,
   _assign(shared, initial_weights.trainable)
   _assign(shared_nt, initial_weights.non_trainable)
   _assign(private, private_weights)
-  trainable = shared + private
+  if model.prepare_fn is not None:
+    model.prepare_fn(dataset)
+  trainable = shared + model.private_trainable_variables
   specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable)
 
   def metric_zeros():
     if metrics_fn is None:
       return collections.OrderedDict()
+    empty = tf.nest.map_structure(
+        lambda s: tf.zeros([0] + s.shape[1:].as_list(), s.dtype),
+        dataset.element_spec)
     sample = metrics_fn(
-        tf.nest.map_structure(
-            lambda s: tf.zeros([0] + s.shape[1:].as_list(), s.dtype),
-            dataset.element_spec),
-        model.forward(
-            tf.nest.map_structure(
-                lambda s: tf.zeros([0] + s.shape[1:].as_list(), s.dtype),
-                dataset.element_spec), training=False))
+        empty, model.predict(model.forward(empty, training=False)))
     return collections.OrderedDict(
         (k, tf.zeros_like(v)) for k, v in sample.items())
 
@@ -108,7 +107,7 @@ def local_train(model: split_model_lib.SplitModel,
     num_examples += tf.cast(batch_size, tf.int64)
     loss_sum += loss * tf.cast(batch_size, tf.float32)
     if metrics_fn is not None:
-      batch_sums = metrics_fn(batch, outputs)
+      batch_sums = metrics_fn(batch, model.predict(outputs))
       sums = collections.OrderedDict(
           (k, sums[k] + batch_sums[k]) for k in sums)
     return num_examples, loss_sum, sums, opt_state
@@ -120,7 +119,9 @@ def local_train(model: split_model_lib.SplitModel,
   update = tuple(tf.subtract(a, b.read_value())
                  for a, b in zip(initial_weights.trainable, shared))
   new_private = tuple(v.read_value() for v in private)
-  finite = tf.logical_and(_all_finite(update), _all_finite(new_private))
+  finite = tf.logical_and(
+      _all_finite(update),
+      _all_finite([p for p in new_private if p.dtype.is_floating]))
   update = tuple(tf.where(finite, u, tf.zeros_like(u)) for u in update)
   new_private = tuple(tf.where(finite, n, tf.cast(p, n.dtype))
                       for n, p in zip(new_private, private_weights))
@@ -153,7 +154,9 @@ def fine_tune_private(model: split_model_lib.SplitModel,
   part in training adapts its own private state locally; nothing is sent.
   Returns the number of examples seen.
   """
-  private = list(model.private_variables)
+  if model.prepare_fn is not None:
+    model.prepare_fn(dataset)
+  private = model.private_trainable_variables
   specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in private)
 
   def reduce_fn(state, batch):

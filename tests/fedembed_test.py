@@ -1,0 +1,178 @@
+"""FedEmbed: FedAvg reduction, head masking, DP over all heads, assignment, privacy."""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.algorithms import fedembed
+from tff_personal.core import privacy
+from tff_personal.core import process
+from tff_personal.models import fedembed as fedembed_model
+from tff_personal.models import fedembed_mnist
+
+SPEC = collections.OrderedDict(
+    x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
+    y=tf.TensorSpec([None], tf.int32),
+    type=tf.TensorSpec([None], tf.int32))
+
+
+def factory(config):
+  return lambda: fedembed_model.build_fedembed_model(config, input_spec=SPEC)
+
+
+def datasets(types_of_positives, seed=0, n=20, other=None):
+  """Clients whose positives all have the given type (negatives: `other`)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for t in types_of_positives:
+    y = np.tile([1, 0], n // 2).astype(np.int32)
+    neg = other if other is not None else (t + 1) % 10
+    out.append(tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=rng.random((n, 28, 28, 1), dtype=np.float32), y=y,
+        type=np.where(y == 1, t, neg).astype(np.int32))).batch(10))
+  return out
+
+
+def initial_states(proc, num, seed=0):
+  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  rng = np.random.default_rng(seed)
+  def init(spec):
+    if spec.dtype.is_floating:
+      return rng.uniform(-1, 1, spec.shape).astype(spec.dtype.as_numpy_dtype)
+    return np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
+  return [tf.nest.map_structure(init, specs) for _ in range(num)]
+
+
+def build(assignment, optimizer=None, **kwargs):
+  return fedembed.build_fedembed(
+      factory, assignment=assignment,
+      client_optimizer=optimizer or tff.learning.optimizers.build_sgdm(0.05),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=4,
+      **kwargs)
+
+
+_NOT_ENCODER = ('heads/', 'type_head/', 'global_head/', 'prototypes/')
+
+
+def _named_weights(proc, state):
+  with tf.Graph().as_default():
+    model = proc.model_fn()
+    names = [v.name for v in model.shared_trainable_variables]
+  return dict(zip(names, proc.get_model_weights(state).trainable))
+
+
+def test_one_subpopulation_without_embedding_is_fedavg():
+  """K=1, no embedding: encoder + head train exactly as TFF's FedAvg."""
+  config = fedembed_model.FedEmbedConfig(num_subpopulations=1,
+                                         embedding_dim=0, assignment='type')
+  client_opt = tff.learning.optimizers.build_sgdm(0.05)
+  proc = process.build_split_model_process(
+      factory(config), client_optimizer=client_opt,
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=4)
+  plain_spec = collections.OrderedDict(x=SPEC['x'], y=SPEC['y'])
+
+  def tff_model_fn():
+    return tff.learning.models.from_keras_model(
+        fedembed_mnist.build_preference_model(0).model, input_spec=plain_spec,
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+  fedavg = tff.learning.algorithms.build_weighted_fed_avg(
+      tff_model_fn, client_optimizer_fn=client_opt,
+      server_optimizer_fn=tff.learning.optimizers.build_sgdm(1.0))
+  ours = proc.initialize()
+  named = _named_weights(proc, ours)
+  encoder = [w for n, w in named.items() if not n.startswith(_NOT_ENCODER)]
+  assert len(encoder) == 12  # 3 x (conv kernel, bias, LayerNorm gamma, beta)
+  heads = named['heads/kernel:0'][0], named['heads/bias:0'][0]
+  theirs = fedavg.set_model_weights(
+      fedavg.initialize(),
+      tff.learning.models.ModelWeights(trainable=tuple(encoder) + heads,
+                                       non_trainable=()))
+  states = initial_states(proc, 3)
+  for r in range(2):
+    data = datasets([0, 0, 0], seed=r, other=0)  # one type: L_M is 0
+    ours, states, _ = proc.next(ours, states, data)
+    theirs = fedavg.next(
+        theirs, [d.map(lambda b: collections.OrderedDict(x=b['x'], y=b['y']))
+                 for d in data]).state
+  named = _named_weights(proc, ours)
+  ours_flat = [w for n, w in named.items()
+               if not n.startswith(_NOT_ENCODER)] + [
+      named['heads/kernel:0'][0], named['heads/bias:0'][0]]
+  for a, b in zip(ours_flat, fedavg.get_model_weights(theirs).trainable):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # The type head with K=1 has zero loss, so it never moved.
+  init = _named_weights(proc, proc.initialize())
+  np.testing.assert_array_equal(named['type_head/kernel:0'],
+                                init['type_head/kernel:0'])
+
+
+@pytest.mark.parametrize('assignment', ['type', 'prototype'])
+def test_unused_heads_get_zero_update(assignment):
+  proc = build(assignment)
+  state = proc.initialize()
+  before = _named_weights(proc, state)
+  states = initial_states(proc, 2)
+  state, new_states, _ = proc.next(state, states, datasets([3, 3]))
+  after = _named_weights(proc, state)
+  moved = np.abs(after['heads/kernel:0'] - before['heads/kernel:0']).sum(
+      axis=(1, 2))
+  if assignment == 'type':
+    # Both clients identified sub-population 3 from their data.
+    assert [int(s['private'][1]) for s in new_states] == [3, 3]
+    assert moved[3] > 0
+    assert np.all(moved[np.arange(10) != 3] == 0)
+  else:
+    heads = sorted({int(s['private'][2]) for s in new_states})
+    assert np.flatnonzero(moved).tolist() == heads  # one head per client
+
+
+def test_dp_covers_every_head():
+  dp = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0,
+                        clip_norm=1.0, clients_per_round=2, population=10)
+  proc = build('type', aggregator_factory=privacy.build_aggregator(dp))
+  # The DP aggregator sees the full [K, 92, 2] kernel, unused heads included.
+  shapes = [tuple(t.shape) for t in proc.aggregation_value_type]
+  assert (10, 92, 2) in shapes
+  state = proc.initialize()
+  before = _named_weights(proc, state)
+  state, _, _ = proc.next(state, initial_states(proc, 2), datasets([3, 3]))
+  moved = np.abs(_named_weights(proc, state)['heads/kernel:0'] -
+                 before['heads/kernel:0']).sum(axis=(1, 2))
+  assert np.all(moved > 0)  # noise reached the heads nobody used
+
+
+def test_prototype_assignment_recovers_known_subpopulations():
+  """Two groups of clients; the triplet loss pulls each to its prototype."""
+  proc = build('prototype',
+               optimizer=tff.learning.optimizers.build_sgdm(0.2))
+  state = proc.initialize()
+  states = initial_states(proc, 4, seed=1)
+  groups = [2, 2, 7, 7]
+  for r in range(6):
+    state, states, _ = proc.next(state, states, datasets(groups, seed=r))
+  protos = _named_weights(proc, state)['prototypes/vectors:0']
+  for s, g in zip(states, groups):
+    e = s['private'][0]
+    nearest = int(np.argmin(((protos - e) ** 2).sum(-1)))
+    assert int(s['private'][1]) == g  # identified from its own data
+    assert nearest == g               # and nearest to that prototype
+
+
+def test_personal_embeddings_never_reach_a_server_value():
+  for assignment in ('prototype', 'type', 'personal'):
+    proc = build(assignment)
+    sig = proc.next.type_signature
+    private = list(proc.client_state_type.private)
+    assert sig.result[1].placement is tff.CLIENTS
+    shared = list(sig.result[0].member.global_model_weights.trainable)
+    assert list(proc.aggregation_value_type) == shared
+    for t in private:
+      if t.dtype == np.float32 and t.shape == (28,):
+        assert t not in shared  # the personal embedding
+    if assignment == 'personal':
+      assert tff.TensorType(np.float32, [92, 2]) in private
+      assert tff.TensorType(np.float32, [10, 92, 2]) not in shared

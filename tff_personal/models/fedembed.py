@@ -1,0 +1,271 @@
+"""FedEmbed's model (FedEmbed paper, sections 3.1 to 3.4, Algorithm 1).
+
+Parts, with who owns them:
+
+* e_u, the personal embedding (private, trainable): concatenated to the input
+  as a diagonal channel and to the encoder's features.
+* theta, the shared feature encoder (shared).
+* phi_k, K sub-population heads (shared; one `[K, features, 2]` kernel): the
+  client's assigned head classifies its samples. Only the assigned head is
+  used in the forward pass, so the other heads get exactly zero gradient
+  ("clients maintain zero-gradients for unused model-heads"); their (zero)
+  update is still part of the shared update, so DP clips and noises every
+  head, as the paper says.
+* nu, the global preference head (shared): sees `[stop_gradient(f), e_u]`, so
+  its loss trains nu and the personal embedding but never the encoder
+  (section 3.2: "the gradients from the global classification head only update
+  the personal embeddings ... preventing conflicting gradients ... from
+  affecting the global feature encoder"). Our reading: nu itself is learned
+  ("we learn a globally shared classification head").
+* gamma, the k-way type head (shared): predicts the sample's type m (its
+  digit) from `[f, e_u]`: the loss L_M of Algorithm 1, line 18.
+* Prototypes (shared, `[K, D_E]`, prototype assignment only): the triplet loss
+  of equation 1 (with the usual hinge, margin alpha) moves e_u towards the
+  prototype of its positive sub-population and away from a random other one;
+  its gradient also reaches the prototypes, which is how they are "continually
+  updated alongside the global model". The client's head is the prototype
+  nearest to e_u (Euclidean) when its local training begins, kept for the
+  round (Algorithm 1 assigns once per client update; the triplet steps of the
+  previous participations have already moved e_u); at inference the nearest
+  prototype is recomputed, which also serves users who never trained.
+* Private non-trainable state: `positive_index`, the sub-population the client
+  identifies from its own data (the type that is most frequent among its
+  positive samples: Algorithm 1 line 9, "identify e_p from D_u"); `head`, the
+  head assigned for the current round; and `draws`, a counter that seeds the
+  choice of the negative prototype, so that runs are reproducible and
+  resumable.
+
+Assignment modes: 'prototype' (above), 'type' (the head is the client's
+`positive_index`: its true sub-population, FedEmbed-Type's upper bound; no
+prototypes), 'personal' (each client's head is private, trainable client
+state; no shared sub-population heads).
+
+The loss is L_C(assigned head) + L_C(nu) + L_M(gamma) [+ triplet]; each step
+applies one optimizer step to shared and private parameters jointly (the
+paper's separate triplet step then classification steps, merged into one
+step per batch: our reading).
+
+With K=1, no personal embedding and a single shared head, the model is the
+plain encoder+head network plus a K=1 type head whose loss is identically 0:
+FedEmbed then reduces to FedAvg (tested).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+
+from tff_personal.models import fedembed_mnist
+from tff_personal.models import split_model
+
+ASSIGNMENTS = ('prototype', 'type', 'personal')
+
+
+@dataclasses.dataclass(frozen=True)
+class FedEmbedConfig:
+  num_subpopulations: int = 10
+  embedding_dim: int = 28
+  assignment: str = 'prototype'
+  triplet_margin: float = 1.0
+  use_type_head: bool = True
+  use_global_head: bool = True
+
+  def validate(self):
+    if self.assignment not in ASSIGNMENTS:
+      raise ValueError(f'assignment must be one of {ASSIGNMENTS}, got '
+                       f'{self.assignment!r}')
+    if self.num_subpopulations < 1:
+      raise ValueError('num_subpopulations must be >= 1, got '
+                       f'{self.num_subpopulations}')
+    if self.embedding_dim < 0:
+      raise ValueError(f'embedding_dim must be >= 0, got {self.embedding_dim}')
+    if self.assignment == 'prototype' and self.embedding_dim == 0:
+      raise ValueError('prototype assignment needs a personal embedding')
+
+
+class SubpopulationHeads(tf.keras.layers.Layer):
+  """K binary heads in one kernel; `call(z, index)` applies head `index`."""
+
+  def __init__(self, num_heads: int, num_outputs: int = 2, **kwargs):
+    super().__init__(**kwargs)
+    self.num_heads = num_heads
+    self.num_outputs = num_outputs
+
+  def build(self, input_shape):
+    features = int(input_shape[-1])
+    self.kernel = self.add_weight(
+        name='kernel', shape=(self.num_heads, features, self.num_outputs),
+        initializer=tf.keras.initializers.GlorotUniform())
+    self.bias = self.add_weight(name='bias',
+                                shape=(self.num_heads, self.num_outputs),
+                                initializer='zeros')
+    super().build(input_shape)
+
+  def call(self, z, index):
+    # index: [batch] head of each example (constant within a client).
+    return tf.einsum('bf,bfo->bo', z, tf.gather(self.kernel, index)) + (
+        tf.gather(self.bias, index))
+
+
+class ClientAssignment(tf.keras.layers.Layer):
+  """Private non-trainable state: positive sub-population, head, draw counter."""
+
+  def build(self, input_shape):
+    def scalar(name):
+      return self.add_weight(name=name, shape=(), dtype=tf.int32,
+                             trainable=False, initializer='zeros')
+    self.positive_index = scalar('positive_index')
+    self.head = scalar('head')
+    self.draws = scalar('draws')
+    super().build(input_shape)
+
+  def call(self, x):
+    zeros = tf.zeros_like(tf.reshape(x, [tf.shape(x)[0], -1])[:, 0], tf.int32)
+    return zeros + self.positive_index, zeros + self.head
+
+
+class Prototypes(tf.keras.layers.Layer):
+  """Shared prototype embeddings, one per sub-population."""
+
+  def __init__(self, num: int, dim: int, **kwargs):
+    super().__init__(**kwargs)
+    self.num, self.dim = num, dim
+
+  def build(self, input_shape):
+    self.vectors = self.add_weight(
+        name='vectors', shape=(self.num, self.dim),
+        initializer=tf.keras.initializers.RandomUniform(-1.0, 1.0))
+    super().build(input_shape)
+
+  def nearest(self, e):
+    """Index of the prototype nearest to each row of `e` (Euclidean)."""
+    d = tf.reduce_sum(tf.square(e[:, None, :] - self.vectors[None]), -1)
+    return tf.argmin(d, axis=-1, output_type=tf.int32)
+
+  def call(self, e, assigned_head, training=None):
+    # Training uses the head assigned when local training began (Algorithm 1
+    # assigns once per client update); inference uses the nearest prototype
+    # now, which also serves users who never trained.
+    if training:
+      return assigned_head
+    return self.nearest(e)
+
+
+def identify_positive_subpopulation(dataset: tf.data.Dataset,
+                                    num_subpopulations: int) -> tf.Tensor:
+  """The type most frequent among the client's positive samples (0 if none)."""
+  counts = dataset.reduce(
+      tf.zeros([num_subpopulations], tf.int32),
+      lambda acc, b: acc + tf.math.bincount(
+          tf.cast(b['type'], tf.int32), weights=tf.cast(b['y'], tf.int32),
+          minlength=num_subpopulations, maxlength=num_subpopulations,
+          dtype=tf.int32))
+  return tf.cast(tf.argmax(counts), tf.int32)
+
+
+def build_fedembed_model(
+    config: FedEmbedConfig,
+    *,
+    encoder_fn: Callable[[int], tf.keras.Model] = (
+        lambda channels: fedembed_mnist.build_encoder(channels=channels)),
+    input_shape=fedembed_mnist.IMAGE_SHAPE,
+    input_spec=None) -> split_model.SplitModel:
+  """Builds FedEmbed's split model.
+
+  Args:
+    config: the FedEmbed configuration.
+    encoder_fn: `channels -> Keras encoder` (MNIST's by default; the input gets
+      one extra channel when there is a personal embedding, which must then
+      have the image's height as its size).
+    input_shape: one example's shape.
+    input_spec: element spec of client datasets (with `x`, `y`, `type`).
+
+  Returns:
+    A `SplitModel` whose forward pass returns a dict of `logits` (the assigned
+    head's), `global_logits` (nu), `type_logits` (gamma) and `head` (the
+    assigned head index).
+  """
+  config.validate()
+  k, dim = config.num_subpopulations, config.embedding_dim
+  x = tf.keras.Input(shape=input_shape, name='x')
+  assignment = ClientAssignment(name='assignment')
+  positive, assigned_head = assignment(x)
+  private = []
+  if dim:
+    personal = fedembed_mnist.PersonalEmbedding(
+        dim, initializer=tf.keras.initializers.RandomUniform(-1.0, 1.0),
+        name='personal')
+    e = personal(x)
+    image = tf.keras.layers.Concatenate(axis=-1)(
+        [x, tf.linalg.diag(e)[..., tf.newaxis]])
+    f = encoder_fn(input_shape[-1] + 1)(image)
+    z = tf.keras.layers.Concatenate()([f, e])
+    private.append(personal.embedding)
+  else:
+    f = encoder_fn(input_shape[-1])(x)
+    z = f
+  outputs = {}
+  prototypes = None
+  if config.assignment == 'prototype':
+    prototypes = Prototypes(k, dim, name='prototypes')
+    head = prototypes(e, assigned_head)
+  else:
+    head = positive
+  if config.assignment == 'personal':
+    personal_head = tf.keras.layers.Dense(2, name='personal_head')
+    outputs['logits'] = personal_head(z)
+    private.extend(personal_head.weights)
+  else:
+    outputs['logits'] = SubpopulationHeads(k, name='heads')(z, head)
+  if config.use_global_head and dim:
+    outputs['global_logits'] = tf.keras.layers.Dense(2, name='global_head')(
+        tf.keras.layers.Concatenate()([tf.stop_gradient(f), e]))
+  if config.use_type_head:
+    outputs['type_logits'] = tf.keras.layers.Dense(k, name='type_head')(z)
+  outputs['head'] = head
+  outputs['positive'] = positive  # the sub-population the client identified
+  model = tf.keras.Model(x, outputs)
+  private.extend([assignment.positive_index, assignment.head,
+                  assignment.draws])
+
+  ce = tf.keras.losses.sparse_categorical_crossentropy
+
+  def loss_fn(batch, out):
+    loss = tf.reduce_mean(ce(batch['y'], out['logits'], from_logits=True))
+    if 'global_logits' in out:
+      loss += tf.reduce_mean(
+          ce(batch['y'], out['global_logits'], from_logits=True))
+    if 'type_logits' in out:
+      loss += tf.reduce_mean(ce(batch['type'], out['type_logits'],
+                                from_logits=True))
+    if prototypes is not None and k > 1:
+      p = assignment.positive_index
+      seed = tf.stack([assignment.draws,
+                       tf.bitcast(personal.embedding[0], tf.int32)])
+      offset = tf.random.stateless_uniform([], seed, minval=1, maxval=k,
+                                           dtype=tf.int32)
+      n = tf.math.floormod(p + offset, k)
+      assignment.draws.assign_add(1)
+      e_u = personal.embedding
+      d_pos = tf.reduce_sum(tf.square(e_u - tf.gather(prototypes.vectors, p)))
+      d_neg = tf.reduce_sum(tf.square(e_u - tf.gather(prototypes.vectors, n)))
+      loss += tf.nn.relu(d_pos - d_neg + config.triplet_margin)
+    return loss
+
+  def prepare_fn(dataset):
+    # Runs on the client before local training (and before cold-start
+    # fine-tuning), with its weights loaded.
+    assignment.positive_index.assign(identify_positive_subpopulation(
+        dataset, k))
+    if prototypes is not None:
+      assignment.head.assign(prototypes.nearest(personal.embedding[None])[0])
+    else:
+      assignment.head.assign(assignment.positive_index)
+
+  return split_model.SplitModel(
+      model=model, private_variables=private, loss_fn=loss_fn,
+      input_spec=input_spec, predict_fn=lambda out: out['logits'],
+      prepare_fn=prepare_fn)
