@@ -61,13 +61,17 @@ def define_flags():
                      'New clients\' personal embeddings ~ N(0, stddev^2), '
                      'seeded by (seed, client id).')
   flags.DEFINE_float('client_learning_rate', 1e-3, 'Local Adam learning rate.')
+  flags.DEFINE_float('private_learning_rate', None,
+                     'Local Adam learning rate of the private parameters '
+                     '(default: --client_learning_rate, one optimizer).')
   flags.DEFINE_enum('server_optimizer', 'sgd', ['adam', 'sgd'],
                     'Server optimizer. sgd with lr 1 is FedAvg. FedEmbed '
                     'Appendix B.1 uses Adam with lr 1 on averaged gradients; '
                     'on averaged model deltas that diverges (measured).')
   flags.DEFINE_float('server_learning_rate', 1.0, 'Server learning rate.')
   _group('algorithm', ['algorithm', 'embedding_dim', 'personal_init_stddev',
-                       'client_learning_rate', 'server_optimizer',
+                       'client_learning_rate', 'private_learning_rate',
+                       'server_optimizer',
                        'server_learning_rate'])
   # Training.
   flags.DEFINE_integer('rounds', 5, 'Training rounds.')
@@ -150,6 +154,7 @@ def configs_from_flags(f):
       clients_per_round=f.clients_per_round,
       root_output_dir=f.root_output_dir, experiment_name=f.experiment_name,
       client_learning_rate=f.client_learning_rate,
+      private_learning_rate=f.private_learning_rate,
       server_optimizer=f.server_optimizer,
       server_learning_rate=f.server_learning_rate,
       embedding_dim=f.embedding_dim,

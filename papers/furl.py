@@ -87,6 +87,8 @@ def define_flags():
   define('integer', 'furl_fl_epochs', 5, 'FURL: FL epochs.')
   define('integer', 'furl_server_epochs', 5, 'FURL: server-training epochs.')
   define('float', 'furl_client_learning_rate', 3e-3, 'FURL: local Adam lr.')
+  define('float', 'furl_private_learning_rate', 0.05,
+         'FURL: local Adam lr of the private user embedding.')
   define('float', 'furl_server_learning_rate', 3e-3,
          'FURL: centralized Adam lr.')
   define('float', 'furl_target_epsilon', 10.0, 'FURL: epsilon of DP cells.')
@@ -188,6 +190,7 @@ def _run_fl(task, cell, f, out_dir, dim) -> dict:
       rounds=f.furl_fl_epochs * rounds_per_epoch, clients_per_round=10,
       root_output_dir=out_dir, experiment_name='fl',
       client_learning_rate=f.furl_client_learning_rate,
+      private_learning_rate=f.furl_private_learning_rate,
       server_optimizer='sgd', server_learning_rate=1.0,
       embedding_dim=dim if cell.method == 'personalized_fl' else None,
       seed=cell.seed, eval_every=rounds_per_epoch,

@@ -51,6 +51,7 @@ def test_personalized_fl_cell_end_to_end(tmp_path):
   flag_values = types.SimpleNamespace(
       data_dir=DATA, seeds=1, furl_min_docs=150, furl_fl_epochs=1,
       furl_server_epochs=1, furl_client_learning_rate=3e-3,
+      furl_private_learning_rate=0.05,
       furl_server_learning_rate=3e-3, furl_target_epsilon=10.0,
       furl_clip_norm=0.5)
   cell = reporting.Cell('furl', 'personalized_fl',

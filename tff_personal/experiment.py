@@ -33,6 +33,7 @@ class ExperimentConfig:
   root_output_dir: str
   experiment_name: str
   client_learning_rate: float = 1e-3
+  private_learning_rate: Optional[float] = None  # None: client optimizer
   server_optimizer: str = 'sgd'
   server_learning_rate: float = 1.0
   embedding_dim: Optional[int] = None  # None: the algorithm's default
@@ -62,6 +63,12 @@ def _server_optimizer(name: str, lr: float):
   raise ValueError(f"server_optimizer must be 'adam' or 'sgd', got {name!r}")
 
 
+def _private_optimizer(config: ExperimentConfig):
+  if config.private_learning_rate is None:
+    return None
+  return fedavg.adam(config.private_learning_rate)
+
+
 def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   """Checks the configuration before any work starts; returns the DP config."""
   if config.algorithm not in registry.ALGORITHMS:
@@ -72,7 +79,9 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
       population=population, experiment_dir=config.experiment_dir,
       sampling=config.sampling, checkpoint_every=config.checkpoint_every,
       eval_every=config.eval_every).validate()
-  if config.client_learning_rate <= 0 or config.server_learning_rate <= 0:
+  if (config.client_learning_rate <= 0 or config.server_learning_rate <= 0 or
+      (config.private_learning_rate is not None and
+       config.private_learning_rate <= 0)):
     raise ValueError('learning rates must be positive')
   if config.eval_clients < 0 or config.eval_clients > population:
     raise ValueError(f'eval_clients must be in [0, population={population}], '
@@ -110,6 +119,7 @@ def run_experiment(task, config: ExperimentConfig,
                                          config.server_learning_rate),
       aggregator_factory=aggregator, metrics_fn=task.metrics_fn,
       train_metrics=config.train_metrics, seed=config.seed,
+      private_optimizer=_private_optimizer(config),
       **({} if config.embedding_dim is None else
          {'embedding_dim': config.embedding_dim}))
   template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
@@ -213,11 +223,12 @@ def _cold_start(task, proc, state, store, config: ExperimentConfig) -> dict:
   Their initial state is the store's documented one (the seeded
   `personal_init_stddev` normal draw for their id); `cold_start_epochs` passes
   over their own training data update only their private variables with the
-  client optimizer, and nothing leaves the client.
+  optimizer that trains private variables in training, and nothing leaves the
+  client.
   """
   cold_eval = evaluation.build_cold_start_eval(
       proc.model_fn, proc.model_weights_type, proc.client_state_type,
-      fedavg.adam(config.client_learning_rate))
+      _private_optimizer(config) or fedavg.adam(config.client_learning_rate))
   ids = list(task.cold_client_ids)
   weights = proc.get_model_weights(state)
   states = [store.initial_state(i) for i in ids]

@@ -41,9 +41,10 @@ def build_global(model_fn_factory: ModelFnFactory, *,
                  aggregator_factory=None, metrics_fn=None,
                  train_metrics: bool = True,
                  seed: Optional[int] = None,
-                 embedding_dim: int = 0) -> process_lib.StatefulClientProcess:
+                 embedding_dim: int = 0,
+                 private_optimizer=None) -> process_lib.StatefulClientProcess:
   """FedAvg with one shared head; clients keep no private parameters."""
-  del embedding_dim  # Global has none.
+  del embedding_dim, private_optimizer  # Global has no private parameters.
   return process_lib.build_split_model_process(
       model_fn_factory(0), client_optimizer=client_optimizer,
       server_optimizer=server_optimizer, aggregator_factory=aggregator_factory,
@@ -56,7 +57,8 @@ def build_global_plus(model_fn_factory: ModelFnFactory, *,
                       aggregator_factory=None, metrics_fn=None,
                       train_metrics: bool = True,
                       seed: Optional[int] = None,
-                      embedding_dim: int = 28
+                      embedding_dim: int = 28,
+                      private_optimizer=None,
                       ) -> process_lib.StatefulClientProcess:
   """FedAvg plus a private personal embedding per user (client state).
 
@@ -70,4 +72,4 @@ def build_global_plus(model_fn_factory: ModelFnFactory, *,
       model_fn_factory, client_optimizer=client_optimizer,
       server_optimizer=server_optimizer, aggregator_factory=aggregator_factory,
       metrics_fn=metrics_fn, train_metrics=train_metrics, seed=seed,
-      embedding_dim=embedding_dim)
+      embedding_dim=embedding_dim, private_optimizer=private_optimizer)

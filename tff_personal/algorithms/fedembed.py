@@ -38,6 +38,7 @@ def build_fedembed(model_factory: FedEmbedModelFactory, *,
                    train_metrics: bool = True, seed: Optional[int] = None,
                    embedding_dim: int = 28,
                    num_subpopulations: Optional[int] = None,
+                   private_optimizer=None,
                    ) -> process_lib.StatefulClientProcess:
   """Builds a FedEmbed process with the given sub-population assignment."""
   config = fedembed_model.FedEmbedConfig(assignment=assignment,
@@ -47,7 +48,8 @@ def build_fedembed(model_factory: FedEmbedModelFactory, *,
   return process_lib.build_split_model_process(
       model_factory(config), client_optimizer=client_optimizer,
       server_optimizer=server_optimizer, aggregator_factory=aggregator_factory,
-      metrics_fn=metrics_fn, train_metrics=train_metrics, seed=seed)
+      metrics_fn=metrics_fn, train_metrics=train_metrics, seed=seed,
+      private_optimizer=private_optimizer)
 
 
 def _variant(assignment: str):

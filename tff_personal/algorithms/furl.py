@@ -31,7 +31,9 @@ def build_furl(model_fn_factory: Callable[[int], split_model_lib.SplitModelFn],
                server_optimizer: tff.learning.optimizers.Optimizer,
                aggregator_factory=None, metrics_fn=None,
                train_metrics: bool = True, seed: Optional[int] = None,
-               embedding_dim: int = 32) -> process_lib.StatefulClientProcess:
+               embedding_dim: int = 32,
+               private_optimizer: Optional[tff.learning.optimizers.Optimizer]
+               = None) -> process_lib.StatefulClientProcess:
   """FedAvg of the federated parameters; private ones are client state.
 
   Args:
@@ -47,6 +49,8 @@ def build_furl(model_fn_factory: Callable[[int], split_model_lib.SplitModelFn],
     seed: seed of the initial federated parameters.
     embedding_dim: size of the private user embedding; must be positive
       (`global` is the same model with none).
+    private_optimizer: optional optimizer of the private parameters (default:
+      `client_optimizer`).
 
   Returns:
     A `StatefulClientProcess`.
@@ -57,4 +61,5 @@ def build_furl(model_fn_factory: Callable[[int], split_model_lib.SplitModelFn],
   return process_lib.build_split_model_process(
       model_fn_factory(embedding_dim), client_optimizer=client_optimizer,
       server_optimizer=server_optimizer, aggregator_factory=aggregator_factory,
-      metrics_fn=metrics_fn, train_metrics=train_metrics, seed=seed)
+      metrics_fn=metrics_fn, train_metrics=train_metrics, seed=seed,
+      private_optimizer=private_optimizer)

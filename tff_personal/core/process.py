@@ -273,7 +273,9 @@ def build_split_client_work(
     client_optimizer: tff.learning.optimizers.Optimizer,
     weights_type: tff.Type,
     client_state_type: tff.Type,
-    metrics_fn=None) -> tff.Computation:
+    metrics_fn=None,
+    private_optimizer: tff.learning.optimizers.Optimizer | None = None,
+) -> tff.Computation:
   """The client work of a split model: joint local training of both parts."""
   with tf.Graph().as_default():
     input_spec = model_fn().input_spec
@@ -287,7 +289,7 @@ def build_split_client_work(
     # tf.function for automatic control dependencies between the variable
     # assignments and reads (TFF traces computations in graph mode).
     train = tf.function(lambda w, p, d: split_training.local_train(
-        model, client_optimizer, w, p, d, metrics_fn))
+        model, client_optimizer, w, p, d, metrics_fn, private_optimizer))
     update, weight, new_private, metrics = train(
         weights, tuple(client_state[CLIENT_STATE_PRIVATE]), dataset)
     metrics['clients'] = tf.constant(1, tf.int32)
@@ -311,6 +313,7 @@ def build_split_model_process(
     metrics_fn=None,
     train_metrics: bool = True,
     seed: Optional[int] = None,
+    private_optimizer: tff.learning.optimizers.Optimizer | None = None,
 ) -> StatefulClientProcess:
   """FedAvg of the shared variables; private variables are client state.
 
@@ -320,6 +323,8 @@ def build_split_model_process(
   included) and applied by the server optimizer; the private variables are
   returned as client state and never leave the client. With no private
   variables it is `tff.learning.algorithms.build_weighted_fed_avg`.
+  `private_optimizer` optionally trains the private variables with their own
+  optimizer (default: `client_optimizer` over both parts).
   """
   if aggregator_factory is None:
     aggregator_factory = tff.aggregators.MeanFactory()
@@ -327,7 +332,8 @@ def build_split_model_process(
   weights_type = model_weights_type(weights)
   client_state_type = split_client_state_type(model_fn)
   client_work = build_split_client_work(
-      model_fn, client_optimizer, weights_type, client_state_type, metrics_fn)
+      model_fn, client_optimizer, weights_type, client_state_type, metrics_fn,
+      private_optimizer)
   return compose_stateful_client_process(
       initial_model_weights=weights, client_state_type=client_state_type,
       client_work=client_work, aggregator_factory=aggregator_factory,

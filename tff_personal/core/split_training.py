@@ -49,7 +49,8 @@ def local_train(model: split_model_lib.SplitModel,
                 initial_weights: tff.learning.models.ModelWeights,
                 private_weights: tuple[Any, ...],
                 dataset: tf.data.Dataset,
-                metrics_fn=None):
+                metrics_fn=None,
+                private_optimizer: tff.learning.optimizers.Optimizer | None = None):
   """Runs local training; returns (update, weight, new_private, metric sums).
 
   Must be called inside a TFF TensorFlow computation (graph mode) with a
@@ -64,6 +65,9 @@ def local_train(model: split_model_lib.SplitModel,
     private_weights: the client's private variables (tuple of tensors).
     dataset: batches of the client's data.
     metrics_fn: optional `(batch, outputs) -> dict` of per-batch metric sums.
+    private_optimizer: optional separate optimizer for the private trainable
+      variables (e.g. a larger learning rate for personal embeddings, which
+      see only a few local steps per participation); default: `optimizer`.
 
   Returns:
     `(update, update_weight, new_private_weights, metrics)` where `metrics` is
@@ -78,8 +82,12 @@ def local_train(model: split_model_lib.SplitModel,
   _assign(private, private_weights)
   if model.prepare_fn is not None:
     model.prepare_fn(dataset)
-  trainable = shared + model.private_trainable_variables
-  specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable)
+  private_trainable = model.private_trainable_variables
+  # One optimizer over everything, or one per group.
+  groups = ([(optimizer, shared + private_trainable)]
+            if private_optimizer is None else
+            [(optimizer, shared), (private_optimizer, private_trainable)])
+  trainable = [v for _, variables in groups for v in variables]
 
   def metric_zeros():
     if metrics_fn is None:
@@ -100,9 +108,14 @@ def local_train(model: split_model_lib.SplitModel,
     grads = tape.gradient(loss, trainable)
     grads = [tf.zeros_like(v) if g is None else g
              for g, v in zip(grads, trainable)]
-    opt_state, updated = optimizer.next(
-        opt_state, tuple(trainable), tuple(grads))
-    _assign(trainable, updated)
+    new_opt_state, start = [], 0
+    for (opt, variables), state_i in zip(groups, opt_state):
+      group_grads = grads[start:start + len(variables)]
+      start += len(variables)
+      state_i, updated = opt.next(state_i, tuple(variables), tuple(group_grads))
+      _assign(variables, updated)
+      new_opt_state.append(state_i)
+    opt_state = tuple(new_opt_state)
     batch_size = tf.shape(tf.nest.flatten(batch)[0])[0]
     num_examples += tf.cast(batch_size, tf.int64)
     loss_sum += loss * tf.cast(batch_size, tf.float32)
@@ -113,7 +126,10 @@ def local_train(model: split_model_lib.SplitModel,
     return num_examples, loss_sum, sums, opt_state
 
   initial_state = (tf.constant(0, tf.int64), tf.constant(0.0, tf.float32),
-                   metric_zeros(), optimizer.initialize(specs))
+                   metric_zeros(),
+                   tuple(opt.initialize(tuple(tf.TensorSpec(v.shape, v.dtype)
+                                              for v in variables))
+                         for opt, variables in groups))
   num_examples, loss_sum, sums, _ = dataset.reduce(initial_state, reduce_fn)
 
   update = tuple(tf.subtract(a, b.read_value())
