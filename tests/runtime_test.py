@@ -5,29 +5,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import tensorflow_federated as tff
 
+from tests import process_utils
 from tff_personal.core import runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _alive(pid):
-  try:
-    with open(f'/proc/{pid}/status') as f:
-      return not any(line.startswith('State:\tZ') for line in f)
-  except OSError:
-    return False
-
-
-def _wait_dead(pid, seconds=10):
-  deadline = time.monotonic() + seconds
-  while _alive(pid) and time.monotonic() < deadline:
-    time.sleep(0.05)
-  return not _alive(pid)
 
 
 @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
@@ -41,8 +26,8 @@ def test_close_stops_worker_and_restores_context():
   with rt:
     assert _mean([1.0, 2.0, 6.0]) == 3.0
     pid = rt.worker_pid
-    assert _alive(pid)
-  assert _wait_dead(pid)
+    assert process_utils.alive(pid)
+  assert process_utils.wait_dead(pid)
   assert tff.framework.get_context_stack().current is outer
   assert _mean([2.0, 4.0]) == 3.0  # the outer (session) runtime still works
 
@@ -56,7 +41,7 @@ def test_close_on_error_path():
       raise KeyError('boom')
   except KeyError:
     pass
-  assert _wait_dead(pid)
+  assert process_utils.wait_dead(pid)
 
 
 _CHILD = textwrap.dedent('''
@@ -95,7 +80,7 @@ def test_worker_ends_with_program_on_every_exit_path():
     if sig is not None:
       proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert _wait_dead(worker), (mode, sig)
+    assert process_utils.wait_dead(worker), (mode, sig)
     # Nothing but our own error is printed at exit (no TFF __del__ traceback).
     assert "'NoneType' object has no attribute 'Popen'" not in err
     if mode == 'exit':

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from binaries import train
+from tests import process_utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -124,14 +125,6 @@ def _children_workers(parent_pid):
   return found
 
 
-def _alive(pid):
-  try:
-    with open(f'/proc/{pid}/status') as f:
-      return not any(l.startswith('State:\tZ') for l in f)
-  except OSError:
-    return False
-
-
 def _kill_after_round(cmd, round_num, timeout=300):
   """Starts a run, SIGKILLs it after it printed `round {round_num}/`.
 
@@ -174,10 +167,8 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
   extra = [f'--client_state_backend={backend}']
   workers = _kill_after_round(_cmd(tmp_path, 'killed', extra), 3)
   assert len(workers) == 1
-  deadline = time.monotonic() + 10
-  while _alive(workers[0]) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert not _alive(workers[0])  # the worker died with its parent (SIGKILL)
+  # The worker died with its parent (SIGKILL).
+  assert process_utils.wait_dead(workers[0])
   # Without --resume the existing run is refused, and left untouched.
   refused = subprocess.run(_cmd(tmp_path, 'killed', extra), cwd=REPO,
                            capture_output=True, text=True, timeout=300)

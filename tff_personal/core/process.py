@@ -61,12 +61,10 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
   def __init__(self, initialize_fn: tff.Computation, next_fn: tff.Computation,
                *, client_state_type: tff.Type,
                aggregation_value_type: tff.Type,
-               initial_client_state: Callable[[int], Any] | None = None,
                model_fn: split_model_lib.SplitModelFn | None = None):
     super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
     self._client_state_type = client_state_type
     self._aggregation_value_type = aggregation_value_type
-    self._initial_client_state = initial_client_state
     self._model_fn = model_fn
 
   @property
@@ -142,7 +140,6 @@ def compose_stateful_client_process(
     aggregator_factory,
     server_optimizer: tff.learning.optimizers.Optimizer,
     train_metrics: bool = True,
-    initial_client_state: Callable[[int], Any] | None = None,
     model_fn: split_model_lib.SplitModelFn | None = None,
 ) -> StatefulClientProcess:
   """Wires a client work with client state into a `StatefulClientProcess`.
@@ -158,7 +155,6 @@ def compose_stateful_client_process(
     server_optimizer: applied to the aggregated update by TFF's
       `build_apply_optimizer_finalizer`.
     train_metrics: release sums of training metrics to the server.
-    initial_client_state: optional `client_id -> C` (numpy) for new clients.
     model_fn: optional split-model builder, exposed for evaluation.
 
   Returns:
@@ -237,7 +233,7 @@ def compose_stateful_client_process(
   return StatefulClientProcess(
       initialize_fn, next_fn, client_state_type=client_state_type,
       aggregation_value_type=update_type,
-      initial_client_state=initial_client_state, model_fn=model_fn)
+      model_fn=model_fn)
 
 
 def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
