@@ -97,8 +97,10 @@ def local_train(model: split_model_lib.SplitModel,
         dataset.element_spec)
     sample = metrics_fn(
         empty, model.predict(model.forward(empty, training=False)))
+    # Static shapes only: the empty forward pass above is traced for its
+    # output structure and pruned, never run in the client step.
     return collections.OrderedDict(
-        (k, tf.zeros_like(v)) for k, v in sample.items())
+        (k, tf.zeros(v.shape, v.dtype)) for k, v in sample.items())
 
   def reduce_fn(state, batch):
     num_examples, loss_sum, sums, opt_state = state
