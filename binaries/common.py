@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import privacy
 from tff_personal.core import runtime
@@ -83,6 +84,10 @@ def define_flags():
   flags.DEFINE_integer('eval_clients', 0,
                        'Clients evaluated (0: the whole population).')
   flags.DEFINE_integer('checkpoint_every', 1, 'Checkpoint every N rounds.')
+  flags.DEFINE_bool('eval_fine_tune', False,
+                    'Before testing, each evaluated client trains only its '
+                    'private variables for one local pass on its own '
+                    'training data (test-time personalization).')
   flags.DEFINE_integer('cold_start_epochs', 5,
                        'Local epochs of private-state fine-tuning for users '
                        'who never trained (tasks with cold-start users).')
@@ -91,14 +96,24 @@ def define_flags():
                     'Client-state store (auto: sqlite above 100,000 clients).')
   flags.DEFINE_bool('train_metrics', True,
                     'Release training-metric sums (not covered by DP).')
+  flags.DEFINE_integer(
+      'simulation_shards', -1,
+      'Training simulation: 0 runs one user per TFF client (as deployed); '
+      'n > 0 runs each round\'s users in n shards inside n TFF client '
+      'computations (same results, much faster; core/sharded.py); -1 (auto): '
+      'the CPU count when the algorithm supports sharding, else 0.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')
+  flags.DEFINE_list('workers', [],
+                    'host:port,... of running TFF executor services '
+                    '(python -m binaries.worker --port=N); each round\'s '
+                    'clients are split across them. Empty: a local worker.')
   _group('training', ['rounds', 'clients_per_round', 'sampling', 'seed',
                       'eval_every', 'eval_clients', 'checkpoint_every',
-                      'cold_start_epochs',
+                      'eval_fine_tune', 'cold_start_epochs',
                       'resume', 'client_state_backend', 'train_metrics',
-                      'use_gpu'])
+                      'use_gpu', 'workers', 'simulation_shards'])
   # Privacy.
   flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
                     'User-level DP of the shared update.')
@@ -124,11 +139,20 @@ def flag_values(flag_values_obj) -> dict:
 
 
 def configs_from_flags(f):
-  """Builds the experiment config and task arguments; validates early."""
+  """Builds the experiment config and task arguments; validates early.
+
+  Flags not given take the (task, algorithm) reproduction defaults of
+  `tff_personal/algorithms/defaults.py` first, so that
+  `--task=mnist_preference --algorithm=fedembed_prototype` alone runs the
+  paper's cell.
+  """
   if f.algorithm not in algorithm_registry.ALGORITHMS:
     raise ValueError(f'unknown --algorithm={f.algorithm!r}; known: '
                      f'{sorted(algorithm_registry.ALGORITHMS)}')
-  population_from_flags = f.task == 'mnist_preference'
+  algorithm_defaults.apply_defaults(f, f.task, f.algorithm)
+  if f.workers:
+    runtime.parse_workers(f.workers)  # A bad address fails before any work.
+  population_from_flags = f.task in ('mnist_preference', 'speech_preference')
   if population_from_flags and f.num_users < 1:
     raise ValueError(f'--num_users must be positive, got {f.num_users}')
   if population_from_flags and f.clients_per_round > f.num_users:
@@ -160,7 +184,9 @@ def configs_from_flags(f):
       embedding_dim=f.embedding_dim,
       personal_init_stddev=f.personal_init_stddev, sampling=f.sampling,
       seed=f.seed, checkpoint_every=f.checkpoint_every,
-      eval_every=f.eval_every, eval_clients=f.eval_clients, resume=f.resume,
+      eval_every=f.eval_every, eval_clients=f.eval_clients,
+      eval_fine_tune=f.eval_fine_tune, resume=f.resume,
+      simulation_shards=f.simulation_shards,
       cold_start_epochs=f.cold_start_epochs,
       client_state_backend=f.client_state_backend,
       train_metrics=f.train_metrics, dp=dp)
@@ -168,7 +194,7 @@ def configs_from_flags(f):
     experiment.validate(config, f.num_users)
   task_kwargs = dict(data_dir=f.data_dir, seed=f.seed, batch_size=f.batch_size,
                      local_epochs=f.local_epochs)
-  if f.task == 'mnist_preference':
+  if population_from_flags:
     task_kwargs.update(num_users=f.num_users, population=f.population)
   else:
     task_kwargs.update(max_chars=f.max_chars, lstm_units=f.lstm_units,
@@ -190,7 +216,7 @@ def run(config, task_kwargs, f) -> int:
     return 2
   with runtime.local_runtime(
       log_path=os.path.join(config.experiment_dir, 'worker_binary.log')
-      if _mkdir(config.experiment_dir) else None):
+      if _mkdir(config.experiment_dir) else None, workers=f.workers):
     try:
       summary = experiment.run_experiment(
           task, config, log_fn=lambda s: print(s, flush=True),

@@ -28,8 +28,16 @@ FLAGS = flags.FLAGS
 
 # Paper modules. Each paper issue adds its registration here.
 from papers import furl  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from papers import feddva  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from papers import fedembed  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from papers import fedperc  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from papers import group  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 reporting.register_paper('furl', furl)
+reporting.register_paper('feddva', feddva)
+reporting.register_paper('fedembed', fedembed)
+reporting.register_paper('fedperc', fedperc)
+reporting.register_paper('group', group)
 
 
 def _define(kind: str, name: str, default: Any, help_text: str):

@@ -7,6 +7,9 @@ r"""Trains and evaluates one personalized-FL experiment.
 Writes <root_output_dir>/<experiment_name>/{summary.json, train_metrics.csv,
 eval_metrics.csv, tensorboard/, checkpoints/, client_states/}. Kill it at any
 moment and rerun with --resume: it continues from the last checkpoint.
+
+With --workers=host:port,... (services started by `python -m binaries.worker
+--port=N`), each round's clients are split across those workers.
 """
 
 import sys
@@ -28,7 +31,11 @@ def main(argv):
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  return common.run(config, task_kwargs, FLAGS)
+  try:
+    return common.run(config, task_kwargs, FLAGS)
+  except ConnectionError as e:  # --workers unreachable; nothing was trained.
+    print(f'error: {e}', file=sys.stderr)
+    return 4
 
 
 if __name__ == '__main__':

@@ -15,6 +15,19 @@ if ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)
   echo "setup_env: Python 3.11 is required (found $("$PY" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
   exit 1
 fi
+# espeak-ng (a system package) synthesises the speech_preference task's data
+# (binaries/make_speech_data.py). Installed only when missing and we are root
+# with apt-get; otherwise we say how. Never fails the setup.
+if ! command -v espeak-ng >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup_env: installing espeak-ng (for the speech_preference task) ..." >&2
+    { apt-get install -y -q --no-install-recommends espeak-ng >&2 \
+        || { apt-get update -q >&2 && apt-get install -y -q --no-install-recommends espeak-ng >&2; }; } \
+      || echo "setup_env: warning: could not install espeak-ng; the speech_preference task needs it" >&2
+  else
+    echo "setup_env: note: espeak-ng is missing; the speech_preference task needs it: sudo apt-get install -y --no-install-recommends espeak-ng" >&2
+  fi
+fi
 STAMP="$VENV/.tff_personal_lock"
 WANT="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-dev.txt" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then

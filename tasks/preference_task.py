@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tasks import mnist_preference
+from tff_personal.core import client_data
 from tff_personal.core import evaluation
 from tff_personal.models import fedembed
 from tff_personal.models import fedembed_mnist
@@ -76,13 +77,29 @@ class PreferenceTask:
     return mnist_preference.client_dataset(
         self.data, user, split, self.batch_size, shuffle_seed=shuffle)
 
+  def train_batches(self, client_ids: Sequence[int],
+                    round_num: int) -> list[client_data.ClientBatches]:
+    """Each client's local-training batches for a round, in visiting order.
+
+    Every local epoch visits the client's training samples in a fresh
+    permutation drawn from (seed, round, client): deterministic, so a resumed
+    run trains on exactly what the uninterrupted run did.
+    """
+    out = []
+    spec = self.element_spec
+    for cid in client_ids:
+      x, y, types = self.data.user_arrays(cid, 'train')
+      rng = np.random.default_rng(shuffle_seed(self.seed, round_num, cid))
+      orders = [rng.permutation(len(y)) for _ in range(self.local_epochs)]
+      out.append(client_data.ClientBatches.from_arrays(
+          collections.OrderedDict(x=x, y=y, type=types), self.batch_size,
+          orders, spec))
+    return out
+
   def train_datasets(self, client_ids: Sequence[int],
                      round_num: int) -> list[tf.data.Dataset]:
-    out = []
-    for cid in client_ids:
-      ds = self._dataset(cid, 'train', shuffle_seed(self.seed, round_num, cid))
-      out.append(ds.repeat(self.local_epochs) if self.local_epochs > 1 else ds)
-    return out
+    """`train_batches` as `tf.data` datasets (one user per TFF client)."""
+    return [b.to_dataset() for b in self.train_batches(client_ids, round_num)]
 
   def eval_datasets(self, client_ids: Sequence[int]) -> list[tf.data.Dataset]:
     return [self._dataset(cid, 'test', None) for cid in client_ids]

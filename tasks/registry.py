@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from tasks import preference_task
 from tasks import speaker_task
+from tasks import speech_task
 
-TASKS = ['mnist_preference', 'speaker_context']
+TASKS = ['mnist_preference', 'speaker_context', 'speech_preference']
 
 
 def build_task(name: str, **kwargs):
@@ -15,4 +16,6 @@ def build_task(name: str, **kwargs):
         kwargs.pop('data_dir'), **kwargs)
   if name == 'speaker_context':
     return speaker_task.speaker_context_task(kwargs.pop('data_dir'), **kwargs)
+  if name == 'speech_preference':
+    return speech_task.speech_preference_task(kwargs.pop('data_dir'), **kwargs)
   raise ValueError(f'unknown task {name!r}; known: {TASKS}')

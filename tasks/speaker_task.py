@@ -8,6 +8,7 @@ local steps on their own training documents; FURL's stated future work).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -16,6 +17,7 @@ import tensorflow as tf
 
 from tasks import preference_task
 from tasks import speaker_context
+from tff_personal.core import client_data
 from tff_personal.core import evaluation
 from tff_personal.models import furl_text
 from tff_personal.models import split_model
@@ -72,14 +74,28 @@ class SpeakerTask:
         self.data, self.user_of(cid), split, self.batch_size,
         shuffle_seed=shuffle)
 
-  def train_datasets(self, client_ids: Sequence[int],
-                     round_num: int) -> list[tf.data.Dataset]:
+  def train_batches(self, client_ids: Sequence[int],
+                    round_num: int) -> list[client_data.ClientBatches]:
+    """Each client's local-training batches for a round, in visiting order.
+
+    Every local epoch visits the user's documents in a fresh permutation
+    drawn from (seed, round, client), so resumed runs repeat exactly.
+    """
     out = []
     for cid in client_ids:
-      ds = self._dataset(
-          cid, 'train', preference_task.shuffle_seed(self.seed, round_num, cid))
-      out.append(ds.repeat(self.local_epochs) if self.local_epochs > 1 else ds)
+      x, y = self.data.arrays(self.user_of(cid), 'train')
+      rng = np.random.default_rng(
+          preference_task.shuffle_seed(self.seed, round_num, cid))
+      orders = [rng.permutation(len(y)) for _ in range(self.local_epochs)]
+      out.append(client_data.ClientBatches.from_arrays(
+          collections.OrderedDict(x=x, y=y), self.batch_size, orders,
+          self.element_spec))
     return out
+
+  def train_datasets(self, client_ids: Sequence[int],
+                     round_num: int) -> list[tf.data.Dataset]:
+    """`train_batches` as `tf.data` datasets (one user per TFF client)."""
+    return [b.to_dataset() for b in self.train_batches(client_ids, round_num)]
 
   def eval_datasets(self, client_ids: Sequence[int]) -> list[tf.data.Dataset]:
     return [self._dataset(cid, 'eval') for cid in client_ids]

@@ -176,3 +176,30 @@ def test_personal_embeddings_never_reach_a_server_value():
     if assignment == 'personal':
       assert tff.TensorType(np.float32, [92, 2]) in private
       assert tff.TensorType(np.float32, [10, 92, 2]) not in shared
+
+
+def test_triplet_steps_bring_new_users_to_their_own_prototype():
+  """Algorithm 1 line 10 before line 11: a new user's embedding (near 0) is
+  nearest to its positive prototype after the triplet steps, for every
+  sub-population (without them, every new user lands on one prototype)."""
+  rng = np.random.default_rng(0)
+  protos = rng.uniform(-1, 1, (10, 28)).astype(np.float32)
+  before, after = set(), []
+  for positive in range(10):
+    e = (rng.normal(size=28) * 0.1).astype(np.float32)
+    before.add(int(np.argmin(np.sum((e[None] - protos) ** 2, -1))))
+    moved = fedembed_model.triplet_steps(
+        tf.constant(e), tf.constant(protos), tf.constant(positive), 1.0, 5,
+        0.1).numpy()
+    after.append(int(np.argmin(np.sum((moved[None] - protos) ** 2, -1))))
+  assert after == list(range(10))
+  # Near 0, new users share a few small-norm prototypes instead.
+  assert len(before) < 10
+
+
+def test_triplet_steps_leave_a_satisfied_embedding_alone():
+  protos = np.eye(3, dtype=np.float32) * 5.0
+  e = protos[1].copy()  # d_pos = 0, d_neg = 50: the hinge is inactive
+  moved = fedembed_model.triplet_steps(
+      tf.constant(e), tf.constant(protos), tf.constant(1), 1.0, 5, 0.1)
+  np.testing.assert_array_equal(moved.numpy(), e)

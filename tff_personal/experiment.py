@@ -22,6 +22,7 @@ from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
 from tff_personal.core import privacy
+from tff_personal.core import sharded
 from tff_personal.core import training_loop
 
 
@@ -44,6 +45,17 @@ class ExperimentConfig:
   eval_every: int = 0
   eval_clients: int = 0  # 0: every client of the population.
   eval_chunk: int = 250
+  # Users per TFF client in training: 0 runs one user per TFF client (the
+  # production-faithful form); n > 0 packs each round's users into n shards
+  # (core/sharded.py: same results, much faster); -1 picks n automatically
+  # (the CPU count when the algorithm supports it, else 0).
+  simulation_shards: int = -1
+  # Before testing, each evaluated client trains its private variables only
+  # (shared weights frozen) on its own training data for one local pass (the
+  # task's `local_epochs`), starting from its stored state: test-time
+  # personalization, so that clients who never took part are evaluated after
+  # the same local step as those who did. Nothing leaves the client.
+  eval_fine_tune: bool = False
   cold_start_epochs: int = 5
   resume: bool = False
   client_state_backend: str = 'auto'
@@ -122,6 +134,10 @@ def run_experiment(task, config: ExperimentConfig,
       private_optimizer=_private_optimizer(config),
       **({} if config.embedding_dim is None else
          {'embedding_dim': config.embedding_dim}))
+  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
+  train_proc = sharded.maybe_shard(proc, num_shards, dp)
+  log_fn(f'simulation: {num_shards} shards per round' if num_shards else
+         'simulation: one user per TFF client')
   template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
   initial_state_fn = client_state_lib.seeded_initial_state_fn(
       template, config.seed, init='normal', stddev=config.personal_init_stddev)
@@ -130,8 +146,12 @@ def run_experiment(task, config: ExperimentConfig,
       directory=os.path.join(config.experiment_dir, 'client_states'))
 
   weights_type = proc.model_weights_type
-  personal_eval = evaluation.build_personal_eval(
-      proc.model_fn, weights_type, proc.client_state_type)
+  if num_shards:  # The same per-user outputs, users packed in shards.
+    personal_eval = sharded.ShardedPersonalEval(
+        proc.model_fn, weights_type, proc.client_state_type, num_shards)
+  else:
+    personal_eval = evaluation.build_personal_eval(
+        proc.model_fn, weights_type, proc.client_state_type)
   if config.eval_clients:
     rng = np.random.default_rng([config.seed, 0xE7A1])
     eval_ids = np.sort(rng.choice(population, config.eval_clients,
@@ -139,13 +159,23 @@ def run_experiment(task, config: ExperimentConfig,
   else:
     eval_ids = list(range(population))
 
+  fine_tune_eval = evaluation.build_cold_start_eval(
+      proc.model_fn, weights_type, proc.client_state_type,
+      _private_optimizer(config) or fedavg.adam(
+          config.client_learning_rate)) if config.eval_fine_tune else None
+
   def evaluate(state, datasets_fn, ids=eval_ids):
     weights = proc.get_model_weights(state)
     outputs = []
     for i in range(0, len(ids), config.eval_chunk):
       chunk = ids[i:i + config.eval_chunk]
-      outputs.extend(personal_eval(weights, store.load(chunk),
-                                   datasets_fn(chunk)))
+      if fine_tune_eval is None:
+        outputs.extend(personal_eval(weights, store.load(chunk),
+                                     datasets_fn(chunk)))
+      else:  # The same fixed local pass at every evaluation.
+        outputs.extend(fine_tune_eval(
+            weights, store.load(chunk),
+            task.train_datasets(chunk, config.rounds), datasets_fn(chunk)))
     return task.evaluate(outputs, ids)
 
   def eval_fn(state, round_num):
@@ -162,7 +192,10 @@ def run_experiment(task, config: ExperimentConfig,
   test_metrics = cold_start_metrics = None
   try:
     result = training_loop.run_training(
-        proc, store=store, train_data_fn=task.train_datasets,
+        train_proc, store=store,
+        train_data_fn=(task.train_batches if num_shards and
+                       hasattr(task, 'train_batches') else
+                       task.train_datasets),
         config=loop_config, eval_fn=eval_fn, log_fn=log_fn)
     if hasattr(task, 'test_datasets'):  # held-out test split, after training
       test_metrics = evaluate(result.state, task.test_datasets)
@@ -195,6 +228,7 @@ def run_experiment(task, config: ExperimentConfig,
       'first_round_seconds': result.first_round_seconds,
       'setup_seconds': setup_seconds,
       'population': population,
+      'simulation_shards': num_shards,
       'eval': result.eval_metrics,
       'test': test_metrics,
       'cold_start': cold_start_metrics,
@@ -245,4 +279,7 @@ def _export_private_states(store, ids, directory) -> None:
   arrays = {'ids': np.asarray(ids, np.int64)}
   for i in range(len(states[0]['private']) if states else 0):
     arrays[f'private_{i}'] = np.stack([s['private'][i] for s in states])
+  if states and 'rounds_participated' in states[0]:
+    arrays['rounds_participated'] = np.asarray(
+        [s['rounds_participated'] for s in states], np.int64)
   np.savez(os.path.join(directory, 'private_states.npz'), **arrays)

@@ -1,7 +1,7 @@
 """FedEmbed (Silva et al.): personal embeddings and sub-population heads.
 
-`fedembed_prototype`, `fedembed_type` and `fedembed_personal` (the SOM variant
-is not built yet). The model, and every reading of the paper, is in
+`fedembed_prototype`, `fedembed_type` and `fedembed_personal` (the SOM variant,
+whose server also learns a map, is `fedembed_som.py`). The model, and every reading of the paper, is in
 `models/fedembed.py`; the federated part is FURL-style split training
 (`core/process.build_split_model_process`): the shared parameters (encoder,
 all K heads, the global and type heads, the prototypes) are aggregated by the

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedembed
+from tff_personal.algorithms import fedembed_som
+from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import furl
+from tff_personal.algorithms import pfedkm
+from tff_personal.algorithms import pfedme
 
 ALGORITHMS = {
     'global': fedavg.build_global,
@@ -21,7 +25,14 @@ ALGORITHMS = {
     'fedembed_prototype': fedembed.build_fedembed_prototype,
     'fedembed_type': fedembed.build_fedembed_type,
     'fedembed_personal': fedembed.build_fedembed_personal,
+    'fedembed_som': fedembed_som.build_fedembed_som,
+    'fedrep': fedrep.build_fedrep,
+    'pfedme': pfedme.build_pfedme,
+    'pfedkm': pfedkm.build_pfedkm,
 }
+
+# Algorithms built on a task's FedEmbed model (K sub-population heads).
+_FEDEMBED_MODEL = ('pfedkm',)
 
 
 def build(name: str, model_fn_factory, **kwargs):
@@ -33,7 +44,7 @@ def build(name: str, model_fn_factory, **kwargs):
 
 def model_factory(name: str, task):
   """The task's model factory that the named algorithm builds on."""
-  if name.startswith('fedembed_'):
+  if name.startswith('fedembed_') or name in _FEDEMBED_MODEL:
     if not hasattr(task, 'fedembed_model_fn_factory'):
       raise ValueError(f'task {getattr(task, "name", task)!r} has no FedEmbed '
                        f'model; {name} needs one')

@@ -31,6 +31,7 @@ aggregator) and the training-metric sums (through `federated_sum`; pass
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -45,6 +46,30 @@ LearningAlgorithmState = tff.learning.templates.LearningAlgorithmState
 
 CLIENT_STATE_PRIVATE = 'private'
 CLIENT_STATE_ROUNDS = 'rounds_participated'
+
+# A client step factory: `make_step()` builds the model(s) the client work
+# needs (variables) and returns `step(weights, client_state, dataset) ->
+# OrderedDict(update, update_weight, client_state, metrics)`, pure TF logic that
+# may be called repeatedly (once per user of a simulation shard, see
+# `core/sharded.py`): it must (re)assign every variable it reads on entry.
+ClientStepFactory = Callable[[], Callable[..., Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Composition:
+  """What a process was composed from; lets `core/sharded.py` re-wire it.
+
+  `client_step` is the per-user TF logic (a `ClientStepFactory`), or None for
+  processes whose client work was given only as a TFF computation.
+  """
+  initial_model_weights: Any
+  client_state_type: tff.Type
+  client_data_type: tff.Type
+  client_work_result_type: tff.Type
+  aggregator_factory: Any
+  server_optimizer: Any
+  train_metrics: bool
+  client_step: Optional[Callable[[], Callable[..., Any]]]
 
 
 class StatefulClientProcess(tff.templates.IterativeProcess):
@@ -61,11 +86,18 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
   def __init__(self, initialize_fn: tff.Computation, next_fn: tff.Computation,
                *, client_state_type: tff.Type,
                aggregation_value_type: tff.Type,
-               model_fn: split_model_lib.SplitModelFn | None = None):
+               model_fn: split_model_lib.SplitModelFn | None = None,
+               composition: Composition | None = None):
     super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
     self._client_state_type = client_state_type
     self._aggregation_value_type = aggregation_value_type
     self._model_fn = model_fn
+    self._composition = composition
+
+  @property
+  def composition(self) -> Composition | None:
+    """The parts this process was composed from (None if not recorded)."""
+    return self._composition
 
   @property
   def model_fn(self) -> split_model_lib.SplitModelFn | None:
@@ -141,6 +173,7 @@ def compose_stateful_client_process(
     server_optimizer: tff.learning.optimizers.Optimizer,
     train_metrics: bool = True,
     model_fn: split_model_lib.SplitModelFn | None = None,
+    client_step: ClientStepFactory | None = None,
 ) -> StatefulClientProcess:
   """Wires a client work with client state into a `StatefulClientProcess`.
 
@@ -156,6 +189,10 @@ def compose_stateful_client_process(
       `build_apply_optimizer_finalizer`.
     train_metrics: release sums of training metrics to the server.
     model_fn: optional split-model builder, exposed for evaluation.
+    client_step: optional per-user TF logic that `client_work` runs (see
+      `ClientStepFactory`; `client_work_from_step` builds `client_work` from
+      it). Recorded so that `core/sharded.py` can run many users inside one
+      TFF client for fast simulation.
 
   Returns:
     A `StatefulClientProcess`.
@@ -230,10 +267,16 @@ def compose_stateful_client_process(
           finalize_metrics, tff.federated_sum(outputs.metrics))
     return new_state, outputs.client_state, tff.federated_zip(measurements)
 
+  composition = Composition(
+      initial_model_weights=weights_value,
+      client_state_type=client_state_type, client_data_type=data_type,
+      client_work_result_type=result_type,
+      aggregator_factory=aggregator_factory, server_optimizer=server_optimizer,
+      train_metrics=train_metrics, client_step=client_step)
   return StatefulClientProcess(
       initialize_fn, next_fn, client_state_type=client_state_type,
       aggregation_value_type=update_type,
-      model_fn=model_fn)
+      model_fn=model_fn, composition=composition)
 
 
 def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
@@ -264,6 +307,59 @@ def split_client_state_type(model_fn: split_model_lib.SplitModelFn) -> tff.Type:
   ]))
 
 
+def split_client_step_factory(
+    model_fn: split_model_lib.SplitModelFn,
+    client_optimizer: tff.learning.optimizers.Optimizer,
+    metrics_fn=None,
+    private_optimizer: tff.learning.optimizers.Optimizer | None = None,
+) -> ClientStepFactory:
+  """Joint local training of a split model's shared and private parts."""
+
+  def make_step():
+    model = model_fn()
+
+    def step(weights, client_state, dataset):
+      update, weight, new_private, metrics = split_training.local_train(
+          model, client_optimizer, weights,
+          tuple(client_state[CLIENT_STATE_PRIVATE]), dataset, metrics_fn,
+          private_optimizer)
+      metrics['clients'] = tf.constant(1, tf.int32)
+      new_state = collections.OrderedDict([
+          (CLIENT_STATE_PRIVATE, new_private),
+          (CLIENT_STATE_ROUNDS, client_state[CLIENT_STATE_ROUNDS] + 1),
+      ])
+      return collections.OrderedDict(
+          update=update, update_weight=weight, client_state=new_state,
+          metrics=metrics)
+
+    return step
+
+  return make_step
+
+
+def client_work_from_step(make_step: ClientStepFactory, weights_type: tff.Type,
+                          client_state_type: tff.Type,
+                          data_type: tff.Type) -> tff.Computation:
+  """The one-user-per-TFF-client work: one call of the step per client."""
+
+  @tff.tensorflow.computation(weights_type, client_state_type, data_type)
+  def client_work(weights, client_state, dataset):
+    # tf.function for automatic control dependencies between the variable
+    # assignments and reads (TFF traces computations in graph mode).
+    return tf.function(make_step())(weights, client_state, dataset)
+
+  return client_work
+
+
+def split_data_type(model_fn: split_model_lib.SplitModelFn) -> tff.Type:
+  """`D*`: the sequence type of one client's batches, from the input spec."""
+  with tf.Graph().as_default():
+    input_spec = model_fn().input_spec
+  if input_spec is None:
+    raise ValueError('model_fn() must return a SplitModel with input_spec')
+  return tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
+
+
 def build_split_client_work(
     model_fn: split_model_lib.SplitModelFn,
     client_optimizer: tff.learning.optimizers.Optimizer,
@@ -273,31 +369,10 @@ def build_split_client_work(
     private_optimizer: tff.learning.optimizers.Optimizer | None = None,
 ) -> tff.Computation:
   """The client work of a split model: joint local training of both parts."""
-  with tf.Graph().as_default():
-    input_spec = model_fn().input_spec
-  if input_spec is None:
-    raise ValueError('model_fn() must return a SplitModel with input_spec')
-  data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
-
-  @tff.tensorflow.computation(weights_type, client_state_type, data_type)
-  def client_work(weights, client_state, dataset):
-    model = model_fn()
-    # tf.function for automatic control dependencies between the variable
-    # assignments and reads (TFF traces computations in graph mode).
-    train = tf.function(lambda w, p, d: split_training.local_train(
-        model, client_optimizer, w, p, d, metrics_fn, private_optimizer))
-    update, weight, new_private, metrics = train(
-        weights, tuple(client_state[CLIENT_STATE_PRIVATE]), dataset)
-    metrics['clients'] = tf.constant(1, tf.int32)
-    new_state = collections.OrderedDict([
-        (CLIENT_STATE_PRIVATE, new_private),
-        (CLIENT_STATE_ROUNDS, client_state[CLIENT_STATE_ROUNDS] + 1),
-    ])
-    return collections.OrderedDict(
-        update=update, update_weight=weight, client_state=new_state,
-        metrics=metrics)
-
-  return client_work
+  return client_work_from_step(
+      split_client_step_factory(model_fn, client_optimizer, metrics_fn,
+                                private_optimizer),
+      weights_type, client_state_type, split_data_type(model_fn))
 
 
 def build_split_model_process(
@@ -327,11 +402,12 @@ def build_split_model_process(
   weights = initial_shared_weights(model_fn, seed)
   weights_type = model_weights_type(weights)
   client_state_type = split_client_state_type(model_fn)
-  client_work = build_split_client_work(
-      model_fn, client_optimizer, weights_type, client_state_type, metrics_fn,
-      private_optimizer)
+  make_step = split_client_step_factory(
+      model_fn, client_optimizer, metrics_fn, private_optimizer)
+  client_work = client_work_from_step(
+      make_step, weights_type, client_state_type, split_data_type(model_fn))
   return compose_stateful_client_process(
       initial_model_weights=weights, client_state_type=client_state_type,
       client_work=client_work, aggregator_factory=aggregator_factory,
       server_optimizer=server_optimizer, train_metrics=train_metrics,
-      model_fn=model_fn)
+      model_fn=model_fn, client_step=make_step)

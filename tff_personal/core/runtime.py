@@ -17,10 +17,44 @@ the subprocess:
   SIGTERM) stops it explicitly.
 
 Written by hand because TFF lacks it; everything else is TFF's.
+
+Multi-worker runs (`WorkersRuntime`, or `local_runtime(workers=[...])`): the
+computations run on already running `worker_binary` services (start one per
+machine with `python -m binaries.worker --port=N`), through TFF's remote
+executor and TFF's mergeable-computation form
+(`tff.backends.native.compile_to_mergeable_comp_form`). A call's
+`CLIENTS`-placed arguments are split into one contiguous slice per worker;
+each worker runs `up_to_merge` (client work and the accumulation of the single
+aggregation) on its slice; the partial accumulators are merged in worker
+order; each worker then runs `after_merge` on its slice, and the
+`CLIENTS`-placed results are concatenated in worker order (server-placed
+results are the first worker's). Why it runs `StatefulClientProcess.next`:
+`next` has exactly one logical aggregation (the aggregator's sums, the metric
+sums and the adaptive-clipping counts are parallel, none depends on another),
+and its client-state output is `CLIENTS`-placed, which `after_merge` may
+produce from its own slice and the merged aggregate. A plain remote context
+over one worker would not split clients; TFF's C++ worker has no composing
+executor to spread one call over several services.
+
+Two things are written by hand here, both small: the ordering (TFF 0.87's
+`MergeableCompExecutionContext` concatenates `after_merge` results and merges
+partials in *completion* order, so with two workers client states can come
+back attached to the wrong clients: measured, with the first worker slower,
+`2 * [1..7]` came back as `[10, 12, 14, 2, 4, 6, 8]`) and the worker
+connection (TFF 0.87 dropped its remote-context factory). Computations whose
+aggregations depend on one another have no mergeable form; TFF raises on
+their first call (checked: the `next` of every algorithm in
+`algorithms/registry.py`, built on mnist_preference, compiles to it). The cost of the form, stated in docs/scale.md: `after_merge`
+recomputes the client work (force-aligned TFF computations pass nothing from
+before the aggregation to after it except through the aggregation), so each
+client is trained twice. Results equal the local run's only if the client
+work is deterministic given its inputs, which holds for this project's
+algorithms (seeded shuffling, no unseeded randomness in client work).
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import ctypes
@@ -29,7 +63,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from absl import logging
 import grpc
@@ -37,13 +71,23 @@ import portpicker
 import tensorflow_federated as tff
 
 # TFF internals: the same pieces TFF's own `local_cpp_executor_factory` uses.
+from tensorflow_federated.python.common_libs import async_utils as _async_utils
+from tensorflow_federated.python.common_libs import structure as _structure
 from tensorflow_federated.python.core.backends.native import compiler as _native_compiler
+from tensorflow_federated.python.core.backends.native import mergeable_comp_compiler as _mergeable_compiler
 from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation as _tf_computation
+from tensorflow_federated.python.core.impl.context_stack import context_base as _context_base
 from tensorflow_federated.python.core.impl.context_stack import context_stack_impl as _context_stack_impl
+from tensorflow_federated.python.core.impl.execution_contexts import async_execution_context as _async_execution_context
+from tensorflow_federated.python.core.impl.execution_contexts import compiler_pipeline as _compiler_pipeline
+from tensorflow_federated.python.core.impl.execution_contexts import mergeable_comp_execution_context as _mergeable_context
 from tensorflow_federated.python.core.impl.execution_contexts import sync_execution_context as _sync_execution_context
 from tensorflow_federated.python.core.impl.executor_stacks import python_executor_stacks as _python_executor_stacks
 from tensorflow_federated.python.core.impl.executors import remote_executor as _remote_executor
 from tensorflow_federated.python.core.impl.executors import remote_executor_grpc_stub as _remote_executor_grpc_stub
+from tensorflow_federated.python.core.impl.types import computation_types as _computation_types
+from tensorflow_federated.python.core.impl.types import type_analysis as _type_analysis
+from tensorflow_federated.python.core.impl.types import type_conversions as _type_conversions
 
 _GRPC_MAX_MESSAGE_LENGTH_BYTES = 2 * 1000 * 1000 * 1000
 _GRPC_CHANNEL_OPTIONS = [
@@ -208,20 +252,200 @@ class LocalCppRuntime:
     self.close()
 
 
+def parse_workers(workers) -> list[str]:
+  """Validated `host:port` addresses from `'h1:p1,h2:p2'` or a sequence."""
+  if isinstance(workers, str):
+    items = [w.strip() for w in workers.split(',')]
+  else:
+    items = [str(w).strip() for w in workers]
+  if not items or any(not w for w in items):
+    raise ValueError(f'--workers={workers!r}: expected a comma-separated list '
+                     'of host:port with no empty entries.')
+  for w in items:
+    host, sep, port = w.rpartition(':')
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError(f'--workers: {w!r} is not host:port with a port in '
+                       '1..65535.')
+  if len(set(items)) != len(items):
+    raise ValueError(f'--workers={workers!r} lists a worker twice; each '
+                     'worker would get two slices of the clients.')
+  return items
+
+
+class _OrderedMergeableContext(_context_base.SyncContext):
+  """TFF's mergeable-computation execution, with results in worker order.
+
+  The same steps as TFF's `MergeableCompExecutionContext` (its compiler, its
+  argument split and its result repackaging are used as they are), except
+  that partial aggregates are merged, and `CLIENTS`-placed results are
+  concatenated, in the order of the slices rather than the order in which the
+  workers finish. See the module docstring.
+  """
+
+  def __init__(self, async_contexts: Sequence[_context_base.AsyncContext]):
+    self._contexts = list(async_contexts)
+    self._runner = _async_utils.AsyncThreadRunner()
+    self._pipeline = _compiler_pipeline.CompilerPipeline(
+        _mergeable_compiler.compile_to_mergeable_comp_form)
+
+  def invoke(self, comp, arg=None):
+    form = self._pipeline.compile(comp)
+    if arg is None:
+      slices = [None]  # No CLIENTS-placed input: nothing to split.
+    else:
+      slices = _mergeable_context._split_value_into_subrounds(  # pylint: disable=protected-access
+          arg, form.up_to_merge.type_signature.parameter, len(self._contexts))
+    result = self._runner.run_coro_and_return_result(self._run(form, slices))
+    result = _type_conversions.type_to_py_container(
+        result, form.after_merge.type_signature.result)
+    return _tf_computation.transform_result(result)
+
+  async def _run(self, form, slices):
+    contexts = self._contexts[:len(slices)]
+    partials = await asyncio.gather(*(
+        ctx.invoke(form.up_to_merge, a) for ctx, a in zip(contexts, slices)))
+    merged = partials[0]
+    for partial in partials[1:]:
+      merged = await contexts[0].invoke(
+          form.merge, _structure.Struct.unnamed(merged, partial))
+
+    def after_arg(a):
+      return merged if a is None else _structure.Struct.unnamed(a, merged)
+
+    result_type = form.after_merge.type_signature.result
+    if _type_analysis.contains_only(
+        result_type, lambda t: not isinstance(
+            t, _computation_types.FederatedType) or t.all_equal):
+      # No per-client result: every slice would return the same value.
+      return await contexts[0].invoke(form.after_merge, after_arg(slices[0]))
+    results = await asyncio.gather(*(
+        ctx.invoke(form.after_merge, after_arg(a))
+        for ctx, a in zip(contexts, slices)))
+    return _mergeable_context._repackage_partitioned_values(  # pylint: disable=protected-access
+        list(results), result_type)
+
+
+class WorkersRuntime:
+  """Runs TFF computations on running `worker_binary` services.
+
+  Connects to every address (waiting up to `connect_timeout_s` for all to be
+  ready; an unreachable one is an error naming it), and installs a context
+  that splits each call's clients across the workers (module docstring). The
+  workers are not owned: `close` disposes of this program's executors on them
+  and closes the channels, and the services keep running for the next program.
+  """
+
+  def __init__(self, workers, connect_timeout_s: float = 60.0):
+    self.addresses = parse_workers(workers)
+    self._channels = []
+    self._executors = []
+    self._lock = threading.Lock()
+    self._closed = False
+    self._previous_default = None
+    stubs = []
+    for address in self.addresses:
+      channel = grpc.insecure_channel(address, _GRPC_CHANNEL_OPTIONS)
+      self._channels.append(channel)
+      stubs.append(_remote_executor_grpc_stub.RemoteExecutorGrpcStub(channel))
+    deadline = time.monotonic() + connect_timeout_s
+    while not all(stub.is_ready for stub in stubs):
+      if time.monotonic() > deadline:
+        down = [a for a, stub in zip(self.addresses, stubs)
+                if not stub.is_ready]
+        self._close_channels()
+        raise ConnectionError(
+            f'TFF worker(s) {down} not reachable after {connect_timeout_s:.0f}'
+            ' s. Start one on each host with `python -m binaries.worker '
+            '--port=N` and check the host:port and the firewall.')
+      time.sleep(0.1)
+    self.context = _OrderedMergeableContext(
+        [self._async_context(stub) for stub in stubs])
+    logging.info('Connected to TFF workers %s', self.addresses)
+    atexit.register(self.close)
+
+  def _async_context(self, stub):
+    def stack_fn(cardinalities):
+      with self._lock:
+        if self._closed:
+          raise RuntimeError('WorkersRuntime is closed')
+      if cardinalities.get(tff.CLIENTS) is None:
+        cardinalities[tff.CLIENTS] = 0
+      ex = _remote_executor.RemoteExecutor(stub)
+      ex.set_cardinalities(cardinalities)
+      self._executors.append(ex)
+      return ex
+
+    return _async_execution_context.AsyncExecutionContext(
+        executor_fn=_python_executor_stacks.ResourceManagingExecutorFactory(
+            executor_stack_fn=stack_fn),
+        compiler_fn=_native_compiler.desugar_and_transform_to_native,
+        transform_args=_tf_computation.transform_args,
+        transform_result=_tf_computation.transform_result)
+
+  def install(self) -> 'WorkersRuntime':
+    """Makes this runtime TFF's default context (until `close`)."""
+    stack = _context_stack_impl.context_stack
+    if self._previous_default is None:
+      self._previous_default = stack._stack[0]  # pylint: disable=protected-access
+    stack.set_default_context(self.context)
+    return self
+
+  def _close_channels(self):
+    for channel in self._channels:
+      channel.close()
+    self._channels = []
+
+  def close(self) -> None:
+    """Releases this program's executors and channels; idempotent."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+    for ex in self._executors:
+      try:
+        ex.close()  # Disposes of the executor on the (still running) worker.
+      except Exception:  # pylint: disable=broad-except
+        pass  # The worker may be gone already; nothing is left to release.
+    self._executors = []
+    self._close_channels()
+    stack = _context_stack_impl.context_stack
+    if (self._previous_default is not None and
+        stack._stack[0] is self.context):  # pylint: disable=protected-access
+      stack.set_default_context(self._previous_default)
+    self._previous_default = None
+
+  def __enter__(self) -> 'WorkersRuntime':
+    return self.install()
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
 @contextlib.contextmanager
 def local_runtime(log_path: Optional[str] = None,
-                  handle_sigterm: bool = True) -> Iterator[LocalCppRuntime]:
+                  handle_sigterm: bool = True,
+                  workers=None) -> Iterator[LocalCppRuntime | WorkersRuntime]:
   """Installs a `LocalCppRuntime` for the block and always stops its worker.
 
   With `handle_sigterm`, SIGTERM becomes `SystemExit` so that the `finally`
   clauses of the program (checkpoint files, the store) run before exit.
+
+  With `workers` (`'host:port,...'` or a sequence; see `parse_workers`), no
+  local worker is started: the block runs on those services through a
+  `WorkersRuntime`, released at the end of the block.
   """
   previous = None
   if handle_sigterm and threading.current_thread() is threading.main_thread():
     def _on_sigterm(signum, frame):
       raise SystemExit(128 + signum)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
-  runtime = LocalCppRuntime(log_path=log_path)
+  try:
+    runtime = (LocalCppRuntime(log_path=log_path) if not workers
+               else WorkersRuntime(workers))
+  except BaseException:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+    raise
   try:
     with runtime:
       yield runtime

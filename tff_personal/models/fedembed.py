@@ -23,11 +23,18 @@ Parts, with who owns them:
   of equation 1 (with the usual hinge, margin alpha) moves e_u towards the
   prototype of its positive sub-population and away from a random other one;
   its gradient also reaches the prototypes, which is how they are "continually
-  updated alongside the global model". The client's head is the prototype
-  nearest to e_u (Euclidean) when its local training begins, kept for the
-  round (Algorithm 1 assigns once per client update; the triplet steps of the
-  previous participations have already moved e_u); at inference the nearest
-  prototype is recomputed, which also serves users who never trained.
+  updated alongside the global model". When its local training begins, the
+  client first takes `assignment_triplet_steps` gradient steps of the triplet
+  loss on e_u alone (step `assignment_step_size`; the negative is the nearest
+  other prototype, the hinge's hardest case), then takes as its head the
+  prototype nearest to e_u (Euclidean), kept for the round: Algorithm 1 does
+  the triplet step (line 10) before the assignment (line 11). Without these
+  steps a new user's embedding (drawn near 0) is nearest to whichever
+  prototype has the smallest norm, and at 9,000 users almost every
+  participation is a first one: one head then trained on every user's labels
+  (measured: FedEmbed-Prototype F1 0.64 vs FedEmbed-Type 0.92 at the same
+  budget). At inference the nearest prototype is recomputed, which also
+  serves users who never trained.
 * Private non-trainable state: `positive_index`, the sub-population the client
   identifies from its own data (the type that is most frequent among its
   positive samples: Algorithm 1 line 9, "identify e_p from D_u"); `head`, the
@@ -38,7 +45,17 @@ Parts, with who owns them:
 Assignment modes: 'prototype' (above), 'type' (the head is the client's
 `positive_index`: its true sub-population, FedEmbed-Type's upper bound; no
 prototypes), 'personal' (each client's head is private, trainable client
-state; no shared sub-population heads).
+state; no shared sub-population heads), 'som' (section 3.3.1: the head is the
+best-matching unit of e_u in a self-organising map whose nodes are shared
+non-trainable variables, `som/active` the map the heads are indexed by and
+`som/nodes` the map being learned; `algorithms/fedembed_som.py` learns them)
+and 'kmeans' (PFedKM's assignment: the head is the k-means centroid nearest to
+the client's probe feature, `kmeans_probe_feature`; the centroids are shared
+non-trainable variables that `algorithms/pfedkm.py` learns). In 'som' and
+'kmeans' modes `prepare_fn` assigns the head from the client's data (and,
+at inference, 'som' recomputes the best-matching unit as 'prototype' does;
+'kmeans' uses the head of the client's last assignment, kept as private
+state, since its probe needs labelled data).
 
 The loss is L_C(assigned head) + L_C(nu) + L_M(gamma) [+ triplet]; each step
 applies one optimizer step to shared and private parameters jointly (the
@@ -59,9 +76,10 @@ from typing import Callable
 import tensorflow as tf
 
 from tff_personal.models import fedembed_mnist
+from tff_personal.models import som
 from tff_personal.models import split_model
 
-ASSIGNMENTS = ('prototype', 'type', 'personal')
+ASSIGNMENTS = ('prototype', 'type', 'personal', 'som', 'kmeans')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +88,10 @@ class FedEmbedConfig:
   embedding_dim: int = 28
   assignment: str = 'prototype'
   triplet_margin: float = 1.0
+  # Prototype assignment: gradient steps of the triplet loss on e_u taken
+  # before the nearest prototype is chosen (Algorithm 1, lines 10 then 11).
+  assignment_triplet_steps: int = 5
+  assignment_step_size: float = 0.1
   use_type_head: bool = True
   use_global_head: bool = True
 
@@ -80,10 +102,15 @@ class FedEmbedConfig:
     if self.num_subpopulations < 1:
       raise ValueError('num_subpopulations must be >= 1, got '
                        f'{self.num_subpopulations}')
+    if (self.assignment == 'som' and self.embedding_dim == 0 and
+        self.num_subpopulations > 1):
+      raise ValueError('som assignment with K > 1 needs a personal embedding '
+                       '(embedding_dim > 0)')
     if self.embedding_dim < 0:
       raise ValueError(f'embedding_dim must be >= 0, got {self.embedding_dim}')
     if self.assignment == 'prototype' and self.embedding_dim == 0:
-      raise ValueError('prototype assignment needs a personal embedding')
+      raise ValueError(f'{self.assignment} assignment needs a personal '
+                       'embedding (embedding_dim > 0)')
 
 
 class SubpopulationHeads(tf.keras.layers.Layer):
@@ -154,6 +181,134 @@ class Prototypes(tf.keras.layers.Layer):
     return self.nearest(e)
 
 
+class SomMap(tf.keras.layers.Layer):
+  """Shared non-trainable SOM state (section 3.3.1), learned by the server.
+
+  `nodes`: the map being learned; `active`: the map the sub-population heads
+  are indexed by (the previous map, see `algorithms/fedembed_som.py`);
+  `steps`: how many map updates the server has applied (drives the decay of
+  the learning rate and of the neighbourhood).
+  """
+
+  def __init__(self, num: int, dim: int, **kwargs):
+    super().__init__(**kwargs)
+    self.num, self.dim = num, dim
+
+  def build(self, input_shape):
+    init = lambda: tf.keras.initializers.RandomUniform(-1.0, 1.0)
+    self.nodes = self.add_weight(name='nodes', shape=(self.num, self.dim),
+                                 initializer=init(), trainable=False)
+    self.active = self.add_weight(name='active', shape=(self.num, self.dim),
+                                  initializer=init(), trainable=False)
+    self.steps = self.add_weight(name='steps', shape=(), initializer='zeros',
+                                 trainable=False)
+    super().build(input_shape)
+
+  def call(self, e, assigned_head, training=None):
+    if training:
+      return assigned_head
+    return som.best_matching_units(self.active, e)
+
+
+class KMeansCentroids(tf.keras.layers.Layer):
+  """Shared non-trainable k-means state (PFedKM), learned by the server.
+
+  `centroids` [K, P] in the space of probe features and `counts` [K], the
+  running weight of each centroid (TFF's `build_fed_kmeans` keeps the same
+  pair, starting from a pseudo-count of 1).
+  """
+
+  def __init__(self, num: int, dim: int, **kwargs):
+    super().__init__(**kwargs)
+    self.num, self.dim = num, dim
+
+  def build(self, input_shape):
+    normal = tf.keras.initializers.RandomNormal()
+    # TFF's build_fed_kmeans draws centroids from N(0, 1); probes have unit
+    # norm, so the draws are scaled to unit norm too: with N(0, 1) centroids
+    # (norm ~ sqrt(dim)) the norm differences, not the directions, decide
+    # the nearest centroid and one centroid takes every client (measured).
+    self.centroids = self.add_weight(
+        name='centroids', shape=(self.num, self.dim), trainable=False,
+        initializer=lambda shape, dtype=None: tf.math.l2_normalize(
+            normal(shape, dtype), axis=-1))
+    self.counts = self.add_weight(name='counts', shape=(self.num,),
+                                  initializer='ones', trainable=False)
+    super().build(input_shape)
+
+  def nearest(self, point):
+    """Index of the centroid nearest to `point` [P] (TFF's formula)."""
+    d = tf.reduce_sum(tf.square(self.centroids - point[tf.newaxis]), axis=1)
+    return tf.argmin(d, axis=0, output_type=tf.int32)
+
+  def call(self, assigned_head):
+    return assigned_head
+
+
+def kmeans_probe_feature(model: split_model.SplitModel,
+                         dataset: tf.data.Dataset) -> tf.Tensor:
+  """PFedKM's probe: the client's normalised gradient of the mean head.
+
+  The gradient over the client's whole dataset of the mean cross-entropy of
+  the *mean* sub-population head `(mean_k W_k, mean_k b_k)` applied to the
+  encoder features z, flattened and scaled to unit L2 norm. In closed form
+  (softmax cross-entropy): `dW = z^T (p - onehot(y)) / n`,
+  `db = sum(p - onehot(y)) / n`. Users of one sub-population label the same
+  inputs alike, so their probes point the same way; this is the "k-means
+  clustering over user gradients" of FedEmbed's description of PFedKM, on the
+  part of the update that carries the preference (our reading).
+
+  Args:
+    model: a FedEmbed split model in 'kmeans' mode, weights loaded.
+    dataset: the client's batches (with `x`, `y`).
+
+  Returns:
+    float32 [features * 2 + 2], unit norm (zero for an empty dataset).
+  """
+  heads = model.model.get_layer('heads')
+  kernel = tf.reduce_mean(heads.kernel, axis=0)
+  bias = tf.reduce_mean(heads.bias, axis=0)
+  zeros = (tf.zeros_like(kernel), tf.zeros_like(bias), tf.constant(0.0))
+
+  def reduce_fn(acc, batch):
+    z = model.forward(batch, training=False)['features']
+    p = tf.nn.softmax(tf.matmul(z, kernel) + bias)
+    r = p - tf.one_hot(batch['y'], int(bias.shape[0]))
+    n = tf.cast(tf.shape(z)[0], tf.float32)
+    return (acc[0] + tf.matmul(z, r, transpose_a=True),
+            acc[1] + tf.reduce_sum(r, axis=0), acc[2] + n)
+
+  d_kernel, d_bias, n = dataset.reduce(zeros, reduce_fn)
+  flat = tf.concat([tf.reshape(d_kernel, [-1]), d_bias], axis=0) / tf.maximum(
+      n, 1.0)
+  return tf.math.divide_no_nan(flat, tf.norm(flat))
+
+
+def kmeans_probe_dim(feature_dim: int, num_outputs: int = 2) -> int:
+  return feature_dim * num_outputs + num_outputs
+
+
+def triplet_steps(e: tf.Tensor, prototypes: tf.Tensor, positive: tf.Tensor,
+                  margin: float, steps: int, step_size: float) -> tf.Tensor:
+  """`steps` gradient steps of equation 1's hinge on `e` alone.
+
+  The negative of each step is the prototype nearest to `e` other than the
+  positive one; while the hinge is active its gradient with respect to `e` is
+  2 (n - p), so a step moves `e` by 2 * step_size * (p - n).
+  """
+  p = tf.gather(prototypes, positive)
+  is_positive = tf.one_hot(positive, tf.shape(prototypes)[0], on_value=True,
+                           off_value=False)
+  for _ in range(steps):
+    d = tf.reduce_sum(tf.square(e[None] - prototypes), -1)
+    n = tf.gather(prototypes, tf.argmin(
+        tf.where(is_positive, tf.fill(tf.shape(d), float('inf')), d)))
+    active = (tf.reduce_sum(tf.square(e - p)) - tf.reduce_sum(
+        tf.square(e - n)) + margin) > 0
+    e = tf.where(active, e - step_size * 2.0 * (n - p), e)
+  return e
+
+
 def identify_positive_subpopulation(dataset: tf.data.Dataset,
                                     num_subpopulations: int) -> tf.Tensor:
   """The type most frequent among the client's positive samples (0 if none)."""
@@ -199,8 +354,11 @@ def build_fedembed_model(
         dim, initializer=tf.keras.initializers.RandomUniform(-1.0, 1.0),
         name='personal')
     e = personal(x)
+    # diag(e) on the first dim x dim block of an H x W channel: square for
+    # MNIST (28 x 28), 200 x 375 for spectrograms (Appendix B.2).
     image = tf.keras.layers.Concatenate(axis=-1)(
-        [x, tf.linalg.diag(e)[..., tf.newaxis]])
+        [x, tf.linalg.diag(e, num_rows=input_shape[0],
+                           num_cols=input_shape[1])[..., tf.newaxis]])
     f = encoder_fn(input_shape[-1] + 1)(image)
     z = tf.keras.layers.Concatenate()([f, e])
     private.append(personal.embedding)
@@ -208,10 +366,19 @@ def build_fedembed_model(
     f = encoder_fn(input_shape[-1])(x)
     z = f
   outputs = {}
-  prototypes = None
+  prototypes = som_map = centroids = None
   if config.assignment == 'prototype':
     prototypes = Prototypes(k, dim, name='prototypes')
     head = prototypes(e, assigned_head)
+  elif config.assignment == 'som':
+    # Without an embedding (dim 0) every user maps to node 0: the degenerate
+    # case that reduces to FedAvg for K=1.
+    som_map = SomMap(k, dim, name='som')
+    head = som_map(e if dim else tf.zeros_like(f[:, :0]), assigned_head)
+  elif config.assignment == 'kmeans':
+    centroids = KMeansCentroids(
+        k, kmeans_probe_dim(int(z.shape[-1])), name='kmeans')
+    head = centroids(assigned_head)
   else:
     head = positive
   if config.assignment == 'personal':
@@ -227,6 +394,7 @@ def build_fedembed_model(
     outputs['type_logits'] = tf.keras.layers.Dense(k, name='type_head')(z)
   outputs['head'] = head
   outputs['positive'] = positive  # the sub-population the client identified
+  outputs['features'] = z  # what the heads see (PFedKM's probe reads it)
   model = tf.keras.Model(x, outputs)
   private.extend([assignment.positive_index, assignment.head,
                   assignment.draws])
@@ -261,11 +429,23 @@ def build_fedembed_model(
     assignment.positive_index.assign(identify_positive_subpopulation(
         dataset, k))
     if prototypes is not None:
+      if k > 1 and config.assignment_triplet_steps:
+        personal.embedding.assign(triplet_steps(
+            personal.embedding, prototypes.vectors,
+            assignment.positive_index, config.triplet_margin,
+            config.assignment_triplet_steps, config.assignment_step_size))
       assignment.head.assign(prototypes.nearest(personal.embedding[None])[0])
+    elif som_map is not None:
+      assignment.head.assign(som.best_matching_unit(
+          som_map.active, personal.embedding if dim else tf.zeros([0])))
+    elif centroids is not None:
+      assignment.head.assign(
+          centroids.nearest(kmeans_probe_feature(result, dataset)))
     else:
       assignment.head.assign(assignment.positive_index)
 
-  return split_model.SplitModel(
+  result = split_model.SplitModel(
       model=model, private_variables=private, loss_fn=loss_fn,
       input_spec=input_spec, predict_fn=lambda out: out['logits'],
       prepare_fn=prepare_fn)
+  return result

@@ -1,0 +1,417 @@
+r"""Simulation benchmark: TFF's FedAvg, the project's processes, plain Keras.
+
+  python -m binaries.benchmark --output_dir=/tmp/bench \
+    [--cohorts=50,200] [--rounds=12] [--systems=...] [--peer_python=PATH] \
+    [--memory_rounds=200]
+
+One workload for every system (FedEmbed Appendix B.1's MNIST CNN; clients of
+20 generated 28x28 examples; local batch 10; one local epoch; local Adam
+1e-3; server SGD 1, i.e. FedAvg; a population of 1,000 clients; the cohort
+of each round drawn from (seed, round)). Systems:
+
+* `tff_fedavg`: `tff.learning.algorithms.build_weighted_fed_avg` on the
+  Keras model, one TFF client per user (the in-framework reference).
+* `global`, `global_plus`, `fedembed_prototype`: the project's processes
+  (`--simulation_shards`: -1 auto = sharded, 0 = one user per TFF client),
+  driven as `binaries.train` drives them: a client-state store, per-user
+  `tf.data` datasets, `next`, states saved back (no checkpoints, no eval).
+* `keras_central`: plain training of the same model on the same examples of
+  each cohort (the same batches, one pass), no federation: the ceiling.
+* `pfl_fedavg` (with `--peer_python`): Apple's pfl-research on the same
+  workload, run by `bench/peers/pfl_fedavg.py` in its own environment.
+
+Each (system, cohort) runs in a fresh subprocess, so `startup_s` covers the
+interpreter start, imports, building/tracing and the first round, and
+`peak_rss_mib` is the peak of the summed RSS of the subprocess and all its
+children (TFF's `worker_binary` included), sampled every 200 ms (more often
+costs the machine measurable CPU).
+`--memory_rounds=N` also runs `fedembed_prototype` at the first cohort for N
+rounds and records the RSS after round 20 and after round N.
+
+Writes `<output_dir>/benchmark.json` (a list of records: name, cohort,
+client_updates_per_s, examples_per_s, seconds_per_round, startup_s,
+peak_rss_mib, ...) and `<output_dir>/benchmark.md`, and prints the table with
+ratios against `tff_fedavg` (the reference) and `keras_central` (the ceiling).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+import psutil
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tasks import preference_task
+from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import registry
+from tff_personal.core import client_data
+from tff_personal.core import client_state
+from tff_personal.core import runtime
+from tff_personal.core import sharded
+from tff_personal.core import training_loop
+from tff_personal.models import fedembed_mnist
+
+FLAGS = flags.FLAGS
+
+SYSTEMS = ('tff_fedavg', 'global', 'global_plus', 'fedembed_prototype',
+           'keras_central')
+EXAMPLES_PER_CLIENT = 20
+BATCH_SIZE = 10
+POPULATION = 1000
+
+def define_flags():
+  """Defines the binary's flags (at run time, so tests can import this)."""
+  flags.DEFINE_string('output_dir', None, 'Where benchmark.json/.md go.')
+  flags.DEFINE_list('cohorts', ['50', '200'], 'Cohort sizes.')
+  flags.DEFINE_list('systems', list(SYSTEMS), 'Systems to run.')
+  flags.DEFINE_integer('rounds', 12, 'Rounds per (system, cohort); the first '
+                       'is start-up, the rest give the steady-state rate.')
+  flags.DEFINE_integer('simulation_shards', -1,
+                       'For the project\'s systems: -1 auto (sharded), 0 one '
+                       'user per TFF client, n shards.')
+  flags.DEFINE_integer('memory_rounds', 0,
+                       'If > 20: a fedembed_prototype run of this many rounds '
+                       'that records RSS after round 20 and after the last.')
+  flags.DEFINE_string('peer_python', None,
+                      'Python of an environment with pfl-research installed '
+                      '(bench/peers/setup_pfl_env.sh); runs pfl_fedavg.')
+  flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
+  flags.DEFINE_float('timeout_s', 1800, 'Per-run time limit.')
+  # Internal: one run in a child process.
+  flags.DEFINE_string('child', None, 'Internal: system to run in this process.')
+  flags.DEFINE_integer('cohort', 50, 'Internal: cohort of the child run.')
+  flags.DEFINE_string('workload', None, 'Internal: workload .npz path.')
+  flags.DEFINE_string('record', None, 'Internal: where the child writes JSON.')
+  flags.DEFINE_float('t0', None, 'Internal: wall time the parent spawned us.')
+
+
+# ---------------------------------------------------------------------------
+# The workload.
+
+
+def make_workload(path: str, seed: int) -> None:
+  """Generates the clients' data once (images, binary labels, types)."""
+  rng = np.random.default_rng(seed)
+  shape = (POPULATION, EXAMPLES_PER_CLIENT)
+  np.savez(path,
+           x=rng.random(shape + (28, 28, 1), dtype=np.float32),
+           y=rng.integers(0, 2, shape).astype(np.int32),
+           type=rng.integers(0, 10, shape).astype(np.int32))
+
+
+def cohort_of(round_num: int, cohort: int, seed: int):
+  return training_loop.sample_clients(POPULATION, cohort, round_num, seed)
+
+
+# ---------------------------------------------------------------------------
+# Child runs: each returns per-round wall times; the first includes tracing.
+
+
+def _datasets(data, ids, keys):
+  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      (k, data[k][i]) for k in keys)).batch(BATCH_SIZE) for i in ids]
+
+
+def _client_batches(data, ids, keys, element_spec):
+  """What a task's `train_batches` gives the sharded simulation."""
+  order = [np.arange(EXAMPLES_PER_CLIENT)]
+  return [client_data.ClientBatches.from_arrays(
+      collections.OrderedDict((k, data[k][i]) for k in keys), BATCH_SIZE,
+      order, element_spec) for i in ids]
+
+
+def _run_tff_fedavg(data, cohort, rounds, seed, rss_at):
+  spec = collections.OrderedDict(
+      x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
+      y=tf.TensorSpec([None], tf.int32))
+
+  def model_fn():
+    keras_model = fedembed_mnist.build_preference_model(0, input_spec=spec).model
+    return tff.learning.models.from_keras_model(
+        keras_model, input_spec=spec,
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+  tf.keras.utils.set_random_seed(seed)
+  proc = tff.learning.algorithms.build_weighted_fed_avg(
+      model_fn, client_optimizer_fn=fedavg.adam(1e-3),
+      server_optimizer_fn=tff.learning.optimizers.build_sgdm(1.0))
+  state = proc.initialize()
+  times = []
+  for r in range(1, rounds + 1):
+    t = time.perf_counter()
+    ids = cohort_of(r, cohort, seed)
+    state = proc.next(state, _datasets(data, ids, ('x', 'y'))).state
+    times.append(time.perf_counter() - t)
+    rss_at(r)
+  return times, {}
+
+
+def _run_project(name, data, cohort, rounds, seed, shards, rss_at):
+
+  class Workload:  # The PreferenceData interface the task's models need.
+    num_subpopulations = 10
+    num_users = POPULATION
+
+  task = preference_task.PreferenceTask(
+      name='benchmark', data=Workload(),
+      model_builder=lambda dim, input_spec:
+      fedembed_mnist.build_preference_model(dim, input_spec=input_spec),
+      batch_size=BATCH_SIZE, seed=seed)
+  proc = registry.build(
+      name, registry.model_factory(name, task),
+      client_optimizer=fedavg.adam(1e-3),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      metrics_fn=task.metrics_fn, seed=seed)
+  num_shards = sharded.resolve_num_shards(proc, shards)
+  train = sharded.maybe_shard(proc, num_shards)
+  element_spec = tff.types.type_to_tf_tensor_specs(
+      proc.client_data_type.element)
+  keys = tuple(element_spec.keys())
+  template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  store = client_state.make_store(
+      'memory', client_state.seeded_initial_state_fn(template, seed, 'normal',
+                                                      0.1),
+      population=POPULATION, directory=None)
+  state = train.initialize()
+  times = []
+  for r in range(1, rounds + 1):
+    t = time.perf_counter()
+    ids = [int(i) for i in cohort_of(r, cohort, seed)]
+    items = (_client_batches(data, ids, keys, element_spec) if num_shards
+             else _datasets(data, ids, keys))
+    state, new_states, _ = train.next(state, store.load(ids), items)
+    store.save(ids, [tf.nest.map_structure(np.asarray, s)
+                     for s in new_states], r)
+    times.append(time.perf_counter() - t)
+    rss_at(r)
+  store.close()
+  return times, {'simulation_shards': num_shards}
+
+
+def _run_keras_central(data, cohort, rounds, seed, rss_at):
+  """The ceiling: Keras `fit` over the cohort's examples, same batches."""
+  tf.keras.utils.set_random_seed(seed)
+  model = fedembed_mnist.build_preference_model(0).model
+  model.compile(optimizer=tf.keras.optimizers.Adam(1e-3),
+                loss=tf.keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  times = []
+  for r in range(1, rounds + 1):
+    t = time.perf_counter()
+    ids = cohort_of(r, cohort, seed)
+    x = data['x'][ids].reshape((-1,) + data['x'].shape[2:])
+    y = data['y'][ids].reshape((-1,))
+    model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False,
+              verbose=0)
+    times.append(time.perf_counter() - t)
+    rss_at(r)
+  return times, {}
+
+
+def tree_rss_mib(pid: int) -> float:
+  """Summed RSS of a process and all its descendants, in MiB."""
+  try:
+    proc = psutil.Process(pid)
+    procs = [proc] + proc.children(recursive=True)
+  except psutil.NoSuchProcess:
+    return 0.0
+  total = 0
+  for p in procs:
+    try:
+      total += p.memory_info().rss
+    except psutil.NoSuchProcess:
+      pass
+  return total / 2**20
+
+
+def child_main(f) -> None:
+  """Runs one (system, cohort) and writes its record."""
+  rss = {}
+  marks = {20, f.rounds}
+
+  def rss_at(r):
+    if r in marks:
+      rss[f'rss_mib_after_round_{r}'] = tree_rss_mib(os.getpid())
+
+  data = dict(np.load(f.workload))
+  with runtime.local_runtime():
+    if f.child == 'tff_fedavg':
+      times, extra = _run_tff_fedavg(data, f.cohort, f.rounds, f.seed, rss_at)
+    elif f.child == 'keras_central':
+      times, extra = _run_keras_central(data, f.cohort, f.rounds, f.seed,
+                                        rss_at)
+    else:
+      times, extra = _run_project(f.child, data, f.cohort, f.rounds, f.seed,
+                                  f.simulation_shards, rss_at)
+  steady = times[1:] or times
+  per_round = float(np.mean(steady))
+  startup = (time.time() - f.t0 - sum(times[1:])) if f.t0 else times[0]
+  record = dict(
+      name=f.child, cohort=f.cohort, rounds=f.rounds,
+      seconds_per_round=per_round,
+      client_updates_per_s=f.cohort / per_round,
+      examples_per_s=f.cohort * EXAMPLES_PER_CLIENT / per_round,
+      first_round_s=times[0], startup_s=startup, **extra, **rss)
+  with open(f.record, 'w') as out:
+    json.dump(record, out)
+
+
+# ---------------------------------------------------------------------------
+# The parent: one subprocess per run, RSS sampling, table.
+
+
+def _run_child(cmd, record_path, timeout_s):
+  """Runs `cmd`; returns (record or None, peak tree RSS MiB, error)."""
+  t0 = time.time()
+  proc = subprocess.Popen(cmd + [f'--t0={t0}'], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  peak = [0.0]
+  done = threading.Event()
+
+  def sample():
+    while not done.is_set():
+      peak[0] = max(peak[0], tree_rss_mib(proc.pid))
+      done.wait(0.2)
+
+  sampler = threading.Thread(target=sample, daemon=True)
+  sampler.start()
+  try:
+    _, err = proc.communicate(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    _, err = proc.communicate()
+    err = f'timed out after {timeout_s} s\n' + (err or '')
+  finally:
+    done.set()
+    sampler.join()
+  if proc.returncode != 0 or not os.path.exists(record_path):
+    return None, peak[0], (err or '')[-2000:]
+  with open(record_path) as f:
+    record = json.load(f)
+  os.remove(record_path)
+  return record, peak[0], None
+
+
+def _ratio(a, b):
+  return f'{a / b:.2f}x' if a and b else '-'
+
+
+def render_markdown(records, machine: str, command: str) -> str:
+  """The table, with ratios to tff_fedavg and keras_central per cohort."""
+  lines = [f'Machine: {machine}', '', f'Command: `{command}`', '',
+           '| system | cohort | client updates/s | examples/s | s/round | '
+           'start-up s | peak RSS MiB | vs tff_fedavg | vs keras_central | '
+           'vs pfl_fedavg |', '|' + '---|' * 10]
+  by_key = {(r['name'], r['cohort']): r for r in records}
+  for r in records:
+    if 'rss_mib_after_round_20' in r and r.get('memory_run'):
+      continue
+    ref = by_key.get(('tff_fedavg', r['cohort']), {})
+    ceiling = by_key.get(('keras_central', r['cohort']), {})
+    peer = by_key.get(('pfl_fedavg', r['cohort']), {})
+    u = r['client_updates_per_s']
+    lines.append(
+        f"| {r['name']} | {r['cohort']} | {u:.1f} | "
+        f"{r['examples_per_s']:.0f} | {r['seconds_per_round']:.3f} | "
+        f"{r.get('startup_s', float('nan')):.1f} | "
+        f"{r.get('peak_rss_mib', float('nan')):.0f} | "
+        f"{_ratio(u, ref.get('client_updates_per_s'))} | "
+        f"{_ratio(u, ceiling.get('client_updates_per_s'))} | "
+        f"{_ratio(u, peer.get('client_updates_per_s'))} |")
+  memory = [r for r in records if r.get('memory_run')]
+  for r in memory:
+    a = r.get('rss_mib_after_round_20')
+    b = r.get(f"rss_mib_after_round_{r['rounds']}")
+    lines += ['', f"Memory over rounds ({r['name']}, cohort {r['cohort']}): "
+              f"RSS after round 20 {a:.0f} MiB, after round {r['rounds']} "
+              f"{b:.0f} MiB ({(b / a - 1) * 100:+.1f}%)."]
+  return '\n'.join(lines) + '\n'
+
+
+def parent_main(f) -> int:
+  if not f.output_dir:
+    raise app.UsageError('--output_dir is required')
+  unknown = set(f.systems) - set(SYSTEMS)
+  if unknown:
+    raise app.UsageError(f'unknown --systems {sorted(unknown)}; known: '
+                         f'{list(SYSTEMS)}')
+  cohorts = [int(c) for c in f.cohorts]
+  if any(not 1 <= c <= POPULATION for c in cohorts):
+    raise app.UsageError(f'cohorts must be in [1, {POPULATION}]: {cohorts}')
+  if f.rounds < 2:
+    raise app.UsageError('--rounds must be >= 2 (round 1 is start-up)')
+  if f.peer_python and not os.access(f.peer_python, os.X_OK):
+    raise app.UsageError(f'--peer_python={f.peer_python} is not executable')
+  os.makedirs(f.output_dir, exist_ok=True)
+  workload = os.path.join(f.output_dir, 'workload.npz')
+  make_workload(workload, f.seed)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  records = []
+  runs = [(s, c, f.rounds) for c in cohorts for s in f.systems]
+  if f.memory_rounds > 20:
+    runs.append(('fedembed_prototype', cohorts[0], f.memory_rounds))
+  peer_script = os.path.join(root, 'bench', 'peers', 'pfl_fedavg.py')
+  if f.peer_python:
+    runs += [('pfl_fedavg', c, f.rounds) for c in cohorts]
+  for i, (system, cohort, rounds) in enumerate(runs):
+    record_path = os.path.join(f.output_dir, f'.record_{i}.json')
+    if system == 'pfl_fedavg':
+      # The peer runs --warmup_rounds (1) untimed on top of --rounds.
+      cmd = [f.peer_python, peer_script, f'--data={workload}',
+             f'--cohort={cohort}', f'--rounds={rounds - 1}',
+             f'--output={record_path}', f'--seed={f.seed}']
+    else:
+      cmd = [sys.executable, '-m', 'binaries.benchmark', f'--child={system}',
+             f'--cohort={cohort}', f'--rounds={rounds}',
+             f'--workload={workload}', f'--record={record_path}',
+             f'--seed={f.seed}', f'--simulation_shards={f.simulation_shards}']
+    print(f'[{i + 1}/{len(runs)}] {system} cohort {cohort} ({rounds} rounds)',
+          flush=True)
+    record, peak, err = _run_child(cmd, record_path, f.timeout_s)
+    if record is None:
+      print(f'  failed: {err}', flush=True)
+      continue
+    record['peak_rss_mib'] = peak
+    record['memory_run'] = rounds != f.rounds
+    print(f"  {record['client_updates_per_s']:.1f} client updates/s, "
+          f"{record['seconds_per_round']:.3f} s/round, start-up "
+          f"{record.get('startup_s', float('nan')):.1f} s, peak RSS "
+          f'{peak:.0f} MiB', flush=True)
+    records.append(record)
+  del root
+  machine = (f'{platform.node()} {platform.machine()}, {os.cpu_count()} '
+             f'CPUs, Python {platform.python_version()}, load average '
+             f'{os.getloadavg()[0]:.2f} at the end')
+  command = 'python -m binaries.benchmark ' + ' '.join(sys.argv[1:])
+  with open(os.path.join(f.output_dir, 'benchmark.json'), 'w') as out:
+    json.dump(records, out, indent=2)
+  markdown = render_markdown(records, machine, command)
+  with open(os.path.join(f.output_dir, 'benchmark.md'), 'w') as out:
+    out.write(markdown)
+  print(markdown, flush=True)
+  return 0 if len(records) == len(runs) else 1
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if FLAGS.child:
+    child_main(FLAGS)
+    return 0
+  return parent_main(FLAGS)
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

@@ -1,0 +1,76 @@
+r"""Generates the synthetic speech-preference data set once, into a cache dir.
+
+  python -m binaries.make_speech_data --data_dir=out/speech_data \
+    [--text_root=../shared/data] [--num_utterances=12420] [--seed=0] \
+    [--workers=2] [--wav_samples=20] [--figures_dir=docs/figures]
+
+Speaks `num_utterances` sentences of WikiText-2 and Shakespeare with 20
+espeak-ng voices and stores their log-magnitude spectrograms (see
+`tasks/speech_data.py`). Rerunning with the same settings does nothing;
+`--wav_samples=N` (also on an existing cache) writes N listening WAV files,
+the first utterance of each voice in turn, to <data_dir>/listening/;
+`--figures_dir` draws speech_spectrograms.png (two close voice pairs) and
+speech_voices.png (the voices' pitch and first formant) there.
+Needs espeak-ng (`sudo apt-get install espeak-ng`).
+"""
+
+import os
+
+from absl import app
+from absl import flags
+
+from tasks import speech_data
+from tasks import speech_figures
+from tasks import speech_text
+
+_DATA_DIR = flags.DEFINE_string('data_dir', None,
+                                'Cache directory to generate into.')
+_TEXT_ROOT = flags.DEFINE_string(
+    'text_root', os.path.join('..', 'shared', 'data'),
+    'Folder holding wikitext2/ and shakespeare/.')
+_NUM_UTTERANCES = flags.DEFINE_integer(
+    'num_utterances', speech_data.DEFAULT_NUM_UTTERANCES,
+    'Number of utterances (the paper: 12,420).')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed of texts, voices, jitter.')
+_MIN_WORDS = flags.DEFINE_integer('min_words', speech_text.MIN_WORDS,
+                                  'Fewest words of a sentence.')
+_MAX_WORDS = flags.DEFINE_integer('max_words', speech_text.MAX_WORDS,
+                                  'Most words of a sentence.')
+_WORKERS = flags.DEFINE_integer('workers', None,
+                                'espeak-ng processes at once (default: CPUs).')
+_WAV_SAMPLES = flags.DEFINE_integer(
+    'wav_samples', 0, 'Listening WAV files to write after generation.')
+_FIGURES_DIR = flags.DEFINE_string(
+    'figures_dir', None, 'If set, spectrogram and voice pictures go here.')
+
+flags.mark_flag_as_required('data_dir')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if _WAV_SAMPLES.value < 0:
+    raise app.UsageError('--wav_samples must be >= 0')
+  if _WORKERS.value is not None and _WORKERS.value < 1:
+    raise app.UsageError('--workers must be >= 1')
+  config = speech_data.GenerationConfig(
+      num_utterances=_NUM_UTTERANCES.value, seed=_SEED.value,
+      min_words=_MIN_WORDS.value, max_words=_MAX_WORDS.value)
+  speech_data.generate(_DATA_DIR.value, _TEXT_ROOT.value, config,
+                       workers=_WORKERS.value)
+  if _WAV_SAMPLES.value:
+    speech_data.write_listening_samples(_DATA_DIR.value, _WAV_SAMPLES.value)
+  if _FIGURES_DIR.value:
+    os.makedirs(_FIGURES_DIR.value, exist_ok=True)
+    data = speech_data.load(_DATA_DIR.value)
+    for name, draw in [
+        ('speech_spectrograms.png',
+         lambda p: speech_figures.plot_spectrograms(data, p)),
+        ('speech_voices.png', speech_figures.plot_voice_map)]:
+      path = os.path.join(_FIGURES_DIR.value, name)
+      draw(path)
+      print(f'wrote {path}')
+
+
+if __name__ == '__main__':
+  app.run(main)

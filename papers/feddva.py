@@ -1,0 +1,623 @@
+"""FedDVA (Personalization Disentanglement for FL): probes, classification.
+
+`python -m binaries.reproduce --paper=feddva --table=classification ...` runs
+
+* `probe` (setting task=marked_mnist, rounds=the FedDVA rounds): FedDVA
+  (`algorithms/feddva.py`) trained on `marked_mnist`; on held-out images
+  (the clients' test images, half to fit, half to score) multinomial
+  logistic-regression probes (scikit-learn) predict the client from the
+  posterior mean of c and of z, and the digit from z and from c.
+  `chance_client` is the majority-client fraction of the scored half.
+* `fedavg`, `fedavg_ft`, `ditto`, `feddva` on `marked_mnist` and
+  `label_skew_mnist` (setting task, rounds = classification rounds):
+  accuracy of each client's model on its own test images after every round;
+  `final_accuracy` is the mean over clients after the last round,
+  `accuracy_std_across_clients` their standard deviation (ddof 0),
+  `rounds_to_reach_fedavg_final` the first round whose mean reaches FedAvg's
+  final mean (same task and seed; None if never, or if FedAvg has not run).
+  `feddva` is the classifier on FedDVA's representations: the two encoders,
+  pre-trained by FedDVA for `feddva_vae_rounds` rounds (reported as
+  `pretrain_rounds`; they are extra communication rounds the baselines do not
+  get), and a 2-FC head on [mu_z; mu_c], tuned together by FedAvg.
+
+All clients take part in every round (`--feddva_clients_per_round` samples a
+cohort instead). Local training is Adam (lr 1e-3, appendix H) for
+`feddva_local_epochs` epochs; server SGD lr 1 (FedAvg). Sizes, rounds and
+batch size are flags; the paper's are larger (200 rounds of 5 epochs, batch
+256); docs/feddva.md states what was run.
+
+Figures (rebuilt after every cell into <root_output_dir>/figures/):
+`feddva_reconstructions.png` (per client: rows vary z, columns vary c, the
+client's own decoder; Figure 3b / 10), `feddva_tsne.png` (t-SNE of z and of c
+coloured by client; Figure 5), `feddva_accuracy_curves.png` (mean and spread
+across clients vs round, both tasks; Figures 6, 7).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from typing import Any
+
+from absl import flags
+import numpy as np
+import tensorflow_federated as tff
+
+from tasks import feddva_tasks
+from tff_personal import atomic_io
+from tff_personal import reporting
+from tff_personal.algorithms import ditto
+from tff_personal.algorithms import feddva
+from tff_personal.algorithms import fedavg_ft
+from tff_personal.core import evaluation
+from tff_personal.core import process as process_lib
+from tff_personal.core import runtime
+from tff_personal.models import feddva as feddva_lib
+from tff_personal.models import feddva_losses
+
+PAPER = 'feddva'
+TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
+METHODS = ('fedavg', 'fedavg_ft', 'ditto', 'feddva')
+DEFAULT_CLASS_ROUNDS = 20
+DEFAULT_VAE_ROUNDS = 30
+_PRETRAIN_DIRNAME = '_feddva_pretrain'
+
+
+def _class_columns(rounds: int):
+  return [reporting.Column(t, {'task': t, 'rounds': rounds})
+          for t in TASK_NAMES]
+
+
+def _tables(class_rounds: int, vae_rounds: int) -> dict:
+  columns = _class_columns(class_rounds)
+  common = dict(paper=PAPER, methods=METHODS, columns=columns)
+  note = ('The paper reports these as curves only (Figures 6, 7), so there '
+          'are no paper numbers. feddva also ran pretrain_rounds rounds of '
+          'FedDVA (results.jsonl).')
+  return {
+      'classification': reporting.Table(
+          name='classification', metric='final_accuracy', scale=100.0,
+          title='Personalized classification: final accuracy (%, mean over '
+                'clients)', notes=note, **common),
+      'spread': reporting.Table(
+          name='spread', metric='accuracy_std_across_clients', scale=100.0,
+          title='Accuracy spread across clients (std, %)', notes=note,
+          **common),
+      'speed': reporting.Table(
+          name='speed', metric='rounds_to_reach_fedavg_final', digits=0,
+          title="Rounds to reach FedAvg's final mean accuracy", notes=note,
+          **common),
+      'probes': reporting.Table(
+          name='probes', paper=PAPER, metric='client_from_c',
+          methods=('probe',),
+          columns=[reporting.Column('marked_mnist', {
+              'task': 'marked_mnist', 'rounds': vae_rounds})],
+          title='Linear probe: client from c (accuracy); the other probes '
+                '(client_from_z, digit_from_z, digit_from_c, chance_client) '
+                'are in results.jsonl and docs', scale=1.0),
+  }
+
+
+TABLES = _tables(DEFAULT_CLASS_ROUNDS, DEFAULT_VAE_ROUNDS)
+
+
+def define_flags():
+  def define(kind, name, default, help_text):
+    if name not in flags.FLAGS:
+      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
+  define('integer', 'feddva_vae_rounds', DEFAULT_VAE_ROUNDS,
+         'FedDVA: rounds of FedDVA (dual-VAE) training.')
+  define('integer', 'feddva_local_epochs', 1, 'FedDVA: local epochs.')
+  define('integer', 'feddva_batch_size', 64, 'FedDVA: batch size (paper 256).')
+  define('list', 'feddva_channels', ['16', '16', '32', '32'],
+         'FedDVA: channels of the 4-layer CNN backbones.')
+  define('integer', 'feddva_hidden', 128, 'FedDVA: FC width.')
+  define('integer', 'feddva_probe_dim', 4,
+         'FedDVA: dim of z and of c for the probes and figures (paper: 4).')
+  define('integer', 'feddva_class_dim', 8,
+         'FedDVA: dim of z and of c for classification (paper: 8).')
+  define('float', 'feddva_xi', None, 'FedDVA: xi_k (default 8 x dim(c)).')
+  define('float', 'feddva_alpha', 1.0, 'FedDVA: alpha (weight of R_z).')
+  define('float', 'feddva_beta', 0.75, 'FedDVA: beta (weight of R_c).')
+  define('float', 'feddva_learning_rate', 1e-3, 'FedDVA: local Adam lr.')
+  define('float', 'feddva_ditto_lambda', 0.1, 'FedDVA: Ditto lambda.')
+  define('integer', 'feddva_ft_epochs', 1,
+         'FedDVA: local fine-tuning epochs of fedavg_ft.')
+  define('integer', 'feddva_clients_per_round', 0,
+         'FedDVA: cohort size (0: every client every round).')
+  define('integer', 'feddva_marked_clients', 4, 'marked_mnist: clients.')
+  define('integer', 'feddva_marked_train', 500,
+         'marked_mnist: training images per client.')
+  define('integer', 'feddva_marked_test', 200,
+         'marked_mnist: test images per client.')
+  define('integer', 'feddva_skew_clients', 20, 'label_skew_mnist: clients.')
+  define('integer', 'feddva_skew_train', 200,
+         'label_skew_mnist: training images per client.')
+  define('integer', 'feddva_skew_test', 100,
+         'label_skew_mnist: test images per client.')
+  define('float', 'feddva_dirichlet_alpha', 0.5,
+         'label_skew_mnist: Dirichlet concentration.')
+
+
+def _class_rounds(f) -> int:
+  return f.rounds or DEFAULT_CLASS_ROUNDS
+
+
+def cells(table: str, f) -> list[reporting.Cell]:
+  """Every table runs the same cells: probe first, then methods x tasks."""
+  del table
+  for name in ('feddva_vae_rounds', 'feddva_local_epochs', 'feddva_batch_size',
+               'feddva_probe_dim', 'feddva_class_dim', 'feddva_hidden'):
+    if getattr(f, name) < 1:
+      raise ValueError(f'--{name} must be >= 1, got {getattr(f, name)}')
+  if f.rounds is not None and f.rounds < 1:
+    raise ValueError(f'--rounds must be >= 1, got {f.rounds}')
+  if f.feddva_clients_per_round < 0:
+    raise ValueError('--feddva_clients_per_round must be >= 0')
+  if len(f.feddva_channels) != 4:
+    raise ValueError(f'--feddva_channels needs 4 values, got '
+                     f'{f.feddva_channels}')
+  # The tables' columns carry the rounds run.
+  TABLES.update(_tables(_class_rounds(f), f.feddva_vae_rounds))
+  out = [reporting.Cell(PAPER, 'probe', {'task': 'marked_mnist',
+                                         'rounds': f.feddva_vae_rounds}, s)
+         for s in range(f.seeds)]
+  for method in METHODS:
+    for task in TASK_NAMES:
+      for s in range(f.seeds):
+        out.append(reporting.Cell(
+            PAPER, method, {'task': task, 'rounds': _class_rounds(f)}, s))
+  return out
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _data_dir(f) -> str:
+  d = f.data_dir or os.path.join(os.path.dirname(__file__), '..', '..',
+                                 'shared', 'data')
+  return d if os.path.basename(os.path.normpath(d)) == 'mnist' else (
+      os.path.join(d, 'mnist'))
+
+
+_TASK_CACHE: dict[tuple, feddva_tasks.FeddvaTask] = {}
+
+
+def _task(name: str, f, seed: int) -> feddva_tasks.FeddvaTask:
+  if name == 'marked_mnist':
+    kwargs = dict(num_clients=f.feddva_marked_clients,
+                  train_per_client=f.feddva_marked_train,
+                  test_per_client=f.feddva_marked_test, seed=seed)
+  elif name == 'label_skew_mnist':
+    kwargs = dict(num_clients=f.feddva_skew_clients,
+                  train_per_client=f.feddva_skew_train,
+                  test_per_client=f.feddva_skew_test,
+                  alpha=f.feddva_dirichlet_alpha, seed=seed)
+  else:
+    raise ValueError(f'unknown FedDVA task {name!r}')
+  key = (name, _data_dir(f), tuple(sorted(kwargs.items())))
+  if key not in _TASK_CACHE:
+    _TASK_CACHE[key] = feddva_tasks.build_task(name, _data_dir(f), **kwargs)
+  return _TASK_CACHE[key]
+
+
+def _config(f, dim: int) -> feddva_lib.FeddvaConfig:
+  return feddva_lib.FeddvaConfig(
+      z_dim=dim, c_dim=dim, channels=tuple(int(c) for c in f.feddva_channels),
+      hidden=f.feddva_hidden)
+
+
+def _adam(f):
+  return tff.learning.optimizers.build_adam(f.feddva_learning_rate)
+
+
+def _root_of(out_dir: str) -> str:
+  root = out_dir
+  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
+    root = os.path.dirname(root)
+  return os.path.dirname(root)
+
+
+def _write_json(path: str, value: Any) -> None:
+  with atomic_io.atomic_write(path) as fh:
+    fh.write(json.dumps(value, indent=1, sort_keys=True))
+
+
+def _cohorts(num_clients: int, rounds: int, cohort: int, seed: int):
+  for r in range(rounds):
+    if cohort <= 0 or cohort >= num_clients:
+      yield list(range(num_clients))
+    else:
+      rng = np.random.default_rng([seed, r, 101])
+      yield sorted(rng.choice(num_clients, cohort, replace=False).tolist())
+
+
+def _train_data(task, clients, f, round_num, seed):
+  return [task.dataset(k, 'train', f.feddva_batch_size, f.feddva_local_epochs,
+                       shuffle_seed=seed * 100003 + round_num * 1009 + k)
+          for k in clients]
+
+
+def _test_data(task):
+  return [task.dataset(k, 'test', 1024) for k in range(task.num_clients)]
+
+
+def _per_client_accuracy(outputs) -> list[float]:
+  return [float(np.mean(np.asarray(o['outputs']).argmax(-1)
+                        == np.asarray(o['labels']))) for o in outputs]
+
+
+# ------------------------------------------------------------ FedDVA (VAE)
+
+
+def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
+  """FedDVA on `task`, cached under <root>/runs/_feddva_pretrain/...
+
+  Returns {'encoders': tuple of arrays, 'decoders': [tuple per client],
+  'curve': per-round training metrics, 'seconds_per_round'}.
+  """
+  key = (f'{task.name}_dim{dim}_r{f.feddva_vae_rounds}_e{f.feddva_local_epochs}'
+         f'_b{f.feddva_batch_size}_ch{"-".join(map(str, f.feddva_channels))}'
+         f'_h{f.feddva_hidden}_xi{f.feddva_xi}_a{f.feddva_alpha}'
+         f'_b{f.feddva_beta}_n{task.num_clients}_seed{seed}')
+  cache = os.path.join(root, reporting.RUNS_DIRNAME, _PRETRAIN_DIRNAME, key)
+  weights_path = os.path.join(cache, 'weights.npz')
+  if os.path.exists(weights_path):
+    with np.load(weights_path) as data:
+      n_enc = int(data['num_encoders'])
+      n_dec = int(data['num_decoder'])
+      encoders = tuple(data[f'e{i}'] for i in range(n_enc))
+      decoders = [tuple(data[f'd{k}_{i}'] for i in range(n_dec))
+                  for k in range(task.num_clients)]
+    with open(os.path.join(cache, 'curve.json')) as fh:
+      meta = json.load(fh)
+    return dict(encoders=encoders, decoders=decoders, **meta)
+  config = _config(f, dim)
+  loss_config = feddva_losses.LossConfig(
+      alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi)
+  process = feddva.build_feddva(
+      config, loss_config, decoder_optimizer=_adam(f),
+      encoder_optimizer=_adam(f), seed=seed)
+  _, decoder0 = feddva.initial_weights(config, seed)
+  states = [feddva.initial_client_state(decoder0)
+            for _ in range(task.num_clients)]
+  state = process.initialize()
+  curve, start = [], time.perf_counter()
+  for r, cohort in enumerate(_cohorts(task.num_clients, f.feddva_vae_rounds,
+                                      f.feddva_clients_per_round, seed)):
+    state, new_states, metrics = process.next(
+        state, [states[k] for k in cohort], _train_data(task, cohort, f, r,
+                                                        seed))
+    for k, s in zip(cohort, new_states):
+      states[k] = s
+    curve.append({k: float(v) for k, v in metrics['train'].items()})
+  seconds = (time.perf_counter() - start) / max(f.feddva_vae_rounds, 1)
+  encoders = tuple(np.asarray(w)
+                   for w in process.get_model_weights(state).trainable)
+  decoders = [tuple(np.asarray(w) for w in s[process_lib.CLIENT_STATE_PRIVATE])
+              for s in states]
+  os.makedirs(cache, exist_ok=True)
+  arrays = {f'e{i}': w for i, w in enumerate(encoders)}
+  for k, dec in enumerate(decoders):
+    arrays.update({f'd{k}_{i}': w for i, w in enumerate(dec)})
+  with atomic_io.atomic_write(weights_path + '.pending', 'wb') as fh:
+    np.savez(fh, num_encoders=len(encoders), num_decoder=len(decoders[0]),
+             **arrays)
+  meta = {'curve': curve, 'seconds_per_round': seconds, 'dim': dim,
+          'client_names': task.client_names}
+  _write_json(os.path.join(cache, 'curve.json'), meta)
+  os.replace(weights_path + '.pending', weights_path)  # Last: marks done.
+  return dict(encoders=encoders, decoders=decoders, **meta)
+
+
+def feddva_model(config, encoders, decoder=None) -> feddva_lib.FeddvaModel:
+  """An eager FedDVA model with the given encoders (and decoder)."""
+  model = feddva_lib.FeddvaModel(config)
+  for v, w in zip(model.shared_variables, encoders):
+    v.assign(w)
+  if decoder is not None:
+    for v, w in zip(model.decoder_variables, decoder):
+      v.assign(w)
+  return model
+
+
+def representations(model, task) -> dict:
+  """Posterior means of z and c of every client's test images."""
+  zs, cs, digits, clients = [], [], [], []
+  for k, data in enumerate(task.clients):
+    mu_z, _, mu_c, _ = model.encode(data.test_x)
+    zs.append(mu_z.numpy())
+    cs.append(mu_c.numpy())
+    digits.append(data.test_y)
+    clients.append(np.full(len(data.test_y), k))
+  return dict(z=np.concatenate(zs), c=np.concatenate(cs),
+              digit=np.concatenate(digits), client=np.concatenate(clients))
+
+
+def linear_probes(reps: dict, seed: int) -> dict:
+  """Held-out accuracy of logistic-regression probes (half fit, half score)."""
+  from sklearn.linear_model import LogisticRegression  # pylint: disable=g-import-not-at-top
+  from sklearn.preprocessing import StandardScaler  # pylint: disable=g-import-not-at-top
+  n = len(reps['digit'])
+  order = np.random.default_rng([seed, 5]).permutation(n)
+  fit, score = order[:n // 2], order[n // 2:]
+
+  def probe(features, target):
+    scaler = StandardScaler().fit(features[fit])
+    clf = LogisticRegression(max_iter=3000)
+    clf.fit(scaler.transform(features[fit]), target[fit])
+    return float(clf.score(scaler.transform(features[score]), target[score]))
+
+  counts = np.bincount(reps['client'][score])
+  return {'client_from_c': probe(reps['c'], reps['client']),
+          'client_from_z': probe(reps['z'], reps['client']),
+          'digit_from_z': probe(reps['z'], reps['digit']),
+          'digit_from_c': probe(reps['c'], reps['digit']),
+          'chance_client': float(counts.max() / counts.sum())}
+
+
+def _run_probe(cell, f, out_dir) -> dict:
+  task = _task(cell.setting['task'], f, cell.seed)
+  root = _root_of(out_dir)
+  pre = pretrain_feddva(task, f, f.feddva_probe_dim, cell.seed, root)
+  model = feddva_model(_config(f, f.feddva_probe_dim), pre['encoders'])
+  reps = representations(model, task)
+  np.savez(os.path.join(out_dir, 'representations.npz'), **reps)
+  metrics = linear_probes(reps, cell.seed)
+  metrics['seconds_per_round'] = pre['seconds_per_round']
+  last = pre['curve'][-1] if pre['curve'] else {}
+  for k in ('reconstruction', 'kl_z', 'kl_c_prior', 'kl_c_mixture',
+            'constraint_met'):
+    if k in last:
+      metrics[f'final_{k}'] = last[k]
+  return metrics
+
+
+# --------------------------------------------------------- classification
+
+
+def _classification_run(method, task, f, seed, root):
+  """Trains `method`; returns the per-round per-client accuracy curve."""
+  config = _config(f, f.feddva_class_dim)
+  model_fn = lambda: feddva_lib.build_cnn_classifier(config)
+  n = task.num_clients
+  rounds = _class_rounds(f)
+  extra = {}
+  if method == 'feddva':
+    pre = pretrain_feddva(task, f, f.feddva_class_dim, seed, root)
+    extra['pretrain_rounds'] = f.feddva_vae_rounds
+    model_fn = lambda: feddva_lib.build_feddva_classifier(config)
+    process = feddva.build_feddva_classifier_process(
+        config, client_optimizer=_adam(f), seed=seed)
+    state = feddva.with_encoders(process, process.initialize(),
+                                 pre['encoders'])
+  elif method in ('fedavg', 'fedavg_ft'):
+    process = fedavg_ft.build_fedavg_ft(model_fn, client_optimizer=_adam(f),
+                                        seed=seed)
+    state = process.initialize()
+  elif method == 'ditto':
+    process = ditto.build_ditto(model_fn, lam=f.feddva_ditto_lambda,
+                                client_optimizer=_adam(f), seed=seed)
+    state = process.initialize()
+  else:
+    raise ValueError(f'unknown method {method!r}')
+
+  if method == 'ditto':
+    weights0 = process.get_model_weights(state).trainable
+    states = [ditto.initial_client_state(weights0) for _ in range(n)]
+    personal_eval = ditto.build_personal_model_eval(model_fn, process)
+    evaluate = lambda state: personal_eval(ditto.empty_weights(), states,
+                                           _test_data(task))
+  else:
+    states = [collections.OrderedDict([
+        (process_lib.CLIENT_STATE_PRIVATE, ()),
+        (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))]) for _ in range(n)]
+    if method == 'fedavg_ft':
+      ft_eval = fedavg_ft.build_fine_tune_eval(model_fn, process, _adam(f))
+      evaluate = lambda state: ft_eval(
+          ditto.empty_weights(), fedavg_ft.fine_tune_states(process, state, n),
+          [task.dataset(k, 'train', f.feddva_batch_size, f.feddva_ft_epochs,
+                        shuffle_seed=seed + k) for k in range(n)],
+          _test_data(task))
+    else:
+      global_eval = evaluation.build_personal_eval(
+          model_fn, process.model_weights_type, process.client_state_type)
+      evaluate = lambda state: global_eval(
+          process.get_model_weights(state), states, _test_data(task))
+
+  per_round, start, train_seconds = [], time.perf_counter(), 0.0
+  for r, cohort in enumerate(_cohorts(n, rounds, f.feddva_clients_per_round,
+                                      seed)):
+    t0 = time.perf_counter()
+    state, new_states, _ = process.next(
+        state, [states[k] for k in cohort], _train_data(task, cohort, f, r,
+                                                        seed))
+    train_seconds += time.perf_counter() - t0
+    for k, s in zip(cohort, new_states):
+      states[k] = s
+    per_round.append(_per_client_accuracy(evaluate(state)))
+  extra['seconds_per_round'] = train_seconds / rounds
+  extra['seconds_total'] = time.perf_counter() - start
+  return per_round, extra
+
+
+def _curve_path(root, method, setting, seed) -> str:
+  cell = reporting.Cell(PAPER, method, setting, seed)
+  return os.path.join(cell.out_dir(root), 'curve.json')
+
+
+def rounds_to_reach(means, target) -> int | None:
+  """First round (1-based) whose mean accuracy is >= target, else None."""
+  for r, m in enumerate(means, 1):
+    if m >= target - 1e-12:
+      return r
+  return None
+
+
+def _run_classification(cell, f, out_dir) -> dict:
+  task = _task(cell.setting['task'], f, cell.seed)
+  root = _root_of(out_dir)
+  per_round, extra = _classification_run(cell.method, task, f, cell.seed,
+                                         root)
+  means = [float(np.mean(a)) for a in per_round]
+  stds = [float(np.std(a)) for a in per_round]
+  _write_json(os.path.join(out_dir, 'curve.json'), {
+      'round': list(range(1, len(means) + 1)), 'mean': means, 'std': stds,
+      'per_client': per_round, 'client_names': task.client_names})
+  fedavg_path = _curve_path(root, 'fedavg', cell.setting, cell.seed)
+  target = None
+  if os.path.exists(fedavg_path):
+    with open(fedavg_path) as fh:
+      target = json.load(fh)['mean'][-1]
+  metrics = {'final_accuracy': means[-1],
+             'accuracy_std_across_clients': stds[-1],
+             'rounds_to_reach_fedavg_final': (
+                 rounds_to_reach(means, target) if target is not None
+                 else None),
+             'fedavg_final_accuracy': target}
+  metrics.update(extra)
+  return metrics
+
+
+def run_cell(cell: reporting.Cell, f, out_dir: str) -> dict:
+  with runtime.local_runtime(
+      log_path=os.path.join(out_dir, 'worker_binary.log')):
+    if cell.method == 'probe':
+      metrics = _run_probe(cell, f, out_dir)
+    else:
+      metrics = _run_classification(cell, f, out_dir)
+  try:  # t-SNE is slow: latent figures only after the probe cell.
+    make_figures(_root_of(out_dir), f,
+                 latent=cell.method == 'probe', curves=cell.method != 'probe')
+  except Exception as e:  # pylint: disable=broad-except
+    print(f'feddva: figures not rebuilt: {e!r}')
+  return metrics
+
+
+# ----------------------------------------------------------------- figures
+
+
+def make_figures(root: str, f, latent: bool = True,
+                 curves: bool = True) -> list[str]:
+  """Rebuilds the figures from what the runs saved; returns their paths.
+
+  `latent`: the reconstruction grid and the t-SNE (from the probe's FedDVA);
+  `curves`: the accuracy curves.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig_dir = os.path.join(root, 'figures')
+  os.makedirs(fig_dir, exist_ok=True)
+  written = []
+  # Accuracy curves (seed 0).
+  rounds = _class_rounds(f)
+  loaded = {}
+  for t in TASK_NAMES if curves else ():
+    for m in METHODS:
+      path = _curve_path(root, m, {'task': t, 'rounds': rounds}, 0)
+      if os.path.exists(path):
+        with open(path) as fh:
+          loaded[(t, m)] = json.load(fh)
+  if loaded:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, t in zip(axes, TASK_NAMES):
+      for m in METHODS:
+        if (t, m) not in loaded:
+          continue
+        c = loaded[(t, m)]
+        mean, std = np.array(c['mean']), np.array(c['std'])
+        line, = ax.plot(c['round'], mean, label=m)
+        ax.fill_between(c['round'], mean - std, mean + std, alpha=0.15,
+                        color=line.get_color())
+      ax.set_title(f'{t} (mean ± std across clients)')
+      ax.set_xlabel('round')
+      ax.set_ylabel('test accuracy')
+      ax.grid(alpha=0.3)
+      ax.legend()
+    fig.tight_layout()
+    path = os.path.join(fig_dir, 'feddva_accuracy_curves.png')
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+  # Reconstructions and t-SNE from the probe's FedDVA (seed 0).
+  probe_cell = reporting.Cell(PAPER, 'probe', {
+      'task': 'marked_mnist', 'rounds': f.feddva_vae_rounds}, 0)
+  reps_path = os.path.join(probe_cell.out_dir(root), 'representations.npz')
+  if latent and os.path.exists(reps_path):
+    task = _task('marked_mnist', f, 0)
+    pre = pretrain_feddva(task, f, f.feddva_probe_dim, 0, root)
+    written.append(_reconstruction_grid(plt, task, f, pre, fig_dir))
+    written.append(_tsne(plt, reps_path, task, fig_dir))
+  return written
+
+
+def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:
+  """Per client, its decoder on rows of z (its images) x columns of c.
+
+  Rows: mu_z of `size` of the client's test images. Columns: mu_c of one
+  test image from each client (then more of the client's own), so the
+  columns move c across the clients' clusters.
+  """
+  config = _config(f, f.feddva_probe_dim)
+  n = task.num_clients
+  cols_per_client = max(1, size // n)
+  base = feddva_model(config, pre['encoders'])
+  c_columns = []
+  for j in range(n):
+    _, _, mu_c, _ = base.encode(task.clients[j].test_x[:cols_per_client])
+    c_columns.append(mu_c.numpy())
+  c_columns = np.concatenate(c_columns)
+  ncols = int(np.ceil(np.sqrt(n)))
+  nrows = int(np.ceil(n / ncols))
+  fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 4 * nrows),
+                           squeeze=False)
+  for k in range(n):
+    model = feddva_model(config, pre['encoders'], pre['decoders'][k])
+    mu_z, _, _, _ = model.encode(task.clients[k].test_x[:size])
+    z = np.repeat(mu_z.numpy(), len(c_columns), axis=0)
+    c = np.tile(c_columns, (size, 1))
+    images = model.decode_mean(z, c).numpy()[..., 0]
+    grid = images.reshape(size, len(c_columns), 28, 28).transpose(
+        0, 2, 1, 3).reshape(size * 28, len(c_columns) * 28)
+    ax = axes[k // ncols][k % ncols]
+    ax.imshow(grid, cmap='gray', vmin=0, vmax=1)
+    ax.set_title(f'client {k} ({task.client_names[k]}) decoder', fontsize=9)
+    ax.set_xlabel('c (from clients ' + ', '.join(
+        str(j) for j in range(n) for _ in range(cols_per_client)) + ')',
+                  fontsize=7)
+    ax.set_ylabel('z')
+    ax.set_xticks([])
+    ax.set_yticks([])
+  for k in range(n, nrows * ncols):
+    axes[k // ncols][k % ncols].axis('off')
+  fig.tight_layout()
+  path = os.path.join(fig_dir, 'feddva_reconstructions.png')
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def _tsne(plt, reps_path, task, fig_dir, max_points=800) -> str:
+  from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
+  with np.load(reps_path) as data:
+    reps = {k: data[k] for k in data.files}
+  idx = np.random.default_rng(0).permutation(len(reps['client']))[:max_points]
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+  for ax, key in zip(axes, ('z', 'c')):
+    emb = TSNE(n_components=2, random_state=0, init='pca',
+               perplexity=30).fit_transform(reps[key][idx])
+    for k in range(task.num_clients):
+      sel = reps['client'][idx] == k
+      ax.scatter(emb[sel, 0], emb[sel, 1], s=5, label=task.client_names[k])
+    ax.set_title(f't-SNE of {key} (posterior means), coloured by client')
+    ax.set_xticks([])
+    ax.set_yticks([])
+  axes[1].legend(markerscale=3, fontsize=7)
+  fig.tight_layout()
+  path = os.path.join(fig_dir, 'feddva_tsne.png')
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

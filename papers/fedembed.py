@@ -1,0 +1,704 @@
+"""FedEmbed (Silva et al.) Tables 2 to 5, Figures 3 and 4, on this project.
+
+Tables (method rows, the paper's numbers next to ours):
+
+* `2`: MNIST preferences (`mnist_preference`), every method of the paper's
+  Table 1 x population {balanced, imbalanced} x DP {none, gaussian_fixed}:
+  mean F1 over the 10 sub-populations.
+* `4`: the imbalanced MNIST runs of Table 2 broken down by the prevalence of
+  a sub-population (25%, 15%, 10%, 5%): one table per prevalence, `4` (the
+  5% sub-populations, the paper's point) and `4_25`, `4_15`, `4_10`; the four
+  side by side are written to `tables/fedembed/4_by_prevalence.md` after
+  every cell. The cells are the same as Table 2's (a cell's identity is
+  paper, method, setting and seed), so running either table fills both.
+* `3`, `5` (and `5_20`, `5_8`): the same for the speech task
+  (`speech_preference`, 20 voices; prevalences 20%, 8%, 4%). Its cells have
+  `task` in their setting.
+* `fig4`: FedEmbed-Type with and without the k-way type head (balanced, no
+  DP), whose personal embeddings make Figure 4.
+
+A cell's setting is `{'population', 'dp'}` (MNIST) or `{'task',
+'population', 'dp'}` (speech); its metrics are `f1` (mean over
+sub-populations of the mean per-user F1), `f1_group_<k>` for every
+sub-population k, `f1_prev_<p>` (mean of the sub-populations of prevalence
+p%), `accuracy`, `auc`, and for DP cells the exact `epsilon`, `delta`,
+`noise_multiplier` and `clip_norm`, plus the run's size and speed.
+
+Settings of a cell: the per-(task, algorithm) defaults of
+`tff_personal/algorithms/defaults.py`, which `binaries.train` uses too, so
+`python -m binaries.train --task=mnist_preference --algorithm=<method>` runs
+the balanced no-DP cell for seed 0; `--rounds`, `--clients_per_round`,
+`--num_users` and the `fedembed_*` flags override them for every method alike.
+
+Evaluation (our reading; the paper does not say how users are tested): on
+`eval_clients` users drawn by seed (500 of 9,000 by default), each user
+first runs one local pass over its own training data that trains its private
+variables only (shared model frozen; for FedEmbed its personal embedding, for
+personal-head methods its head), starting from its stored state, then is
+tested on its 10 test samples. With 9,000 users and a 10-minute cell most
+users never take part in training (1 - (1 - 50/9000)^40 = 20% of them do at
+40 rounds of 50), so without that step their F1 would measure the random initial embedding, not
+the method; every method gets the same step.
+
+DP (the paper does not state its parameters): user-level `gaussian_fixed`
+on the whole shared update (every head, used or not), clip
+`--fedembed_clip_norm`, noise calibrated so that the cell's rounds cost
+epsilon <= `--fedembed_target_epsilon` (10) at delta = 1/(population + 1)
+(just below 1/population, which `core/privacy.py` requires to be strict),
+RDP accounting of fixed-size sampling without replacement (replace-one).
+The same setting for every method.
+
+Methods not registered in `tff_personal/algorithms/registry.py` are listed
+and skipped with a message (their rows stay empty).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import glob
+import json
+import logging
+import os
+from typing import Any, Optional
+
+from absl import flags
+import numpy as np
+
+from tasks import registry as task_registry
+from tff_personal import experiment
+from tff_personal import reporting
+from tff_personal.algorithms import defaults as algorithm_defaults
+from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.core import privacy
+from tff_personal.core import runtime
+from tff_personal.models import fedembed as fedembed_model
+
+PAPER = 'fedembed'
+MNIST = 'mnist_preference'
+SPEECH = 'speech_preference'
+
+# The rows of the paper's Tables 2 and 3, in its order (--algorithm values).
+METHODS = ('fedrep', 'pfedme', 'pfedkm', 'global', 'global_plus',
+           'fedembed_personal', 'fedembed_som', 'fedembed_prototype',
+           'fedembed_type')
+
+# Sub-population -> prevalence (percent) of the imbalanced populations.
+MNIST_PREVALENCE = (25, 15, 10, 10, 10, 10, 5, 5, 5, 5)
+SPEECH_PREVALENCE = (20, 4, 4, 4, 4, 8) + (4,) * 14
+
+_DP_NAMES = {'none': 'None', 'gaussian_fixed': 'Gaussian'}
+
+
+def _columns(task: Optional[str]) -> list[reporting.Column]:
+  extra = {} if task is None else {'task': task}
+  return [reporting.Column(f'{pop} {_DP_NAMES[dp]}',
+                           {**extra, 'population': pop, 'dp': dp})
+          for pop in ('balanced', 'imbalanced') for dp in _DP_NAMES]
+
+
+def _imbalanced_columns(task: Optional[str]) -> list[reporting.Column]:
+  return [c for c in _columns(task) if c.setting['population'] == 'imbalanced']
+
+
+def _paper(rows: dict[str, tuple[str, ...]], columns) -> dict:
+  return {(m, c.name): v for m, values in rows.items()
+          for c, v in zip(columns, values)}
+
+
+# FedEmbed Table 2 (MNIST): balanced None, Gaussian; imbalanced None, Gaussian.
+_TABLE2 = {
+    'fedrep': ('0.78 ± 0.02', '0.51 ± 0.02', '0.78 ± 0.02', '0.53 ± 0.01'),
+    'pfedme': ('0.76 ± 0.04', '0.50 ± 0.02', '0.76 ± 0.05', '0.50 ± 0.04'),
+    'pfedkm': ('0.48 ± 0.00', '0.49 ± 0.00', '0.55 ± 0.02', '0.48 ± 0.03'),
+    'global': ('0.40 ± 0.02', '0.38 ± 0.06', '0.55 ± 0.06', '0.38 ± 0.06'),
+    'global_plus': ('0.39 ± 0.06', '0.36 ± 0.04', '0.54 ± 0.08',
+                    '0.34 ± 0.00'),
+    'fedembed_personal': ('0.76 ± 0.01', '0.52 ± 0.01', '0.73 ± 0.02',
+                          '0.52 ± 0.02'),
+    'fedembed_som': ('0.60 ± 0.05', '0.47 ± 0.07', '0.69 ± 0.02',
+                     '0.53 ± 0.02'),
+    'fedembed_prototype': ('0.88 ± 0.02', '0.69 ± 0.04', '0.87 ± 0.02',
+                           '0.69 ± 0.05'),
+    'fedembed_type': ('0.88 ± 0.01', '0.72 ± 0.05', '0.88 ± 0.03',
+                      '0.77 ± 0.05'),
+}
+# FedEmbed Table 3 (speech), same layout.
+_TABLE3 = {
+    'fedrep': ('0.52 ± 0.09', '0.49 ± 0.00', '0.65 ± 0.10', '0.49 ± 0.00'),
+    'pfedme': ('0.57 ± 0.05', '0.49 ± 0.01', '0.57 ± 0.05', '0.49 ± 0.03'),
+    'pfedkm': ('0.49 ± 0.02', '0.49 ± 0.01', '0.49 ± 0.01', '0.49 ± 0.00'),
+    'global': ('0.34 ± 0.01', '0.38 ± 0.06', '0.44 ± 0.05', '0.34 ± 0.02'),
+    'global_plus': ('0.35 ± 0.01', '0.33 ± 0.00', '0.42 ± 0.12',
+                    '0.33 ± 0.00'),
+    'fedembed_personal': ('0.63 ± 0.02', '0.44 ± 0.05', '0.68 ± 0.01',
+                          '0.49 ± 0.00'),
+    'fedembed_som': ('0.51 ± 0.02', '0.47 ± 0.07', '0.54 ± 0.03',
+                     '0.47 ± 0.02'),
+    'fedembed_prototype': ('0.78 ± 0.01', '0.61 ± 0.06', '0.63 ± 0.07',
+                           '0.53 ± 0.06'),
+    'fedembed_type': ('0.78 ± 0.05', '0.60 ± 0.08', '0.76 ± 0.00',
+                      '0.56 ± 0.08'),
+}
+# FedEmbed Table 4 (imbalanced MNIST), by prevalence 25, 15, 10, 5 (%), for
+# no privacy then Gaussian privacy.
+_TABLE4 = {
+    'pfedme': (('0.77 ± 0.19', '0.79 ± 0.17', '0.74 ± 0.14', '0.76 ± 0.15'),
+               ('0.49 ± 0.06', '0.50 ± 0.07', '0.49 ± 0.05', '0.48 ± 0.05')),
+    'pfedkm': (('0.66 ± 0.04', '0.57 ± 0.04', '0.49 ± 0.03', '0.43 ± 0.03'),
+               ('0.49 ± 0.02', '0.47 ± 0.03', '0.48 ± 0.02', '0.48 ± 0.02')),
+    'fedrep': (('0.80 ± 0.18', '0.79 ± 0.15', '0.75 ± 0.14', '0.77 ± 0.15'),
+               ('0.55 ± 0.05', '0.49 ± 0.05', '0.51 ± 0.03', '0.50 ± 0.03')),
+    'global': (('0.82 ± 0.10', '0.43 ± 0.09', '0.38 ± 0.03', '0.36 ± 0.02'),
+               ('0.39 ± 0.10', '0.37 ± 0.10', '0.38 ± 0.09', '0.37 ± 0.08')),
+    'global_plus': (('0.83 ± 0.10', '0.40 ± 0.16', '0.41 ± 0.08',
+                     '0.36 ± 0.10'),
+                    ('0.33 ± 0.10', '0.34 ± 0.08', '0.34 ± 0.07',
+                     '0.34 ± 0.07')),
+    'fedembed_personal': (('0.72 ± 0.16', '0.75 ± 0.13', '0.74 ± 0.12',
+                           '0.74 ± 0.15'),
+                          ('0.51 ± 0.06', '0.49 ± 0.05', '0.50 ± 0.03',
+                           '0.50 ± 0.04')),
+    'fedembed_som': (('0.91 ± 0.14', '0.69 ± 0.08', '0.61 ± 0.13',
+                      '0.45 ± 0.14'),
+                     ('0.65 ± 0.13', '0.49 ± 0.13', '0.49 ± 0.08',
+                      '0.45 ± 0.07')),
+    'fedembed_prototype': (('0.82 ± 0.16', '0.86 ± 0.06', '0.85 ± 0.07',
+                            '0.89 ± 0.05'),
+                           ('0.85 ± 0.13', '0.59 ± 0.14', '0.69 ± 0.18',
+                            '0.69 ± 0.16')),
+    'fedembed_type': (('0.92 ± 0.27', '0.91 ± 0.26', '0.84 ± 0.23',
+                       '0.83 ± 0.24'),
+                      ('0.79 ± 0.20', '0.90 ± 0.22', '0.72 ± 0.19',
+                       '0.67 ± 0.19')),
+}
+# FedEmbed Table 5 (imbalanced speech), by prevalence 20, 8, 4 (%).
+_TABLE5 = {
+    'pfedme': (('0.66 ± 0.11', '0.62 ± 0.10', '0.54 ± 0.06'),
+               ('0.49 ± 0.01', '0.49 ± 0.02', '0.49 ± 0.01')),
+    'pfedkm': (('0.49 ± 0.01', '0.49 ± 0.02', '0.48 ± 0.02'),
+               ('0.50 ± 0.02', '0.50 ± 0.02', '0.48 ± 0.02')),
+    'fedrep': (('0.65 ± 0.15', '0.52 ± 0.08', '0.55 ± 0.09'),
+               ('0.47 ± 0.03', '0.50 ± 0.01', '0.49 ± 0.01')),
+    'global': (('0.57 ± 0.24', '0.49 ± 0.16', '0.38 ± 0.11'),
+               ('0.34 ± 0.01', '0.34 ± 0.01', '0.35 ± 0.03')),
+    'global_plus': (('0.51 ± 0.22', '0.53 ± 0.20', '0.38 ± 0.12'),
+                    ('0.33 ± 0.00', '0.33 ± 0.00', '0.33 ± 0.00')),
+    'fedembed_personal': (('0.78 ± 0.01', '0.68 ± 0.08', '0.65 ± 0.07'),
+                          ('0.49 ± 0.01', '0.50 ± 0.02', '0.49 ± 0.01')),
+    'fedembed_som': (('0.65 ± 0.13', '0.60 ± 0.09', '0.50 ± 0.08'),
+                     ('0.50 ± 0.07', '0.49 ± 0.05', '0.45 ± 0.05')),
+    'fedembed_prototype': (('0.79 ± 0.09', '0.71 ± 0.20', '0.54 ± 0.18'),
+                           ('0.52 ± 0.21', '0.55 ± 0.27', '0.48 ± 0.13')),
+    'fedembed_type': (('0.73 ± 0.05', '0.92 ± 0.04', '0.73 ± 0.13'),
+                      ('0.54 ± 0.20', '0.60 ± 0.14', '0.48 ± 0.18')),
+}
+
+_NOTES = ('F1: mean over sub-populations of the mean per-user F1, on '
+          '`eval_clients` users after one local pass of their private state '
+          '(see docs/fedembed.md). Gaussian: user-level DP on the whole '
+          'shared update, epsilon <= 10 at delta = 1/(population + 1); the '
+          'exact epsilon of each cell is in results.jsonl and the epsilon '
+          'table.')
+
+
+def _prevalence_tables(prefix: str, task: Optional[str], prevalences,
+                       paper_rows, label: str, main: int):
+  tables = {}
+  for i, p in enumerate(prevalences):
+    name = prefix if p == main else f'{prefix}_{p}'
+    columns = _imbalanced_columns(task)
+    values = {}
+    for m, (none, gauss) in paper_rows.items():
+      values[(m, columns[0].name)] = none[i]
+      values[(m, columns[1].name)] = gauss[i]
+    tables[name] = reporting.Table(
+        name=name, paper=PAPER, metric=f'f1_prev_{p}', methods=METHODS,
+        columns=columns, paper_values=values,
+        title=f'FedEmbed Table {prefix} ({label}, imbalanced): mean F1 of '
+              f'the {p}% sub-populations',
+        notes=_NOTES)
+  return tables
+
+
+TABLES: dict[str, reporting.Table] = {
+    '2': reporting.Table(
+        name='2', paper=PAPER, metric='f1', methods=METHODS,
+        columns=_columns(None), paper_values=_paper(_TABLE2, _columns(None)),
+        title='FedEmbed Table 2 (MNIST preferences): mean F1', notes=_NOTES),
+    '3': reporting.Table(
+        name='3', paper=PAPER, metric='f1', methods=METHODS,
+        columns=_columns(SPEECH),
+        paper_values=_paper(_TABLE3, _columns(SPEECH)),
+        title='FedEmbed Table 3 (speaker preferences): mean F1',
+        notes=_NOTES),
+    **_prevalence_tables('4', None, (25, 15, 10, 5), _TABLE4, 'MNIST', 5),
+    **_prevalence_tables('5', SPEECH, (20, 8, 4), _TABLE5, 'speech', 4),
+    'fig4': reporting.Table(
+        name='fig4', paper=PAPER, metric='f1', methods=('fedembed_type',),
+        columns=[reporting.Column('with k-way head',
+                                  {'population': 'balanced', 'dp': 'none'}),
+                 reporting.Column('without k-way head',
+                                  {'population': 'balanced', 'dp': 'none',
+                                   'type_head': False})],
+        title='FedEmbed Figure 4: FedEmbed-Type with and without the k-way '
+              'head (balanced MNIST, no DP): mean F1', notes=_NOTES),
+}
+# Which prevalence tables make one side-by-side file, and the prevalences.
+_BY_PREVALENCE = {'4': (MNIST, (25, 15, 10, 5)), '5': (SPEECH, (20, 8, 4))}
+
+
+def define_flags():
+  def define(kind, name, default, help_text):
+    if name not in flags.FLAGS:
+      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
+  define('float', 'fedembed_target_epsilon', algorithm_defaults.TARGET_EPSILON,
+         'FedEmbed: epsilon of the DP cells (delta = 1/(population + 1)).')
+  define('float', 'fedembed_clip_norm', None,
+         'FedEmbed: L2 clip of a client\'s whole shared update (DP cells; '
+         'None: tff_personal/algorithms/defaults.py).')
+  define('integer', 'fedembed_local_epochs', None,
+         'FedEmbed: local epochs (None: the per-algorithm default).')
+  define('integer', 'fedembed_eval_clients', None,
+         'FedEmbed: users evaluated (None: the per-algorithm default).')
+  define('integer', 'fedembed_eval_every', None,
+         'FedEmbed: rounds between evaluations for the learning curves '
+         '(None: the per-algorithm default).')
+
+
+def _flag(flag_values, name, default=None):
+  value = getattr(flag_values, name, None)
+  return default if value is None else value
+
+
+def _task_name(setting) -> str:
+  return setting.get('task', MNIST)
+
+
+def cells(table: str, flag_values) -> list[reporting.Cell]:
+  """The table's cells whose method is registered; says which are skipped."""
+  out = TABLES[table].cells(flag_values.seeds)
+  missing = sorted({c.method for c in out} - set(algorithm_registry.ALGORITHMS),
+                   key=METHODS.index)
+  if missing:
+    message = (f'fedembed table {table}: skipping {", ".join(missing)}: not '
+               'registered in tff_personal/algorithms/registry.py yet (their '
+               'rows stay empty).')
+    logging.warning(message)
+    print(message, flush=True)
+  return [c for c in out if c.method in algorithm_registry.ALGORITHMS]
+
+
+def cell_settings(cell: reporting.Cell, flag_values) -> dict[str, Any]:
+  """The flag-style settings of a cell: defaults, then the paper's flags."""
+  task = _task_name(cell.setting)
+  settings = algorithm_defaults.defaults_for(task, cell.method,
+                                             cell.setting['dp'])
+  if not settings:
+    raise ValueError(f'no defaults for {cell.method!r} on task {task!r} in '
+                     'tff_personal/algorithms/defaults.py')
+  for flag_name, key in (('rounds', 'rounds'),
+                         ('clients_per_round', 'clients_per_round'),
+                         ('num_users', 'num_users'),
+                         ('fedembed_local_epochs', 'local_epochs'),
+                         ('fedembed_eval_clients', 'eval_clients'),
+                         ('fedembed_eval_every', 'eval_every')):
+    value = getattr(flag_values, flag_name, None)
+    if value is not None:
+      settings[key] = value
+  settings['eval_clients'] = min(settings['eval_clients'],
+                                 settings['num_users'])
+  return settings
+
+
+class _WithoutTypeHead:
+  """A task whose FedEmbed model has no k-way type head (Figure 4 ablation)."""
+
+  def __init__(self, task):
+    self._task = task
+
+  def __getattr__(self, name):
+    return getattr(self._task, name)
+
+  def fedembed_model_fn_factory(self, config):
+    return self._task.fedembed_model_fn_factory(
+        dataclasses.replace(config, use_type_head=False))
+
+
+_TASKS: dict[tuple, Any] = {}
+
+
+def _build_task(name: str, data_dir: Optional[str], s: dict, population: str,
+                seed: int):
+  if name not in task_registry.TASKS:
+    raise ValueError(
+        f'task {name!r} is not registered in tasks/registry.py yet; the '
+        f'FedEmbed tables that need it (3 and 5) cannot run. Registered: '
+        f'{task_registry.TASKS}')
+  key = (name, data_dir, s['num_users'], population, seed, s['batch_size'],
+         s['local_epochs'])
+  if key not in _TASKS:
+    _TASKS.clear()  # one task in memory at a time
+    _TASKS[key] = task_registry.build_task(
+        name, data_dir=data_dir, num_users=s['num_users'],
+        population=population, seed=seed, batch_size=s['batch_size'],
+        local_epochs=s['local_epochs'])
+  return _TASKS[key]
+
+
+def _data_dir(flag_values, task: str) -> Optional[str]:
+  if getattr(flag_values, 'data_dir', None):
+    return flag_values.data_dir
+  sub = 'mnist' if task == MNIST else 'speech'
+  return os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data',
+                      sub)
+
+
+def dp_config(cell: reporting.Cell, flag_values, population: int
+              ) -> privacy.DPConfig:
+  """No DP, or the one DP setting every method shares."""
+  if cell.setting['dp'] == 'none':
+    return privacy.DPConfig()
+  if cell.setting['dp'] != 'gaussian_fixed':
+    raise ValueError(f'unknown dp setting {cell.setting["dp"]!r}')
+  return privacy.DPConfig(
+      mechanism='gaussian_fixed',
+      target_epsilon=_flag(flag_values, 'fedembed_target_epsilon',
+                           algorithm_defaults.TARGET_EPSILON),
+      clip_norm=_flag(flag_values, 'fedembed_clip_norm',
+                      algorithm_defaults.DP_SETTINGS['clip_norm']),
+      target_delta=1.0 / (population + 1))
+
+
+def experiment_config(cell: reporting.Cell, flag_values, out_dir: str,
+                      population: int) -> experiment.ExperimentConfig:
+  s = cell_settings(cell, flag_values)
+  return experiment.ExperimentConfig(
+      algorithm=cell.method, rounds=s['rounds'],
+      clients_per_round=s['clients_per_round'], root_output_dir=out_dir,
+      experiment_name='run', client_learning_rate=s['client_learning_rate'],
+      private_learning_rate=s.get('private_learning_rate'),
+      server_optimizer=s['server_optimizer'],
+      server_learning_rate=s['server_learning_rate'], seed=cell.seed,
+      eval_every=s['eval_every'], eval_clients=s['eval_clients'],
+      eval_fine_tune=s['eval_fine_tune'],
+      checkpoint_every=max(1, s['eval_every']), resume=True,
+      dp=dp_config(cell, flag_values, population))
+
+
+def prevalence_f1(f1_per_group: dict, prevalence) -> dict[str, float]:
+  """Mean F1 of the sub-populations of each prevalence (percent)."""
+  out = {}
+  for p in sorted(set(prevalence), reverse=True):
+    values = [f1_per_group[str(k)] for k, q in enumerate(prevalence)
+              if q == p and str(k) in f1_per_group]
+    if values:
+      out[f'f1_prev_{p}'] = float(np.mean(values))
+  return out
+
+
+def cell_metrics(summary: dict, prevalence) -> dict:
+  """A cell's metrics from the experiment's summary.json."""
+  ev = summary['eval']
+  per_group = {str(k): float(v) for k, v in ev['f1_per_group'].items()}
+  metrics = {'f1': ev['f1'], 'accuracy': ev['accuracy'], 'auc': ev['auc'],
+             'f1_user_mean': ev['f1_user_mean'],
+             'eval_clients': ev['num_clients'],
+             'rounds': summary['rounds_completed'],
+             'seconds_per_round': summary['seconds_per_round'],
+             'population': summary['population']}
+  for k, v in sorted(per_group.items(), key=lambda kv: int(kv[0])):
+    metrics[f'f1_group_{k}'] = v
+  metrics.update(prevalence_f1(per_group, prevalence))
+  if summary.get('privacy'):
+    for k in ('epsilon', 'delta', 'noise_multiplier', 'clip_norm'):
+      metrics[k] = summary['privacy'][k]
+  return metrics
+
+
+def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
+  task_name = _task_name(cell.setting)
+  if cell.method not in algorithm_registry.ALGORITHMS:
+    raise ValueError(f'{cell.method!r} is not registered in '
+                     'tff_personal/algorithms/registry.py yet')
+  s = cell_settings(cell, flag_values)
+  task = _build_task(task_name, _data_dir(flag_values, task_name), s,
+                     cell.setting['population'], cell.seed)
+  if cell.setting.get('type_head') is False:
+    task = _WithoutTypeHead(task)
+  config = experiment_config(cell, flag_values, out_dir, task.population)
+  with runtime.local_runtime(
+      log_path=os.path.join(out_dir, 'worker_binary.log')):
+    summary = experiment.run_experiment(
+        task, config, export_private_states=True,
+        log_fn=lambda line: print(f'  {cell.method}: {line}', flush=True))
+  prevalence = (MNIST_PREVALENCE if task_name == MNIST else SPEECH_PREVALENCE)
+  if cell.setting['population'] == 'balanced':
+    prevalence = (100 // len(prevalence),) * len(prevalence)
+  metrics = cell_metrics(summary, prevalence)
+  _save_analysis(task, cell, config.experiment_dir, out_dir)
+  root = _root_of(out_dir)
+  if root:  # this cell's record is appended after run_cell returns
+    write_extra_tables(root, extra_records=[{
+        'paper': cell.paper, 'method': cell.method, 'setting': cell.setting,
+        'seed': cell.seed, 'metrics': metrics}])
+    make_figures(root)
+  return metrics
+
+
+def _root_of(out_dir: str) -> Optional[str]:
+  root = out_dir
+  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
+    root = os.path.dirname(root)
+  return None if root == '/' else os.path.dirname(root)
+
+
+def _private_names(task, method: str) -> Optional[list[str]]:
+  """Names of the private variables of a FedEmbed method's model, in order."""
+  if not method.startswith('fedembed_'):
+    return None
+  assignment = method[len('fedembed_'):]
+  if assignment not in fedembed_model.ASSIGNMENTS:
+    return None
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    model = task.fedembed_model_fn_factory(
+        fedembed_model.FedEmbedConfig(assignment=assignment))()
+    return [v.name.split('/')[-1].split(':')[0]
+            for v in model.private_variables]
+
+
+def _save_analysis(task, cell, exp_dir: str, out_dir: str) -> None:
+  """analysis.npz: users' ground truth, embeddings, trained flag and heads."""
+  path = os.path.join(exp_dir, 'private_states.npz')
+  names = _private_names(task, cell.method)
+  if not os.path.exists(path) or names is None:
+    return
+  with np.load(path) as z:
+    arrays = {n: z[f'private_{i}'] for i, n in enumerate(names)}
+    ids = z['ids']
+    participated = (z['rounds_participated'] if 'rounds_participated' in z
+                    else None)
+  out = {'ids': ids, 'subpopulation': np.asarray(task.groups(ids))}
+  if 'personal_embedding' in arrays:
+    out['embedding'] = arrays['personal_embedding']
+  if participated is not None:  # users who took part in training
+    out['trained'] = participated > 0
+  if 'head' in arrays:
+    out['head'] = arrays['head']
+  np.savez(os.path.join(out_dir, 'analysis.npz'), **out)
+  _copy_curve(os.path.join(exp_dir, 'eval_metrics.csv'),
+              os.path.join(out_dir, 'curve.json'))
+
+
+def _copy_curve(csv_path: str, json_path: str) -> None:
+  rounds, f1 = [], []
+  if os.path.exists(csv_path):
+    with open(csv_path) as f:
+      for row in csv.DictReader(f):
+        if row.get('f1'):
+          rounds.append(int(row['round']))
+          f1.append(float(row['f1']))
+  with open(json_path, 'w') as f:
+    json.dump({'round': rounds, 'f1': f1}, f)
+
+
+# ------------------------------------------------------------------ tables
+
+
+def render_by_prevalence(results: reporting.Results, prefix: str) -> str:
+  """Table 4 (or 5) with every prevalence side by side: ours (paper)."""
+  task, prevalences = _BY_PREVALENCE[prefix]
+  records = (list(results.latest().values())
+             if isinstance(results, reporting.ResultsFile) else list(results))
+  columns = _imbalanced_columns(None if task == MNIST else task)
+  header = ['method'] + [f'{_DP_NAMES[c.setting["dp"]]} {p}%'
+                         for c in columns for p in prevalences]
+  lines = [f'### FedEmbed Table {prefix}: imbalanced, F1 by prevalence, ours '
+           '(paper)', '', '| ' + ' | '.join(header) + ' |',
+           '|' + '|'.join(['---'] + ['---:'] * (len(header) - 1)) + '|']
+  for method in METHODS:
+    row = [method]
+    for c in columns:
+      for p in prevalences:
+        table = TABLES[prefix if p == prevalences[-1] else f'{prefix}_{p}']
+        values = [m[table.metric] for m in reporting._metrics_for(  # pylint: disable=protected-access
+            records, PAPER, method, c.setting) if table.metric in m]
+        s = reporting.summarize(values)
+        ours = (reporting.MISSING if s is None else
+                f'{s.mean:.2f} ± {s.std:.2f} ({s.n})')
+        row.append(f'{ours} ({table.paper_values.get((method, c.name), "—")})')
+    lines.append('| ' + ' | '.join(row) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def render_epsilons(records) -> str:
+  """The exact epsilon of every DP cell."""
+  lines = ['| method | setting | seed | epsilon | delta | noise multiplier '
+           '| clip |', '|---|---|---:|---:|---:|---:|---:|']
+  for r in sorted(records, key=lambda r: (r['method'], json.dumps(
+      r['setting'], sort_keys=True), r['seed'])):
+    m = r['metrics']
+    if r['paper'] == PAPER and 'epsilon' in m:
+      lines.append(f'| {r["method"]} | {reporting.setting_label(r["setting"])}'
+                   f' | {r["seed"]} | {m["epsilon"]:.3f} | {m["delta"]:.3g} | '
+                   f'{m["noise_multiplier"]:.4f} | {m["clip_norm"]:g} |')
+  return '\n'.join(lines) + '\n'
+
+
+def write_extra_tables(root_output_dir: str, extra_records=()) -> None:
+  """Tables 4 and 5 by prevalence and the epsilon table, from the results."""
+  results = reporting.ResultsFile(
+      os.path.join(root_output_dir, reporting.RESULTS_FILENAME))
+  records = {reporting.Cell.from_record(r).key(): r
+             for r in list(results.latest().values()) + list(extra_records)}
+  records = list(records.values())
+  out = os.path.join(root_output_dir, reporting.TABLES_DIRNAME, PAPER)
+  os.makedirs(out, exist_ok=True)
+  for prefix in _BY_PREVALENCE:
+    with open(os.path.join(out, f'{prefix}_by_prevalence.md'), 'w') as f:
+      f.write(render_by_prevalence(records, prefix))
+  with open(os.path.join(out, 'epsilon.md'), 'w') as f:
+    f.write(render_epsilons(records))
+
+
+# ----------------------------------------------------------------- figures
+
+
+def confusion(truth: np.ndarray, assigned: np.ndarray, k: int) -> np.ndarray:
+  """Row-normalised confusion matrix: ground truth (rows) x assigned (cols)."""
+  counts = np.zeros((k, k), np.float64)
+  np.add.at(counts, (truth, assigned), 1.0)
+  rows = counts.sum(axis=1, keepdims=True)
+  return np.divide(counts, rows, out=np.zeros_like(counts), where=rows > 0)
+
+
+def _run_dirs(root, method, pattern='population=balanced*'):
+  return sorted(glob.glob(os.path.join(
+      root, reporting.RUNS_DIRNAME, PAPER, method, pattern, 'seed_0')))
+
+
+def make_figures(root_output_dir: str) -> list[str]:
+  """Figures 3 and 4 and F1-vs-round curves from the saved runs (PNG)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  out = os.path.join(root_output_dir, reporting.TABLES_DIRNAME, PAPER)
+  os.makedirs(out, exist_ok=True)
+  written = []
+
+  # F1 vs round, balanced and imbalanced, with and without DP (seed 0).
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  any_curve = False
+  for ax, pop in zip(axes, ('balanced', 'imbalanced')):
+    for method in METHODS:
+      for dp, style in (('none', '-'), ('gaussian_fixed', '--')):
+        for d in _run_dirs(root_output_dir, method,
+                           f'dp={dp}_population={pop}-*'):
+          path = os.path.join(d, 'curve.json')
+          if not os.path.exists(path):
+            continue
+          with open(path) as f:
+            c = json.load(f)
+          if c['round']:
+            any_curve = True
+            ax.plot(c['round'], c['f1'], style, marker='.',
+                    label=f'{method} ({_DP_NAMES[dp]})')
+    ax.set_title(f'MNIST preferences, {pop}')
+    ax.set_xlabel('round')
+    ax.set_ylabel('mean F1 (eval users)')
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7)
+  if any_curve:
+    fig.tight_layout()
+    path = os.path.join(out, 'fedembed_f1_curves.png')
+    fig.savefig(path, dpi=110)
+    written.append(path)
+  plt.close(fig)
+
+  # Figure 3: ground truth vs assigned sub-population (users who trained).
+  panels = []
+  for method in ('fedembed_som', 'fedembed_prototype'):  # learned assignment
+    for d in _run_dirs(root_output_dir, method, 'dp=none_population=balanced-*'):
+      path = os.path.join(d, 'analysis.npz')
+      if os.path.exists(path):
+        with np.load(path) as z:
+          if 'head' in z and 'trained' in z and z['trained'].any():
+            t = z['trained']
+            panels.append((method, z['subpopulation'][t], z['head'][t]))
+  if panels:
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
+    axes = np.atleast_1d(axes)
+    for ax, (method, truth, head) in zip(axes, panels):
+      k = int(max(truth.max(), head.max())) + 1
+      cm = confusion(truth, head, k)
+      ax.imshow(cm, cmap='Blues', vmin=0, vmax=1)
+      ax.set_title(f'{method}: head at the last training participation\n'
+                   f'(own head {np.mean(truth == head):.2f}, best one-to-one '
+                   f'relabelling {assignment_accuracy(truth, head, k):.2f}; '
+                   f'{len(truth)} users who trained)', fontsize=8)
+      ax.set_xlabel('assigned head')
+      ax.set_ylabel('ground-truth sub-population')
+      ax.set_xticks(range(k))
+      ax.set_yticks(range(k))
+    fig.tight_layout()
+    path = os.path.join(out, 'fedembed_confusion.png')
+    fig.savefig(path, dpi=110)
+    written.append(path)
+    plt.close(fig)
+
+  # Figure 4: t-SNE of personal embeddings, with and without the k-way head.
+  panels = []
+  for title, pattern in (
+      ('with k-way head', 'dp=none_population=balanced-*'),
+      ('without k-way head', 'dp=none_population=balanced_type_head=False-*')):
+    for d in _run_dirs(root_output_dir, 'fedembed_type', pattern):
+      path = os.path.join(d, 'analysis.npz')
+      if os.path.exists(path):
+        with np.load(path) as z:
+          if 'embedding' in z and 'trained' in z:
+            t = z['trained']
+            panels.append((title, z['embedding'][t], z['subpopulation'][t]))
+  if len(panels) == 2:
+    from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, (title, emb, labels) in zip(axes, panels):
+      emb, labels = emb[:2000], labels[:2000]
+      xy = TSNE(n_components=2, perplexity=min(30, len(emb) - 1),
+                random_state=0, init='pca').fit_transform(emb)
+      sc = ax.scatter(xy[:, 0], xy[:, 1], c=labels, cmap='tab10', s=5)
+      ax.set_title(f'FedEmbed-Type {title}\n(5-NN purity '
+                   f'{knn_purity(emb, labels):.2f}, {len(emb)} users)')
+    fig.colorbar(sc, ax=axes, label='sub-population (digit)')
+    path = os.path.join(out, 'fedembed_embeddings_tsne.png')
+    fig.savefig(path, dpi=110)
+    written.append(path)
+    plt.close(fig)
+  return written
+
+
+def assignment_accuracy(truth: np.ndarray, assigned: np.ndarray,
+                        k: int) -> float:
+  """Fraction of users on their group's head under the best one-to-one map.
+
+  Prototype heads are tied to sub-populations by the triplet loss, so for
+  them the identity map is the meaningful one (`np.mean(truth == assigned)`);
+  this score allows any relabelling (for unsupervised assignment such as
+  SOM) but, being one-to-one (Hungarian matching, scipy), it does not reward
+  sending every group to one head.
+  """
+  if len(truth) == 0:
+    return 0.0
+  from scipy import optimize  # pylint: disable=g-import-not-at-top
+  cm = np.zeros((k, k), np.int64)
+  np.add.at(cm, (truth, assigned), 1)
+  rows, cols = optimize.linear_sum_assignment(-cm)
+  return float(cm[rows, cols].sum() / len(truth))
+
+
+def knn_purity(embeddings: np.ndarray, labels: np.ndarray, k: int = 5) -> float:
+  """Mean fraction of each point's k nearest neighbours with its label."""
+  d = np.sum((embeddings[:, None, :] - embeddings[None, :, :]) ** 2, -1)
+  np.fill_diagonal(d, np.inf)
+  nn = np.argsort(d, axis=1)[:, :k]
+  return float(np.mean(labels[nn] == labels[:, None]))

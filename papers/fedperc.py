@@ -1,0 +1,598 @@
+"""FedPerC (Silva, Tambwekar & Gombolay) Tables 1-4 on the `tv_shows` task.
+
+Tables (each row a `--algorithm` value):
+
+* `table1` (known users) and `table2` (withheld users): perplexity on unseen
+  utterances, the first three tokens given as a prompt, after adapting on 1,
+  5, 15 or all of the user's fine-tuning utterances. One record per
+  (method, users, samples, seed) with `metrics.perplexity`: the pooled token
+  perplexity exp(sum NLL / tokens) over the evaluated users' test tokens.
+* `table3_train`, `table3_test`: ms per on-device train pass (one local step
+  on a batch of 15: forward, backward, Adam) and test pass (the forward pass
+  that scores a batch of 15; for the generated variant it includes the
+  generators' forward pass). All methods are timed in one process,
+  interleaved round-robin (so load on a shared machine hits all alike),
+  once per seed; records `train_ms` / `test_ms` (mean, with `_std`).
+* `memory`: `bytes_per_user` (and `parameters_per_user`): what a user holds
+  on device beyond the frozen backbone (`FedPercModel.per_user_parameters`).
+* Table 4 (not a results.jsonl metric): top-k samples after "We must" and
+  "I think" for Chandler (Friends) and Arya (Game of Thrones), each in its
+  own show's context and moved to the other's, from the trained `fedperc`
+  model; written to `<root>/tables/fedperc/table4.md`.
+
+Training (section 4, Appendix B): 10 local steps of 15 sampled utterances
+per client per round, local Adam lr 1e-3, FedProx mu = 1, server update =
+the averaged delta (Algorithm 1; `--fedperc_server_optimizer=adam` for
+Appendix B's Adam lr 1). One training per (variant, seed) serves both tables:
+it runs on the users that are not withheld (`tasks/tv_shows.py`), so the
+known-user table is over the 15 trained users and the withheld-user table
+over the 4 withheld ones (the paper trains twice; this halves the CPU cost).
+`fedperc` and `fedperc_frozen` share one training. The trained state is
+cached under `<root>/runs/fedperc/_trained/`.
+
+Test time: `fine_tune` methods take `--fedperc_fine_tune_steps` (15, as
+Appendix B) local Adam steps (lr 1e-3) on their adaptable variables, each on
+the user's first n fine-tuning utterances (n < 15) or on 15 of them sampled
+(all); the adapted values are local copies, discarded after the user is
+scored. `fedperc_generated` runs its generators once over the n utterances.
+Withheld users start from the DP noisy average of the trained users'
+personal embeddings (`algorithms/fedperc.build_dp_mean`, a TFF computation
+over the states at CLIENTS; section 3.2) for both FedPerC variants; a
+withheld Split-Learning user starts with a zero personal-head delta, i.e.
+the pre-trained output layer (the paper only describes the embeddings'
+initialisation).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import pickle
+import time
+from typing import Any
+
+from absl import flags
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tasks import tv_shows
+from tff_personal import atomic_io
+from tff_personal import reporting
+from tff_personal.algorithms import fedperc as fedperc_alg
+from tff_personal.core import process as process_lib
+from tff_personal.core import runtime
+from tff_personal.models import bpe_trainer
+from tff_personal.models import fedperc
+from tff_personal.models import fedperc_backbone
+from tff_personal.models import fedperc_training
+
+PAPER = 'fedperc'
+METHODS = ('fedperc', 'fedperc_frozen', 'fedperc_generated', 'split_learning',
+           'meta_learning')
+SAMPLES = (1, 5, 15, 'all')
+PROMPT_TOKENS = 3
+
+# FedPerC Tables 1-3, TV Shows rows.
+_PAPER_T1 = {
+    'fedperc': ('57.2 ± 3.6', '51.5 ± 1.5', '48.8 ± 1.7', '46.7 ± 1.7'),
+    'fedperc_frozen': ('50.3 ± 1.6', '50.7 ± 2.1', '51.0 ± 2.1', '51.2 ± 2.0'),
+    'fedperc_generated': ('51.6 ± 1.3', '51.7 ± 2.0', '51.7 ± 2.0',
+                          '52.1 ± 2.6'),
+    'split_learning': ('359.4 ± 28.2', '244.5 ± 15.1', '167.7 ± 8.6',
+                       '82.1 ± 3.3'),
+    'meta_learning': ('111.7 ± 4.6', '110.0 ± 6.5', '111.9 ± 6.1',
+                      '113.0 ± 4.7'),
+}
+_PAPER_T2 = {
+    'fedperc': ('205.1 ± 292.2', '68.6 ± 5.6', '62.1 ± 5.0', '52.3 ± 3.3'),
+    'fedperc_frozen': ('96.4 ± 10.4', '90.1 ± 4.9', '97.6 ± 6.8',
+                       '98.2 ± 9.5'),
+    'fedperc_generated': ('68.7 ± 5.9', '66.7 ± 6.3', '66.1 ± 5.5',
+                          '68.6 ± 5.1'),
+    'split_learning': ('283.6 ± 30.9', '220.7 ± 29.2', '158.1 ± 20.0',
+                       '96.7 ± 14.5'),
+    'meta_learning': ('113.5 ± 13.1', '111.4 ± 13.3', '117.3 ± 10.5',
+                      '114.2 ± 17.0'),
+}
+_PAPER_TRAIN_MS = {'fedperc': '88.18 ± 24.104', 'fedperc_frozen': '43.57 ± 11.99',
+                   'fedperc_generated': '55.96 ± 12.41',
+                   'split_learning': '222.08 ± 37.55',
+                   'meta_learning': '111.81 ± 22.33'}
+_PAPER_TEST_MS = {'fedperc': '40.37 ± 11.76', 'fedperc_frozen': '40.25 ± 12.10',
+                  'fedperc_generated': '47.02 ± 12.63',
+                  'split_learning': '65.42 ± 16.49',
+                  'meta_learning': '36.77 ± 8.95'}
+
+
+def _samples_name(n) -> str:
+  return 'All' if n == 'all' else str(n)
+
+
+def _perplexity_table(name, users, paper_values, title):
+  columns = [reporting.Column(_samples_name(n), {'users': users, 'samples': n})
+             for n in SAMPLES]
+  return reporting.Table(
+      name=name, paper=PAPER, metric='perplexity', methods=METHODS,
+      columns=columns,
+      paper_values={(m, _samples_name(n)): v[i]
+                    for m, v in paper_values.items()
+                    for i, n in enumerate(SAMPLES)},
+      title=title, digits=1,
+      notes='Paper: TV Shows with DistilGPT2; ours: the backbone in '
+            'docs/fedperc.md. Compare ratios, not absolute values.')
+
+
+def _single(name, metric, paper_values, title, digits=2):
+  return reporting.Table(
+      name=name, paper=PAPER, metric=metric, methods=METHODS,
+      columns=[reporting.Column(metric, {'measure': metric})],
+      paper_values={(m, metric): v for m, v in paper_values.items()},
+      title=title, digits=digits)
+
+
+TABLES = {
+    'table1': _perplexity_table(
+        'table1', 'known', _PAPER_T1,
+        'FedPerC Table 1: perplexity, known users (lower is better)'),
+    'table2': _perplexity_table(
+        'table2', 'withheld', _PAPER_T2,
+        'FedPerC Table 2: perplexity, withheld users (lower is better)'),
+    'table3_train': _single('table3_train', 'train_ms', _PAPER_TRAIN_MS,
+                            'FedPerC Table 3: train pass time (ms)'),
+    'table3_test': _single('table3_test', 'test_ms', _PAPER_TEST_MS,
+                           'FedPerC Table 3: test pass time (ms)'),
+    'memory': _single('memory', 'bytes_per_user', {},
+                      'Per-user on-device memory beyond the frozen backbone '
+                      '(bytes)', digits=0),
+}
+
+
+def define_flags():
+  def define(kind, name, default, help_text):
+    if name not in flags.FLAGS:
+      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
+  define('string', 'fedperc_backbone', None,
+         'FedPerC: keras-nlp GPT-2 preset name or preset directory '
+         '(python -m binaries.pretrain_backbone makes one).')
+  define('integer', 'fedperc_rounds', 10, 'FedPerC: training rounds.')
+  define('integer', 'fedperc_clients_per_round', 5,
+         'FedPerC: clients per round.')
+  define('integer', 'fedperc_local_steps', 10, 'FedPerC: local steps.')
+  define('integer', 'fedperc_batch_size', 15, 'FedPerC: utterances per step.')
+  define('integer', 'fedperc_max_utterances', 200,
+         'FedPerC: utterances kept per user (0: all).')
+  define('integer', 'fedperc_max_tokens', 24,
+         'FedPerC: tokens per utterance (end token included).')
+  define('integer', 'fedperc_fine_tune_steps', 15,
+         'FedPerC: test-time local steps.')
+  define('float', 'fedperc_client_learning_rate', 1e-3,
+         'FedPerC: local Adam lr.')
+  define('float', 'fedperc_proximal_mu', 1.0, 'FedPerC: FedProx mu.')
+  define('string', 'fedperc_server_optimizer', 'sgd',
+         'FedPerC: sgd (Algorithm 1: add the mean delta) or adam.')
+  define('float', 'fedperc_server_learning_rate', 1.0, 'FedPerC: server lr.')
+  define('float', 'fedperc_dp_noise_multiplier', 1.0,
+         'FedPerC: noise multiplier of the new-user DP average.')
+  define('float', 'fedperc_dp_clip', 1.0,
+         'FedPerC: L2 clip of a personal-embedding offset in the DP average.')
+  define('integer', 'fedperc_generator_tokens', 12,
+         'FedPerC: tokens of each utterance the generators read (0: all).')
+  define('integer', 'fedperc_eval_known_users', 0,
+         'FedPerC: evaluate this many known users, half from each show '
+         '(0: all trained users).')
+  define('integer', 'fedperc_timing_repeats', 20,
+         'FedPerC: timed passes per method.')
+
+
+def cells(table: str, flag_values) -> list[reporting.Cell]:
+  if not flag_values.fedperc_backbone:
+    raise ValueError('--fedperc_backbone is required (a keras-nlp GPT-2 preset '
+                     'or a directory made by binaries.pretrain_backbone)')
+  for name in ('fedperc_rounds', 'fedperc_clients_per_round',
+               'fedperc_local_steps', 'fedperc_batch_size',
+               'fedperc_max_tokens', 'fedperc_fine_tune_steps'):
+    if getattr(flag_values, name) < 1:
+      raise ValueError(f'--{name} must be positive')
+  return TABLES[table].cells(flag_values.seeds)
+
+
+# ------------------------------------------------------------ data
+
+
+_SPECS: dict[str, fedperc_backbone.BackboneSpec] = {}
+_USERS: dict[tuple, dict[str, tv_shows.UserData]] = {}
+
+
+def _spec(flag_values) -> fedperc_backbone.BackboneSpec:
+  name = flag_values.fedperc_backbone
+  if name not in _SPECS:
+    _SPECS[name] = fedperc_backbone.load_backbone(name)
+  return _SPECS[name]
+
+
+def _data_root(flag_values) -> str:
+  return flag_values.data_dir or os.path.join(
+      os.path.dirname(__file__), '..', '..', 'shared', 'data')
+
+
+def _users(flag_values, seed: int,
+           cache_dir: str | None = None) -> dict[str, tv_shows.UserData]:
+  """The task's users, tokenized; cached in memory and (optionally) on disk,
+  since every `reproduce` invocation (one per table) would redo it."""
+  spec = _spec(flag_values)
+  key = (flag_values.fedperc_backbone, _data_root(flag_values), seed,
+         flag_values.fedperc_max_tokens, flag_values.fedperc_max_utterances)
+  if key in _USERS:
+    return _USERS[key]
+  path = None
+  if cache_dir:
+    digest = hashlib.sha1(repr(key).encode()).hexdigest()[:12]
+    path = os.path.join(cache_dir, f'users_{digest}.pkl')
+    if os.path.exists(path):
+      with open(path, 'rb') as f:
+        _USERS[key] = pickle.load(f)
+      return _USERS[key]
+  sentences = tv_shows.load_sentences(_data_root(flag_values))
+  _USERS[key] = tv_shows.build_users(
+      sentences, spec.tokenizer(), max_tokens=flag_values.fedperc_max_tokens,
+      end_id=spec.vocabulary[bpe_trainer.END_TOKEN], seed=seed,
+      max_utterances_per_user=flag_values.fedperc_max_utterances or None)
+  if path:
+    with atomic_io.atomic_write(path, 'wb') as f:
+      pickle.dump(_USERS[key], f)
+  return _USERS[key]
+
+
+def _config(variant: str, flag_values) -> fedperc.FedPercConfig:
+  return fedperc.FedPercConfig(
+      variant=variant, num_contexts=len(tv_shows.CONTEXTS),
+      max_tokens=flag_values.fedperc_max_tokens,
+      generator_tokens=flag_values.fedperc_generator_tokens)
+
+
+def evaluated_users(withheld: bool, flag_values) -> list[str]:
+  """Withheld users, or the known users evaluated (all, or a subset taken
+  alternately from the two shows in the task's order)."""
+  users = tv_shows.evaluated_users(withheld)
+  if withheld:
+    return users
+  users = tv_shows.training_users(withheld=True)
+  count = flag_values.fedperc_eval_known_users
+  if not count or count >= len(users):
+    return users
+  shows = [[u for u in users if u in tv_shows.FRIENDS_USERS],
+           [u for u in users if u not in tv_shows.FRIENDS_USERS]]
+  out = []
+  while len(out) < count:
+    for show in shows:
+      if show and len(out) < count:
+        out.append(show.pop(0))
+  return out
+
+
+def _root(out_dir: str) -> str:
+  root = out_dir
+  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
+    root = os.path.dirname(root)
+  return os.path.dirname(root)
+
+
+# ------------------------------------------------------------ training
+
+
+def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+  with atomic_io.atomic_write(path, 'wb') as f:
+    np.savez(f, **arrays)
+
+
+def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
+  """Trains one variant on the non-withheld users; cached on disk.
+
+  Returns dict(weights=ModelWeights (numpy), states={user: private tuple},
+  seconds=..., train_loss=[...]).
+  """
+  path = os.path.join(cache_dir, f'{variant}_seed{seed}.npz')
+  spec = _spec(flag_values)
+  config = _config(variant, flag_values)
+  weights, private = fedperc_alg.initial_weights(spec, config, seed)
+  if os.path.exists(path):
+    data = np.load(path)
+    trainable = tuple(data[f'w{i}'] for i in range(len(weights.trainable)))
+    states = {u: tuple(data[f'{u}|{i}'] for i in range(len(private)))
+              for u in tv_shows.training_users(True)}
+    meta = json.loads(str(data['meta']))
+    return dict(weights=weights._replace(trainable=trainable), states=states,
+                **meta)
+  users = _users(flag_values, seed)
+  process = fedperc_alg.build_process(
+      spec, config, client_learning_rate=flag_values.fedperc_client_learning_rate,
+      server_optimizer=flag_values.fedperc_server_optimizer,
+      server_learning_rate=flag_values.fedperc_server_learning_rate,
+      proximal_mu=flag_values.fedperc_proximal_mu, seed=seed)
+  names = tv_shows.training_users(withheld=True)
+  states = {u: fedperc_alg.initial_client_state(private) for u in names}
+  losses = []
+  start = time.perf_counter()
+  with runtime.local_runtime():
+    state = process.initialize()
+    for r in range(flag_values.fedperc_rounds):
+      rng = np.random.default_rng([seed, r])
+      cohort = sorted(rng.choice(
+          len(names), min(flag_values.fedperc_clients_per_round, len(names)),
+          replace=False))
+      cohort = [names[i] for i in cohort]
+      data = [tv_shows.round_dataset(
+          users[u].splits['train'], steps=flag_values.fedperc_local_steps,
+          batch_size=flag_values.fedperc_batch_size,
+          rng=np.random.default_rng([seed, r, names.index(u)]))
+              for u in cohort]
+      state, new_states, metrics = process.next(
+          state, [states[u] for u in cohort], data)
+      for u, s in zip(cohort, new_states):
+        states[u] = s
+      losses.append(float(metrics['train']['loss']))
+      print(f'fedperc {variant} seed {seed} round {r + 1}: '
+            f'loss {losses[-1]:.3f}', flush=True)
+  seconds = time.perf_counter() - start
+  trained = process.get_model_weights(state)
+  trainable = tuple(np.asarray(w) for w in trained.trainable)
+  for a, b in zip(trained.non_trainable, weights.non_trainable):
+    if not np.array_equal(np.asarray(a), b):
+      raise AssertionError('the frozen backbone changed during training')
+  private_states = {u: tuple(np.asarray(p) for p in s[
+      process_lib.CLIENT_STATE_PRIVATE]) for u, s in states.items()}
+  meta = dict(seconds=seconds, train_loss=losses)
+  arrays = {f'w{i}': w for i, w in enumerate(trainable)}
+  for u, p in private_states.items():
+    for i, v in enumerate(p):
+      arrays[f'{u}|{i}'] = v
+  arrays['meta'] = np.asarray(json.dumps(meta))
+  os.makedirs(cache_dir, exist_ok=True)
+  _save_npz(path, arrays)
+  return dict(weights=weights._replace(trainable=trainable),
+              states=private_states, **meta)
+
+
+def dp_new_user_state(states: dict[str, tuple], flag_values) -> tuple:
+  """The DP noisy average of the known users' private states (TFF)."""
+  values = list(states.values())
+  value_type = tff.types.to_type(tuple(
+      tff.TensorType(v.dtype, v.shape) for v in values[0]))
+  dp_mean = fedperc_alg.build_dp_mean(
+      value_type, noise_multiplier=flag_values.fedperc_dp_noise_multiplier,
+      clip_norm=flag_values.fedperc_dp_clip, num_clients=len(values))
+  with runtime.local_runtime():
+    mean = dp_mean(values)
+  return tuple(fedperc_alg.new_user_private_state(mean)[
+      process_lib.CLIENT_STATE_PRIVATE])
+
+
+# ------------------------------------------------------------ evaluation
+
+
+def _adapt_batches(arrays, n, steps, batch_size, seed) -> tf.data.Dataset:
+  total = len(arrays['ids'])
+  if n == 'all':
+    rng = np.random.default_rng(seed)
+    rows = np.concatenate([rng.choice(total, min(batch_size, total),
+                                      replace=False) for _ in range(steps)])
+    return tv_shows.batched(arrays, min(batch_size, total), rows)
+  rows = np.tile(np.arange(min(n, total)), steps)
+  return tv_shows.batched(arrays, min(n, total), rows)
+
+
+def evaluate(name: str, trained: dict, flag_values, seed: int,
+             users_kind: str) -> dict:
+  """Pooled perplexity per sample count for one algorithm and user set."""
+  algo = fedperc_alg.algorithm(name)
+  spec = _spec(flag_values)
+  config = _config(algo.variant, flag_values)
+  users = _users(flag_values, seed)
+  withheld = users_kind == 'withheld'
+  model = fedperc.FedPercModel(spec, config, seed)
+  optimizer = tff.learning.optimizers.build_adam(
+      flag_values.fedperc_client_learning_rate)
+  weights = trained['weights']
+  if withheld and model.private_variables:
+    if algo.variant in (fedperc.EMBEDDING, fedperc.GENERATED):
+      new_private = dp_new_user_state(trained['states'], flag_values)
+    else:  # Split-Learning: the pre-trained head (zero delta), no data read.
+      new_private = tuple(v.numpy() * 0 for v in model.private_variables)
+
+  fine_tune = tf.function(lambda d: fedperc_training.fine_tune(
+      model, optimizer, d))
+  generate = tf.function(lambda b: fedperc_training.generate_embeddings(
+      model, b))
+  score = tf.function(lambda d: fedperc_training.nll_sums(
+      model, d, PROMPT_TOKENS))
+  sums = {n: [0.0, 0.0] for n in SAMPLES}
+  per_user = collections.defaultdict(dict)
+  for index, user in enumerate(evaluated_users(withheld, flag_values)):
+    data = users[user]
+    private = new_private if withheld and model.private_variables else (
+        trained['states'].get(user, ()))
+    test = tv_shows.batched(data.splits['test'], 64)
+    for n in SAMPLES:
+      fedperc_training.assign_weights(model, weights, private)
+      tune = data.splits['fine_tune']
+      if algo.adapt == 'fine_tune':
+        fine_tune(_adapt_batches(tune, n, flag_values.fedperc_fine_tune_steps,
+                                 flag_values.fedperc_batch_size,
+                                 [seed, index]))
+      elif algo.adapt == 'generate':
+        count = len(tune['ids']) if n == 'all' else min(n, len(tune['ids']))
+        generate({k: tf.constant(v[:count]) for k, v in tune.items()})
+      total, tokens = (float(x) for x in score(test))
+      sums[n][0] += total
+      sums[n][1] += tokens
+      per_user[user][str(n)] = float(np.exp(total / max(tokens, 1.0)))
+  return dict(
+      perplexity={str(n): float(np.exp(s[0] / max(s[1], 1.0)))
+                  for n, s in sums.items()},
+      tokens={str(n): s[1] for n, s in sums.items()},
+      per_user=per_user)
+
+
+# ------------------------------------------------------------ timing
+
+
+def measure_costs(flag_values, seed: int) -> dict:
+  """Train / test pass ms and per-user memory of every method, one process."""
+  spec = _spec(flag_values)
+  users = _users(flag_values, seed)
+  batch_arrays = users[tv_shows.USERS[0]].splits['test']
+  batch = {k: tf.constant(v[:flag_values.fedperc_batch_size])
+           for k, v in batch_arrays.items()}
+  optimizer = tff.learning.optimizers.build_adam(1e-3)
+  passes = {}
+  memory = {}
+  for name in METHODS:
+    algo = fedperc_alg.algorithm(name)
+    model = fedperc.FedPercModel(spec, _config(algo.variant, flag_values), seed)
+    model.backbone.set_weights(spec.weights)
+    if algo.variant == fedperc.GENERATED:
+      variables = list(model.shared_trainable_variables)
+      loss_fn = lambda m=model: fedperc_training.generated_step_loss(m, batch)[0]
+    else:
+      if algo.variant == fedperc.EMBEDDING:
+        variables = [model.personal_offset, model.context_embeddings]
+      elif algo.variant == fedperc.SPLIT:
+        variables = [model.personal_head, model.context_heads]
+      else:
+        variables = [model.head]
+      loss_fn = lambda m=model: m.loss(batch)
+    specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
+    opt_state = optimizer.initialize(specs)
+
+    def train_pass(variables=variables, loss_fn=loss_fn, opt_state=opt_state):
+      with tf.GradientTape() as tape:
+        loss = loss_fn()
+      grads = tape.gradient(loss, variables)
+      _, updated = optimizer.next(opt_state, tuple(variables), tuple(grads))
+      for v, u in zip(variables, updated):
+        v.assign(u)
+      return loss
+
+    if algo.variant == fedperc.GENERATED:
+      def test_pass(m=model):
+        fedperc_training.generate_embeddings(m, batch)
+        return m.nll(batch, PROMPT_TOKENS)[0]
+    else:
+      test_pass = lambda m=model: m.nll(batch, PROMPT_TOKENS)[0]
+    passes[name] = (tf.function(train_pass), tf.function(test_pass))
+    parameters = model.per_user_parameters()
+    memory[name] = dict(parameters_per_user=parameters,
+                        bytes_per_user=4 * parameters)
+  times = {name: {'train': [], 'test': []} for name in METHODS}
+  for _ in range(3):  # Warm-up (tracing).
+    for name in METHODS:
+      for fn in passes[name]:
+        fn().numpy()
+  for _ in range(flag_values.fedperc_timing_repeats):
+    for name in METHODS:  # Round-robin: machine load hits all methods alike.
+      for kind, fn in zip(('train', 'test'), passes[name]):
+        start = time.perf_counter()
+        fn().numpy()
+        times[name][kind].append(1000 * (time.perf_counter() - start))
+  out = {}
+  for name in METHODS:
+    out[name] = dict(
+        train_ms=float(np.mean(times[name]['train'])),
+        train_ms_std=float(np.std(times[name]['train'])),
+        test_ms=float(np.mean(times[name]['test'])),
+        test_ms_std=float(np.std(times[name]['test'])),
+        **memory[name])
+  return out
+
+
+# ------------------------------------------------------------ Table 4
+
+
+def write_generations(trained: dict, flag_values, seed: int,
+                      path: str) -> str:
+  """Table 4: continuations for Chandler and Arya in both shows' contexts."""
+  spec = _spec(flag_values)
+  model = fedperc.FedPercModel(spec, _config(fedperc.EMBEDDING, flag_values),
+                               seed)
+  tokenizer = spec.tokenizer()
+  end_id = spec.vocabulary[bpe_trainer.END_TOKEN]
+  lines = ['| character | context | "We must" | "I think" |',
+           '|---|---|---|---|']
+  for user in ('friends/CHANDLER', 'got/ARYA'):
+    fedperc_training.assign_weights(model, trained['weights'],
+                                    trained['states'][user])
+    for context in range(len(tv_shows.CONTEXTS)):
+      cells = []
+      for prompt in ('We must', 'I think'):
+        ids = tokenizer(prompt).numpy().tolist()
+        rng = np.random.default_rng([seed, context, len(prompt)])
+        samples = []
+        for _ in range(3):
+          out = fedperc_training.sample_continuation(
+              model, ids, context, end_id=end_id, max_new_tokens=12, rng=rng)
+          samples.append(tokenizer.detokenize(out).numpy().decode(
+              'utf-8', 'replace').replace('|', '/').replace('\n', ' ').strip())
+        cells.append(' / '.join(samples))
+      lines.append(f'| {user.split("/")[1].title()} | '
+                   f'{tv_shows.CONTEXTS[context]} | {cells[0]} | {cells[1]} |')
+  text = '\n'.join(lines) + '\n'
+  with atomic_io.atomic_write(path) as f:
+    f.write(text)
+  return text
+
+
+# ------------------------------------------------------------ cells
+
+
+def _cached_json(path: str, compute):
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  value = compute()
+  with atomic_io.atomic_write(path) as f:
+    f.write(json.dumps(value, indent=1))
+  return value
+
+
+def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
+  root = _root(out_dir)
+  cache = os.path.join(root, reporting.RUNS_DIRNAME, PAPER, '_trained')
+  os.makedirs(cache, exist_ok=True)
+  seed = cell.seed
+  _users(flag_values, seed, cache)  # Loads (or makes) the disk cache.
+  if 'measure' in cell.setting:
+    costs = _cached_json(os.path.join(cache, f'costs_seed{seed}.json'),
+                         lambda: measure_costs(flag_values, seed))
+    metric = cell.setting['measure']
+    value = costs[cell.method]
+    if metric == 'bytes_per_user':
+      return dict(bytes_per_user=value['bytes_per_user'],
+                  parameters_per_user=value['parameters_per_user'])
+    return {metric: value[metric], f'{metric}_std': value[f'{metric}_std']}
+  algo = fedperc_alg.algorithm(cell.method)
+  users_kind = cell.setting['users']
+  trained = None
+
+  def compute():
+    nonlocal trained
+    trained = train(algo.variant, flag_values, seed, cache)
+    result = evaluate(cell.method, trained, flag_values, seed, users_kind)
+    result['train_seconds'] = trained['seconds']
+    result['train_loss'] = trained['train_loss']
+    return result
+
+  result = _cached_json(
+      os.path.join(cache, f'eval_{cell.method}_{users_kind}_seed{seed}.json'),
+      compute)
+  if cell.method == 'fedperc' and users_kind == 'known':
+    table4 = os.path.join(root, reporting.TABLES_DIRNAME, PAPER, 'table4.md')
+    if not os.path.exists(table4):
+      trained = trained or train(algo.variant, flag_values, seed, cache)
+      write_generations(trained, flag_values, seed, table4)
+  with atomic_io.atomic_write(os.path.join(out_dir, 'eval.json')) as f:
+    f.write(json.dumps(result, indent=1))
+  return dict(perplexity=result['perplexity'][str(cell.setting['samples'])],
+              tokens=result['tokens'][str(cell.setting['samples'])])

@@ -1,0 +1,617 @@
+"""Group Personalized FL (Tables 3 / 6, Table 4, Figure 1) on `shakespeare_groups`.
+
+The four methods of section 5.3 on one pipeline (`algorithms/group_fl.py`):
+
+* `fl`: global FL, T rounds of `clients_per_round` clients (Algorithm 1);
+* `perfl`: every evaluated client fine-tunes the FL model locally for K_l
+  epochs (Algorithm 3 from the global model);
+* `groupfl`: per genre, T_g rounds of FL fine-tuning from the FL model among
+  the genre's clients only, with a fresh FedAdam state (Algorithm 2);
+* `groupperfl`: local fine-tuning from the client's group model.
+
+All four are computed once per seed by `_pipeline` (stages cached under
+`<root>/runs/group/pipeline/<config>/seed_<n>/`, so a killed run resumes at the
+last finished stage); each cell (method, group) reads its numbers from it.
+
+Readings of the paper, and choices made for the CPU budget (docs/group.md):
+
+* T and T_g are *rounds* here (the paper's 20 / 10 "epochs" were many rounds
+  each); cohorts are `--group_clients_per_round` (global) and
+  `--group_group_clients_per_round` (per group), both flags (the paper: 100)
+  sized for a shared CPU. FedAdam's lr 1e-3 barely moves a model in 20 rounds,
+  so the server lr is a flag (`--group_server_lr`, the default states ours).
+* Evaluation clients: personalization (K_l = 5 epochs per client, per
+  learning rate) is the dominant cost, so the four methods are evaluated on
+  the same seeded sample of up to `--group_eval_clients_per_group` clients
+  with evaluation speeches per genre (uniform over clients, so the long tail
+  is kept in proportion).
+* Personalization learning rate: swept over `--group_personalization_lrs`
+  (the paper's {0.001, 0.01, 0.1, 1.0}) on a *disjoint* seeded sample of
+  `--group_sweep_clients_per_group` clients per genre; the lr with the lowest
+  pooled perplexity there is used, per method, for the evaluation clients
+  (the paper does not say how it picked; selecting on the evaluated clients
+  would be selecting on test data).
+* Perplexity: exp(sum of token NLL / number of target tokens) pooled over the
+  evaluation speeches of a group's (sampled) clients ("aggregated at sentence
+  level"); `all` pools every genre.
+* Cost (Table 4), per client, mean over the group's evaluated clients:
+  communication = 2 x rounds taken part in (download + upload) + 1 final
+  download, in model sizes; computation = K x rounds taken part in + K_l for
+  the personalized methods, in local epochs (measured participations).
+* `share_clients_improved` (groupperfl rows): share of evaluated clients whose
+  GroupPerFL perplexity is below their PerFL perplexity; Figure 1 is the
+  histogram of the relative change (GroupPerFL - PerFL) / PerFL.
+* Data-driven groups (table `grouping`): updates of a seeded sample of
+  `--group_cluster_clients` clients from the FL model, count-sketched,
+  centred, spherical k-means into 4 clusters; the adjusted Rand index against
+  the genres (and, with one cluster per play, against the plays).
+* Control (table `control`, not in the paper): `fl_more` spends GroupFL's
+  extra client budget (T_g rounds of groups x per-group cohort clients) on
+  global FL from the same FL model, to separate group knowledge from more
+  training.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+
+from absl import flags
+import numpy as np
+import tensorflow_federated as tff
+
+from tasks import shakespeare_groups
+from tff_personal import atomic_io
+from tff_personal import reporting
+from tff_personal.algorithms import group_fl
+from tff_personal.algorithms import update_clustering
+from tff_personal.core import runtime
+from tff_personal.models import word_lm
+
+PAPER = 'group'
+METHODS = ('fl', 'perfl', 'groupfl', 'groupperfl')
+ALL = 'all'
+_COLUMNS = [reporting.Column(g, {'group': g})
+            for g in shakespeare_groups.GROUP_NAMES + (ALL,)]
+_PAPER_NOTE = ('Paper (wiki, Table 6): GroupPerFL beats PerFL by 2-12% on '
+               'every topic; video (Table 3): 5-20% on most categories. Our '
+               'groups are genres of Shakespeare plays.')
+
+TABLES = {
+    'table3': reporting.Table(
+        name='table3', paper=PAPER, metric='perplexity', methods=METHODS,
+        columns=_COLUMNS, digits=1,
+        title='Perplexity per genre (Tables 3 / 6 of the paper)',
+        notes=_PAPER_NOTE),
+    'table4_communication': reporting.Table(
+        name='table4_communication', paper=PAPER, metric='communication',
+        methods=METHODS, columns=_COLUMNS, digits=2,
+        paper_values={('fl', ALL): '3060', ('perfl', ALL): '3060',
+                      ('groupfl', ALL): '3990', ('groupperfl', ALL): '3990'},
+        title='Communication per client, in model sizes (Table 4)',
+        notes='Paper values: its "general" video category.'),
+    'table4_computation': reporting.Table(
+        name='table4_computation', paper=PAPER, metric='computation',
+        methods=METHODS, columns=_COLUMNS, digits=2,
+        paper_values={('fl', ALL): '20', ('perfl', ALL): '25',
+                      ('groupfl', ALL): '30', ('groupperfl', ALL): '35'},
+        title='Computation per client, in local epochs (Table 4)',
+        notes='Paper values: its "general" video category.'),
+    'improved': reporting.Table(
+        name='improved', paper=PAPER, metric='share_clients_improved',
+        methods=('groupperfl',), columns=_COLUMNS, digits=1, scale=100.0,
+        paper_values={('groupperfl', ALL): 'about 70'},
+        title='Clients improved by GroupPerFL over PerFL, % (Figure 1)'),
+    'grouping': reporting.Table(
+        name='grouping', paper=PAPER, metric='adjusted_rand_index',
+        methods=('update_clustering',),
+        columns=[reporting.Column(ALL, {'group': ALL})], digits=3,
+        title='Data-driven groups vs genres (adjusted Rand index)'),
+    'control': reporting.Table(
+        name='control', paper=PAPER, metric='perplexity',
+        methods=('fl', 'fl_more', 'groupfl'), columns=_COLUMNS, digits=1,
+        title='Control: GroupFL vs the same extra rounds spent on global FL',
+        notes='fl_more: FL continued from the FL model for T_g rounds with '
+              'a fresh FedAdam state and a cohort of (clients per group '
+              'round) x (groups), i.e. the client budget of GroupFL, on all '
+              'clients. Not in the paper.'),
+}
+
+
+def define_flags():
+  def define(kind, name, default, help_text):
+    if name not in flags.FLAGS:
+      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
+  define('integer', 'group_vocab_size', 2000,
+         'Group: vocabulary size (with 4 special tokens), from train data.')
+  define('integer', 'group_seq_len', 16, 'Group: tokens per speech (cap).')
+  define('integer', 'group_embedding_dim', 32, 'Group: word embedding size.')
+  define('integer', 'group_lstm_units', 64, 'Group: LSTM units.')
+  define('integer', 'group_lstm_layers', 1, 'Group: LSTM layers.')
+  define('integer', 'group_rounds', 20, 'Group: T, global FL rounds.')
+  define('integer', 'group_group_rounds', 10,
+         'Group: T_g, group fine-tuning rounds per group.')
+  define('integer', 'group_clients_per_round', 20,
+         'Group: cohort per round (global and per group; all if fewer).')
+  define('integer', 'group_group_clients_per_round', 10,
+         'Group: cohort per round of each group\'s fine-tuning.')
+  define('integer', 'group_local_epochs', 1, 'Group: K, local epochs.')
+  define('float', 'group_client_lr', 1.0, 'Group: client SGD lr.')
+  define('float', 'group_server_lr', 0.03, 'Group: FedAdam lr.')
+  define('integer', 'group_personalization_epochs', 5, 'Group: K_l.')
+  define('list', 'group_personalization_lrs', ['0.01', '0.1', '1.0'],
+         'Group: local personalization SGD lrs swept.')
+  define('integer', 'group_eval_clients_per_group', 10,
+         'Group: evaluated clients per genre (0: all).')
+  define('integer', 'group_sweep_clients_per_group', 2,
+         'Group: clients per genre (disjoint from the evaluated ones) that '
+         'select the personalization lr.')
+  define('integer', 'group_max_clients', 0,
+         'Group: keep a seeded sample of this many clients (0: all).')
+  define('bool', 'group_clustering', True,
+         'Group: also cluster client updates (table grouping).')
+  define('integer', 'group_cluster_clients', 60,
+         'Group: clients (seeded uniform sample) clustered (0: all).')
+
+
+def cells(table: str, flag_values) -> list[reporting.Cell]:
+  _config(flag_values)  # Validates the flags before anything runs.
+  return TABLES[table].cells(flag_values.seeds)
+
+
+def _data_dir(flag_values) -> str:
+  return flag_values.data_dir or os.path.join(
+      os.path.dirname(__file__), '..', '..', 'shared', 'data')
+
+
+def _config(f) -> dict:
+  cfg = dict(
+      data_dir=os.path.abspath(_data_dir(f)),
+      vocab_size=f.group_vocab_size, seq_len=f.group_seq_len,
+      embedding_dim=f.group_embedding_dim, lstm_units=f.group_lstm_units,
+      lstm_layers=f.group_lstm_layers,
+      rounds=f.rounds if getattr(f, 'rounds', None) else f.group_rounds,
+      group_rounds=f.group_group_rounds,
+      group_clients_per_round=f.group_group_clients_per_round,
+      clients_per_round=(f.clients_per_round
+                         if getattr(f, 'clients_per_round', None)
+                         else f.group_clients_per_round),
+      local_epochs=f.group_local_epochs, client_lr=f.group_client_lr,
+      server_lr=f.group_server_lr,
+      personalization_epochs=f.group_personalization_epochs,
+      personalization_lrs=sorted(float(x) for x in f.group_personalization_lrs),
+      eval_clients_per_group=f.group_eval_clients_per_group,
+      sweep_clients_per_group=f.group_sweep_clients_per_group,
+      max_clients=f.group_max_clients or None,
+      clustering=bool(f.group_clustering),
+      cluster_clients=f.group_cluster_clients)
+  for key in ('rounds', 'group_rounds', 'local_epochs',
+              'personalization_epochs'):
+    if cfg[key] < 0:
+      raise ValueError(f'group: {key} must be >= 0, got {cfg[key]}')
+  if cfg['clients_per_round'] < 1 or cfg['group_clients_per_round'] < 1:
+    raise ValueError('group: clients per round must be >= 1')
+  if cfg['cluster_clients'] < 0:
+    raise ValueError('group: cluster_clients must be >= 0')
+  if cfg['local_epochs'] < 1:
+    raise ValueError('group: local_epochs (K) must be >= 1')
+  if not cfg['personalization_lrs'] or min(cfg['personalization_lrs']) <= 0:
+    raise ValueError('group: personalization lrs must be positive, got '
+                     f'{cfg["personalization_lrs"]}')
+  if cfg['client_lr'] <= 0 or cfg['server_lr'] <= 0:
+    raise ValueError('group: learning rates must be positive')
+  if cfg['eval_clients_per_group'] < 0 or cfg['sweep_clients_per_group'] < 1:
+    raise ValueError('group: eval clients must be >= 0 and sweep clients '
+                     '>= 1 per group')
+  if not os.path.isdir(cfg['data_dir']):
+    raise ValueError(f'group: data dir {cfg["data_dir"]} does not exist')
+  return cfg
+
+
+def _root_of(out_dir: str) -> str:
+  root = os.path.dirname(out_dir)
+  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
+    root = os.path.dirname(root)
+  return os.path.dirname(root)
+
+
+def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
+  cfg = _config(flag_values)
+  root = _root_of(out_dir)
+  result = _pipeline(cfg, cell.seed, root)
+  group = cell.setting['group']
+  if cell.method == 'fl_more':
+    return dict(_control(cfg, cell.seed, root)[group])
+  if cell.method == 'update_clustering':
+    if 'clustering' not in result:
+      raise ValueError('group: clustering is off (--group_clustering)')
+    return dict(result['clustering'])
+  return dict(result['cells'][cell.method][group])
+
+
+# ----------------------------------------------------------------- pipeline
+
+
+def _write_text(path, text):
+  with atomic_io.atomic_write(path) as f:
+    f.write(text)
+
+
+def _save_weights(path, weights):
+  arrays = {f't{i}': np.asarray(a) for i, a in enumerate(weights.trainable)}
+  arrays.update({f'n{i}': np.asarray(a)
+                 for i, a in enumerate(weights.non_trainable)})
+  with atomic_io.atomic_write(path, 'wb') as f:
+    np.savez(f, **arrays)
+
+
+def _load_weights(path):
+  with np.load(path) as z:
+    t = sorted((k for k in z if k[0] == 't'), key=lambda k: int(k[1:]))
+    n = sorted((k for k in z if k[0] == 'n'), key=lambda k: int(k[1:]))
+    return tff.learning.models.ModelWeights(
+        trainable=tuple(z[k] for k in t), non_trainable=tuple(z[k] for k in n))
+
+
+class _Stages:
+  """JSON / weights files of finished stages in one directory."""
+
+  def __init__(self, directory):
+    self.dir = directory
+    os.makedirs(directory, exist_ok=True)
+
+  def json(self, name, compute):
+    path = os.path.join(self.dir, name + '.json')
+    if os.path.exists(path):
+      with open(path) as f:
+        return json.load(f)
+    value = compute()
+    _write_text(path, json.dumps(value, indent=1, sort_keys=True))
+    return value
+
+  def weights(self, name, compute):
+    path = os.path.join(self.dir, name + '.npz')
+    if os.path.exists(path):
+      return _load_weights(path), None
+    weights, extra = compute()
+    _save_weights(path, weights)
+    return weights, extra
+
+
+def _sample_clients(task, cfg, seed):
+  """Disjoint seeded samples per genre: (eval clients, sweep clients)."""
+  eval_clients, sweep_clients = [], []
+  for g in task.group_names:
+    members = [c for c in task.clients_of(g) if task.num_eval(c) > 0]
+    order = np.random.default_rng([seed, 0xE7, len(g)] + [ord(ch) for ch in g]
+                                  ).permutation(members).tolist()
+    n_sweep = min(cfg['sweep_clients_per_group'], len(order) // 2)
+    sweep_clients += order[:n_sweep]
+    rest = order[n_sweep:]
+    n_eval = cfg['eval_clients_per_group'] or len(rest)
+    eval_clients += rest[:n_eval]
+  return sorted(eval_clients), sorted(sweep_clients)
+
+
+def _config_dir(root, cfg, seed):
+  digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()
+                          ).hexdigest()[:10]
+  return os.path.join(root, reporting.RUNS_DIRNAME, PAPER, 'pipeline',
+                      digest, f'seed_{seed}')
+
+
+def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
+  log_fn = log_fn or (lambda s: print(s, flush=True))
+  directory = _config_dir(root, cfg, seed)
+  stages = _Stages(directory)
+  final = os.path.join(directory, 'pipeline.json')
+  if os.path.exists(final):
+    with open(final) as f:
+      return json.load(f)
+  _write_text(os.path.join(directory, 'config.json'),
+                       json.dumps(cfg, indent=1, sort_keys=True))
+  task = shakespeare_groups.shakespeare_groups_task(
+      cfg['data_dir'], vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
+      embedding_dim=cfg['embedding_dim'], lstm_units=cfg['lstm_units'],
+      lstm_layers=cfg['lstm_layers'], seed=seed,
+      max_clients=cfg['max_clients'])
+  with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
+    result = _run_pipeline(task, cfg, seed, stages, log_fn)
+  _write_text(final, json.dumps(result, indent=1, sort_keys=True))
+  make_figures(root, directory)
+  return result
+
+
+def _run_pipeline(task, cfg, seed, stages, log_fn) -> dict:
+  groups = {g: task.clients_of(g) for g in task.group_names}
+  all_clients = list(range(task.num_clients))
+  process = group_fl.build_fl(
+      task.model_fn, client_learning_rate=cfg['client_lr'],
+      server_learning_rate=cfg['server_lr'], metrics_fn=word_lm.metrics_fn,
+      seed=seed)
+  wtype = process.model_weights_type
+  train_fn = task.train_dataset_fn(cfg['local_epochs'])
+  log = lambda prefix: (lambda s: log_fn(f'group {prefix}: {s}'))
+
+  # Stage 1: global FL.
+  def run_fl():
+    state, part, history = group_fl.run_rounds(
+        process, process.initialize(), all_clients, train_fn,
+        rounds=cfg['rounds'], clients_per_round=cfg['clients_per_round'],
+        seed=seed, log_fn=log('fl'))
+    return process.get_model_weights(state), (part, history)
+  global_weights, extra = stages.weights('fl', run_fl)
+  participation = stages.json('fl_participation', lambda: {
+      'participations': {str(c): n for c, n in extra[0].items()},
+      'train': [{k: float(v) for k, v in h.items()
+                 if np.ndim(v) == 0} for h in extra[1]]})
+  fl_part = {int(c): n for c, n in participation['participations'].items()}
+
+  # Stage 2: group fine-tuning, one independent run per group.
+  group_weights, group_part = {}, {}
+  for g, members in groups.items():
+    def run_group(members=members, g=g):
+      w, part, history = group_fl.fine_tune_group(
+          process, global_weights, members, train_fn,
+          rounds=cfg['group_rounds'],
+          clients_per_round=cfg['group_clients_per_round'], seed=seed,
+          log_fn=log(f'groupfl[{g}]'))
+      return w, (part, history)
+    group_weights[g], extra = stages.weights(f'groupfl_{g}', run_group)
+    saved = stages.json(f'groupfl_{g}_participation', lambda: {
+        'participations': {str(c): n for c, n in extra[0].items()}})
+    group_part.update({int(c): n for c, n in saved['participations'].items()})
+  group_of = dict(enumerate(task.groups))
+
+  eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
+  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
+                                          wtype)
+  evaluate_personal = group_fl.build_lm_evaluation(
+      task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
+  eval_set = set(eval_clients)
+
+  def eval_global(name, weights_of):
+    def compute():
+      out = {}
+      for g, members in groups.items():
+        clients = [c for c in members if c in eval_set]
+        out.update(group_fl.evaluate_global(
+            evaluate, weights_of(g), clients, task.eval_dataset))
+      return {str(c): v for c, v in out.items()}
+    log_fn(f'group: evaluating {name}')
+    return {int(c): v for c, v in stages.json(f'eval_{name}', compute).items()}
+
+  sums = {'fl': eval_global('fl', lambda g: global_weights),
+          'groupfl': eval_global('groupfl', lambda g: group_weights[g])}
+
+  # Stage 3: local personalization; lr selected on the sweep clients.
+  k_l = cfg['personalization_epochs']
+  personal_train = lambda c: task.train_dataset(c, k_l, round_num=10**6)
+  start_of = {'perfl': lambda g: global_weights,
+              'groupperfl': lambda g: group_weights[g]}
+  sweep = {}
+  for method, start in start_of.items():
+    sweep[method] = {}
+    for lr in cfg['personalization_lrs']:
+      personalize = group_fl.build_local_personalization(
+          task.model_fn, tff.learning.optimizers.build_sgdm(lr), wtype)
+
+      def compute(clients, personalize=personalize, start=start):
+        out = {}
+        for g in groups:
+          members = [c for c in clients if group_of[c] == g]
+          out.update(group_fl.personalize_and_evaluate(
+              personalize, evaluate_personal, start(g), members,
+              personal_train, task.eval_dataset))
+        return {str(c): v for c, v in out.items()}
+      log_fn(f'group: {method} sweep lr={lr}')
+      result = stages.json(f'sweep_{method}_lr{lr:g}',
+                           lambda: compute(sweep_clients))
+      sweep[method][lr] = group_fl.perplexity(list(result.values()))
+    best = min(sweep[method], key=lambda lr: (sweep[method][lr], lr))
+    log_fn(f'group: {method} personalization lr {best} (sweep {sweep[method]})')
+    personalize = group_fl.build_local_personalization(
+        task.model_fn, tff.learning.optimizers.build_sgdm(best), wtype)
+
+    def compute_eval(personalize=personalize, start=start):
+      out = {}
+      for g in groups:
+        members = [c for c in eval_clients if group_of[c] == g]
+        out.update(group_fl.personalize_and_evaluate(
+            personalize, evaluate_personal, start(g), members,
+            personal_train, task.eval_dataset))
+      return {str(c): v for c, v in out.items()}
+    log_fn(f'group: {method} on the evaluation clients')
+    sums[method] = {int(c): v for c, v in stages.json(
+        f'eval_{method}', compute_eval).items()}
+    sweep[method] = {'perplexity_by_lr': {f'{k:g}': v for k, v in
+                                          sweep[method].items()},
+                     'lr': best}
+
+  result = {'cells': _cells(task, cfg, groups, eval_clients, sums, fl_part,
+                            group_part, sweep),
+            'sweep': sweep,
+            'eval_clients': len(eval_clients),
+            'sweep_clients': len(sweep_clients),
+            'relative_change': {
+                str(c): _relative(sums, c) for c in eval_clients},
+            'group_of': {str(c): group_of[c] for c in eval_clients},
+            'train_speeches': {str(c): task.num_train(c)
+                               for c in eval_clients}}
+  if cfg['clustering']:
+    result['clustering'] = stages.json(
+        'clustering', lambda: _cluster(task, cfg, process, global_weights,
+                                       seed, log_fn))
+  return result
+
+
+def _control(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
+  """`fl_more` (table `control`): GroupFL's extra client budget on global FL.
+
+  Cached as `control.json` next to the pipeline's stages, whose FL model it
+  starts from; evaluated on the same clients.
+  """
+  log_fn = log_fn or (lambda s: print(s, flush=True))
+  directory = _config_dir(root, cfg, seed)
+  stages = _Stages(directory)
+
+  def compute():
+    task = shakespeare_groups.shakespeare_groups_task(
+        cfg['data_dir'], vocab_size=cfg['vocab_size'],
+        seq_len=cfg['seq_len'], embedding_dim=cfg['embedding_dim'],
+        lstm_units=cfg['lstm_units'], lstm_layers=cfg['lstm_layers'],
+        seed=seed, max_clients=cfg['max_clients'])
+    groups = {g: task.clients_of(g) for g in task.group_names}
+    eval_clients, _ = _sample_clients(task, cfg, seed)
+    with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
+      process = group_fl.build_fl(
+          task.model_fn, client_learning_rate=cfg['client_lr'],
+          server_learning_rate=cfg['server_lr'],
+          metrics_fn=word_lm.metrics_fn, seed=seed)
+      global_weights = _load_weights(os.path.join(directory, 'fl.npz'))
+      weights, part, _ = group_fl.fine_tune_group(
+          process, global_weights, list(range(task.num_clients)),
+          task.train_dataset_fn(cfg['local_epochs']),
+          rounds=cfg['group_rounds'],
+          clients_per_round=cfg['group_clients_per_round'] * len(groups),
+          seed=seed, log_fn=lambda s: log_fn(f'group fl_more: {s}'))
+      evaluate = group_fl.build_lm_evaluation(
+          task.model_fn, word_lm.metrics_fn, process.model_weights_type)
+      sums = group_fl.evaluate_global(evaluate, weights, eval_clients,
+                                      task.eval_dataset)
+    with open(os.path.join(directory, 'fl_participation.json')) as f:
+      fl_part = {int(c): n for c, n in
+                 json.load(f)['participations'].items()}
+    out = {}
+    for g, members in list(groups.items()) + [(ALL, eval_clients)]:
+      members = [c for c in members if c in sums]
+      counts = [fl_part.get(c, 0) + part.get(c, 0) for c in members]
+      out[g] = {
+          'perplexity': group_fl.perplexity([sums[c] for c in members]),
+          'communication': float(np.mean(
+              [group_fl.communication_cost(n) for n in counts])),
+          'computation': float(np.mean(
+              [group_fl.computation_cost(n, cfg['local_epochs'])
+               for n in counts])),
+          'clients': len(members)}
+    return out
+
+  return stages.json('control', compute)
+
+
+def _relative(sums, client) -> float:
+  per = group_fl.perplexity([sums['perfl'][client]])
+  gper = group_fl.perplexity([sums['groupperfl'][client]])
+  return (gper - per) / per
+
+
+def _cells(task, cfg, groups, eval_clients, sums, fl_part, group_part, sweep):
+  k, k_l = cfg['local_epochs'], cfg['personalization_epochs']
+  members_of = {g: [c for c in eval_clients if task.groups[c] == g]
+                for g in groups}
+  members_of[ALL] = list(eval_clients)
+  out = {}
+  for method in METHODS:
+    out[method] = {}
+    for g, members in members_of.items():
+      part = [fl_part.get(c, 0) + (group_part.get(c, 0)
+                                   if method.startswith('group') else 0)
+              for c in members]
+      personal = method.endswith('perfl')
+      metrics = {
+          'perplexity': group_fl.perplexity([sums[method][c]
+                                             for c in members]),
+          'communication': float(np.mean(
+              [group_fl.communication_cost(p) for p in part])),
+          'computation': float(np.mean(
+              [group_fl.computation_cost(p, k, k_l if personal else 0)
+               for p in part])),
+          'clients': len(members),
+          'eval_tokens': float(sum(sums[method][c]['tokens']
+                                   for c in members)),
+      }
+      if personal:
+        metrics['personalization_lr'] = sweep[method]['lr']
+      if method == 'groupperfl':
+        metrics['share_clients_improved'] = float(np.mean(
+            [_relative(sums, c) < 0 for c in members]))
+      out[method][g] = metrics
+  return out
+
+
+def _cluster(task, cfg, process, weights, seed, log_fn) -> dict:
+  """Clusters every client with training data by its update from `weights`."""
+  log_fn('group: clustering client updates')
+  updates = group_fl.build_client_updates(
+      task.model_fn, tff.learning.optimizers.build_sgdm(cfg['client_lr']),
+      process.model_weights_type)
+  sketch = update_clustering.CountSketch(dim=4096, seed=seed)
+  clients = list(range(task.num_clients))
+  if cfg['cluster_clients'] and cfg['cluster_clients'] < len(clients):
+    clients = sorted(np.random.default_rng([seed, 0xC1]).choice(
+        len(clients), cfg['cluster_clients'], replace=False).tolist())
+  vectors = []
+  for i in range(0, len(clients), 64):
+    chunk = clients[i:i + 64]
+    results = updates(weights, [task.train_dataset(c, cfg['local_epochs'])
+                                for c in chunk])
+    vectors += [sketch(u) for u in results]
+  vectors = np.stack(vectors)
+  truth = [task.groups[c] for c in clients]
+  big = [i for i, c in enumerate(clients) if task.num_train(c) >= 10]
+  out = {}
+  for center in (True, False):
+    labels = update_clustering.cluster_updates(
+        vectors, len(task.group_names), center=center, seed=seed)
+    name = 'adjusted_rand_index' + ('' if center else '_uncentered')
+    out[name] = update_clustering.adjusted_rand_index(truth, labels)
+    out[name + '_10plus_speeches'] = update_clustering.adjusted_rand_index(
+        [truth[i] for i in big], labels[big])
+  # Plays are a finer known grouping (characters of a play share names and
+  # themes): the same clustering with one cluster per play present.
+  plays = [task.client_ids[c].split('/')[1] for c in clients]
+  labels = update_clustering.cluster_updates(
+      vectors, len(set(plays)), center=True, seed=seed)
+  out['adjusted_rand_index_plays'] = update_clustering.adjusted_rand_index(
+      plays, labels)
+  out['clients'] = len(clients)
+  out['clients_10plus_speeches'] = len(big)
+  return out
+
+
+# ------------------------------------------------------------------ figures
+
+
+def make_figures(root_output_dir: str, pipeline_dir: str) -> None:
+  """Figure 1: histogram of per-client relative change, GroupPerFL vs PerFL.
+
+  Pools the evaluated clients of every finished seed of the pipeline's
+  configuration (the sibling `seed_<n>` directories).
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  changes, seeds = [], 0
+  for path in sorted(glob.glob(os.path.join(
+      os.path.dirname(pipeline_dir), 'seed_*', 'pipeline.json'))):
+    with open(path) as f:
+      changes += list(json.load(f)['relative_change'].values())
+    seeds += 1
+  if not changes:
+    return
+  change = np.array(changes) * 100
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.hist(change, bins=40, color='tab:blue', edgecolor='white')
+  ax.axvline(0, color='black', linewidth=1)
+  improved = float(np.mean(change < 0)) * 100
+  ax.set_xlabel('relative perplexity change, GroupPerFL vs PerFL (%)')
+  ax.set_ylabel('clients')
+  ax.set_title(f'{len(change)} clients ({seeds} seed(s)); '
+               f'{improved:.1f}% improve')
+  fig.tight_layout()
+  out = os.path.join(root_output_dir, 'figures')
+  os.makedirs(out, exist_ok=True)
+  fig.savefig(os.path.join(out, 'group_relative_change_hist.png'), dpi=120)
+  plt.close(fig)

@@ -1,0 +1,62 @@
+"""The benchmark binary: records, ratios and its error handling."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from binaries import benchmark
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_small_run_writes_consistent_records(tmp_path):
+  out = tmp_path / 'bench'
+  result = subprocess.run(
+      [sys.executable, '-m', 'binaries.benchmark', f'--output_dir={out}',
+       '--systems=global,keras_central', '--cohorts=4', '--rounds=2'],
+      cwd=REPO, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = json.loads((out / 'benchmark.json').read_text())
+  assert [(r['name'], r['cohort']) for r in records] == [
+      ('global', 4), ('keras_central', 4)]
+  for r in records:
+    assert r['client_updates_per_s'] == pytest.approx(
+        4 / r['seconds_per_round'])
+    assert r['examples_per_s'] == pytest.approx(
+        4 * benchmark.EXAMPLES_PER_CLIENT / r['seconds_per_round'])
+    # Start-up covers at least the first round; RSS includes TF (> 200 MiB).
+    assert r['startup_s'] >= r['first_round_s'] > 0
+    assert r['peak_rss_mib'] > 200
+  assert records[0]['simulation_shards'] >= 1  # auto: sharded
+  table = (out / 'benchmark.md').read_text()
+  assert '| global | 4 |' in table and 'keras_central' in table
+
+
+def test_render_markdown_ratios():
+  records = [
+      dict(name='tff_fedavg', cohort=50, client_updates_per_s=10.0,
+           examples_per_s=200.0, seconds_per_round=5.0, startup_s=9.0,
+           peak_rss_mib=1000.0),
+      dict(name='global', cohort=50, client_updates_per_s=60.0,
+           examples_per_s=1200.0, seconds_per_round=0.83, startup_s=9.0,
+           peak_rss_mib=1000.0),
+      dict(name='keras_central', cohort=50, client_updates_per_s=120.0,
+           examples_per_s=2400.0, seconds_per_round=0.4, startup_s=5.0,
+           peak_rss_mib=600.0),
+  ]
+  table = benchmark.render_markdown(records, 'test machine', 'cmd')
+  global_row = [line for line in table.splitlines()
+                if line.startswith('| global |')][0]
+  assert '| 6.00x | 0.50x | - |' in global_row
+
+
+def test_unknown_system_is_a_usage_error(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'binaries.benchmark', f'--output_dir={tmp_path}',
+       '--systems=nope'], cwd=REPO, capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode != 0
+  assert 'unknown --systems' in result.stderr

@@ -1,0 +1,158 @@
+"""FedDVA's losses: closed-form KLs against Monte Carlo, the Eq. 26 bound,
+the hinge of Eq. 7 at the constraint boundary, and the xi = beta = 0 case."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tff_personal.models import feddva as feddva_lib
+from tff_personal.models import feddva_losses as losses
+
+
+def _log_normal(x, mu, logvar):
+  return -0.5 * np.sum(np.log(2 * np.pi) + logvar
+                       + (x - mu) ** 2 / np.exp(logvar), axis=-1)
+
+
+def test_gaussian_kl_matches_monte_carlo():
+  rng = np.random.default_rng(0)
+  d, n = 3, 400_000
+  mu_q, mu_p = rng.normal(size=d), rng.normal(size=d)
+  logvar_q, logvar_p = rng.normal(scale=0.5, size=d), rng.normal(
+      scale=0.5, size=d)
+  x = mu_q + np.exp(0.5 * logvar_q) * rng.normal(size=(n, d))
+  samples = _log_normal(x, mu_q, logvar_q) - _log_normal(x, mu_p, logvar_p)
+  mc, se = samples.mean(), samples.std() / np.sqrt(n)
+  closed = float(losses.gaussian_kl(
+      *(tf.constant(a, tf.float32) for a in (mu_q, logvar_q, mu_p, logvar_p))))
+  assert abs(closed - mc) < 4 * se + 1e-3, (closed, mc, se)
+  to_prior = float(losses.kl_to_standard_normal(
+      tf.constant(mu_q, tf.float32), tf.constant(logvar_q, tf.float32)))
+  prior_samples = _log_normal(x, mu_q, logvar_q) - _log_normal(
+      x, np.zeros(d), np.zeros(d))
+  assert abs(to_prior - prior_samples.mean()) < 4 * (
+      prior_samples.std() / np.sqrt(n)) + 1e-3
+
+
+def test_mixture_bound_is_an_upper_bound_of_monte_carlo_kl():
+  rng = np.random.default_rng(1)
+  k, d, n = 5, 2, 200_000
+  mu = rng.normal(size=(k, d))
+  logvar = rng.normal(scale=0.3, size=(k, d))
+  bound = losses.mixture_kl_upper_bound(
+      tf.constant(mu, tf.float32), tf.constant(logvar, tf.float32)).numpy()
+  for i in range(k):
+    x = mu[i] + np.exp(0.5 * logvar[i]) * rng.normal(size=(n, d))
+    log_mix = np.logaddexp.reduce(
+        np.stack([_log_normal(x, mu[j], logvar[j]) for j in range(k)]),
+        axis=0) - np.log(k)
+    samples = _log_normal(x, mu[i], logvar[i]) - log_mix
+    mc, se = samples.mean(), samples.std() / np.sqrt(n)
+    assert mc - 4 * se <= bound[i] + 1e-4, (i, mc, bound[i])
+    # Jensen's gap is strict here (distinct components) and the bound is the
+    # mean of the closed-form pairwise KLs.
+    assert bound[i] > mc
+    pairwise = [float(losses.gaussian_kl(
+        *(tf.constant(a, tf.float32)
+          for a in (mu[i], logvar[i], mu[j], logvar[j])))) for j in range(k)]
+    np.testing.assert_allclose(bound[i], np.mean(pairwise), rtol=1e-5)
+
+
+def test_mixture_bound_is_zero_for_identical_posteriors():
+  mu = tf.constant([[0.3, -1.0]] * 4)
+  logvar = tf.constant([[-0.5, 0.2]] * 4)
+  np.testing.assert_allclose(
+      losses.mixture_kl_upper_bound(mu, logvar).numpy(), 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize('kl_prior,kl_mix,xi,expect_prior,expect_mix', [
+    # Constraint KL_prior - KL_mix >= xi holds: R_c is the slack regularizer.
+    (5.0, 1.0, 2.0, 1.0, 0.0),
+    # Violated: R_c = xi + KL_mix; no gradient to KL_prior.
+    (2.5, 1.0, 2.0, 0.0, 1.0),
+    # Exactly on the boundary: tf.maximum's gradient goes to its first
+    # argument, the constraint side (documented in feddva_losses).
+    (3.0, 1.0, 2.0, 0.0, 1.0),
+])
+def test_hinge_gradient_at_the_constraint_boundary(kl_prior, kl_mix, xi,
+                                                   expect_prior, expect_mix):
+  p, m = tf.Variable(kl_prior), tf.Variable(kl_mix)
+  with tf.GradientTape() as tape:
+    r = losses.slack_regularizer(p, m, xi)
+  g_p, g_m = tape.gradient(r, [p, m])
+  assert float(r) == pytest.approx(max(xi + kl_mix, kl_prior))
+  assert float(g_p if g_p is not None else 0.0) == expect_prior
+  assert float(g_m if g_m is not None else 0.0) == expect_mix
+
+
+def test_hinge_switches_just_across_the_boundary():
+  xi, mix = 2.0, 1.0
+  for delta, expect in ((-1e-3, (0.0, 1.0)), (1e-3, (1.0, 0.0))):
+    p, m = tf.Variable(xi + mix + delta), tf.Variable(mix)
+    with tf.GradientTape() as tape:
+      r = losses.slack_regularizer(p, m, xi)
+    grads = [0.0 if g is None else float(g) for g in tape.gradient(r, [p, m])]
+    assert tuple(grads) == expect, delta
+
+
+def _model_and_noise(config):
+  tf.keras.utils.set_random_seed(3)
+  model = feddva_lib.FeddvaModel(config)
+  x = tf.random.uniform([6, 28, 28, 1])
+  eps_z = tf.random.normal([6, config.z_dim])
+  eps_c = tf.random.normal([6, config.c_dim])
+  return model, x, eps_z, eps_c
+
+
+def _grads(model, x, eps_z, eps_c, fn):
+  variables = model.encoder_c.trainable_variables
+  with tf.GradientTape() as tape:
+    out = model.forward(x, eps_z, eps_c)
+    value = fn(out)
+  return [tf.zeros_like(v) if g is None else g
+          for g, v in zip(tape.gradient(value, variables), variables)]
+
+
+def test_xi_zero_beta_zero_gives_the_c_encoder_no_regularizer_gradient():
+  config = feddva_lib.FeddvaConfig(z_dim=2, c_dim=3, channels=(2, 2, 2, 2),
+                                   hidden=8)
+  model, x, eps_z, eps_c = _model_and_noise(config)
+  c_dim = config.c_dim
+
+  def total(beta):
+    cfg = losses.LossConfig(alpha=1.0, beta=beta, xi=0.0)
+    return lambda out: losses.feddva_loss(x, out, cfg, c_dim)['loss']
+
+  def without_regularizer(out):
+    return tf.reduce_mean(
+        losses.bernoulli_nll(x, out['logits'])
+        + losses.kl_to_standard_normal(out['mu_z'], out['logvar_z']))
+
+  def regularizer_only(beta):
+    cfg = losses.LossConfig(alpha=0.0, beta=beta, xi=0.0)
+    def fn(out):
+      parts = losses.feddva_loss(x, out, cfg, c_dim)
+      return parts['loss'] - parts['reconstruction']
+    return fn
+
+  zero_reg = _grads(model, x, eps_z, eps_c, regularizer_only(0.0))
+  for g in zero_reg:
+    np.testing.assert_array_equal(g.numpy(), 0.0)
+  # The c-encoder still learns from reconstruction, and exactly from it.
+  with_beta0 = _grads(model, x, eps_z, eps_c, total(0.0))
+  reference = _grads(model, x, eps_z, eps_c, without_regularizer)
+  assert any(float(tf.reduce_max(tf.abs(g))) > 0 for g in reference)
+  for a, b in zip(with_beta0, reference):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+  # Counter-check: with beta > 0 the regularizer does reach the c-encoder.
+  reg = _grads(model, x, eps_z, eps_c, regularizer_only(0.75))
+  assert any(float(tf.reduce_max(tf.abs(g))) > 0 for g in reg)
+
+
+def test_default_xi_is_eight_times_dim_c_and_bad_weights_are_rejected():
+  assert losses.LossConfig().xi_for(4) == 32.0
+  assert losses.LossConfig(xi=1.5).xi_for(4) == 1.5
+  with pytest.raises(ValueError, match='alpha and beta'):
+    losses.LossConfig(beta=-1.0)
+  with pytest.raises(ValueError, match='xi'):
+    losses.LossConfig(xi=-1.0)

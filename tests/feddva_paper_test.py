@@ -1,0 +1,70 @@
+"""The FedDVA paper module: cells, records' settings, probes, speed metric."""
+
+import types
+
+import numpy as np
+import pytest
+
+from papers import feddva as paper
+from tff_personal import reporting
+
+
+def _flags(**overrides):
+  values = dict(seeds=1, rounds=None, feddva_vae_rounds=7,
+                feddva_local_epochs=1, feddva_batch_size=64,
+                feddva_probe_dim=4, feddva_class_dim=8, feddva_hidden=16,
+                feddva_clients_per_round=0,
+                feddva_channels=['4', '4', '4', '4'])
+  values.update(overrides)
+  return types.SimpleNamespace(**values)
+
+
+def test_cells_carry_task_and_rounds_and_probe_comes_first():
+  cells = paper.cells('classification', _flags(rounds=5))
+  assert cells[0].method == 'probe'
+  assert cells[0].setting == {'task': 'marked_mnist', 'rounds': 7}
+  methods = [c.method for c in cells[1:]]
+  assert methods.index('fedavg') < methods.index('feddva')
+  assert {(c.method, c.setting['task']) for c in cells[1:]} == {
+      (m, t) for m in paper.METHODS for t in paper.TASK_NAMES}
+  assert all(c.setting['rounds'] == 5 for c in cells[1:])
+  # The tables' columns follow the rounds run.
+  assert paper.TABLES['classification'].column_for(
+      {'task': 'label_skew_mnist', 'rounds': 5}) is not None
+  with pytest.raises(ValueError, match='feddva_channels'):
+    paper.cells('classification', _flags(feddva_channels=['4']))
+  with pytest.raises(ValueError, match='rounds'):
+    paper.cells('classification', _flags(rounds=0))
+
+
+def test_registered_tables_are_valid():
+  reporting.unregister_paper('feddva_test')
+  module = types.SimpleNamespace(TABLES={
+      k: reporting.Table(**{**t.__dict__, 'paper': 'feddva_test'})
+      for k, t in paper.TABLES.items()}, cells=paper.cells,
+      run_cell=paper.run_cell)
+  reporting.register_paper('feddva_test', module)
+  reporting.unregister_paper('feddva_test')
+
+
+def test_rounds_to_reach():
+  assert paper.rounds_to_reach([0.1, 0.5, 0.7, 0.6], 0.6) == 3
+  assert paper.rounds_to_reach([0.1, 0.2], 0.6) is None
+  assert paper.rounds_to_reach([0.9], 0.6) == 1
+
+
+def test_linear_probes_find_what_is_there_and_not_what_is_not():
+  rng = np.random.default_rng(0)
+  n, clients = 800, 4
+  client = rng.integers(0, clients, n)
+  digit = rng.integers(0, 10, n)
+  centers_c = rng.normal(scale=4.0, size=(clients, 3))
+  centers_z = rng.normal(scale=4.0, size=(10, 6))
+  reps = {'client': client, 'digit': digit,
+          'c': centers_c[client] + rng.normal(size=(n, 3)) * 0.3,
+          'z': centers_z[digit] + rng.normal(size=(n, 6)) * 0.3}
+  out = paper.linear_probes(reps, seed=0)
+  assert out['client_from_c'] > 0.95 and out['digit_from_z'] > 0.95
+  assert out['client_from_z'] < out['chance_client'] + 0.1
+  assert out['digit_from_c'] < 0.25
+  assert 0.2 < out['chance_client'] < 0.35

@@ -1,0 +1,166 @@
+"""The `feddva` process: decoders stay on clients; Algorithm 1's passes;
+the classifier loads FedDVA's encoders; Ditto's global part is FedAvg."""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.algorithms import ditto
+from tff_personal.algorithms import feddva
+from tff_personal.algorithms import fedavg_ft
+from tff_personal.core import process as process_lib
+from tff_personal.models import feddva as feddva_lib
+
+CONFIG = feddva_lib.FeddvaConfig(z_dim=2, c_dim=2, channels=(2, 2, 2, 3),
+                                 hidden=5)
+
+
+def _data(seed, n=12, batch=6):
+  rng = np.random.default_rng(seed)
+  return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=rng.uniform(size=(n, 28, 28, 1)).astype(np.float32),
+      y=rng.integers(0, 10, n).astype(np.int32))).batch(batch)
+
+
+def _sgd(lr):
+  return tff.learning.optimizers.build_sgdm(lr)
+
+
+def _flat_types(type_spec):
+  if isinstance(type_spec, tff.TensorType):
+    return [type_spec]
+  if isinstance(type_spec, (tff.StructType, tff.FederatedType)):
+    members = ([type_spec.member] if isinstance(type_spec, tff.FederatedType)
+               else [t for _, t in tff.structure.iter_elements(type_spec)])
+    return [t for m in members for t in _flat_types(m)]
+  return []
+
+
+@pytest.fixture(scope='module')
+def process():
+  return feddva.build_feddva(CONFIG, decoder_optimizer=_sgd(0.05),
+                             encoder_optimizer=_sgd(0.05), seed=1)
+
+
+def test_decoders_never_leave_their_clients(process):
+  encoders, decoder = feddva.initial_weights(CONFIG, seed=1)
+  sig = process.next.type_signature
+  state_in, clients_in, _ = sig.parameter
+  state_out, clients_out, metrics = sig.result
+  # Client state (the decoder) enters and leaves at CLIENTS only.
+  for t in (clients_in, clients_out):
+    assert t.placement is tff.CLIENTS
+    private = t.member[process_lib.CLIENT_STATE_PRIVATE]
+    assert [tuple(p.shape) for p in private] == [d.shape for d in decoder]
+  # What reaches the server: the encoders' update (the aggregator's value
+  # type) and the encoders in the server state; no decoder-sized tensor.
+  enc_shapes = sorted(tuple(e.shape) for e in encoders)
+  assert sorted(tuple(t.shape) for t in _flat_types(
+      process.aggregation_value_type)) == enc_shapes
+  for server_value in (state_in, state_out, metrics):
+    assert server_value.placement is tff.SERVER
+  weights = state_out.member.global_model_weights
+  assert sorted(tuple(t.shape) for t in _flat_types(weights)) == enc_shapes
+  decoder_only = {d.shape for d in decoder} - {e.shape for e in encoders}
+  assert decoder_only  # e.g. the 7x7 map and the output conv
+  server_shapes = {tuple(t.shape) for t in _flat_types(state_out)}
+  server_shapes |= {tuple(t.shape) for t in _flat_types(metrics)}
+  assert not decoder_only & server_shapes
+
+
+def _round(p, clients=2, state=None, states=None):
+  _, decoder = feddva.initial_weights(CONFIG, seed=1)
+  state = state if state is not None else p.initialize()
+  states = states or [feddva.initial_client_state(decoder)
+                      for _ in range(clients)]
+  return (state,) + tuple(p.next(state, states,
+                                 [_data(k) for k in range(clients)]))
+
+
+def test_round_trains_encoders_and_each_clients_own_decoder(process):
+  state0, state1, states, metrics = _round(process)
+  enc0 = state0.global_model_weights.trainable
+  enc1 = state1.global_model_weights.trainable
+  assert any(not np.allclose(a, b) for a, b in zip(enc0, enc1))
+  _, decoder = feddva.initial_weights(CONFIG, seed=1)
+  dec_a = states[0][process_lib.CLIENT_STATE_PRIVATE]
+  dec_b = states[1][process_lib.CLIENT_STATE_PRIVATE]
+  assert any(not np.allclose(a, d) for a, d in zip(dec_a, decoder))
+  # Different data, different private decoders.
+  assert any(not np.allclose(a, b) for a, b in zip(dec_a, dec_b))
+  assert [int(s[process_lib.CLIENT_STATE_ROUNDS]) for s in states] == [1, 1]
+  assert int(metrics['train']['num_examples']) == 24
+  assert np.isfinite(float(metrics['train']['loss']))
+
+
+def test_frozen_encoders_give_zero_update_frozen_decoder_keeps_state():
+  frozen_enc = feddva.build_feddva(CONFIG, decoder_optimizer=_sgd(0.05),
+                                   encoder_optimizer=_sgd(0.0), seed=1)
+  state0, state1, states, _ = _round(frozen_enc, clients=1)
+  for a, b in zip(state0.global_model_weights.trainable,
+                  state1.global_model_weights.trainable):
+    np.testing.assert_array_equal(a, b)
+  frozen_dec = feddva.build_feddva(CONFIG, decoder_optimizer=_sgd(0.0),
+                                   encoder_optimizer=_sgd(0.05), seed=1)
+  _, decoder = feddva.initial_weights(CONFIG, seed=1)
+  _, _, states, _ = _round(frozen_dec, clients=1)
+  for a, b in zip(states[0][process_lib.CLIENT_STATE_PRIVATE], decoder):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_classifier_starts_from_the_feddva_encoders(process):
+  _, state1, _, _ = _round(process)
+  encoders = state1.global_model_weights.trainable
+  classifier = feddva.build_feddva_classifier_process(CONFIG, seed=2)
+  state = feddva.with_encoders(classifier, classifier.initialize(), encoders)
+  model = feddva_lib.build_feddva_classifier(CONFIG)
+  for v, w in zip(model.model.trainable_variables,
+                  classifier.get_model_weights(state).trainable):
+    v.assign(w)
+  vae = feddva_lib.FeddvaModel(CONFIG)
+  for v, w in zip(vae.shared_variables, encoders):
+    v.assign(w)
+  x = next(iter(_data(5)))['x']
+  mu_z, _, mu_c, _ = vae.encode(x)
+  # The head's input is [mu_z; mu_c] of the loaded encoders.
+  features = tf.keras.Model(model.model.input,
+                            model.model.get_layer('zc').output)(x)
+  np.testing.assert_allclose(features.numpy(),
+                             np.concatenate([mu_z, mu_c], -1), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_ditto_global_part_is_fedavg_and_personal_models_stay_local():
+  model_fn = lambda: feddva_lib.build_cnn_classifier(CONFIG)
+  d = ditto.build_ditto(model_fn, lam=0.5, client_optimizer=_sgd(0.1), seed=3)
+  f = fedavg_ft.build_fedavg_ft(model_fn, client_optimizer=_sgd(0.1), seed=3)
+  data = [_data(k) for k in range(2)]
+  d_state, f_state = d.initialize(), f.initialize()
+  w0 = d.get_model_weights(d_state).trainable
+  d_state, personal, _ = d.next(
+      d_state, [ditto.initial_client_state(w0) for _ in range(2)], data)
+  empty = collections.OrderedDict([(process_lib.CLIENT_STATE_PRIVATE, ()),
+                                   (process_lib.CLIENT_STATE_ROUNDS, 0)])
+  f_state, _, _ = f.next(f_state, [empty, empty], data)
+  for a, b in zip(d.get_model_weights(d_state).trainable,
+                  f.get_model_weights(f_state).trainable):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  # The personal models moved, differ per client, and are client-placed.
+  p0 = personal[0][process_lib.CLIENT_STATE_PRIVATE]
+  p1 = personal[1][process_lib.CLIENT_STATE_PRIVATE]
+  assert any(not np.allclose(a, b) for a, b in zip(p0, w0))
+  assert any(not np.allclose(a, b) for a, b in zip(p0, p1))
+  assert d.next.type_signature.result[1].placement is tff.CLIENTS
+  # The proximal term pulls toward the global model: with a huge lambda the
+  # personal model moves less from w0 than with lambda = 0.
+  def drift(lam):
+    p = ditto.build_ditto(model_fn, lam=lam, client_optimizer=_sgd(0.1),
+                          personal_optimizer=_sgd(1e-3), seed=3)
+    s = p.initialize()
+    _, out, _ = p.next(s, [ditto.initial_client_state(w0)], data[:1])
+    return sum(float(np.sum((a - b) ** 2)) for a, b in zip(
+        out[0][process_lib.CLIENT_STATE_PRIVATE], w0))
+  assert drift(100.0) < drift(0.0)

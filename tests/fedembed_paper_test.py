@@ -1,0 +1,237 @@
+"""The FedEmbed reproduction: cells, tables, defaults wiring, DP, one cell."""
+
+import dataclasses
+import json
+import os
+import types
+
+from absl import flags
+from absl.testing import flagsaver
+import numpy as np
+import pytest
+
+from binaries import common
+from papers import fedembed
+from tasks import registry as task_registry
+from tff_personal import reporting
+from tff_personal.algorithms import defaults
+from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.core import privacy
+
+FLAGS = flags.FLAGS
+MNIST = os.environ.get('TFF_PERSONAL_MNIST_DIR') or os.path.join(
+    os.path.dirname(__file__), '..', '..', 'shared', 'data', 'mnist')
+
+
+def _flags(**kw):
+  values = dict(seeds=1, data_dir=MNIST, rounds=None, clients_per_round=None,
+                num_users=None, fedembed_local_epochs=None,
+                fedembed_eval_clients=None, fedembed_eval_every=None,
+                fedembed_target_epsilon=10.0, fedembed_clip_norm=None)
+  values.update(kw)
+  return types.SimpleNamespace(**values)
+
+
+def test_table2_lists_every_method_and_skips_unregistered(monkeypatch, capsys):
+  table = fedembed.TABLES['2']
+  assert set(table.methods) == set(fedembed.METHODS)
+  assert len(fedembed.METHODS) == 9  # the rows of the paper's Table 1
+  assert {tuple(sorted(c.setting.items())) for c in table.columns} == {
+      (('dp', dp), ('population', pop)) for pop in ('balanced', 'imbalanced')
+      for dp in ('none', 'gaussian_fixed')}
+  registered = dict(algorithm_registry.ALGORITHMS)
+  registered.pop('fedrep', None)
+  registered['fedembed_type'] = object()
+  monkeypatch.setattr(algorithm_registry, 'ALGORITHMS', registered)
+  cells = fedembed.cells('2', _flags(seeds=2))
+  methods = {c.method for c in cells}
+  assert 'fedrep' not in methods and 'fedembed_type' in methods
+  assert len(cells) == 2 * 4 * len(methods & set(fedembed.METHODS))
+  assert 'skipping fedrep' in capsys.readouterr().out
+
+
+def test_table4_shares_the_imbalanced_cells_of_table2():
+  cells2 = {c.key() for c in fedembed.TABLES['2'].cells(1)
+            if c.setting['population'] == 'imbalanced'}
+  for name in ('4', '4_25', '4_15', '4_10'):
+    assert {c.key() for c in fedembed.TABLES[name].cells(1)} == cells2
+  assert fedembed.TABLES['4'].metric == 'f1_prev_5'
+  # Speech cells are different cells (their setting names the task).
+  speech = {c.key() for c in fedembed.TABLES['3'].cells(1)}
+  assert not speech & {c.key() for c in fedembed.TABLES['2'].cells(1)}
+
+
+def test_prevalence_f1_averages_the_right_groups():
+  per_group = {str(k): 0.1 * k for k in range(10)}
+  out = fedembed.prevalence_f1(per_group, fedembed.MNIST_PREVALENCE)
+  assert out['f1_prev_25'] == pytest.approx(0.0)
+  assert out['f1_prev_15'] == pytest.approx(0.1)
+  assert out['f1_prev_10'] == pytest.approx(np.mean([0.2, 0.3, 0.4, 0.5]))
+  assert out['f1_prev_5'] == pytest.approx(np.mean([0.6, 0.7, 0.8, 0.9]))
+  speech = fedembed.prevalence_f1({str(k): float(k) for k in range(20)},
+                                  fedembed.SPEECH_PREVALENCE)
+  assert speech['f1_prev_20'] == 0.0 and speech['f1_prev_8'] == 5.0
+  assert speech['f1_prev_4'] == pytest.approx(
+      np.mean([k for k in range(20) if k not in (0, 5)]))
+
+
+def _fabricated_results(path, rng):
+  results = reporting.ResultsFile(path)
+  values = {}
+  for method in ('fedembed_prototype', 'global'):
+    for column in fedembed.TABLES['2'].columns:
+      for seed in range(3):
+        per_group = {str(k): float(rng.uniform()) for k in range(10)}
+        prevalence = (fedembed.MNIST_PREVALENCE
+                      if column.setting['population'] == 'imbalanced'
+                      else (10,) * 10)
+        metrics = {'f1': float(np.mean(list(per_group.values())))}
+        metrics.update(fedembed.prevalence_f1(per_group, prevalence))
+        if column.setting['dp'] != 'none':
+          metrics.update(epsilon=9.5 + 0.1 * seed, delta=1 / 9001,
+                         noise_multiplier=0.87, clip_norm=0.1)
+        results.append(reporting.Cell('fedembed', method, column.setting,
+                                      seed), metrics)
+        values.setdefault((method, column.name), []).append(metrics)
+  return results, values
+
+
+def test_tables_render_from_a_results_file(tmp_path):
+  rng = np.random.default_rng(0)
+  results, values = _fabricated_results(str(tmp_path / 'results.jsonl'), rng)
+  md = reporting.render_markdown(results, fedembed.TABLES['2'])
+  v = [m['f1'] for m in values[('fedembed_prototype', 'balanced None')]]
+  assert f'{np.mean(v):.2f} ± {np.std(v, ddof=1):.2f} (3)' in md
+  assert '0.88 ± 0.02' in md  # the paper's number next to ours
+  md4 = reporting.render_markdown(results, fedembed.TABLES['4'])
+  v5 = [m['f1_prev_5'] for m in values[('global', 'imbalanced Gaussian')]]
+  assert f'{np.mean(v5):.2f} ± {np.std(v5, ddof=1):.2f} (3)' in md4
+  both = fedembed.render_by_prevalence(results, '4')
+  row = next(l for l in both.splitlines() if l.startswith('| global |'))
+  cells = [c.strip() for c in row.strip('|').split('|')]
+  assert len(cells) == 1 + 2 * 4
+  v25 = [m['f1_prev_25'] for m in values[('global', 'imbalanced None')]]
+  assert cells[1] == (f'{np.mean(v25):.2f} ± {np.std(v25, ddof=1):.2f} (3) '
+                      '(0.82 ± 0.10)')
+  eps = fedembed.render_epsilons(list(results.latest().values()))
+  assert eps.count('| fedembed_prototype |') == 2 * 3  # DP cells only
+  assert '9.700' in eps
+
+
+def test_defaults_reach_the_binary_and_flags_override(tmp_path):
+  common.define_flags()
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  want = defaults.defaults_for('mnist_preference', 'fedembed_prototype')
+  with flagsaver.flagsaver(algorithm='fedembed_prototype',
+                           root_output_dir=str(tmp_path), rounds=7):
+    config, task_kwargs = common.configs_from_flags(FLAGS)
+  assert config.rounds == 7  # given: kept
+  for key in ('clients_per_round', 'client_learning_rate',
+              'private_learning_rate', 'server_learning_rate', 'eval_every',
+              'eval_clients', 'eval_fine_tune'):
+    assert getattr(config, key) == want[key], key
+  assert task_kwargs['num_users'] == want['num_users']
+  assert task_kwargs['local_epochs'] == want['local_epochs']
+  # The paper module builds the same configuration from the same table.
+  cell = reporting.Cell('fedembed', 'fedembed_prototype',
+                        {'population': 'balanced', 'dp': 'none'}, 0)
+  paper = fedembed.experiment_config(cell, _flags(rounds=7), str(tmp_path),
+                                     want['num_users'])
+  for key in ('rounds', 'clients_per_round', 'client_learning_rate',
+              'private_learning_rate', 'server_optimizer',
+              'server_learning_rate', 'eval_clients', 'eval_fine_tune'):
+    assert getattr(paper, key) == getattr(config, key), key
+  # A smaller population than eval_clients is evaluated whole.
+  with flagsaver.flagsaver(algorithm='global_plus', num_users=50,
+                           clients_per_round=5,
+                           root_output_dir=str(tmp_path)):
+    config, _ = common.configs_from_flags(FLAGS)
+  assert config.eval_clients == 0
+
+
+def test_every_method_has_the_same_budget_and_dp():
+  budgets = set()
+  for method in fedembed.METHODS:
+    d = defaults.defaults_for('mnist_preference', method)
+    budgets.add((d['rounds'], d['clients_per_round'], d['local_epochs'],
+                 d['num_users'], d['eval_clients'], d['eval_fine_tune']))
+  assert len(budgets) == 1
+  configs = set()
+  for method in fedembed.METHODS:
+    cell = reporting.Cell('fedembed', method,
+                          {'population': 'balanced', 'dp': 'gaussian_fixed'}, 0)
+    configs.add(fedembed.dp_config(cell, _flags(), 9000))
+  assert len(configs) == 1
+  (dp,) = configs
+  d = defaults.defaults_for('mnist_preference', 'fedembed_prototype')
+  resolved = privacy.resolve(dataclasses.replace(
+      dp, clients_per_round=d['clients_per_round'], population=9000,
+      rounds=d['rounds']))
+  eps = privacy.compute_epsilon(resolved, d['rounds'])
+  assert eps['epsilon'] <= 10.0 + 1e-6
+  assert eps['delta'] <= 1 / 9000
+
+
+def test_confusion_and_assignment_accuracy():
+  truth = np.array([0, 0, 1, 1, 2, 2])
+  assigned = np.array([0, 0, 1, 2, 2, 2])
+  cm = fedembed.confusion(truth, assigned, 3)
+  np.testing.assert_allclose(cm, [[1, 0, 0], [0, .5, .5], [0, 0, 1]])
+  assert fedembed.assignment_accuracy(truth, assigned, 3) == pytest.approx(
+      5 / 6)
+  # Unsupervised heads: a relabelling scores like the identity.
+  assert fedembed.assignment_accuracy(truth, (truth + 1) % 3, 3) == 1.0
+  # Every group on one head is not a good assignment (one-to-one matching).
+  assert fedembed.assignment_accuracy(truth, np.zeros(6, int), 3) == (
+      pytest.approx(1 / 3))
+
+
+def test_speech_cell_without_the_task_fails_clearly(monkeypatch, tmp_path):
+  monkeypatch.setattr(task_registry, 'TASKS', ['mnist_preference'])
+  cell = fedembed.TABLES['3'].cells(1)[-1]
+  with pytest.raises(ValueError, match="'speech_preference' is not registered"):
+    fedembed.run_cell(cell, _flags(), str(tmp_path))
+
+
+@pytest.mark.skipif(not os.path.isdir(MNIST), reason='MNIST not found')
+def test_one_tiny_dp_cell_end_to_end(tmp_path):
+  f = _flags(rounds=2, clients_per_round=5, num_users=40,
+             fedembed_local_epochs=1, fedembed_eval_clients=26,
+             fedembed_eval_every=1, seeds=1)
+  cell = reporting.Cell('fedembed', 'fedembed_prototype',
+                        {'population': 'imbalanced', 'dp': 'gaussian_fixed'},
+                        0)
+  registered = 'fedembed' in reporting.papers()
+  reporting.register_paper('fedembed', fedembed)
+  try:
+    plan = reporting.plan('fedembed', '4', str(tmp_path), f, seeds=1,
+                          methods=['fedembed_prototype'],
+                          settings=['dp=gaussian_fixed'])
+  finally:
+    if not registered:
+      reporting.unregister_paper('fedembed')
+  assert plan.pending == [cell]
+  reporting.reproduce(plan, f, str(tmp_path), log_fn=lambda s: None)
+  (record,) = [json.loads(l) for l in open(tmp_path / 'results.jsonl')]
+  assert record['paper'] == 'fedembed'
+  assert record['method'] == 'fedembed_prototype'
+  assert record['setting'] == {'population': 'imbalanced',
+                               'dp': 'gaussian_fixed'}
+  m = record['metrics']
+  assert 0.0 <= m['f1'] <= 1.0 and m['eval_clients'] == 26
+  groups = [m[f'f1_group_{k}'] for k in range(10) if f'f1_group_{k}' in m]
+  assert m['f1'] == pytest.approx(np.mean(groups))
+  assert {'f1_prev_25', 'f1_prev_15'} <= set(m)
+  assert m['epsilon'] <= 10.0 and m['delta'] == pytest.approx(1 / 41)
+  assert m['rounds'] == 2 and m['population'] == 40
+  out = cell.out_dir(str(tmp_path))
+  with np.load(os.path.join(out, 'analysis.npz')) as z:
+    assert z['embedding'].shape == (26, 28)
+    assert z['trained'].sum() <= 2 * 5  # at most the two cohorts trained
+    assert z['trained'].dtype == bool
+  with open(os.path.join(out, 'curve.json')) as fh:
+    assert json.load(fh)['round'] == [1, 2]
+  tables = tmp_path / 'tables' / 'fedembed'
+  assert (tables / '4.md').exists() and (tables / '4_by_prevalence.md').exists()
+  assert 'fedembed_prototype' in (tables / 'epsilon.md').read_text()

@@ -1,0 +1,217 @@
+"""The sharded simulation computes what the one-user-per-client form computes."""
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import fedembed as fedembed_algorithms
+from tff_personal.core import evaluation
+from tff_personal.core import privacy
+from tff_personal.core import process
+from tff_personal.core import sharded
+from tff_personal.models import fedembed as fedembed_model
+from tff_personal.models import fedembed_mnist
+
+SPEC = collections.OrderedDict(
+    x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
+    y=tf.TensorSpec([None], tf.int32))
+# FedEmbed's users identify their positive sub-population from `type`.
+TYPED_SPEC = collections.OrderedDict(
+    SPEC, type=tf.TensorSpec([None], tf.int32))
+
+
+def model_fn_factory(dim):
+  return lambda: fedembed_mnist.build_preference_model(dim, input_spec=SPEC)
+
+
+def make_datasets(sizes, seed, batch=4, typed=False):
+  """Users with different example counts (ragged last batches included)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for u, n in enumerate(sizes):
+    data = collections.OrderedDict(
+        x=rng.random((n, 28, 28, 1), dtype=np.float32),
+        y=rng.integers(0, 2, n).astype(np.int32))
+    if typed:  # user u prefers sub-population u % 3
+      data['type'] = np.where(data['y'] == 1, u % 3,
+                              (u + 1) % 3).astype(np.int32)
+    out.append(tf.data.Dataset.from_tensor_slices(data).batch(batch))
+  return out
+
+
+def states(proc, num_users, seed):
+  rng = np.random.default_rng(seed)
+  template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  return [tf.nest.map_structure(
+      lambda s: (rng.normal(size=s.shape) * 0.1).astype(s.dtype.as_numpy_dtype)
+      if s.dtype.is_floating else np.zeros(s.shape, s.dtype.as_numpy_dtype),
+      template) for _ in range(num_users)]
+
+
+def run_rounds(proc, rounds, client_states, sizes, typed=False):
+  state = proc.initialize()
+  metrics = None
+  for r in range(rounds):
+    state, client_states, metrics = proc.next(
+        state, client_states, make_datasets(sizes, seed=r, typed=typed))
+  return state, client_states, metrics
+
+
+def assert_close_structures(a, b, rtol=1e-4, atol=1e-5):
+  # Summation order differs (shard means, then a mean of shards); Adam's
+  # division by sqrt(v) magnifies last-bit differences on tiny gradients.
+  for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol,
+                               atol=atol)
+
+
+@pytest.mark.parametrize('num_shards', [1, 3])
+def test_global_plus_sharded_equals_one_user_per_client(num_shards):
+  build = lambda: fedavg.build_global_plus(
+      model_fn_factory, client_optimizer=fedavg.adam(3e-3),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=1,
+      embedding_dim=28, metrics_fn=None)
+  base = build()
+  sizes = [6, 9, 3, 8, 5]  # ragged batches and unequal users per shard
+  init = states(base, len(sizes), seed=7)
+  want_state, want_clients, want_metrics = run_rounds(base, 2, init, sizes)
+  sharded_proc = sharded.ShardedProcess(build(), num_shards)
+  got_state, got_clients, got_metrics = run_rounds(sharded_proc, 2, init, sizes)
+  assert len(got_clients) == len(sizes)
+  assert_close_structures(got_state.global_model_weights,
+                          want_state.global_model_weights)
+  for got, want in zip(got_clients, want_clients):
+    assert_close_structures(got, want)
+  # The personal embeddings moved (the comparison is not of untouched values).
+  assert not np.allclose(got_clients[0]['private'][0], init[0]['private'][0])
+  assert got_metrics['train']['num_examples'] == sum(sizes)
+  assert got_metrics['train']['clients'] == len(sizes)
+  np.testing.assert_allclose(got_metrics['train']['loss'],
+                             want_metrics['train']['loss'], rtol=1e-5)
+
+
+def test_fedembed_prototype_sharded_equals_one_user_per_client():
+  """FedEmbed's private state (positive prototype chosen in prepare_fn)."""
+  config_factory = lambda config: (
+      lambda: fedembed_model.build_fedembed_model(
+          dataclasses.replace(config, num_subpopulations=3),
+          input_spec=TYPED_SPEC))
+  build = lambda: fedembed_algorithms.build_fedembed_prototype(
+      config_factory, client_optimizer=fedavg.adam(3e-3),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=2)
+  base = build()
+  sizes = [8, 4, 6]
+  init = states(base, len(sizes), seed=3)
+  want_state, want_clients, _ = run_rounds(base, 2, init, sizes, typed=True)
+  got_state, got_clients, _ = run_rounds(
+      sharded.ShardedProcess(build(), 2), 2, init, sizes, typed=True)
+  assert_close_structures(got_state.global_model_weights,
+                          want_state.global_model_weights)
+  for got, want in zip(got_clients, want_clients):
+    assert_close_structures(got, want)
+
+
+def test_pack_keeps_batch_boundaries():
+  datasets = make_datasets([5, 2], seed=0, batch=2)
+  packed = sharded.pack_datasets(datasets, SPEC)
+  assert packed['num_batches'].tolist() == [3, 1]
+  assert packed['batch_sizes'].tolist() == [[2, 2, 1], [2, 0, 0]]
+  shard = tf.nest.map_structure(tf.constant, packed)
+  for u, ds in enumerate(datasets):
+    user = sharded.PackedBatches(shard, u, SPEC)
+    rebuilt = [user.batch(j) for j in range(int(packed['num_batches'][u]))]
+    original = list(ds)
+    assert len(rebuilt) == len(original)
+    for a, b in zip(rebuilt, original):
+      np.testing.assert_array_equal(a['x'].numpy(), b['x'].numpy())
+      np.testing.assert_array_equal(a['y'].numpy(), b['y'].numpy())
+    # reduce visits exactly the user's examples.
+    total = user.reduce(tf.constant(0.0),
+                        lambda s, b: s + tf.reduce_sum(b['x']))
+    want = sum(float(np.sum(b['x'])) for b in original)
+    np.testing.assert_allclose(total.numpy(), want, rtol=1e-5)
+
+
+def dp_config(noise_multiplier, cohort):
+  return privacy.DPConfig(mechanism='gaussian_fixed',
+                          noise_multiplier=noise_multiplier, clip_norm=0.05,
+                          clients_per_round=cohort, population=100,
+                          target_delta=1e-3)
+
+
+def build_dp_global(config, learning_rate=3e-3):
+  return fedavg.build_global(
+      model_fn_factory, client_optimizer=fedavg.adam(learning_rate)
+      if learning_rate else tff.learning.optimizers.build_sgdm(0.0),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      aggregator_factory=privacy.build_aggregator(config), seed=0)
+
+
+def test_dp_without_its_config_is_refused_with_a_clear_error():
+  with pytest.raises(ValueError, match='clip'):
+    sharded.ShardedProcess(build_dp_global(dp_config(1.0, 4)), 2)
+
+
+def test_dp_sharded_clips_per_user_like_the_dp_aggregator():
+  """Noise 0: per-user clipping + sum + /cohort equals TFF's DP mean."""
+  sizes = [6, 9, 3, 8]
+  config = dp_config(0.0, len(sizes))
+  init = [collections.OrderedDict(private=(), rounds_participated=np.int32(0))
+          ] * len(sizes)
+  want_state, _, _ = run_rounds(build_dp_global(config), 2, init, sizes)
+  got_state, _, _ = run_rounds(
+      sharded.ShardedProcess(build_dp_global(config), 2, config), 2, init,
+      sizes)
+  start = build_dp_global(config).initialize().global_model_weights
+  moved = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(
+      want_state.global_model_weights.trainable, start.trainable)]
+  assert max(moved) > 1e-4  # the comparison is not of untouched weights
+  assert_close_structures(got_state.global_model_weights,
+                          want_state.global_model_weights)
+
+
+def test_dp_sharded_noise_has_the_stated_scale():
+  """Zero updates (lr 0): the server step is the noise / cohort alone."""
+  sizes = [4, 4, 4, 4]
+  config = dp_config(2.0, len(sizes))
+  proc = sharded.ShardedProcess(build_dp_global(config, learning_rate=0.0), 2,
+                                config)
+  init = [collections.OrderedDict(private=(), rounds_participated=np.int32(0))
+          ] * len(sizes)
+  start = proc.initialize().global_model_weights
+  state, _, _ = run_rounds(proc, 1, init, sizes)
+  delta = np.concatenate([
+      (np.asarray(a) - np.asarray(b)).ravel()
+      for a, b in zip(state.global_model_weights.trainable, start.trainable)])
+  want_std = 2.0 * 0.05 / len(sizes)
+  assert delta.size > 50_000
+  np.testing.assert_allclose(delta.std(), want_std, rtol=0.02)
+  assert abs(delta.mean()) < 5 * want_std / np.sqrt(delta.size)
+
+
+def test_sharded_personal_eval_equals_per_client_eval():
+  proc = fedavg.build_global_plus(
+      model_fn_factory, client_optimizer=fedavg.adam(3e-3),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=1,
+      embedding_dim=28)
+  weights = proc.get_model_weights(proc.initialize())
+  sizes = [5, 2, 7]
+  client_states = states(proc, len(sizes), seed=4)
+  datasets = make_datasets(sizes, seed=9, batch=3)
+  want = evaluation.build_personal_eval(
+      proc.model_fn, proc.model_weights_type, proc.client_state_type)(
+          weights, client_states, datasets)
+  got = sharded.ShardedPersonalEval(
+      proc.model_fn, proc.model_weights_type, proc.client_state_type, 2)(
+          weights, client_states, datasets)
+  assert len(got) == len(sizes)
+  for g, w, n in zip(got, want, sizes):
+    assert g['outputs'].shape[0] == n
+    np.testing.assert_allclose(g['outputs'], np.asarray(w['outputs']),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(g['labels'], np.asarray(w['labels']))

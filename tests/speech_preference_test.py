@@ -1,0 +1,211 @@
+"""Tests for the speech_preference task: users, datasets, models, a round."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tasks import mnist_preference
+from tasks import preference_users
+from tasks import registry
+from tasks import speech_data
+from tasks import speech_preference
+from tasks import speech_spectrogram
+from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import registry as algorithms
+from tff_personal.models import fedembed
+from tff_personal.models import fedembed_speech
+
+SHARED_DATA = os.path.abspath(
+    os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data'))
+
+
+def _fake_pool(n=12420, seed=0):
+  """n all-zero spectrograms (a 0-byte broadcast view) with balanced voices."""
+  voices = np.random.default_rng(seed).permutation(np.arange(n) % 20)
+  spectrograms = np.broadcast_to(np.zeros((1, 200, 375), np.uint8),
+                                 (n, 200, 375))
+  return spectrograms, voices.astype(np.int32)
+
+
+def test_generic_users_reproduce_the_mnist_construction():
+  rng = np.random.default_rng(1)
+  labels = np.repeat(np.arange(10, dtype=np.uint8), 40)
+  images = rng.integers(0, 256, size=(labels.size, 28, 28), dtype=np.uint8)
+  for population in ('balanced', 'imbalanced'):
+    mnist = mnist_preference.make_preference_data(
+        images, labels, num_users=60, population=population, seed=5)
+    users = preference_users.make_users(
+        labels, 10, mnist_preference.POPULATION_PERCENT[population],
+        num_users=60, train_per_user=20, test_per_user=10, seed=5)
+    for name in ('train_idx', 'test_idx', 'train_y', 'train_type', 'test_y',
+                 'test_type', 'subpopulation'):
+      np.testing.assert_array_equal(getattr(users, name),
+                                    getattr(mnist, name), err_msg=name)
+
+
+@pytest.mark.parametrize('population,sizes', [
+    ('balanced', [45] * 20),
+    ('imbalanced', [180, 36, 36, 36, 36, 72] + [36] * 14)])
+def test_paper_populations(population, sizes):
+  spectrograms, voices = _fake_pool()
+  data = speech_preference.make_preference_data(
+      spectrograms, voices, num_users=900, population=population, seed=0)
+  u = data.users
+  assert data.num_users == 900 and data.num_subpopulations == 20
+  np.testing.assert_array_equal(np.bincount(u.subpopulation), sizes)
+  assert u.train_idx.shape == (900, 20) and u.test_idx.shape == (900, 10)
+  np.testing.assert_array_equal(u.train_y.sum(1), np.full(900, 10))
+  np.testing.assert_array_equal(u.test_y.sum(1), np.full(900, 5))
+  np.testing.assert_array_equal(u.train_type, voices[u.train_idx])
+  np.testing.assert_array_equal(u.test_type, voices[u.test_idx])
+  own = u.subpopulation[:, None]
+  np.testing.assert_array_equal(u.train_y, u.train_type == own)
+  both = np.concatenate([u.train_idx, u.test_idx], axis=1)
+  assert all(len(set(row)) == 30 for row in both)  # Distinct per user.
+  # Negatives spread over the other 19 voices.
+  neg = np.concatenate([u.train_type[u.train_y == 0],
+                        u.test_type[u.test_y == 0]])
+  assert np.bincount(neg, minlength=20).min() > 0
+  # Every utterance of a voice is used before any is reused.
+  counts = np.bincount(both.ravel(), minlength=voices.size)
+  for v in range(20):
+    c = counts[voices == v]
+    assert c.max() - c.min() <= 1, (v, c.min(), c.max())
+
+
+def test_bad_arguments_are_named():
+  spectrograms, voices = _fake_pool(400)
+  with pytest.raises(ValueError, match='population'):
+    speech_preference.make_preference_data(spectrograms, voices,
+                                           population='skewed')
+  with pytest.raises(ValueError, match='without users'):
+    speech_preference.make_preference_data(spectrograms, voices, num_users=19)
+  with pytest.raises(ValueError, match='uint8'):
+    speech_preference.make_preference_data(
+        np.zeros((4, 200, 300), np.uint8), voices[:4])
+  with pytest.raises(ValueError, match='make_speech_data'):
+    registry.build_task('speech_preference', data_dir=None, num_users=20,
+                        population='balanced', seed=0)
+
+
+def test_encoder_matches_appendix_b2_shapes():
+  encoder = fedembed_speech.build_encoder(channels=2)
+  shapes = {l.name: l.output_shape[1:] for l in encoder.layers}
+  assert shapes['ln1'] == (50, 41, 16)   # LayerNorm([16, 50, 41])
+  assert shapes['ln2'] == (7, 6, 32)     # LayerNorm([32, 7, 6])
+  assert shapes['ln3'] == (3, 3, 64)     # LayerNorm([64, 3, 3])
+  assert shapes['flatten'] == (576,)     # Linear(576, 256)
+  assert shapes['ln4'] == (256,)
+
+
+def test_embedding_channel_is_the_rectangular_diagonal():
+  e = tf.random.normal([2, 200])
+  channel = fedembed_speech.embedding_channel(e).numpy()[..., 0]
+  assert channel.shape == (2, 200, 375)
+  i = np.arange(200)
+  np.testing.assert_array_equal(channel[:, i, i], e.numpy())
+  channel[:, i, i] = 0
+  assert not channel.any()
+
+
+def test_preference_models():
+  plus = fedembed_speech.build_preference_model(200)
+  assert [v.shape for v in plus.private_variables] == [(200,)]
+  x = tf.random.uniform([3, 200, 375, 1])
+  with tf.GradientTape() as tape:
+    logits = plus.model(x)
+    first = logits[:, 0]
+  assert logits.shape == (3, 2)
+  grad = tape.gradient(first, plus.private_variables[0])
+  assert np.count_nonzero(grad.numpy()) == 200
+  assert not fedembed_speech.build_preference_model(0).private_variables
+  with pytest.raises(ValueError, match='--embedding_dim=200'):
+    fedembed_speech.build_preference_model(28)
+
+
+@pytest.fixture(scope='module')
+def tiny_task(tmp_path_factory):
+  if shutil.which('espeak-ng') is None:
+    pytest.skip('espeak-ng is not installed (sudo apt-get install espeak-ng)')
+  if not os.path.isdir(os.path.join(SHARED_DATA, 'shakespeare')):
+    pytest.skip(f'no text data under {SHARED_DATA}')
+  path = str(tmp_path_factory.mktemp('speech') / 'data')
+  speech_data.generate(
+      path, SHARED_DATA,
+      speech_data.GenerationConfig(num_utterances=60, seed=1, min_words=3,
+                                   max_words=6),
+      workers=2, chunk_size=30, log_fn=lambda s: None)
+  return registry.build_task(
+      'speech_preference', data_dir=path, num_users=20,
+      population='balanced', seed=0, batch_size=3, local_epochs=1,
+      train_per_user=4, test_per_user=2)
+
+
+def test_task_datasets_hold_the_users_spectrograms(tiny_task):
+  spec = tiny_task.element_spec
+  assert spec['x'].shape.as_list() == [None, 200, 375, 1]
+  assert tiny_task.population == 20
+  data = tiny_task.data
+  raw = speech_data.load(os.path.dirname(
+      data.spectrograms.filename)).spectrograms
+  (ds,) = tiny_task.eval_datasets([7])
+  assert ds.element_spec == spec
+  batch = next(iter(ds))
+  idx = data.users.test_idx[7]
+  np.testing.assert_array_equal(
+      batch['x'].numpy()[..., 0], speech_spectrogram.to_unit(raw[idx]))
+  np.testing.assert_array_equal(batch['y'].numpy(), data.users.test_y[7])
+  np.testing.assert_array_equal(batch['type'].numpy(),
+                                data.users.test_type[7])
+  (train,) = tiny_task.train_datasets([7], round_num=3)
+  ys = np.concatenate([b['y'].numpy() for b in train])
+  assert sorted(ys) == sorted(data.users.train_y[7])
+
+
+def test_fedembed_model_has_one_head_per_voice(tiny_task):
+  factory = tiny_task.fedembed_model_fn_factory(
+      fedembed.FedEmbedConfig(embedding_dim=200))
+  try:
+    model = factory()
+  except ValueError as e:
+    pytest.skip('models/fedembed.build_fedembed_model needs the rectangular '
+                f'diagonal hook (tf.linalg.diag num_rows/num_cols): {e}')
+  kernel = model.model.get_layer('heads').kernel
+  assert kernel.shape == (20, 456, 2)  # K = 20 voices; 256 + 200 inputs.
+  assert model.model.get_layer('type_head').kernel.shape == (456, 20)
+  with pytest.raises(ValueError, match='--embedding_dim=200'):
+    tiny_task.fedembed_model_fn_factory(fedembed.FedEmbedConfig())
+
+
+def test_one_global_plus_round_keeps_embeddings_private(tiny_task):
+  proc = algorithms.build(
+      'global_plus', tiny_task.model_fn_factory,
+      client_optimizer=fedavg.adam(1e-3),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      metrics_fn=tiny_task.metrics_fn, seed=0, embedding_dim=200)
+  sig = proc.next.type_signature
+  assert sig.result[1].placement is tff.CLIENTS
+  embedding = tff.TensorType(np.float32, [200])
+  shared = list(sig.result[0].member.global_model_weights.trainable)
+  assert embedding not in shared
+  assert embedding in list(proc.client_state_type.private)
+  state = proc.initialize()
+  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  rng = np.random.default_rng(0)
+  clients = [tf.nest.map_structure(
+      lambda s: rng.normal(0, 0.1, s.shape).astype(s.dtype.as_numpy_dtype)
+      if s.dtype.is_floating else np.zeros(s.shape, s.dtype.as_numpy_dtype),
+      specs) for _ in range(2)]
+  before = proc.get_model_weights(state).trainable
+  state, new_clients, metrics = proc.next(
+      state, clients, tiny_task.train_datasets([0, 1], round_num=0))
+  after = proc.get_model_weights(state).trainable
+  assert any(not np.allclose(a, b) for a, b in zip(before, after))
+  for old, new in zip(clients, new_clients):
+    assert not np.allclose(old['private'][0], new['private'][0])
+  assert np.isfinite(
+      [float(np.sum(w)) for w in after]).all(), metrics

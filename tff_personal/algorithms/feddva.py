@@ -1,0 +1,157 @@
+"""`feddva`: federated dual VAE; shared encoders, client-local decoders.
+
+FedDVA (Personalization Disentanglement for FL, Algorithm 1) as a
+`StatefulClientProcess`:
+
+    next(S@SERVER, {C}@CLIENTS, {D*}@CLIENTS) -> (S@SERVER, {C}@CLIENTS, M@SERVER)
+
+* S holds the shared encoders f (q(z|x)) and h (q(c|x, z)) as TFF's
+  `LearningAlgorithmState`; they are broadcast, updated on the client, and
+  averaged weighted by client data size (TFF's `MeanFactory` on the update,
+  server SGD lr 1 = FedAvg's theta <- sum_k w_k theta_k), or any
+  `tff.aggregators` factory (DP included).
+* C = <private=decoder weights, rounds_participated>: the client's decoder
+  p_k(x|z, c) persists between rounds and never leaves the client (it is
+  returned at CLIENTS; the aggregator's value type is the encoders only,
+  which the tests check on the type signature).
+* The client work is `models/feddva_training.client_update`: the local
+  decoder first, then the shared encoders (Algorithm 1's order).
+
+`build_feddva_classifier_process` is the personalized-classification stage:
+FedAvg of the two encoders and a classification head on [mu_z; mu_c]
+(`models/feddva.build_feddva_classifier`), started from the FedDVA encoders.
+
+Not registered in `algorithms/registry.py`: its builders take a model
+factory `embedding_dim -> SplitModel` from the task, which a VAE with a
+private decoder and a separate loss is not; `papers/feddva.py` drives it.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.core import process as process_lib
+from tff_personal.models import feddva as feddva_lib
+from tff_personal.models import feddva_losses
+from tff_personal.models import feddva_training
+
+ModelWeights = tff.learning.models.ModelWeights
+
+
+def _adam(learning_rate):
+  return tff.learning.optimizers.build_adam(learning_rate=learning_rate)
+
+
+def initial_weights(config: feddva_lib.FeddvaConfig, seed: Optional[int] = 0):
+  """(shared encoder weights, initial decoder weights) as numpy tuples.
+
+  Every client's decoder starts from the same seeded initialisation (the
+  phi of Algorithm 1) until it first trains.
+  """
+  if seed is not None:
+    tf.keras.utils.set_random_seed(seed)
+  model = feddva_lib.FeddvaModel(config)
+  return (tuple(v.numpy() for v in model.shared_variables),
+          tuple(v.numpy() for v in model.decoder_variables))
+
+
+def initial_client_state(decoder_weights) -> collections.OrderedDict:
+  return collections.OrderedDict([
+      (process_lib.CLIENT_STATE_PRIVATE, tuple(decoder_weights)),
+      (process_lib.CLIENT_STATE_ROUNDS, np.int32(0)),
+  ])
+
+
+def data_type() -> tff.Type:
+  return tff.SequenceType(tff.types.tensorflow_to_type(
+      feddva_lib.classification_input_spec()))
+
+
+def build_feddva(config: feddva_lib.FeddvaConfig,
+                 loss_config: feddva_losses.LossConfig = feddva_losses.LossConfig(),
+                 *,
+                 decoder_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+                 encoder_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+                 server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+                 aggregator_factory=None,
+                 train_metrics: bool = True,
+                 seed: Optional[int] = 0,
+                 decoder_first: bool = True,
+                 ) -> process_lib.StatefulClientProcess:
+  """The FedDVA process (defaults: appendix H's Adam lr 1e-3 on clients).
+
+  Client data: batches of `OrderedDict(x=float32[n, 28, 28, 1] in [0, 1],
+  y=int32[n])` (y is unused by the VAE).
+  """
+  decoder_optimizer = decoder_optimizer or _adam(1e-3)
+  encoder_optimizer = encoder_optimizer or _adam(1e-3)
+  server_optimizer = server_optimizer or tff.learning.optimizers.build_sgdm(1.0)
+  aggregator_factory = aggregator_factory or tff.aggregators.MeanFactory()
+  shared, decoder = initial_weights(config, seed)
+  weights = ModelWeights(trainable=shared, non_trainable=())
+  weights_type = process_lib.model_weights_type(weights)
+  client_state_type = tff.types.to_type(collections.OrderedDict([
+      (process_lib.CLIENT_STATE_PRIVATE,
+       tuple(tff.TensorType(d.dtype, d.shape) for d in decoder)),
+      (process_lib.CLIENT_STATE_ROUNDS, np.int32)]))
+
+  @tff.tensorflow.computation(weights_type, client_state_type, data_type())
+  def client_work(weights, client_state, dataset):
+    model = feddva_lib.FeddvaModel(config)
+    step = tf.function(functools.partial(
+        feddva_training.client_update, model, decoder_optimizer,
+        encoder_optimizer, loss_config=loss_config,
+        decoder_first=decoder_first))
+    update, weight, new_decoder, metrics = step(
+        tuple(weights.trainable),
+        tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset)
+    metrics['clients'] = tf.constant(1, tf.int32)
+    new_state = collections.OrderedDict([
+        (process_lib.CLIENT_STATE_PRIVATE, new_decoder),
+        (process_lib.CLIENT_STATE_ROUNDS,
+         client_state[process_lib.CLIENT_STATE_ROUNDS] + 1)])
+    return collections.OrderedDict(
+        update=update, update_weight=weight, client_state=new_state,
+        metrics=metrics)
+
+  return process_lib.compose_stateful_client_process(
+      initial_model_weights=weights, client_state_type=client_state_type,
+      client_work=client_work, aggregator_factory=aggregator_factory,
+      server_optimizer=server_optimizer, train_metrics=train_metrics)
+
+
+def build_feddva_classifier_process(
+    config: feddva_lib.FeddvaConfig, *,
+    client_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    aggregator_factory=None, seed: Optional[int] = 0,
+) -> process_lib.StatefulClientProcess:
+  """FedAvg of FedDVA's encoders plus a head; load the encoders with
+  `with_encoders`."""
+  return process_lib.build_split_model_process(
+      functools.partial(feddva_lib.build_feddva_classifier, config),
+      client_optimizer=client_optimizer or _adam(1e-3),
+      server_optimizer=(server_optimizer
+                        or tff.learning.optimizers.build_sgdm(1.0)),
+      aggregator_factory=aggregator_factory, seed=seed)
+
+
+def with_encoders(classifier_process: process_lib.StatefulClientProcess,
+                  classifier_state, encoder_weights):
+  """The classifier's state with its encoders set to FedDVA's.
+
+  `encoder_weights`: the trainable shared weights of a FedDVA state
+  (`feddva_state.global_model_weights.trainable`).
+  """
+  weights = classifier_process.get_model_weights(classifier_state)
+  trainable = feddva_lib.load_encoders(list(weights.trainable),
+                                       list(encoder_weights))
+  return classifier_process.set_model_weights(
+      classifier_state, ModelWeights(trainable=trainable,
+                                     non_trainable=weights.non_trainable))

@@ -1,0 +1,349 @@
+"""Group personalized FL (Algorithms 1-3 of Group Personalized FL).
+
+Three stages that compose through model weights, so each can start from a
+model trained elsewhere:
+
+1. Global FL (`fl`, Algorithm 1): `build_fl` is FedAvg-style training with
+   client SGD (K local epochs: the client datasets repeat K times) and the
+   FedAdam server optimizer (`tff.learning.optimizers.build_adam`); it is our
+   `StatefulClientProcess` with no private variables, so `next` is
+   `(S, C, D*) -> (S, C, M)` with a trivial client state and
+   `get_model_weights` / `set_model_weights` expose the model.
+2. Group FL fine-tuning (`groupfl`, Algorithm 2): `fine_tune_group` starts a
+   *new* process state from the global model (`initialize` then
+   `set_model_weights`, so each group has its own, fresh server-optimizer
+   state) and runs T_g rounds sampling only the group's clients;
+   `fine_tune_groups` does it for every group. Groups are independent (no
+   state is shared), so each may run in its own job; here they run one after
+   the other in one program.
+3. Local personalization (`perfl` from the global model, `groupperfl` from
+   the group model; Algorithm 3): `build_local_personalization` is a TFF
+   computation `(ModelWeights@SERVER, D*@CLIENTS) -> ModelWeights@CLIENTS`:
+   each client fine-tunes the broadcast model on its own data for K_l epochs
+   with SGD; the personalized model is returned at CLIENTS (it is that
+   client's state, never aggregated), and `build_lm_evaluation` evaluates it
+   there.
+
+Written by hand (TFF lacks them): the per-group driver, the personalization
+computation (TFF's `tff.learning` personalization evaluation only reports
+metrics, it does not return the personalized model) and the evaluation of
+client-placed models. Sampling is `training_loop.sample_clients` (a pure
+function of seed and round); cohorts are drawn among the clients passed in,
+so a group's fine-tuning can only ever see its own clients.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.core import process as process_lib
+from tff_personal.core import split_training
+from tff_personal.core import training_loop
+from tff_personal.models import split_model as split_model_lib
+
+ModelWeights = tff.learning.models.ModelWeights
+# (client index, round number) -> the client's dataset for that round.
+DatasetFn = Callable[[int, int], tf.data.Dataset]
+
+
+def build_fl(model_fn: split_model_lib.SplitModelFn, *,
+             client_learning_rate: float = 1.0,
+             server_learning_rate: float = 1e-3,
+             aggregator_factory=None, metrics_fn=None,
+             seed: Optional[int] = None
+             ) -> process_lib.StatefulClientProcess:
+  """Algorithm 1: client SGD, weighted mean of updates, FedAdam server.
+
+  The paper's defaults: client SGD lr 1.0, FedAdam lr 1e-3. K local epochs
+  are the client datasets' repeats.
+  """
+  if client_learning_rate <= 0 or server_learning_rate <= 0:
+    raise ValueError('learning rates must be positive, got client '
+                     f'{client_learning_rate}, server {server_learning_rate}')
+  with tf.Graph().as_default():
+    if model_fn().private_variables:
+      raise ValueError('group FL trains whole models; model_fn declares '
+                       'private variables')
+  return process_lib.build_split_model_process(
+      model_fn,
+      client_optimizer=tff.learning.optimizers.build_sgdm(client_learning_rate),
+      server_optimizer=tff.learning.optimizers.build_adam(server_learning_rate),
+      aggregator_factory=aggregator_factory, metrics_fn=metrics_fn, seed=seed)
+
+
+def _empty_client_state():
+  return collections.OrderedDict([
+      (process_lib.CLIENT_STATE_PRIVATE, ()),
+      (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))])
+
+
+def run_rounds(process: process_lib.StatefulClientProcess, state,
+               clients: Sequence[int], dataset_fn: DatasetFn, *,
+               rounds: int, clients_per_round: int, seed: int,
+               round_offset: int = 0,
+               log_fn: Optional[Callable[[str], None]] = None):
+  """Runs `rounds` rounds of `process`, cohorts drawn among `clients` only.
+
+  Round r (absolute number `round_offset + r`) samples
+  `min(clients_per_round, len(clients))` of `clients` with
+  `training_loop.sample_clients(len(clients), ..., round, seed)`.
+
+  Returns:
+    `(state, participations, metrics)`: the final server state, a Counter
+    client -> rounds it took part in, and the per-round training metrics.
+  """
+  clients = list(clients)
+  if not clients:
+    raise ValueError('run_rounds needs at least one client')
+  if rounds < 0 or clients_per_round < 1:
+    raise ValueError(f'rounds must be >= 0 and clients_per_round >= 1, got '
+                     f'{rounds}, {clients_per_round}')
+  cohort_size = min(clients_per_round, len(clients))
+  participations = collections.Counter()
+  history = []
+  for r in range(round_offset, round_offset + rounds):
+    cohort = [clients[i] for i in training_loop.sample_clients(
+        len(clients), cohort_size, r, seed)]
+    data = [dataset_fn(c, r) for c in cohort]
+    states = [_empty_client_state() for _ in cohort]
+    state, _, metrics = process.next(state, states, data)
+    participations.update(cohort)
+    flat = training_loop.flatten_metrics(metrics)
+    history.append(flat)
+    if log_fn is not None:
+      loss = flat.get('train/loss')
+      log_fn(f'round {r}: {len(cohort)} clients, train loss '
+             f'{loss if loss is None else round(float(loss), 4)}')
+  return state, participations, history
+
+
+def fine_tune_group(process: process_lib.StatefulClientProcess,
+                    initial_weights: ModelWeights,
+                    clients: Sequence[int], dataset_fn: DatasetFn, *,
+                    rounds: int, clients_per_round: int, seed: int,
+                    log_fn=None):
+  """Algorithm 2 for one group: T_g rounds from `initial_weights`.
+
+  A new server state (`process.initialize()`: fresh FedAdam moments) takes
+  the given weights; rounds are numbered from 0 and cohorts come only from
+  `clients`. Returns `(group weights, participations, metrics)`.
+  """
+  state = process.set_model_weights(process.initialize(), initial_weights)
+  state, participations, history = run_rounds(
+      process, state, clients, dataset_fn, rounds=rounds,
+      clients_per_round=clients_per_round, seed=seed, log_fn=log_fn)
+  return process.get_model_weights(state), participations, history
+
+
+def fine_tune_groups(process: process_lib.StatefulClientProcess,
+                     initial_weights: ModelWeights,
+                     groups: Mapping[str, Sequence[int]],
+                     dataset_fn: DatasetFn, *, rounds: int,
+                     clients_per_round: int, seed: int, log_fn=None):
+  """`fine_tune_group` for every group; `{group: (weights, participations)}`.
+
+  Groups must be disjoint (a client belongs to one group).
+  """
+  seen = set()
+  for name, members in groups.items():
+    overlap = seen & set(members)
+    if overlap:
+      raise ValueError(f'group {name!r} shares clients {sorted(overlap)[:5]} '
+                       'with another group')
+    seen |= set(members)
+  out = {}
+  for name, members in groups.items():
+    log = None if log_fn is None else (lambda s, n=name: log_fn(f'[{n}] {s}'))
+    weights, participations, _ = fine_tune_group(
+        process, initial_weights, members, dataset_fn, rounds=rounds,
+        clients_per_round=clients_per_round, seed=seed, log_fn=log)
+    out[name] = (weights, participations)
+  return out
+
+
+def _data_type(model_fn):
+  with tf.Graph().as_default():
+    spec = model_fn().input_spec
+  return tff.SequenceType(tff.types.tensorflow_to_type(spec))
+
+
+def build_local_personalization(
+    model_fn: split_model_lib.SplitModelFn,
+    optimizer: tff.learning.optimizers.Optimizer,
+    weights_type: tff.Type) -> tff.Computation:
+  """Algorithm 3: `(ModelWeights@SERVER, D*@CLIENTS) -> ModelWeights@CLIENTS`.
+
+  Each client trains the broadcast model on its dataset (K_l epochs: the
+  dataset repeats) with `optimizer` and keeps the result; a client whose
+  training turns non-finite keeps the broadcast model. Nothing is aggregated:
+  the output stays at CLIENTS.
+  """
+  data_type = _data_type(model_fn)
+
+  @tff.tensorflow.computation(weights_type, data_type)
+  def personalize_client(weights, dataset):
+    model = model_fn()
+    train = tf.function(lambda w, d: split_training.local_train(
+        model, optimizer, w, (), d))
+    update, _, _, _ = train(weights, dataset)
+    return ModelWeights(
+        trainable=tuple(w - u for w, u in zip(weights.trainable, update)),
+        non_trainable=tuple(weights.non_trainable))
+
+  @tff.federated_computation(tff.FederatedType(weights_type, tff.SERVER),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def personalize(weights, client_data):
+    return tff.federated_map(
+        personalize_client, (tff.federated_broadcast(weights), client_data))
+
+  return personalize
+
+
+def build_lm_evaluation(model_fn: split_model_lib.SplitModelFn,
+                        sums_fn, weights_type: tff.Type,
+                        weights_placement=tff.SERVER) -> tff.Computation:
+  """Per-client sums of `sums_fn(batch, outputs)` over the client's data.
+
+  `weights_placement=tff.SERVER`: one model broadcast to every client (FL,
+  GroupFL); `tff.CLIENTS`: each client's own model (PerFL, GroupPerFL).
+  Returns the sums at CLIENTS, e.g. token NLL sum and token count, from which
+  the driver computes perplexities at any aggregation level.
+  """
+  data_type = _data_type(model_fn)
+
+  @tff.tensorflow.computation(weights_type, data_type)
+  def client_eval(weights, dataset):
+    model = model_fn()
+
+    @tf.function
+    def run(weights, dataset):
+      split_training.assign_weights(model, weights, ())
+      empty = {k: tf.zeros([0] + s.shape[1:].as_list(), s.dtype)
+               for k, s in dataset.element_spec.items()}
+      # Static shapes only: the empty forward pass is pruned, never run.
+      sample = sums_fn(empty, model.forward(empty, training=False))
+      zeros = {k: tf.zeros(v.shape, v.dtype) for k, v in sample.items()}
+
+      def add(acc, batch):
+        sums = sums_fn(batch, model.forward(batch, training=False))
+        return {k: acc[k] + sums[k] for k in acc}
+
+      return dataset.reduce(zeros, add)
+
+    return run(weights, dataset)
+
+  @tff.federated_computation(tff.FederatedType(weights_type, weights_placement),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def evaluate(weights, client_data):
+    if weights_placement is tff.SERVER:
+      weights = tff.federated_broadcast(weights)
+    return tff.federated_map(client_eval, (weights, client_data))
+
+  return evaluate
+
+
+def build_client_updates(model_fn: split_model_lib.SplitModelFn,
+                         optimizer: tff.learning.optimizers.Optimizer,
+                         weights_type: tff.Type) -> tff.Computation:
+  """`(ModelWeights@SERVER, D*@CLIENTS) -> update@CLIENTS` (no aggregation).
+
+  The update a client would send in FL (initial minus trained weights), for
+  clustering clients by the direction of their updates.
+  """
+  data_type = _data_type(model_fn)
+
+  @tff.tensorflow.computation(weights_type, data_type)
+  def client_update(weights, dataset):
+    model = model_fn()
+    train = tf.function(lambda w, d: split_training.local_train(
+        model, optimizer, w, (), d))
+    update, _, _, _ = train(weights, dataset)
+    return update
+
+  @tff.federated_computation(tff.FederatedType(weights_type, tff.SERVER),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def updates(weights, client_data):
+    return tff.federated_map(
+        client_update, (tff.federated_broadcast(weights), client_data))
+
+  return updates
+
+
+def _chunks(items, size):
+  items = list(items)
+  for i in range(0, len(items), size):
+    yield items[i:i + size]
+
+
+def evaluate_global(evaluate: tff.Computation, weights: ModelWeights,
+                    clients: Sequence[int], eval_dataset_fn, *,
+                    chunk_size: int = 64) -> dict[int, dict]:
+  """`{client: sums}` of one server model on each client's eval data."""
+  out = {}
+  for chunk in _chunks(clients, chunk_size):
+    results = evaluate(weights, [eval_dataset_fn(c) for c in chunk])
+    out.update({c: {k: float(v) for k, v in r.items()}
+                for c, r in zip(chunk, results)})
+  return out
+
+
+def personalize_and_evaluate(
+    personalize: tff.Computation, evaluate_personal: tff.Computation,
+    weights: ModelWeights, clients: Sequence[int],
+    train_dataset_fn: Callable[[int], tf.data.Dataset],
+    eval_dataset_fn: Callable[[int], tf.data.Dataset], *,
+    chunk_size: int = 64,
+    keep_fn: Optional[Callable[[int, ModelWeights], None]] = None
+) -> dict[int, dict]:
+  """Personalizes every client from `weights`, then evaluates its own model.
+
+  Clients go in chunks (the personalized models of a chunk are in memory at
+  once); `keep_fn(client, personalized_weights)` may store each model.
+  Returns `{client: sums}`.
+  """
+  out = {}
+  for chunk in _chunks(clients, chunk_size):
+    personal = personalize(weights, [train_dataset_fn(c) for c in chunk])
+    if keep_fn is not None:
+      for c, w in zip(chunk, personal):
+        keep_fn(c, w)
+    results = evaluate_personal(personal, [eval_dataset_fn(c) for c in chunk])
+    out.update({c: {k: float(v) for k, v in r.items()}
+                for c, r in zip(chunk, results)})
+  return out
+
+
+def perplexity(sums: Sequence[Mapping[str, float]],
+               nll_key: str = 'token_nll_sum', count_key: str = 'tokens'
+               ) -> float:
+  """exp(total NLL / total tokens) over the given evaluation sums.
+
+  Pooled over every target token of every evaluation sentence (speech), the
+  usual corpus-level perplexity ("aggregated at sentence level": sentences
+  of all clients together, not a mean of per-client perplexities).
+  """
+  nll = sum(s[nll_key] for s in sums)
+  count = sum(s[count_key] for s in sums)
+  if count <= 0:
+    return float('nan')
+  return float(np.exp(nll / count))
+
+
+def communication_cost(participations: int) -> int:
+  """Model-size transfers of one client: a download and an upload per round.
+
+  Plus one download of the final model for inference (PerFL fine-tunes that
+  download locally, so it costs the same as FL; as the paper's Table 4).
+  """
+  return 2 * participations + 1
+
+
+def computation_cost(participations: int, local_epochs: int,
+                     personalization_epochs: int = 0) -> int:
+  """Local epochs of one client: K per round taken part in, plus K_l."""
+  return participations * local_epochs + personalization_epochs

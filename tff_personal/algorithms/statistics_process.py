@@ -1,0 +1,200 @@
+"""Stateful-client processes whose clients also send statistics for the server.
+
+FedEmbed-SOM and PFedKM learn, besides the model, a server-side structure
+from client statistics: a self-organising map and the head re-use counts
+(SOM), k-means centroids (PFedKM). `compose_with_server_step` extends
+`core.process.compose_stateful_client_process` for that:
+
+    client work: (ModelWeights, C, D*) ->
+        <update=<model=U, statistics=T>, update_weight, client_state, metrics
+         [, selected=<score, value>]>
+
+* `update` (the model update U *and* the statistics T) goes through the one
+  aggregator given (weighted mean, or DP): with DP, the statistics are
+  clipped jointly with the model update, noised, and covered by the same
+  epsilon; no extra accounting is needed and nothing else about a client
+  reaches the server through this path.
+* The model part is applied by TFF's `build_apply_optimizer_finalizer` (the
+  server optimizer), exactly as in `compose_stateful_client_process`.
+* `server_step`, a TFF TensorFlow computation
+  `(ModelWeights, mean T, cohort size[, selected]) -> <weights, measurements>`,
+  then updates the weights from the statistics (e.g. the non-trainable SOM or
+  centroid variables, a re-indexing of the heads). The cohort size is a
+  `federated_sum` of ones (the server knows how many clients it sampled).
+* Optionally `selected` goes through a second, stateless aggregator (the
+  best-scoring selection of `best_scoring.py`), whose release is NOT covered
+  by any DP accounting; `fedembed_som` refuses it under DP.
+
+The server state is TFF's `LearningAlgorithmState` like every other process
+of the project, so the training loop, checkpoints, evaluation and
+`get/set_model_weights` work unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.core import process as process_lib
+
+
+def compose_with_server_step(
+    *,
+    initial_model_weights: process_lib.ModelWeights,
+    client_state_type: tff.Type,
+    client_work: tff.Computation,
+    aggregator_factory,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    server_step: tff.Computation,
+    selection_factory: Optional[tff.aggregators.UnweightedAggregationFactory]
+    = None,
+    train_metrics: bool = True,
+    model_fn=None,
+) -> process_lib.StatefulClientProcess:
+  """Composes the process described in the module docstring.
+
+  Args:
+    initial_model_weights: numpy `ModelWeights` of the shared model.
+    client_state_type: unplaced type of one client's state.
+    client_work: `(ModelWeights, C, D*) -> OrderedDict(update=OrderedDict(
+      model=..., statistics=...), update_weight, client_state, metrics[,
+      selected])`.
+    aggregator_factory: weighted or unweighted `tff.aggregators` factory for
+      the whole `update`.
+    server_optimizer: applied to the aggregated model update.
+    server_step: `(ModelWeights, statistics mean, float32 cohort size[,
+      selected]) -> OrderedDict(weights=ModelWeights, measurements=...)`.
+    selection_factory: unweighted factory for `selected` (required iff the
+      client work returns `selected`).
+    train_metrics: release sums of training metrics.
+    model_fn: the split-model builder (for evaluation).
+
+  Returns:
+    A `StatefulClientProcess`.
+  """
+  weights_value = tf.nest.map_structure(np.asarray, initial_model_weights)
+  weights_type = process_lib.model_weights_type(weights_value)
+  param = client_work.type_signature.parameter
+  data_type = param[2]
+  result_type = client_work.type_signature.result
+  update_type = result_type.update
+  has_selection = 'selected' in dir(result_type)
+  if has_selection != (selection_factory is not None):
+    raise ValueError('selection_factory must be given exactly when the client '
+                     'work returns `selected`')
+  if not param[1].is_assignable_from(client_state_type):
+    raise TypeError(
+        f'client_work takes client state {param[1]}, not {client_state_type}')
+  if isinstance(aggregator_factory, tff.aggregators.WeightedAggregationFactory):
+    aggregation = aggregator_factory.create(update_type,
+                                            result_type.update_weight)
+    weighted = True
+  elif isinstance(aggregator_factory,
+                  tff.aggregators.UnweightedAggregationFactory):
+    aggregation = aggregator_factory.create(update_type)
+    weighted = False
+  else:
+    raise TypeError('aggregator_factory must be a tff.aggregators weighted or '
+                    f'unweighted factory, got {type(aggregator_factory)}')
+  selection = (selection_factory.create(result_type.selected)
+               if has_selection else None)
+  distributor = tff.learning.templates.build_broadcast_process(weights_type)
+  finalizer = tff.learning.templates.build_apply_optimizer_finalizer(
+      server_optimizer, weights_type)
+  finalize_metrics = process_lib._metrics_finalizer(result_type.metrics)  # pylint: disable=protected-access
+
+  @tff.tensorflow.computation
+  def initial_weights_fn():
+    return tf.nest.map_structure(tf.constant, weights_value)
+
+  @tff.federated_computation
+  def initialize_fn():
+    return tff.federated_zip(process_lib.LearningAlgorithmState(
+        global_model_weights=tff.federated_eval(initial_weights_fn, tff.SERVER),
+        distributor=distributor.initialize(),
+        client_work=tff.federated_value((), tff.SERVER),
+        aggregator=aggregation.initialize(),
+        finalizer=finalizer.initialize()))
+
+  state_type = initialize_fn.type_signature.result
+  aggregated_type = aggregation.next.type_signature.result.result.member
+
+  @tff.tensorflow.computation(aggregated_type)
+  def model_part(aggregated):
+    return aggregated['model'] if isinstance(aggregated, dict) else (
+        aggregated.model)
+
+  @tff.tensorflow.computation(aggregated_type)
+  def statistics_part(aggregated):
+    return aggregated['statistics'] if isinstance(aggregated, dict) else (
+        aggregated.statistics)
+
+  @tff.tensorflow.computation(result_type.update_weight)
+  def one(_):
+    return tf.constant(1.0, tf.float32)
+
+  @tff.federated_computation(
+      state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
+      tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, client_states, client_data):
+    distributed = distributor.next(state.distributor,
+                                   state.global_model_weights)
+    outputs = tff.federated_map(
+        client_work, (distributed.result, client_states, client_data))
+    if weighted:
+      aggregated = aggregation.next(state.aggregator, outputs.update,
+                                    outputs.update_weight)
+    else:
+      aggregated = aggregation.next(state.aggregator, outputs.update)
+    finalized = finalizer.next(
+        state.finalizer, state.global_model_weights,
+        tff.federated_map(model_part, aggregated.result))
+    cohort = tff.federated_sum(tff.federated_map(one, outputs.update_weight))
+    step_args = [finalized.result,
+                 tff.federated_map(statistics_part, aggregated.result), cohort]
+    if selection is not None:
+      selected = selection.next(selection.initialize(), outputs.selected)
+      step_args.append(selected.result)
+    stepped = tff.federated_map(server_step, tuple(step_args))
+    new_state = tff.federated_zip(process_lib.LearningAlgorithmState(
+        global_model_weights=stepped.weights,
+        distributor=distributed.state,
+        client_work=state.client_work,
+        aggregator=aggregated.state,
+        finalizer=finalized.state))
+    measurements = collections.OrderedDict(
+        aggregator=aggregated.measurements,
+        finalizer=finalized.measurements,
+        server_step=stepped.measurements)
+    if train_metrics:
+      measurements['train'] = tff.federated_map(
+          finalize_metrics, tff.federated_sum(outputs.metrics))
+    return new_state, outputs.client_state, tff.federated_zip(measurements)
+
+  return process_lib.StatefulClientProcess(
+      initialize_fn, next_fn, client_state_type=client_state_type,
+      aggregation_value_type=update_type, model_fn=model_fn)
+
+
+def shared_variable_index(model_fn, name: str, trainable: bool) -> int:
+  """Position of the shared variable `name` (e.g. 'som/nodes') in ModelWeights.
+
+  Raises:
+    ValueError: naming the variable when the model has none by that name.
+  """
+  with tf.Graph().as_default():
+    model = model_fn()
+    variables = (model.shared_trainable_variables if trainable else
+                 model.shared_non_trainable_variables)
+    names = [v.name for v in variables]
+  matches = [i for i, n in enumerate(names)
+             if n == f'{name}:0' or n.endswith(f'/{name}:0')]
+  if len(matches) != 1:
+    kind = 'trainable' if trainable else 'non-trainable'
+    raise ValueError(f'the model has {len(matches)} shared {kind} variables '
+                     f'named {name!r}; it has {names}')
+  return matches[0]

@@ -1,0 +1,110 @@
+"""FedDVA's client update (Algorithm 1, ClientUpdate), in TensorFlow.
+
+On client k with broadcast encoders theta and its stored decoder phi_k:
+
+1. one pass over the client's batches updating only the decoder phi_k
+   (Eq. 9), the encoders fixed at theta;
+2. then one pass over the batches updating only the encoders theta_k
+   (Eq. 11), the new decoder fixed.
+
+Returns the encoder update theta - theta_k (TFF's sign convention, weighted
+by the number of examples of one pass: FedAvg with w_k = |D_k| / sum |D|),
+the new decoder (the client state) and metric sums of pass 2. Local epochs
+are the dataset's repeats (each pass goes over it once). Each pass starts a
+fresh `tff.learning.optimizers` state (Adam by default); optimizer state is
+not kept between rounds (the paper does not say; it is the FedAvg habit).
+A non-finite result gives a zero update of weight 0 and keeps the old
+decoder, as `core/split_training.py` does.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.models import feddva as feddva_lib
+from tff_personal.models import feddva_losses
+
+METRIC_NAMES = ('loss', 'reconstruction', 'kl_z', 'r_c', 'kl_c_prior',
+                'kl_c_mixture', 'constraint_met')
+
+
+def _assign(variables, values):
+  for var, value in zip(variables, values):
+    var.assign(value)
+
+
+def _all_finite(tensors) -> tf.Tensor:
+  return tf.reduce_all(tf.stack(
+      [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
+
+
+def _optimise(model, variables, optimizer, dataset, loss_config,
+              with_metrics: bool):
+  """One pass over `dataset` updating `variables` only."""
+  specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
+
+  def reduce_fn(state, batch):
+    num_examples, sums, opt_state = state
+    with tf.GradientTape() as tape:
+      losses = model.loss(batch['x'], loss_config)
+    grads = tape.gradient(losses['loss'], variables)
+    grads = tuple(tf.zeros_like(v) if g is None else g
+                  for g, v in zip(grads, variables))
+    opt_state, updated = optimizer.next(opt_state, tuple(variables), grads)
+    _assign(variables, updated)
+    n = tf.shape(batch['x'])[0]
+    if with_metrics:
+      w = tf.cast(n, tf.float32)
+      sums = collections.OrderedDict(
+          (k, sums[k] + losses[k] * w) for k in sums)
+    return num_examples + tf.cast(n, tf.int64), sums, opt_state
+
+  zeros = collections.OrderedDict(
+      (f'{k}_sum', tf.constant(0.0)) for k in METRIC_NAMES)
+  sums = collections.OrderedDict((k[:-4], v) for k, v in zeros.items())
+  num_examples, sums, _ = dataset.reduce(
+      (tf.constant(0, tf.int64), sums, optimizer.initialize(specs)),
+      reduce_fn)
+  return num_examples, sums
+
+
+def client_update(model: feddva_lib.FeddvaModel,
+                  decoder_optimizer: tff.learning.optimizers.Optimizer,
+                  encoder_optimizer: tff.learning.optimizers.Optimizer,
+                  encoder_weights, decoder_weights, dataset: tf.data.Dataset,
+                  loss_config: feddva_losses.LossConfig,
+                  decoder_first: bool = True):
+  """Algorithm 1's ClientUpdate; returns (update, weight, decoder, metrics).
+
+  `decoder_first=False` swaps the passes (encoders, then decoder); it exists
+  only for the test that the order matters.
+  """
+  encoders = model.shared_variables
+  decoder = model.decoder_variables
+  _assign(encoders, encoder_weights)
+  _assign(decoder, decoder_weights)
+  if decoder_first:
+    _optimise(model, decoder, decoder_optimizer, dataset, loss_config, False)
+    num_examples, sums = _optimise(model, encoders, encoder_optimizer,
+                                   dataset, loss_config, True)
+  else:
+    num_examples, sums = _optimise(model, encoders, encoder_optimizer,
+                                   dataset, loss_config, True)
+    _optimise(model, decoder, decoder_optimizer, dataset, loss_config, False)
+  update = tuple(tf.subtract(a, b.read_value())
+                 for a, b in zip(encoder_weights, encoders))
+  new_decoder = tuple(v.read_value() for v in decoder)
+  finite = tf.logical_and(_all_finite(update), _all_finite(new_decoder))
+  update = tuple(tf.where(finite, u, tf.zeros_like(u)) for u in update)
+  new_decoder = tuple(tf.where(finite, n, o)
+                      for n, o in zip(new_decoder, decoder_weights))
+  weight = tf.where(finite, tf.cast(num_examples, tf.float32), 0.0)
+  metrics = collections.OrderedDict(
+      (f'{k}_sum', tf.where(finite, v, 0.0)) for k, v in sums.items())
+  metrics['num_examples'] = tf.where(finite, num_examples,
+                                     tf.constant(0, tf.int64))
+  metrics['nonfinite'] = tf.cast(tf.logical_not(finite), tf.int32)
+  return update, weight, new_decoder, metrics

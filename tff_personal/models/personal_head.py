@@ -1,0 +1,101 @@
+"""Split models with a personal head, for FedRep and pFedMe (Keras only).
+
+Both wrap any task model whose classification head is a Keras layer with a
+known name (the task models of this project call it 'head', see
+`models/fedembed_mnist.py`):
+
+* `personal_head_model_fn` (FedRep): the head's variables become private
+  (client state); everything below it stays shared. Private variables the
+  task model already declares (a personal embedding) stay private.
+* `personal_copy_model_fn` (pFedMe, as FedEmbed Table 1 describes it: "a
+  shared feature encoder with personal model heads regularized to minimize
+  parameter difference from a global model head"): the shared model keeps its
+  head (the global head w), and a second, private head theta of the same
+  shape reads the same features. Predictions (evaluation) use theta. The
+  loss is pFedMe's inner objective for the personal head,
+  `f(theta) + lam / 2 ||theta - w||^2`, so that fine-tuning the private
+  variables alone (`core.split_training.fine_tune_private`, the evaluation of
+  users who never trained) computes the Moreau-envelope personal model.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tff_personal.models import split_model
+
+
+def _head_layer(model: tf.keras.Model, head_layer: str) -> tf.keras.layers.Layer:
+  try:
+    return model.get_layer(head_layer)
+  except ValueError:
+    raise ValueError(
+        f'the task model has no layer named {head_layer!r} to personalise; '
+        f'its layers are {[l.name for l in model.layers]}') from None
+
+
+def personal_head_model_fn(model_fn: split_model.SplitModelFn,
+                           head_layer: str | None = 'head'
+                           ) -> split_model.SplitModelFn:
+  """The model of `model_fn` with the `head_layer` variables private.
+
+  `head_layer=None` keeps every variable as `model_fn` declares it (FedRep
+  without a personal head, which is FedAvg).
+  """
+
+  def fn():
+    base = model_fn()
+    if head_layer is None:
+      return base
+    head = _head_layer(base.model, head_layer)
+    private = list(base.private_variables) + [
+        v for v in head.trainable_weights
+        if v.ref() not in {p.ref() for p in base.private_variables}]
+    return split_model.SplitModel(
+        model=base.model, private_variables=private, loss_fn=base.loss_fn,
+        input_spec=base.input_spec, predict_fn=base.predict_fn,
+        prepare_fn=base.prepare_fn)
+
+  return fn
+
+
+def personal_copy_model_fn(model_fn: split_model.SplitModelFn,
+                           lam: float, head_layer: str = 'head'
+                           ) -> split_model.SplitModelFn:
+  """The model of `model_fn` plus a private copy of its head (pFedMe).
+
+  The returned model's outputs are `{'logits': personal head,
+  'global_logits': shared head}`; its loss is the personal objective
+  `f(theta) + lam / 2 ||theta - w||^2` (module docstring), with `w` held
+  constant (it is shared, trained by the pFedMe client step, not this loss).
+  """
+  if lam < 0:
+    raise ValueError(f'pFedMe lambda must be >= 0, got {lam}')
+
+  def fn():
+    base = model_fn()
+    if base.private_variables:
+      raise ValueError('pFedMe personalises the head only; the task model '
+                       'already has private variables '
+                       f'{[v.name for v in base.private_variables]} (use '
+                       'embedding_dim=0)')
+    head = _head_layer(base.model, head_layer)
+    config = head.get_config()
+    config['name'] = 'personal_head'
+    personal = head.__class__.from_config(config)
+    features = head.input
+    model = tf.keras.Model(base.model.inputs, {
+        'logits': personal(features), 'global_logits': head.output})
+
+    def loss_fn(batch, outputs):
+      reg = tf.add_n([tf.reduce_sum(tf.square(p - tf.stop_gradient(g)))
+                      for p, g in zip(personal.trainable_weights,
+                                      head.trainable_weights)])
+      return base.loss_fn(batch, outputs['logits']) + 0.5 * lam * reg
+
+    return split_model.SplitModel(
+        model=model, private_variables=list(personal.trainable_weights),
+        loss_fn=loss_fn, input_spec=base.input_spec,
+        predict_fn=lambda out: out['logits'])
+
+  return fn

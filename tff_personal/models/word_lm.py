@@ -1,0 +1,88 @@
+"""A word-level LSTM language model as a `SplitModel` with no private part.
+
+The group-personalization paper (Group Personalized FL, section 5.2) uses an
+LSTM LM with character-aware word embeddings of dimension 100 and two LSTM
+layers of 512 units over a ~33K-word vocabulary. That is far beyond a shared
+2-core CPU for the ~40 local-training passes a reproduction needs, so this
+builder is configurable and the reproduction uses a scaled-down model (plain
+word embeddings, see `papers/group.py` for the sizes). Character-aware
+embeddings are not built: with a vocabulary of a few thousand words built from
+the training data, a word-embedding table is the standard small-scale choice.
+
+Batches are `{'x': int32[B, L], 'y': int32[B, L]}`: `x` is the input tokens
+(starting with <bos>), `y` the next tokens; id 0 is padding in both and is
+excluded from the loss and from perplexity.
+
+Every variable is shared: the personalization of this paper is whole-model
+fine-tuning (the personalized model is the client state, see
+`algorithms/group_fl.py`), not a split of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from tff_personal.models import split_model as split_model_lib
+
+PAD_ID = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WordLMConfig:
+  vocab_size: int
+  seq_len: int
+  embedding_dim: int = 64
+  lstm_units: int = 128
+  lstm_layers: int = 1
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'seq_len', 'embedding_dim', 'lstm_units',
+                 'lstm_layers'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'WordLMConfig.{name} must be >= 1, got '
+                         f'{getattr(self, name)}')
+    if self.vocab_size < 2:
+      raise ValueError('WordLMConfig.vocab_size must hold padding and a word')
+
+
+def token_nll_sums(batch, logits) -> tuple[tf.Tensor, tf.Tensor]:
+  """(sum of next-token negative log-likelihoods, number of real tokens)."""
+  labels = batch['y']
+  mask = tf.cast(tf.not_equal(labels, PAD_ID), tf.float32)
+  nll = tf.keras.losses.sparse_categorical_crossentropy(
+      labels, logits, from_logits=True)
+  return tf.reduce_sum(nll * mask), tf.reduce_sum(mask)
+
+
+def _loss(batch, logits) -> tf.Tensor:
+  """Mean next-token cross-entropy over the batch's real (non-pad) tokens."""
+  nll_sum, count = token_nll_sums(batch, logits)
+  return nll_sum / tf.maximum(count, 1.0)
+
+
+def metrics_fn(batch, logits):
+  """Per-batch sums for training metrics (`core.split_training` contract)."""
+  nll_sum, count = token_nll_sums(batch, logits)
+  return {'token_nll_sum': nll_sum, 'tokens': count}
+
+
+def build_word_lm(config: WordLMConfig) -> split_model_lib.SplitModel:
+  """A fresh Keras word LM: embedding, LSTM layers, softmax over the vocab."""
+  tokens = tf.keras.Input(shape=(config.seq_len,), dtype=tf.int32, name='x')
+  h = tf.keras.layers.Embedding(config.vocab_size, config.embedding_dim,
+                                name='embedding')(tokens)
+  for i in range(config.lstm_layers):
+    h = tf.keras.layers.LSTM(config.lstm_units, return_sequences=True,
+                             name=f'lstm_{i}')(h)
+  logits = tf.keras.layers.Dense(config.vocab_size, name='logits')(h)
+  model = tf.keras.Model(tokens, logits)
+  spec = {'x': tf.TensorSpec([None, config.seq_len], tf.int32),
+          'y': tf.TensorSpec([None, config.seq_len], tf.int32)}
+  return split_model_lib.SplitModel(
+      model=model, private_variables=[], loss_fn=_loss, input_spec=spec)
+
+
+def model_fn_for(config: WordLMConfig) -> split_model_lib.SplitModelFn:
+  return lambda: build_word_lm(config)
