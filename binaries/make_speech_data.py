@@ -23,54 +23,58 @@ from tasks import speech_data
 from tasks import speech_figures
 from tasks import speech_text
 
-_DATA_DIR = flags.DEFINE_string('data_dir', None,
-                                'Cache directory to generate into.')
-_TEXT_ROOT = flags.DEFINE_string(
-    'text_root', os.path.join('..', 'shared', 'data'),
-    'Folder holding wikitext2/ and shakespeare/.')
-_NUM_UTTERANCES = flags.DEFINE_integer(
-    'num_utterances', speech_data.DEFAULT_NUM_UTTERANCES,
-    'Number of utterances (the paper: 12,420).')
-_SEED = flags.DEFINE_integer('seed', 0, 'Seed of texts, voices, jitter.')
-_MIN_WORDS = flags.DEFINE_integer('min_words', speech_text.MIN_WORDS,
-                                  'Fewest words of a sentence.')
-_MAX_WORDS = flags.DEFINE_integer('max_words', speech_text.MAX_WORDS,
-                                  'Most words of a sentence.')
-_WORKERS = flags.DEFINE_integer('workers', None,
-                                'espeak-ng processes at once (default: CPUs).')
-_WAV_SAMPLES = flags.DEFINE_integer(
-    'wav_samples', 0, 'Listening WAV files to write after generation.')
-_FIGURES_DIR = flags.DEFINE_string(
-    'figures_dir', None, 'If set, spectrogram and voice pictures go here.')
+FLAGS = flags.FLAGS
 
-flags.mark_flag_as_required('data_dir')
+
+def define_flags():
+  """Defines the binary's flags (called under __main__, not at import)."""
+  flags.DEFINE_string('data_dir', None, 'Cache directory to generate into.')
+  flags.DEFINE_string(
+      'text_root', os.path.join('..', 'shared', 'data'),
+      'Folder holding wikitext2/ and shakespeare/.')
+  flags.DEFINE_integer(
+      'num_utterances', speech_data.DEFAULT_NUM_UTTERANCES,
+      'Number of utterances (the paper: 12,420).')
+  flags.DEFINE_integer('seed', 0, 'Seed of texts, voices, jitter.')
+  flags.DEFINE_integer('min_words', speech_text.MIN_WORDS,
+                       'Fewest words of a sentence.')
+  flags.DEFINE_integer('max_words', speech_text.MAX_WORDS,
+                       'Most words of a sentence.')
+  flags.DEFINE_integer('workers', None,
+                       'espeak-ng processes at once (default: CPUs).')
+  flags.DEFINE_integer(
+      'wav_samples', 0, 'Listening WAV files to write after generation.')
+  flags.DEFINE_string(
+      'figures_dir', None, 'If set, spectrogram and voice pictures go here.')
+  flags.mark_flag_as_required('data_dir')
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if _WAV_SAMPLES.value < 0:
+  if FLAGS.wav_samples < 0:
     raise app.UsageError('--wav_samples must be >= 0')
-  if _WORKERS.value is not None and _WORKERS.value < 1:
+  if FLAGS.workers is not None and FLAGS.workers < 1:
     raise app.UsageError('--workers must be >= 1')
   config = speech_data.GenerationConfig(
-      num_utterances=_NUM_UTTERANCES.value, seed=_SEED.value,
-      min_words=_MIN_WORDS.value, max_words=_MAX_WORDS.value)
-  speech_data.generate(_DATA_DIR.value, _TEXT_ROOT.value, config,
-                       workers=_WORKERS.value)
-  if _WAV_SAMPLES.value:
-    speech_data.write_listening_samples(_DATA_DIR.value, _WAV_SAMPLES.value)
-  if _FIGURES_DIR.value:
-    os.makedirs(_FIGURES_DIR.value, exist_ok=True)
-    data = speech_data.load(_DATA_DIR.value)
+      num_utterances=FLAGS.num_utterances, seed=FLAGS.seed,
+      min_words=FLAGS.min_words, max_words=FLAGS.max_words)
+  speech_data.generate(FLAGS.data_dir, FLAGS.text_root, config,
+                       workers=FLAGS.workers)
+  if FLAGS.wav_samples:
+    speech_data.write_listening_samples(FLAGS.data_dir, FLAGS.wav_samples)
+  if FLAGS.figures_dir:
+    os.makedirs(FLAGS.figures_dir, exist_ok=True)
+    data = speech_data.load(FLAGS.data_dir)
     for name, draw in [
         ('speech_spectrograms.png',
          lambda p: speech_figures.plot_spectrograms(data, p)),
         ('speech_voices.png', speech_figures.plot_voice_map)]:
-      path = os.path.join(_FIGURES_DIR.value, name)
+      path = os.path.join(FLAGS.figures_dir, name)
       draw(path)
       print(f'wrote {path}')
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -33,23 +33,28 @@ from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc_backbone
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('data_dir', None, 'Directory with WikiText-2 '
-                    'valid.txt and test.txt.')
-flags.DEFINE_string('output_dir', None, 'Preset directory to write.')
-flags.DEFINE_integer('vocabulary_size', 4096, 'BPE vocabulary size.')
-flags.DEFINE_integer('num_layers', 3, 'Transformer layers.')
-flags.DEFINE_integer('num_heads', 4, 'Attention heads.')
-flags.DEFINE_integer('hidden_dim', 128, 'Hidden size.')
-flags.DEFINE_integer('intermediate_dim', 512, 'Feed-forward size.')
-flags.DEFINE_integer('sequence_length', 64, 'Training block length.')
-flags.DEFINE_integer('max_sequence_length', 128, 'Position embeddings.')
-flags.DEFINE_integer('batch_size', 32, 'Batch size.')
-flags.DEFINE_float('learning_rate', 1e-3, 'Peak Adam learning rate.')
-flags.DEFINE_float('minutes', 20.0, 'Wall-clock training budget.')
-flags.DEFINE_integer('max_epochs', 30, 'Upper bound on epochs.')
-flags.DEFINE_integer('heldout_paragraphs', 200,
-                     'Last paragraphs of test.txt kept for held-out perplexity.')
-flags.DEFINE_integer('seed', 0, 'Seed.')
+
+
+def define_flags():
+  """Defines the binary's flags (called under __main__, not at import)."""
+  flags.DEFINE_string('data_dir', None, 'Directory with WikiText-2 '
+                      'valid.txt and test.txt.')
+  flags.DEFINE_string('output_dir', None, 'Preset directory to write.')
+  flags.DEFINE_integer('vocabulary_size', 4096, 'BPE vocabulary size.')
+  flags.DEFINE_integer('num_layers', 3, 'Transformer layers.')
+  flags.DEFINE_integer('num_heads', 4, 'Attention heads.')
+  flags.DEFINE_integer('hidden_dim', 128, 'Hidden size.')
+  flags.DEFINE_integer('intermediate_dim', 512, 'Feed-forward size.')
+  flags.DEFINE_integer('sequence_length', 64, 'Training block length.')
+  flags.DEFINE_integer('max_sequence_length', 128, 'Position embeddings.')
+  flags.DEFINE_integer('batch_size', 32, 'Batch size.')
+  flags.DEFINE_float('learning_rate', 1e-3, 'Peak Adam learning rate.')
+  flags.DEFINE_float('minutes', 20.0, 'Wall-clock training budget.')
+  flags.DEFINE_integer('max_epochs', 30, 'Upper bound on epochs.')
+  flags.DEFINE_integer(
+      'heldout_paragraphs', 200,
+      'Last paragraphs of test.txt kept for held-out perplexity.')
+  flags.DEFINE_integer('seed', 0, 'Seed.')
 
 
 class _Deadline(tf.keras.callbacks.Callback):
@@ -147,4 +152,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -52,6 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 from tasks import mnist_io
+from tasks import preference_users
 
 NUM_SUBPOPULATIONS = 10
 IMAGE_SHAPE = (28, 28, 1)
@@ -150,102 +151,15 @@ def subpopulation_sizes(num_users: int, population: str) -> np.ndarray:
   if population not in POPULATION_PERCENT:
     raise ValueError(f'population must be one of {sorted(POPULATION_PERCENT)}'
                      f', got {population!r}.')
-  percent = np.asarray(POPULATION_PERCENT[population], np.int64)
-  quota = num_users * percent  # Exact, in hundredths of a user.
-  sizes = quota // 100
-  shortfall = num_users - int(sizes.sum())
-  # Stable sort on -remainder: equal remainders go to the smaller digit.
-  order = np.argsort(-(quota % 100), kind='stable')
-  sizes[order[:shortfall]] += 1
-  return sizes
-
-
-def _cycle_fill(pool: np.ndarray, block_starts: np.ndarray, total: int,
-                rng: np.random.Generator) -> np.ndarray:
-  """Fills `total` slots from `pool` by passes over fresh permutations.
-
-  Slots `block_starts[i]:block_starts[i + 1]` belong to one user and get
-  distinct images: when such a block straddles two passes, the images it got
-  in the old pass are moved to the end of the new pass's permutation.
-
-  Args:
-    pool: Image indices of one digit.
-    block_starts: Sorted start offsets of the users' blocks; the first is 0.
-    total: Number of slots.
-    rng: Random generator.
-
-  Returns:
-    int64 (total,) image indices.
-  """
-  n = pool.shape[0]
-  out = np.empty(total, np.int64)
-  perm = rng.permutation(pool)
-  pos = 0
-  while True:
-    end = min(pos + n, total)
-    out[pos:end] = perm[:end - pos]
-    if end == total:
-      return out
-    # The block holding slot `end` (the next pass's first slot).
-    block = np.searchsorted(block_starts, end, side='right') - 1
-    recent = out[block_starts[block]:end]
-    perm = rng.permutation(pool)
-    if recent.size:
-      clash = np.isin(perm, recent)
-      perm = np.concatenate([perm[~clash], perm[clash]])
-    pos = end
+  return preference_users.subpopulation_sizes(
+      num_users, POPULATION_PERCENT[population])
 
 
 def _assign_images(digits: np.ndarray, labels: np.ndarray, source: str,
                    rng: np.random.Generator) -> np.ndarray:
-  """Picks an image of the requested digit for every slot (see module doc).
-
-  Args:
-    digits: int (U, S) the digit each slot needs.
-    labels: (N,) digit of each candidate image.
-    source: Name of the image set, for error messages.
-    rng: Random generator.
-
-  Returns:
-    int32 (U, S) image indices; a row's indices are distinct.
-  """
-  num_users, slots = digits.shape
-  flat_digit = digits.ravel()
-  flat_user = np.repeat(np.arange(num_users), slots)
-  user_rank = rng.permutation(num_users)
-  # Grouped by digit, then by user (in random user order), stable within.
-  order = np.lexsort((user_rank[flat_user], flat_digit))
-  sorted_digit = flat_digit[order]
-  sorted_user = flat_user[order]
-  bounds = np.searchsorted(sorted_digit, np.arange(NUM_SUBPOPULATIONS + 1))
-  filled = np.empty(order.shape[0], np.int64)
-  for digit in range(NUM_SUBPOPULATIONS):
-    lo, hi = int(bounds[digit]), int(bounds[digit + 1])
-    if lo == hi:
-      continue
-    users = sorted_user[lo:hi]
-    block_starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
-    largest = int(np.diff(np.r_[block_starts, hi - lo]).max())
-    pool = np.flatnonzero(labels == digit)
-    if pool.shape[0] < largest:
-      raise ValueError(
-          f'{source} has {pool.shape[0]} images of digit {digit}, but a user '
-          f'needs {largest} distinct ones.')
-    filled[lo:hi] = _cycle_fill(pool, block_starts, hi - lo, rng)
-  result = np.empty_like(filled)
-  result[order] = filled
-  return result.reshape(num_users, slots).astype(np.int32)
-
-
-def _sample_digits(subpopulation: np.ndarray, count: int,
-                   rng: np.random.Generator) -> np.ndarray:
-  """Digits of `count` samples per user: half its own, half uniform others."""
-  half = count // 2
-  own = np.repeat(subpopulation[:, np.newaxis], half, axis=1)
-  other = rng.integers(0, NUM_SUBPOPULATIONS - 1,
-                       size=(subpopulation.shape[0], half))
-  other += other >= subpopulation[:, np.newaxis]  # Skip the user's digit.
-  return rng.permuted(np.concatenate([own, other], axis=1), axis=1)
+  """An image of the requested digit for every slot (see module doc)."""
+  return preference_users.assign_samples(
+      digits, labels, NUM_SUBPOPULATIONS, rng, source=source, noun='digit')
 
 
 def _check_images(images: np.ndarray, labels: np.ndarray, name: str) -> None:
@@ -258,20 +172,6 @@ def _check_images(images: np.ndarray, labels: np.ndarray, name: str) -> None:
                      f'got {labels.shape}.')
   if labels.size and (labels.min() < 0 or labels.max() >= NUM_SUBPOPULATIONS):
     raise ValueError(f'{name} labels must be in 0..9.')
-
-
-def _check_count(value: int, name: str) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f'{name} must be an int, got {value!r}.')
-  if value <= 0 or value % 2:
-    raise ValueError(
-        f'{name} must be a positive even number (half positives, half '
-        f'negatives), got {value}.')
-
-
-def _frozen(array: np.ndarray) -> np.ndarray:
-  array.setflags(write=False)
-  return array
 
 
 def make_preference_data(images: np.ndarray,
@@ -319,8 +219,8 @@ def make_preference_data(images: np.ndarray,
   if (isinstance(num_users, bool) or
       not isinstance(num_users, (int, np.integer)) or num_users <= 0):
     raise ValueError(f'num_users must be a positive int, got {num_users!r}.')
-  _check_count(train_per_user, 'train_per_user')
-  _check_count(test_per_user, 'test_per_user')
+  preference_users.check_count(train_per_user, 'train_per_user')
+  preference_users.check_count(test_per_user, 'test_per_user')
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
     raise ValueError(f'seed must be an int, got {seed!r}.')
   sizes = subpopulation_sizes(int(num_users), population)
@@ -334,8 +234,10 @@ def make_preference_data(images: np.ndarray,
   rng = np.random.default_rng(seed)
   subpopulation = rng.permutation(
       np.repeat(np.arange(NUM_SUBPOPULATIONS), sizes))
-  train_digits = _sample_digits(subpopulation, train_per_user, rng)
-  test_digits = _sample_digits(subpopulation, test_per_user, rng)
+  train_digits = preference_users.sample_types(
+      subpopulation, train_per_user, NUM_SUBPOPULATIONS, rng)
+  test_digits = preference_users.sample_types(
+      subpopulation, test_per_user, NUM_SUBPOPULATIONS, rng)
   if eval_images is None:
     # One allocation over all of a user's slots keeps its train and test
     # images disjoint.
@@ -357,13 +259,13 @@ def make_preference_data(images: np.ndarray,
   return PreferenceData(
       train_images=images,
       test_images=test_images,
-      train_idx=_frozen(np.ascontiguousarray(train_idx)),
-      test_idx=_frozen(np.ascontiguousarray(test_idx)),
-      train_y=_frozen((train_type == own).astype(np.int32)),
-      train_type=_frozen(train_type),
-      test_y=_frozen((test_type == own).astype(np.int32)),
-      test_type=_frozen(test_type),
-      subpopulation=_frozen(subpopulation.astype(np.int32)),
+      train_idx=preference_users.frozen(train_idx),
+      test_idx=preference_users.frozen(test_idx),
+      train_y=preference_users.frozen((train_type == own).astype(np.int32)),
+      train_type=preference_users.frozen(train_type),
+      test_y=preference_users.frozen((test_type == own).astype(np.int32)),
+      test_type=preference_users.frozen(test_type),
+      subpopulation=preference_users.frozen(subpopulation.astype(np.int32)),
       num_subpopulations=NUM_SUBPOPULATIONS)
 
 

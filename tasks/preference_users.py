@@ -96,7 +96,8 @@ def cycle_fill(pool: np.ndarray, block_starts: np.ndarray, total: int,
 
 
 def assign_samples(types: np.ndarray, labels: np.ndarray, num_types: int,
-                   rng: np.random.Generator) -> np.ndarray:
+                   rng: np.random.Generator, source: str = 'the pool',
+                   noun: str = 'type') -> np.ndarray:
   """Picks a sample of the requested type for every slot.
 
   Args:
@@ -104,6 +105,8 @@ def assign_samples(types: np.ndarray, labels: np.ndarray, num_types: int,
     labels: (N,) type of each sample of the pool.
     num_types: K.
     rng: Random generator.
+    source: Name of the pool, for error messages.
+    noun: What a type is called in error messages (MNIST: 'digit').
 
   Returns:
     int32 (U, S) sample indices; a row's indices are distinct.
@@ -129,15 +132,16 @@ def assign_samples(types: np.ndarray, labels: np.ndarray, num_types: int,
     largest = int(np.diff(np.r_[block_starts, hi - lo]).max())
     pool = np.flatnonzero(labels == k)
     if pool.shape[0] < largest:
-      raise ValueError(f'type {k} has {pool.shape[0]} samples, but a user '
-                       f'needs {largest} distinct ones.')
+      raise ValueError(f'{source} has {pool.shape[0]} samples of {noun} '
+                       f'{k}, but a user needs {largest} distinct ones.')
     filled[lo:hi] = cycle_fill(pool, block_starts, hi - lo, rng)
   result = np.empty_like(filled)
   result[order] = filled
   return result.reshape(num_users, slots).astype(np.int32)
 
 
-def _check_count(value, name: str) -> None:
+def check_count(value, name: str) -> None:
+  """A per-user sample count: a positive even int (half positives)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise ValueError(f'{name} must be an int, got {value!r}.')
   if value <= 0 or value % 2:
@@ -145,7 +149,8 @@ def _check_count(value, name: str) -> None:
                      f'positives, half negatives), got {value}.')
 
 
-def _frozen(array: np.ndarray) -> np.ndarray:
+def frozen(array: np.ndarray) -> np.ndarray:
+  """A read-only contiguous copy-or-view of `array`."""
   array = np.ascontiguousarray(array)
   array.setflags(write=False)
   return array
@@ -182,8 +187,8 @@ def make_users(labels: np.ndarray, num_types: int, percent, *,
   if (isinstance(num_users, bool) or
       not isinstance(num_users, (int, np.integer)) or num_users <= 0):
     raise ValueError(f'num_users must be a positive int, got {num_users!r}.')
-  _check_count(train_per_user, 'train_per_user')
-  _check_count(test_per_user, 'test_per_user')
+  check_count(train_per_user, 'train_per_user')
+  check_count(test_per_user, 'test_per_user')
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
     raise ValueError(f'seed must be an int, got {seed!r}.')
   sizes = subpopulation_sizes(int(num_users), percent)
@@ -203,9 +208,9 @@ def make_users(labels: np.ndarray, num_types: int, percent, *,
   test_type = labels[test_idx].astype(np.int32)
   own = subpopulation[:, np.newaxis]
   return Users(
-      train_idx=_frozen(train_idx), test_idx=_frozen(test_idx),
-      train_y=_frozen((train_type == own).astype(np.int32)),
-      train_type=_frozen(train_type),
-      test_y=_frozen((test_type == own).astype(np.int32)),
-      test_type=_frozen(test_type),
-      subpopulation=_frozen(subpopulation.astype(np.int32)))
+      train_idx=frozen(train_idx), test_idx=frozen(test_idx),
+      train_y=frozen((train_type == own).astype(np.int32)),
+      train_type=frozen(train_type),
+      test_y=frozen((test_type == own).astype(np.int32)),
+      test_type=frozen(test_type),
+      subpopulation=frozen(subpopulation.astype(np.int32)))

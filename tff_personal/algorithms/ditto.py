@@ -163,14 +163,8 @@ def build_ditto(model_fn: split_model_lib.SplitModelFn, *,
     update, weight, new_personal, metrics = run(
         global_weights, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
         dataset)
-    metrics['clients'] = tf.constant(1, tf.int32)
-    new_state = collections.OrderedDict([
-        (process_lib.CLIENT_STATE_PRIVATE, new_personal),
-        (process_lib.CLIENT_STATE_ROUNDS,
-         client_state[process_lib.CLIENT_STATE_ROUNDS] + 1)])
-    return collections.OrderedDict(
-        update=update, update_weight=weight, client_state=new_state,
-        metrics=metrics)
+    return process_lib.client_step_result(
+        update, weight, new_personal, client_state, metrics)
 
   return process_lib.compose_stateful_client_process(
       initial_model_weights=weights, client_state_type=state_type,

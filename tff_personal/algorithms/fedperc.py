@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional
 
 import dp_accounting
 import numpy as np
@@ -153,14 +152,8 @@ def build_process(spec: fedperc_backbone.BackboneSpec,
     update, weight, new_private, metrics = train(
         weights, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
         dataset)
-    metrics['clients'] = tf.constant(1, tf.int32)
-    new_state = collections.OrderedDict([
-        (process_lib.CLIENT_STATE_PRIVATE, new_private),
-        (process_lib.CLIENT_STATE_ROUNDS,
-         client_state[process_lib.CLIENT_STATE_ROUNDS] + 1)])
-    return collections.OrderedDict(
-        update=update, update_weight=weight, client_state=new_state,
-        metrics=metrics)
+    return process_lib.client_step_result(
+        update, weight, new_private, client_state, metrics)
 
   return process_lib.compose_stateful_client_process(
       initial_model_weights=weights, client_state_type=state_type,

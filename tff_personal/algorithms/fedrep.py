@@ -22,10 +22,8 @@ variable: FedAvg exactly (tested against TFF's).
 
 from __future__ import annotations
 
-import collections
 from typing import Optional
 
-import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.algorithms import personal_head_training
@@ -48,14 +46,8 @@ def fedrep_client_step_factory(model_fn: split_model_lib.SplitModelFn,
               model, body_optimizer, head_optimizer, weights,
               tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset,
               head_epochs, metrics_fn))
-      metrics['clients'] = tf.constant(1, tf.int32)
-      return collections.OrderedDict(
-          update=update, update_weight=weight,
-          client_state=collections.OrderedDict([
-              (process_lib.CLIENT_STATE_PRIVATE, new_private),
-              (process_lib.CLIENT_STATE_ROUNDS,
-               client_state[process_lib.CLIENT_STATE_ROUNDS] + 1)]),
-          metrics=metrics)
+      return process_lib.client_step_result(
+          update, weight, new_private, client_state, metrics)
 
     return step
 

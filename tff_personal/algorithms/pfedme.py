@@ -29,7 +29,6 @@ to FedAvg of the task model.
 
 from __future__ import annotations
 
-import collections
 from typing import Optional
 
 import tensorflow as tf
@@ -62,14 +61,8 @@ def pfedme_client_step_factory(model_fn: split_model_lib.SplitModelFn,
               model, optimizer, inner_optimizer, weights, theta, dataset,
               global_head=global_head, lam=lam, inner_steps=inner_steps,
               metrics_fn=metrics_fn))
-      metrics['clients'] = tf.constant(1, tf.int32)
-      return collections.OrderedDict(
-          update=update, update_weight=weight,
-          client_state=collections.OrderedDict([
-              (process_lib.CLIENT_STATE_PRIVATE, new_private),
-              (process_lib.CLIENT_STATE_ROUNDS,
-               client_state[process_lib.CLIENT_STATE_ROUNDS] + 1)]),
-          metrics=metrics)
+      return process_lib.client_step_result(
+          update, weight, new_private, client_state, metrics)
 
     return step
 

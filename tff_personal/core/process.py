@@ -307,6 +307,23 @@ def split_client_state_type(model_fn: split_model_lib.SplitModelFn) -> tff.Type:
   ]))
 
 
+def client_step_result(update, update_weight, new_private, client_state,
+                       metrics) -> collections.OrderedDict:
+  """A client step's output: the update, the new client state, the metrics.
+
+  The new client state holds `new_private` and the client's participation
+  count advanced by one; `metrics['clients']` counts this client once.
+  """
+  metrics['clients'] = tf.constant(1, tf.int32)
+  new_state = collections.OrderedDict([
+      (CLIENT_STATE_PRIVATE, new_private),
+      (CLIENT_STATE_ROUNDS, client_state[CLIENT_STATE_ROUNDS] + 1),
+  ])
+  return collections.OrderedDict(
+      update=update, update_weight=update_weight, client_state=new_state,
+      metrics=metrics)
+
+
 def split_client_step_factory(
     model_fn: split_model_lib.SplitModelFn,
     client_optimizer: tff.learning.optimizers.Optimizer,
@@ -323,14 +340,8 @@ def split_client_step_factory(
           model, client_optimizer, weights,
           tuple(client_state[CLIENT_STATE_PRIVATE]), dataset, metrics_fn,
           private_optimizer)
-      metrics['clients'] = tf.constant(1, tf.int32)
-      new_state = collections.OrderedDict([
-          (CLIENT_STATE_PRIVATE, new_private),
-          (CLIENT_STATE_ROUNDS, client_state[CLIENT_STATE_ROUNDS] + 1),
-      ])
-      return collections.OrderedDict(
-          update=update, update_weight=weight, client_state=new_state,
-          metrics=metrics)
+      return client_step_result(update, weight, new_private, client_state,
+                                metrics)
 
     return step
 
