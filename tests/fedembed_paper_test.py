@@ -164,7 +164,8 @@ def test_every_method_has_the_same_budget_and_dp():
     configs.add(fedembed.dp_config(cell, _flags(), 9000))
   assert len(configs) == 1
   (dp,) = configs
-  d = defaults.defaults_for('mnist_preference', 'fedembed_prototype')
+  d = defaults.defaults_for('mnist_preference', 'fedembed_prototype',
+                           'gaussian_fixed')
   resolved = privacy.resolve(dataclasses.replace(
       dp, clients_per_round=d['clients_per_round'], population=9000,
       rounds=d['rounds']))
