@@ -61,6 +61,12 @@ def test_personalized_fl_cell_end_to_end(tmp_path):
   metrics = furl.run_cell(cell, flag_values, out_dir)
   assert 0.0 <= metrics['accuracy'] <= 1.0
   assert 0.0 <= metrics['cold_start_accuracy'] <= 1.0
+  # Personalized FL cells also test after one local pass of the embedding.
+  assert 0.0 <= metrics['accuracy_fine_tuned'] <= 1.0
+  with open(os.path.join(out_dir, 'fl', 'summary.json')) as f:
+    summary = json.load(f)
+  assert summary['test_fine_tuned']['num_clients'] == (
+      summary['test']['num_clients'])
   task = furl._task(DATA, 0, 150)  # pylint: disable=protected-access
   assert metrics['rounds'] == -(-task.population // 10)
   with np.load(os.path.join(out_dir, 'embeddings.npz')) as z:

@@ -14,7 +14,6 @@ import time
 from typing import Any, Callable, Optional
 
 import numpy as np
-import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.algorithms import fedavg
@@ -56,6 +55,11 @@ class ExperimentConfig:
   # personalization, so that clients who never took part are evaluated after
   # the same local step as those who did. Nothing leaves the client.
   eval_fine_tune: bool = False
+  # With a held-out test split (`task.test_datasets`): also test every
+  # evaluated client after that same local pass, and report it as
+  # summary['test_fine_tuned'] next to summary['test'] (which follows
+  # `eval_fine_tune`). Measures how stale the stored private state is.
+  test_fine_tune: bool = False
   cold_start_epochs: int = 5
   resume: bool = False
   client_state_backend: str = 'auto'
@@ -162,14 +166,16 @@ def run_experiment(task, config: ExperimentConfig,
   fine_tune_eval = evaluation.build_cold_start_eval(
       proc.model_fn, weights_type, proc.client_state_type,
       _private_optimizer(config) or fedavg.adam(
-          config.client_learning_rate)) if config.eval_fine_tune else None
+          config.client_learning_rate)) if (
+              config.eval_fine_tune or config.test_fine_tune) else None
 
-  def evaluate(state, datasets_fn, ids=eval_ids):
+  def evaluate(state, datasets_fn, ids=eval_ids,
+               fine_tune=config.eval_fine_tune):
     weights = proc.get_model_weights(state)
     outputs = []
     for i in range(0, len(ids), config.eval_chunk):
       chunk = ids[i:i + config.eval_chunk]
-      if fine_tune_eval is None:
+      if not fine_tune:
         outputs.extend(personal_eval(weights, store.load(chunk),
                                      datasets_fn(chunk)))
       else:  # The same fixed local pass at every evaluation.
@@ -189,7 +195,7 @@ def run_experiment(task, config: ExperimentConfig,
       checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
       resume=config.resume)
   setup_seconds = time.perf_counter() - t_start
-  test_metrics = cold_start_metrics = None
+  test_metrics = test_fine_tuned = cold_start_metrics = None
   try:
     result = training_loop.run_training(
         train_proc, store=store,
@@ -200,6 +206,11 @@ def run_experiment(task, config: ExperimentConfig,
     if hasattr(task, 'test_datasets'):  # held-out test split, after training
       test_metrics = evaluate(result.state, task.test_datasets)
       log_fn(f'test: {_short(test_metrics)}')
+      if config.test_fine_tune:
+        test_fine_tuned = evaluate(result.state, task.test_datasets,
+                                   fine_tune=True)
+        log_fn(f'test after one local pass of private state: '
+               f'{_short(test_fine_tuned)}')
     if export_private_states:
       _export_private_states(store, eval_ids, config.experiment_dir)
     if getattr(task, 'cold_client_ids', None):
@@ -231,6 +242,7 @@ def run_experiment(task, config: ExperimentConfig,
       'simulation_shards': num_shards,
       'eval': result.eval_metrics,
       'test': test_metrics,
+      'test_fine_tuned': test_fine_tuned,
       'cold_start': cold_start_metrics,
       'final_train_metrics': result.train_metrics,
       'privacy': report,
