@@ -83,17 +83,12 @@ _MNIST_METHODS: dict[str, dict[str, Any]] = {
 
 # Speech preferences (FedEmbed section 4.3: 900 users, 20 voices): the MNIST
 # settings on the paper's population, every user evaluated, with the budget
-# of docs/speech.md (50 rounds of 30: a speech round costs about 20 MNIST
-# rounds). Not tuned yet.
+# of the run in docs/speech.md (50 rounds of 30; a speech step processes a
+# 200 x 375 spectrogram, a far heavier round than MNIST's). Not tuned yet.
 _SPEECH_COMMON = types.MappingProxyType({
     **_MNIST_COMMON, 'num_users': 900, 'eval_clients': 900, 'rounds': 50,
     'clients_per_round': 30, 'eval_every': 25})
 
-# DP on speech: 900 users, so a cohort of 200 would need noise multiplier 2.9
-# at epsilon 10 over 40 rounds (and a speech round of 200 users is slow);
-# 30 rounds of 100 need 1.45, the same noise on the mean update
-# (multiplier / cohort = 0.0145) as MNIST's DP setting (0.99 / 200 = 0.005
-# is lower: MNIST has 10x the users).
 # The speech model's personal embedding is the diagonal of its 200 x 375
 # input channel (Appendix B.2): size 200 for the methods that have one.
 _SPEECH_EMBEDDING = {
@@ -101,6 +96,11 @@ _SPEECH_EMBEDDING = {
     for m in ('global_plus', 'fedembed_prototype', 'fedembed_type',
               'fedembed_personal', 'fedembed_som')}
 
+# DP on speech: 900 users, so a cohort of 200 would need noise multiplier 2.9
+# at epsilon 10 over 40 rounds (and a speech round of 200 users is slow);
+# 30 rounds of 100 need 1.45: noise on the mean update of 1.45 / 100 = 0.0145
+# per unit of clip, as 2.9 / 200 would give (MNIST's 0.99 / 200 = 0.005 is
+# lower because MNIST has 10 times the users).
 SPEECH_DP_SETTINGS = types.MappingProxyType({
     **DP_SETTINGS, 'rounds': 30, 'eval_every': 15, 'clients_per_round': 100})
 _DP_SETTINGS = {'speech_preference': SPEECH_DP_SETTINGS}
