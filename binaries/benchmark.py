@@ -10,9 +10,13 @@ One workload for every system (FedEmbed Appendix B.1's MNIST CNN; clients of
 of each round drawn from (seed, round)). Systems:
 
 * `tff_fedavg`: `tff.learning.algorithms.build_weighted_fed_avg` on the
-  Keras model, one TFF client per user (the in-framework reference).
+  Keras model, one TFF client per user (the in-framework reference), with
+  TensorFlow's default thread pools in the worker as TFF's own local context
+  runs it (`--reference_threads=project` gives it the project's).
 * `global`, `global_plus`, `fedembed_prototype`: the project's processes
-  (`--simulation_shards`: -1 auto = sharded, 0 = one user per TFF client),
+  (`--simulation_shards`: -1 auto = sharded, 0 = one user per TFF client;
+  the worker's thread pools from `--intra_op_threads` / `--inter_op_threads`,
+  by default one thread per op and one inter-op thread per CPU),
   driven as `binaries.train` drives them: a client-state store, per-user
   `tf.data` datasets, `next`, states saved back (no checkpoints, no eval).
 * `keras_central`: plain training of the same model on the same examples of
@@ -60,6 +64,7 @@ from tff_personal.core import client_state
 from tff_personal.core import runtime
 from tff_personal.core import sharded
 from tff_personal.core import training_loop
+from tff_personal.core import worker_threads
 from tff_personal.models import fedembed_mnist
 
 FLAGS = flags.FLAGS
@@ -80,6 +85,20 @@ def define_flags():
   flags.DEFINE_integer('simulation_shards', -1,
                        'For the project\'s systems: -1 auto (sharded), 0 one '
                        'user per TFF client, n shards.')
+  flags.DEFINE_integer('intra_op_threads',
+                       worker_threads.DEFAULT_INTRA_OP_THREADS,
+                       'worker_binary threads per op for the project\'s '
+                       'systems (-1: TensorFlow\'s default).')
+  flags.DEFINE_integer('inter_op_threads',
+                       worker_threads.DEFAULT_INTER_OP_THREADS,
+                       'worker_binary inter-op threads for the project\'s '
+                       'systems (0: the CPU count; -1: TensorFlow\'s '
+                       'default).')
+  flags.DEFINE_enum('reference_threads', 'tf_default',
+                    ['tf_default', 'project'],
+                    'Thread pools of tff_fedavg\'s worker: TensorFlow\'s '
+                    'defaults (as TFF\'s own local context runs it) or the '
+                    'project systems\' --intra/inter_op_threads.')
   flags.DEFINE_integer('memory_rounds', 0,
                        'If > 20: a fedembed_prototype run of this many rounds '
                        'that records RSS after round 20 and after the last.')
@@ -245,7 +264,11 @@ def child_main(f) -> None:
       rss[f'rss_mib_after_round_{r}'] = tree_rss_mib(os.getpid())
 
   data = dict(np.load(f.workload))
-  with runtime.local_runtime():
+  threads = (f.intra_op_threads, f.inter_op_threads)
+  if f.child == 'tff_fedavg' and f.reference_threads == 'tf_default':
+    threads = (-1, -1)
+  with runtime.local_runtime(intra_op_threads=threads[0],
+                             inter_op_threads=threads[1]):
     if f.child == 'tff_fedavg':
       times, extra = _run_tff_fedavg(data, f.cohort, f.rounds, f.seed, rss_at)
     elif f.child == 'keras_central':
@@ -262,7 +285,10 @@ def child_main(f) -> None:
       seconds_per_round=per_round,
       client_updates_per_s=f.cohort / per_round,
       examples_per_s=f.cohort * EXAMPLES_PER_CLIENT / per_round,
-      first_round_s=times[0], startup_s=startup, **extra, **rss)
+      first_round_s=times[0], startup_s=startup,
+      worker_threads={'intra_op': worker_threads.resolve(threads[0], 'intra'),
+                      'inter_op': worker_threads.resolve(threads[1], 'inter')},
+      **extra, **rss)
   with open(f.record, 'w') as out:
     json.dump(record, out)
 
@@ -307,12 +333,22 @@ def _ratio(a, b):
   return f'{a / b:.2f}x' if a and b else '-'
 
 
+def _threads(record) -> str:
+  """'intra/inter' of the run's worker_binary ('-' without a worker)."""
+  t = record.get('worker_threads')
+  if not t or record['name'] == 'keras_central':
+    return '-'
+  show = lambda n: 'TF default' if n is None else str(n)
+  return f"{show(t['intra_op'])}/{show(t['inter_op'])}"
+
+
 def render_markdown(records, machine: str, command: str) -> str:
   """The table, with ratios to tff_fedavg and keras_central per cohort."""
   lines = [f'Machine: {machine}', '', f'Command: `{command}`', '',
            '| system | cohort | client updates/s | examples/s | s/round | '
            'start-up s | peak RSS MiB | vs tff_fedavg | vs keras_central | '
-           'vs pfl_fedavg |', '|' + '---|' * 10]
+           'vs pfl_fedavg | worker threads (intra/inter) |',
+           '|' + '---|' * 11]
   by_key = {(r['name'], r['cohort']): r for r in records}
   for r in records:
     if 'rss_mib_after_round_20' in r and r.get('memory_run'):
@@ -328,7 +364,8 @@ def render_markdown(records, machine: str, command: str) -> str:
         f"{r.get('peak_rss_mib', float('nan')):.0f} | "
         f"{_ratio(u, ref.get('client_updates_per_s'))} | "
         f"{_ratio(u, ceiling.get('client_updates_per_s'))} | "
-        f"{_ratio(u, peer.get('client_updates_per_s'))} |")
+        f"{_ratio(u, peer.get('client_updates_per_s'))} | "
+        f"{_threads(r)} |")
   memory = [r for r in records if r.get('memory_run')]
   for r in memory:
     a = r.get('rss_mib_after_round_20')
@@ -375,7 +412,10 @@ def parent_main(f) -> int:
       cmd = [sys.executable, '-m', 'binaries.benchmark', f'--child={system}',
              f'--cohort={cohort}', f'--rounds={rounds}',
              f'--workload={workload}', f'--record={record_path}',
-             f'--seed={f.seed}', f'--simulation_shards={f.simulation_shards}']
+             f'--seed={f.seed}', f'--simulation_shards={f.simulation_shards}',
+             f'--intra_op_threads={f.intra_op_threads}',
+             f'--inter_op_threads={f.inter_op_threads}',
+             f'--reference_threads={f.reference_threads}']
     print(f'[{i + 1}/{len(runs)}] {system} cohort {cohort} ({rounds} rounds)',
           flush=True)
     record, peak, err = _run_child(cmd, record_path, f.timeout_s)

@@ -19,6 +19,7 @@ from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
+from tff_personal.core import worker_threads
 
 FLAG_GROUPS = {}
 
@@ -109,11 +110,21 @@ def define_flags():
                     'host:port,... of running TFF executor services '
                     '(python -m binaries.worker --port=N); each round\'s '
                     'clients are split across them. Empty: a local worker.')
+  flags.DEFINE_integer(
+      'intra_op_threads', worker_threads.DEFAULT_INTRA_OP_THREADS,
+      'TensorFlow threads per op in the local worker_binary; -1: '
+      'TensorFlow\'s default (every core for each op). 1 suits concurrent '
+      'client computations (core/worker_threads.py).')
+  flags.DEFINE_integer(
+      'inter_op_threads', worker_threads.DEFAULT_INTER_OP_THREADS,
+      'Ops run at once in the local worker_binary; 0: the CPU count; -1: '
+      'TensorFlow\'s default.')
   _group('training', ['rounds', 'clients_per_round', 'sampling', 'seed',
                       'eval_every', 'eval_clients', 'checkpoint_every',
                       'eval_fine_tune', 'cold_start_epochs',
                       'resume', 'client_state_backend', 'train_metrics',
-                      'use_gpu', 'workers', 'simulation_shards'])
+                      'use_gpu', 'workers', 'simulation_shards',
+                      'intra_op_threads', 'inter_op_threads'])
   # Privacy.
   flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
                     'User-level DP of the shared update.')
@@ -209,6 +220,8 @@ def run(config, task_kwargs, f) -> int:
   if not f['verbosity'].present:  # TFF's checkpoint INFO lines drown progress.
     logging.set_verbosity(logging.WARNING)
   try:
+    worker_threads.resolve(f.intra_op_threads, '--intra_op_threads')
+    worker_threads.resolve(f.inter_op_threads, '--inter_op_threads')
     task = task_registry.build_task(f.task, **task_kwargs)
     experiment.validate(config, task.population)
   except ValueError as e:  # Data errors name the file and what is wrong.
@@ -216,7 +229,9 @@ def run(config, task_kwargs, f) -> int:
     return 2
   with runtime.local_runtime(
       log_path=os.path.join(config.experiment_dir, 'worker_binary.log')
-      if _mkdir(config.experiment_dir) else None, workers=f.workers):
+      if _mkdir(config.experiment_dir) else None, workers=f.workers,
+      intra_op_threads=f.intra_op_threads,
+      inter_op_threads=f.inter_op_threads):
     try:
       summary = experiment.run_experiment(
           task, config, log_fn=lambda s: print(s, flush=True),

@@ -1,6 +1,7 @@
 r"""Serves TFF's executor service (the pip package's `worker_binary`) on a port.
 
   python -m binaries.worker --port=8000 [--max_concurrent_computation_calls=-1]
+      [--intra_op_threads=1 --inter_op_threads=0]
 
 Start one per machine (or several per machine on different ports), then point
 a training binary at them with `--workers=host1:8000,host2:8000`: each round's
@@ -31,12 +32,23 @@ from absl import app
 from absl import flags
 import grpc
 
+from tff_personal.core import worker_threads
+
 _PORT = flags.DEFINE_integer('port', None, 'Port to serve on.', lower_bound=1,
                              upper_bound=65535)
 _MAX_CONCURRENT = flags.DEFINE_integer(
     'max_concurrent_computation_calls', -1,
     'Maximum parallel calls of one computation in the service (e.g. clients '
     'trained at once); -1: no limit.')
+_INTRA = flags.DEFINE_integer(
+    'intra_op_threads', worker_threads.DEFAULT_INTRA_OP_THREADS,
+    'TensorFlow threads per op in the service; -1: TensorFlow\'s default. '
+    '1 suits concurrent client computations (tff_personal/core/'
+    'worker_threads.py).')
+_INTER = flags.DEFINE_integer(
+    'inter_op_threads', worker_threads.DEFAULT_INTER_OP_THREADS,
+    'Ops run at once in the service; 0: the CPU count; -1: TensorFlow\'s '
+    'default.')
 _LOG_PATH = flags.DEFINE_string(
     'log_path', None, "File for the service's output (default: this "
     "process's stderr).")
@@ -134,6 +146,11 @@ def main(argv):
     return 2
   signal.signal(signal.SIGTERM, _raise_stop)
   signal.signal(signal.SIGINT, _raise_stop)
+  try:
+    env = worker_threads.worker_env(_INTRA.value, _INTER.value)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   out = open(_LOG_PATH.value, 'ab') if _LOG_PATH.value else None
   proc = None
   try:
@@ -142,7 +159,7 @@ def main(argv):
         [worker_binary_path(), f'--port={_PORT.value}',
          f'--max_concurrent_computation_calls={_MAX_CONCURRENT.value}'],
         stdin=subprocess.DEVNULL, stdout=out or sys.stderr,
-        stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=env)
     _wait_ready(proc, _PORT.value, _READY_TIMEOUT_S.value)
     print(f'worker ready on port {_PORT.value} (pid {proc.pid})', flush=True)
     while proc.poll() is None:

@@ -31,6 +31,8 @@ def test_small_run_writes_consistent_records(tmp_path):
     assert r['startup_s'] >= r['first_round_s'] > 0
     assert r['peak_rss_mib'] > 200
   assert records[0]['simulation_shards'] >= 1  # auto: sharded
+  # The project's systems run the worker with one thread per op.
+  assert records[0]['worker_threads']['intra_op'] == 1
   table = (out / 'benchmark.md').read_text()
   assert '| global | 4 |' in table and 'keras_central' in table
 
@@ -42,7 +44,8 @@ def test_render_markdown_ratios():
            peak_rss_mib=1000.0),
       dict(name='global', cohort=50, client_updates_per_s=60.0,
            examples_per_s=1200.0, seconds_per_round=0.83, startup_s=9.0,
-           peak_rss_mib=1000.0),
+           peak_rss_mib=1000.0,
+           worker_threads={'intra_op': 1, 'inter_op': 2}),
       dict(name='keras_central', cohort=50, client_updates_per_s=120.0,
            examples_per_s=2400.0, seconds_per_round=0.4, startup_s=5.0,
            peak_rss_mib=600.0),
@@ -50,7 +53,7 @@ def test_render_markdown_ratios():
   table = benchmark.render_markdown(records, 'test machine', 'cmd')
   global_row = [line for line in table.splitlines()
                 if line.startswith('| global |')][0]
-  assert '| 6.00x | 0.50x | - |' in global_row
+  assert global_row.endswith('| 6.00x | 0.50x | - | 1/2 |')
 
 
 def test_unknown_system_is_a_usage_error(tmp_path):

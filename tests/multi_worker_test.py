@@ -166,6 +166,25 @@ def test_worker_refuses_a_port_in_use(workers):
   assert f'port {workers[0].port} is already in use' in out.stderr
 
 
+def test_worker_service_gets_its_thread_pools(workers):
+  # The default: one thread per op, one inter-op thread per CPU.
+  with open(f'/proc/{workers[0].service_pid}/environ', 'rb') as f:
+    env = f.read().split(b'\0')
+  assert b'TF_NUM_INTRAOP_THREADS=1' in env
+  assert f'TF_NUM_INTEROP_THREADS={len(os.sched_getaffinity(0))}'.encode(
+      ) in env
+
+
+def test_worker_refuses_a_bad_thread_count_before_starting():
+  out = subprocess.run(
+      [sys.executable, '-m', 'binaries.worker',
+       f'--port={portpicker.pick_unused_port()}', '--intra_op_threads=-3'],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2
+  assert 'intra_op_threads must be' in out.stderr
+  assert 'ready' not in out.stdout
+
+
 def test_workers_shut_down_on_sigterm(workers):
   for w in workers:
     code, out = w.stop()

@@ -70,6 +70,8 @@ import grpc
 import portpicker
 import tensorflow_federated as tff
 
+from tff_personal.core import worker_threads
+
 # TFF internals: the same pieces TFF's own `local_cpp_executor_factory` uses.
 from tensorflow_federated.python.common_libs import async_utils as _async_utils
 from tensorflow_federated.python.common_libs import structure as _structure
@@ -139,15 +141,27 @@ class LocalCppRuntime:
     with LocalCppRuntime() as runtime:   # installs itself as TFF's context
       process.next(...)
     # worker stopped here, whatever happened inside.
+
+  The worker's TensorFlow thread pools default to one thread per op and one
+  inter-op thread per CPU (`worker_threads`: concurrent client computations
+  make the parallelism); -1 leaves TensorFlow's defaults (or the caller's
+  `TF_NUM_*_THREADS` environment) in place.
   """
 
   def __init__(self,
                default_num_clients: int = 0,
                max_concurrent_computation_calls: int = -1,
-               log_path: Optional[str] = None):
+               log_path: Optional[str] = None,
+               intra_op_threads: Optional[int] = (
+                   worker_threads.DEFAULT_INTRA_OP_THREADS),
+               inter_op_threads: Optional[int] = (
+                   worker_threads.DEFAULT_INTER_OP_THREADS)):
     self._default_num_clients = default_num_clients
     self._max_concurrent = max_concurrent_computation_calls
     self._log_path = log_path
+    # Validated now: a bad count is an error before any worker starts.
+    self._worker_env = worker_threads.worker_env(intra_op_threads,
+                                                 inter_op_threads)
     self._process: Optional[subprocess.Popen] = None
     self._stub = None
     self._lock = threading.Lock()
@@ -180,7 +194,8 @@ class LocalCppRuntime:
         [binary, f'--port={port}',
          f'--max_concurrent_computation_calls={self._max_concurrent}'],
         stdout=out, stderr=subprocess.STDOUT if self._log_path else out,
-        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        env=self._worker_env)
     if self._log_path:
       out.close()
     channel = grpc.insecure_channel(f'localhost:{port}', _GRPC_CHANNEL_OPTIONS)
@@ -424,8 +439,17 @@ class WorkersRuntime:
 @contextlib.contextmanager
 def local_runtime(log_path: Optional[str] = None,
                   handle_sigterm: bool = True,
-                  workers=None) -> Iterator[LocalCppRuntime | WorkersRuntime]:
+                  workers=None,
+                  intra_op_threads: Optional[int] = (
+                      worker_threads.DEFAULT_INTRA_OP_THREADS),
+                  inter_op_threads: Optional[int] = (
+                      worker_threads.DEFAULT_INTER_OP_THREADS),
+                  ) -> Iterator[LocalCppRuntime | WorkersRuntime]:
   """Installs a `LocalCppRuntime` for the block and always stops its worker.
+
+  `intra_op_threads` / `inter_op_threads` set the local worker's TensorFlow
+  thread pools (`LocalCppRuntime`); remote workers get theirs from
+  `binaries.worker`'s flags of the same names.
 
   With `handle_sigterm`, SIGTERM becomes `SystemExit` so that the `finally`
   clauses of the program (checkpoint files, the store) run before exit.
@@ -440,8 +464,10 @@ def local_runtime(log_path: Optional[str] = None,
       raise SystemExit(128 + signum)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
   try:
-    runtime = (LocalCppRuntime(log_path=log_path) if not workers
-               else WorkersRuntime(workers))
+    runtime = (LocalCppRuntime(log_path=log_path,
+                               intra_op_threads=intra_op_threads,
+                               inter_op_threads=inter_op_threads)
+               if not workers else WorkersRuntime(workers))
   except BaseException:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
