@@ -437,7 +437,8 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   if cell.setting['population'] == 'balanced':
     prevalence = (100 // len(prevalence),) * len(prevalence)
   metrics = cell_metrics(summary, prevalence)
-  _save_analysis(task, cell, config.experiment_dir, out_dir)
+  _save_analysis(task, cell, config.experiment_dir, out_dir,
+                 config.embedding_dim)
   root = _root_of(out_dir)
   if root:  # this cell's record is appended after run_cell returns
     write_extra_tables(root, extra_records=[{
@@ -454,25 +455,33 @@ def _root_of(out_dir: str) -> Optional[str]:
   return None if root == '/' else os.path.dirname(root)
 
 
-def _private_names(task, method: str) -> Optional[list[str]]:
-  """Names of the private variables of a FedEmbed method's model, in order."""
+def _private_names(task, method: str,
+                   embedding_dim: Optional[int] = None) -> Optional[list[str]]:
+  """Names of the private variables of a FedEmbed method's model, in order.
+
+  `embedding_dim` is the cell's (None: the model's default); the speech model
+  accepts only its own size.
+  """
   if not method.startswith('fedembed_'):
     return None
   assignment = method[len('fedembed_'):]
   if assignment not in fedembed_model.ASSIGNMENTS:
     return None
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  config = fedembed_model.FedEmbedConfig(
+      assignment=assignment,
+      **({} if embedding_dim is None else {'embedding_dim': embedding_dim}))
   with tf.Graph().as_default():
-    model = task.fedembed_model_fn_factory(
-        fedembed_model.FedEmbedConfig(assignment=assignment))()
+    model = task.fedembed_model_fn_factory(config)()
     return [v.name.split('/')[-1].split(':')[0]
             for v in model.private_variables]
 
 
-def _save_analysis(task, cell, exp_dir: str, out_dir: str) -> None:
+def _save_analysis(task, cell, exp_dir: str, out_dir: str,
+                   embedding_dim: Optional[int] = None) -> None:
   """analysis.npz: users' ground truth, embeddings, trained flag and heads."""
   path = os.path.join(exp_dir, 'private_states.npz')
-  names = _private_names(task, cell.method)
+  names = _private_names(task, cell.method, embedding_dim)
   if not os.path.exists(path) or names is None:
     return
   with np.load(path) as z:

@@ -169,16 +169,22 @@ def test_task_datasets_hold_the_users_spectrograms(tiny_task):
 def test_fedembed_model_has_one_head_per_voice(tiny_task):
   factory = tiny_task.fedembed_model_fn_factory(
       fedembed.FedEmbedConfig(embedding_dim=200))
-  try:
-    model = factory()
-  except ValueError as e:
-    pytest.skip('models/fedembed.build_fedembed_model needs the rectangular '
-                f'diagonal hook (tf.linalg.diag num_rows/num_cols): {e}')
+  model = factory()
   kernel = model.model.get_layer('heads').kernel
   assert kernel.shape == (20, 456, 2)  # K = 20 voices; 256 + 200 inputs.
   assert model.model.get_layer('type_head').kernel.shape == (456, 20)
   with pytest.raises(ValueError, match='--embedding_dim=200'):
     tiny_task.fedembed_model_fn_factory(fedembed.FedEmbedConfig())
+
+
+def test_reproduction_names_the_speech_models_private_state(tiny_task):
+  # papers/fedembed.py labels the exported private states of a cell with the
+  # model's private variables, built at the cell's embedding size.
+  from papers import fedembed as fedembed_paper  # pylint: disable=g-import-not-at-top
+  names = fedembed_paper._private_names(tiny_task, 'fedembed_prototype', 200)
+  assert names[0] == 'personal_embedding' and len(names) >= 2
+  with pytest.raises(ValueError, match='--embedding_dim=200'):
+    fedembed_paper._private_names(tiny_task, 'fedembed_prototype')
 
 
 def test_one_global_plus_round_keeps_embeddings_private(tiny_task):
