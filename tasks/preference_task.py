@@ -73,6 +73,15 @@ class PreferenceTask:
 
   metrics_fn = staticmethod(accuracy_sums)
 
+  @property
+  def wire_format(self) -> client_data.WireFormat | None:
+    """How `train_batches` stores examples (None: in `element_spec` form)."""
+    return None
+
+  def _train_arrays(self, user: int):
+    """One user's training `(x, y, type)` in `wire_format`'s form."""
+    return self.data.user_arrays(user, 'train')
+
   def _dataset(self, user: int, split: str, shuffle: int | None):
     return mnist_preference.client_dataset(
         self.data, user, split, self.batch_size, shuffle_seed=shuffle)
@@ -86,14 +95,14 @@ class PreferenceTask:
     run trains on exactly what the uninterrupted run did.
     """
     out = []
-    spec = self.element_spec
+    spec, wire = self.element_spec, self.wire_format
     for cid in client_ids:
-      x, y, types = self.data.user_arrays(cid, 'train')
+      x, y, types = self._train_arrays(cid)
       rng = np.random.default_rng(shuffle_seed(self.seed, round_num, cid))
       orders = [rng.permutation(len(y)) for _ in range(self.local_epochs)]
       out.append(client_data.ClientBatches.from_arrays(
           collections.OrderedDict(x=x, y=y, type=types), self.batch_size,
-          orders, spec))
+          orders, spec, wire=wire))
     return out
 
   def train_datasets(self, client_ids: Sequence[int],

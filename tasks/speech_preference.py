@@ -89,7 +89,8 @@ class SpeechPreferenceData:
     return np.asarray(self.spectrograms[idx[user]]), y[user], types[user]
 
 
-def _to_model_input(batch):
+def to_model_input(batch):
+  """A uint8 batch -> the model's float32 [0, 1] input with a channel axis."""
   x = tf.cast(batch['x'], tf.float32) / 255.0  # speech_spectrogram.to_unit
   return collections.OrderedDict(x=x[..., tf.newaxis], y=batch['y'],
                                  type=batch['type'])
@@ -125,7 +126,7 @@ def client_dataset(data: SpeechPreferenceData, user: int,
   if split == 'train' and shuffle_seed is not None:
     dataset = dataset.shuffle(y.shape[0], seed=shuffle_seed,
                               reshuffle_each_iteration=True)
-  return dataset.batch(int(batch_size)).map(_to_model_input)
+  return dataset.batch(int(batch_size)).map(to_model_input)
 
 
 def make_preference_data(spectrograms: np.ndarray, voices: np.ndarray, *,

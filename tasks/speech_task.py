@@ -10,6 +10,7 @@ has K = 20 heads.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import tensorflow as tf
@@ -17,6 +18,7 @@ import tensorflow as tf
 from tasks import mnist_preference
 from tasks import preference_task
 from tasks import speech_preference
+from tff_personal.core import client_data
 from tff_personal.models import fedembed
 from tff_personal.models import fedembed_speech
 from tff_personal.models import split_model
@@ -38,22 +40,27 @@ class SpeechPreferenceTask(preference_task.PreferenceTask):
     return speech_preference.client_dataset(
         self.data, user, split, self.batch_size, shuffle_seed=shuffle)
 
-  def train_datasets(self, client_ids, round_num):
-    """uint8 datasets converted per batch (one user per TFF client).
+  @property
+  def wire_format(self) -> client_data.WireFormat:
+    """Training examples travel as the stored uint8 spectrograms.
 
-    `PreferenceTask.train_datasets` builds datasets from float32 arrays;
-    serialised into TFF's executor every round, float32 spectrograms made a
-    run grow by about 1 GB per round (measured), so this task keeps uint8 in
-    the dataset. (The sharded simulation uses `train_batches`, whose arrays
-    travel as tensors, not as dataset graphs.) The shuffle is tf.data's, so
-    the two forms visit a user's samples in different orders.
+    Serialised into TFF's executor every round, float32 spectrograms cost 4x
+    the bytes (300 KB per sample, not 75 KB; a float32 run grew by about
+    1 GB per round, measured) and most of a round's time in serialisation.
+    `decode` is `speech_preference`'s per-batch conversion to the model's
+    float32 [0, 1] input, run inside the client computation, so the one-user
+    (`to_dataset`) and the sharded forms train on the same batches.
     """
-    out = []
-    for cid in client_ids:
-      ds = self._dataset(cid, 'train', preference_task.shuffle_seed(
-          self.seed, round_num, cid))
-      out.append(ds.repeat(self.local_epochs) if self.local_epochs > 1 else ds)
-    return out
+    spec = self.element_spec
+    return client_data.WireFormat(
+        spec=collections.OrderedDict(
+            x=tf.TensorSpec([None, *speech_preference.EXAMPLE_SHAPE[:2]],
+                            tf.uint8),
+            y=spec['y'], type=spec['type']),
+        decode=speech_preference.to_model_input)
+
+  def _train_arrays(self, user: int):
+    return self.data.user_spectrograms(user, 'train')
 
   def fedembed_model_fn_factory(
       self, config: fedembed.FedEmbedConfig) -> split_model.SplitModelFn:

@@ -52,3 +52,42 @@ def test_to_dataset_yields_the_same_batches(n, batch, epochs):
 def test_bad_batch_size_is_refused():
   with pytest.raises(ValueError, match='batch_size'):
     client_data.ClientBatches.from_arrays(examples(3), 0, [np.arange(3)], SPEC)
+
+
+def test_examples_are_stored_once_whatever_the_epochs():
+  orders = [np.arange(5)[::-1], np.arange(5)]
+  cb = client_data.ClientBatches.from_arrays(examples(5), 2, orders, SPEC)
+  assert cb.examples['x'].shape == (5, 2)  # not 10 rows for two epochs
+  assert [i.tolist() for i in cb.index_batches] == [
+      [4, 3], [2, 1], [0], [0, 1], [2, 3], [4]]
+
+
+def test_an_order_outside_the_examples_is_refused():
+  with pytest.raises(ValueError, match='outside the 3 examples'):
+    client_data.ClientBatches.from_arrays(examples(3), 2, [np.arange(4)], SPEC)
+
+
+# A wire format: x travels as uint8 q and the model reads q / 255.
+WIRE = client_data.WireFormat(
+    spec=collections.OrderedDict(x=tf.TensorSpec([None, 2], tf.uint8),
+                                 y=tf.TensorSpec([None], tf.int32)),
+    decode=lambda b: collections.OrderedDict(
+        x=tf.cast(b['x'], tf.float32) / 255.0, y=b['y']))
+
+
+def test_wire_form_dataset_decodes_to_the_model_form():
+  q = np.random.default_rng(2).integers(0, 256, (7, 2)).astype(np.uint8)
+  y = np.arange(7, dtype=np.int32)
+  orders = [np.random.default_rng(3).permutation(7) for _ in range(2)]
+  wire = client_data.ClientBatches.from_arrays(
+      collections.OrderedDict(x=q, y=y), 3, orders, SPEC, wire=WIRE)
+  model_form = client_data.ClientBatches.from_arrays(
+      collections.OrderedDict(x=q.astype(np.float32) / np.float32(255), y=y),
+      3, orders, SPEC)
+  assert wire.batches[0]['x'].dtype == np.uint8  # stored as the wire form
+  got = list(wire.to_dataset())
+  assert len(got) == len(model_form.batches) == 6
+  for a, b in zip(got, model_form.batches):
+    np.testing.assert_array_equal(a['x'].numpy(), b['x'])
+    np.testing.assert_array_equal(a['y'].numpy(), b['y'])
+  assert wire.to_dataset().element_spec['x'].dtype == tf.float32

@@ -215,3 +215,45 @@ def test_one_global_plus_round_keeps_embeddings_private(tiny_task):
     assert not np.allclose(old['private'][0], new['private'][0])
   assert np.isfinite(
       [float(np.sum(w)) for w in after]).all(), metrics
+
+
+def test_training_batches_travel_as_uint8_and_decode_to_model_input(
+    tiny_task):
+  (cb,) = tiny_task.train_batches([7], round_num=3)
+  assert cb.examples['x'].dtype == np.uint8
+  assert cb.examples['x'].shape == (4, 200, 375)  # each sample once
+  x, y, _ = tiny_task.data.user_arrays(7, 'train')
+  batches = list(cb.to_dataset())
+  assert len(batches) == len(cb.index_batches) == 2  # 4 samples, batch 3
+  for got, idx in zip(batches, cb.index_batches):
+    np.testing.assert_array_equal(got['x'].numpy(), x[idx])
+    np.testing.assert_array_equal(got['y'].numpy(), y[idx])
+
+
+def test_sharded_speech_round_equals_one_user_per_client(tiny_task):
+  from tff_personal.core import sharded  # pylint: disable=g-import-not-at-top
+  build = lambda: algorithms.build(
+      'global_plus', tiny_task.model_fn_factory,
+      client_optimizer=tff.learning.optimizers.build_sgdm(0.05),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      metrics_fn=tiny_task.metrics_fn, seed=0, embedding_dim=200)
+  base = build()
+  specs = tff.types.type_to_tf_tensor_specs(base.client_state_type)
+  rng = np.random.default_rng(1)
+  clients = [tf.nest.map_structure(
+      lambda s: rng.normal(0, 0.1, s.shape).astype(s.dtype.as_numpy_dtype)
+      if s.dtype.is_floating else np.zeros(s.shape, s.dtype.as_numpy_dtype),
+      specs) for _ in range(3)]
+  ids = [0, 5, 9]
+  want_state, want_clients, _ = base.next(
+      base.initialize(), clients, tiny_task.train_datasets(ids, round_num=1))
+  proc = sharded.ShardedProcess(build(), 2, wire=tiny_task.wire_format)
+  got_state, got_clients, _ = proc.next(
+      proc.initialize(), clients, tiny_task.train_batches(ids, round_num=1))
+  for a, b in zip(proc.get_model_weights(got_state).trainable,
+                  base.get_model_weights(want_state).trainable):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  for got, want, old in zip(got_clients, want_clients, clients):
+    np.testing.assert_allclose(got['private'][0], want['private'][0],
+                               rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got['private'][0], old['private'][0])

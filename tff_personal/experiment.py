@@ -139,7 +139,9 @@ def run_experiment(task, config: ExperimentConfig,
       **({} if config.embedding_dim is None else
          {'embedding_dim': config.embedding_dim}))
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
-  train_proc = sharded.maybe_shard(proc, num_shards, dp)
+  # Tasks whose examples travel in a compact form (speech: uint8) say so.
+  train_proc = sharded.maybe_shard(proc, num_shards, dp,
+                                   getattr(task, 'wire_format', None))
   log_fn(f'simulation: {num_shards} shards per round' if num_shards else
          'simulation: one user per TFF client')
   template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)

@@ -49,7 +49,8 @@ from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
 
-SHARD_BATCHES = 'batches'
+SHARD_EXAMPLES = 'examples'
+SHARD_INDICES = 'indices'
 SHARD_BATCH_SIZES = 'batch_sizes'
 SHARD_NUM_BATCHES = 'num_batches'
 
@@ -65,25 +66,31 @@ def _stacked_type(t: tff.Type) -> tff.Type:
       else (x, False))[0]
 
 
-def shard_data_type(data_type: tff.SequenceType) -> tff.Type:
+def shard_data_type(data_type: tff.SequenceType,
+                    wire: client_data.WireFormat | None = None) -> tff.Type:
   """The TFF type of one shard's data, from one user's dataset type.
 
-  `batches`: every tensor of a batch, stacked as [users, batches, batch, ...]
-  (zero-padded); `batch_sizes`: [users, batches] true sizes; `num_batches`:
-  [users] true counts. Batch boundaries are kept exactly, so the per-user
-  dataset rebuilt inside the shard yields the same batches as the original.
+  `examples`: every tensor of an example, stacked as [users, examples, ...]
+  (zero-padded; in `wire.spec`'s form when a wire format is given), each
+  user's examples once however many epochs visit them; `indices`: [users,
+  batches, batch] the examples of each batch in visiting order;
+  `batch_sizes`: [users, batches] true sizes; `num_batches`: [users] true
+  counts. Batch boundaries and order are kept exactly, so the per-user
+  batches rebuilt inside the shard are the original ones.
   """
-  element = data_type.element
+  element = (data_type.element if wire is None else
+             tff.types.tensorflow_to_type(wire.spec))
 
   def add_axes(tensor_type):
     return tff.TensorType(tensor_type.dtype,
-                          [None, None] + list(tensor_type.shape))
+                          [None, None] + list(tensor_type.shape[1:]))
 
-  batches = tff.types.type_transformations.transform_type_postorder(
+  examples = tff.types.type_transformations.transform_type_postorder(
       element, lambda x: (add_axes(x), True) if isinstance(x, tff.TensorType)
       else (x, False))[0]
   return tff.types.to_type(collections.OrderedDict([
-      (SHARD_BATCHES, batches),
+      (SHARD_EXAMPLES, examples),
+      (SHARD_INDICES, tff.TensorType(np.int32, [None, None, None])),
       (SHARD_BATCH_SIZES, tff.TensorType(np.int32, [None, None])),
       (SHARD_NUM_BATCHES, tff.TensorType(np.int32, [None])),
   ]))
@@ -97,19 +104,24 @@ class PackedBatches:
   `tf.while_loop` over the batch index. A real `tf.data` dataset per user
   would instantiate (and optimise) the dataset's functions on every user of
   every round; measured here that made the per-user loop about 18x slower
-  than plain training of the same examples.
+  than plain training of the same examples. A batch is gathered from the
+  user's examples by index and, with a wire format, decoded.
   """
 
-  def __init__(self, shard, u, element_spec):
+  def __init__(self, shard, u, element_spec,
+               wire: client_data.WireFormat | None = None):
     self._nb = shard[SHARD_NUM_BATCHES][u]
-    self._batches = tf.nest.map_structure(lambda t: t[u],
-                                          shard[SHARD_BATCHES])
+    self._examples = tf.nest.map_structure(lambda t: t[u],
+                                           shard[SHARD_EXAMPLES])
+    self._indices = shard[SHARD_INDICES][u]
     self._sizes = shard[SHARD_BATCH_SIZES][u]
+    self._decode = wire.decode if wire is not None else (lambda b: b)
     self.element_spec = element_spec
 
   def batch(self, j):
-    size = self._sizes[j]
-    return tf.nest.map_structure(lambda t: t[j, :size], self._batches)
+    idx = self._indices[j, :self._sizes[j]]
+    return self._decode(tf.nest.map_structure(
+        lambda t: tf.gather(t, idx), self._examples))
 
   def reduce(self, initial_state, reduce_fn):
     def body(j, state):
@@ -120,50 +132,70 @@ class PackedBatches:
     return state
 
 
-def pack_datasets(datasets: Sequence[Any], element_spec):
-  """Packs users' batches into one shard's dense tensors (numpy).
+def _user_examples_and_batches(item, wire):
+  """(examples as flat numpy list, index batches) of one shard item."""
+  if isinstance(item, client_data.ClientBatches):
+    if (item.wire is None) != (wire is None) or (
+        wire is not None and item.wire.spec != wire.spec):
+      raise ValueError(
+          'client data and shard disagree on the wire format: the data are '
+          f'in {"wire" if item.wire else "model"} form, the shard expects '
+          f'{"wire" if wire else "model"} form (pass the task\'s wire_format '
+          'to the sharded process)')
+    return ([np.asarray(a) for a in tf.nest.flatten(item.examples)],
+            [np.asarray(i) for i in item.index_batches])
+  if wire is not None:
+    raise ValueError('a shard in wire form needs ClientBatches in that form, '
+                     f'got {type(item).__name__}')
+  batches = [[np.asarray(t) for t in tf.nest.flatten(b)] for b in item]
+  if not batches:
+    return None, []
+  flat = [np.concatenate(parts) for parts in zip(*batches)]
+  bounds = np.cumsum([0] + [len(b[0]) for b in batches])
+  return flat, [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
-  Items are `client_data.ClientBatches` (packed with numpy alone) or batched
-  `tf.data` datasets, each iterated once, eagerly, in the order it yields
-  batches (so shuffling and repetition done by the task are kept; this costs
-  milliseconds per user, which is why tasks offer `ClientBatches`).
+
+def pack_datasets(datasets: Sequence[Any], element_spec,
+                  wire: client_data.WireFormat | None = None):
+  """Packs users' examples and batch indices into one shard's dense tensors.
+
+  Items are `client_data.ClientBatches` (packed with numpy alone, each
+  user's examples once) or batched `tf.data` datasets, each iterated once,
+  eagerly, in the order it yields batches (so shuffling and repetition done
+  by the task are kept; this costs milliseconds per user, which is why tasks
+  offer `ClientBatches`). With `wire`, items must be `ClientBatches` in that
+  wire form, and the examples travel in it.
   """
-  per_user = []
-  for ds in datasets:
-    if isinstance(ds, client_data.ClientBatches):
-      per_user.append(list(ds.batches))  # Already numpy: no tf.data work.
-    else:
-      per_user.append([tf.nest.map_structure(np.asarray, b) for b in ds])
+  per_user = [_user_examples_and_batches(d, wire) for d in datasets]
   num_users = len(per_user)
-  max_batches = max([len(b) for b in per_user] + [1])
-  flat_spec = tf.nest.flatten(element_spec)
+  max_batches = max([len(b) for _, b in per_user] + [1])
+  max_size = max([len(i) for _, b in per_user for i in b] + [1])
+  max_examples = max([len(f[0]) for f, _ in per_user if f] + [1])
   sizes = np.zeros([num_users, max_batches], np.int32)
-  max_size = 1
-  for u, batches in enumerate(per_user):
-    for j, batch in enumerate(batches):
-      n = np.shape(tf.nest.flatten(batch)[0])[0]
-      sizes[u, j] = n
-      max_size = max(max_size, n)
+  indices = np.zeros([num_users, max_batches, max_size], np.int32)
+  for u, (_, batches) in enumerate(per_user):
+    for j, idx in enumerate(batches):
+      sizes[u, j] = len(idx)
+      indices[u, j, :len(idx)] = idx
+  flat_spec = tf.nest.flatten(wire.spec if wire is not None else element_spec)
   flat_out = []
   for i, spec in enumerate(flat_spec):
-    shape = None
-    for batches in per_user:
-      if batches:
-        shape = np.shape(tf.nest.flatten(batches[0])[i])[1:]
-        break
+    shape = next((f[i].shape[1:] for f, _ in per_user if f), None)
     if shape is None:
       shape = tuple(0 if d is None else d for d in spec.shape[1:])
-    arr = np.zeros([num_users, max_batches, max_size] + list(shape),
+    arr = np.zeros([num_users, max_examples] + list(shape),
                    spec.dtype.as_numpy_dtype)
-    for u, batches in enumerate(per_user):
-      for j, batch in enumerate(batches):
-        value = tf.nest.flatten(batch)[i]
-        arr[u, j, :len(value)] = value
+    for u, (flat, _) in enumerate(per_user):
+      if flat:
+        arr[u, :len(flat[i])] = flat[i]
     flat_out.append(arr)
   return collections.OrderedDict([
-      (SHARD_BATCHES, tf.nest.pack_sequence_as(element_spec, flat_out)),
+      (SHARD_EXAMPLES, tf.nest.pack_sequence_as(
+          wire.spec if wire is not None else element_spec, flat_out)),
+      (SHARD_INDICES, indices),
       (SHARD_BATCH_SIZES, sizes),
-      (SHARD_NUM_BATCHES, np.asarray([len(b) for b in per_user], np.int32)),
+      (SHARD_NUM_BATCHES, np.asarray([len(b) for _, b in per_user],
+                                     np.int32)),
   ])
 
 
@@ -189,7 +221,9 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
                      weights_type: tff.Type, client_state_type: tff.Type,
                      data_type: tff.SequenceType,
                      step_result_type: tff.Type,
-                     user_clip_norm: float | None = None) -> tff.Computation:
+                     user_clip_norm: float | None = None,
+                     wire: client_data.WireFormat | None = None
+                     ) -> tff.Computation:
   """The TFF client work of a shard: the per-user step over every user.
 
   Returns the weighted mean of the users' updates (weights: the users'
@@ -198,12 +232,13 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
   `user_clip_norm`, the update is instead the sum of the users' updates each
   clipped to that L2 norm (for DP; the weight is then the number of users).
   `step_result_type` is the type of one step's result (the one-user client
-  work's result type).
+  work's result type). With `wire`, the shard's examples arrive in that
+  form and each batch is decoded before the step sees it.
   """
   spec = tff.types.type_to_tf_tensor_specs(step_result_type)
   element_spec = tff.types.type_to_tf_tensor_specs(data_type.element)
   stacked_state_type = _stacked_type(client_state_type)
-  shard_type = shard_data_type(data_type)
+  shard_type = shard_data_type(data_type, wire)
 
   @tff.tensorflow.computation(weights_type, stacked_state_type, shard_type)
   def shard_work(weights, states, shard):
@@ -222,7 +257,8 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
 
       def body(u, update_sum, total_weight, metric_sums, arrays):
         state_u = tf.nest.map_structure(lambda t: t[u], states)
-        out = step(weights, state_u, PackedBatches(shard, u, element_spec))
+        out = step(weights, state_u, PackedBatches(shard, u, element_spec,
+                                                   wire))
         if user_clip_norm is None:
           w = tf.cast(out['update_weight'], tf.float32)
           user_update = out['update']
@@ -267,7 +303,8 @@ class ShardedProcess:
   """
 
   def __init__(self, base: process_lib.StatefulClientProcess, num_shards: int,
-               dp_config: privacy.DPConfig | None = None):
+               dp_config: privacy.DPConfig | None = None,
+               wire: client_data.WireFormat | None = None):
     """Builds the sharded form of `base`.
 
     Args:
@@ -277,6 +314,9 @@ class ShardedProcess:
         number of CPU cores.
       dp_config: the `DPConfig` that `base`'s aggregator was built from, when
         it is a DP aggregator (required then; see the module docstring).
+      wire: the task's `WireFormat` when its `ClientBatches` hold examples
+        in a compact form (e.g. uint8) that the shard decodes; its decoded
+        form must match the process's client data type.
     """
     composition = base.composition
     if composition is None or composition.client_step is None:
@@ -303,13 +343,15 @@ class ShardedProcess:
     self._num_shards = num_shards
     data_type = composition.client_data_type
     self._element_spec = tff.types.type_to_tf_tensor_specs(data_type.element)
+    self._wire = wire
     self._state_template = tff.types.type_to_tf_tensor_specs(
         composition.client_state_type)
     shard_work = build_shard_work(
         composition.client_step, base.model_weights_type,
         composition.client_state_type, data_type,
         composition.client_work_result_type,
-        user_clip_norm=None if dp is None else float(dp.clip_norm))
+        user_clip_norm=None if dp is None else float(dp.clip_norm),
+        wire=wire)
     self._process = process_lib.compose_stateful_client_process(
         initial_model_weights=composition.initial_model_weights,
         client_state_type=_stacked_type(composition.client_state_type),
@@ -367,7 +409,8 @@ class ShardedProcess:
     ranges = self.shards(len(datasets))
     shard_states = [_stack_states([client_states[i] for i in r])
                     for r in ranges]
-    shard_data = [pack_datasets([datasets[i] for i in r], self._element_spec)
+    shard_data = [pack_datasets([datasets[i] for i in r], self._element_spec,
+                                self._wire)
                   for r in ranges]
     state, new_shard_states, metrics = self._process.next(
         state, shard_states, shard_data)
@@ -400,11 +443,13 @@ def resolve_num_shards(process, requested: int,
 
 
 def maybe_shard(process, num_shards: int,
-                dp_config: privacy.DPConfig | None = None):
-  """`ShardedProcess(process, num_shards, dp_config)`, or `process` for 0."""
+                dp_config: privacy.DPConfig | None = None,
+                wire: client_data.WireFormat | None = None):
+  """`ShardedProcess(process, num_shards, dp_config, wire)`, or `process`
+  for 0."""
   if num_shards == 0:
     return process
-  return ShardedProcess(process, num_shards, dp_config)
+  return ShardedProcess(process, num_shards, dp_config, wire)
 
 
 class ShardedPersonalEval:
@@ -438,16 +483,17 @@ class ShardedPersonalEval:
       @tf.function
       def run(weights, states, shard):
         num_users = tf.shape(shard[SHARD_NUM_BATCHES])[0]
-        batch_shape = tf.shape(shard[SHARD_BATCH_SIZES])
-        capacity = batch_shape[1] * tf.shape(
-            tf.nest.flatten(shard[SHARD_BATCHES])[0])[2]
+        indices_shape = tf.shape(shard[SHARD_INDICES])
+        capacity = indices_shape[1] * indices_shape[2]
 
         def user_examples(u):
-          sizes = shard[SHARD_BATCH_SIZES][u]
-          mask = tf.sequence_mask(sizes, tf.shape(
-              tf.nest.flatten(shard[SHARD_BATCHES])[0])[2])
+          # The user's batches in order, concatenated (as the per-client
+          # evaluation iterates its dataset).
+          mask = tf.sequence_mask(shard[SHARD_BATCH_SIZES][u],
+                                  indices_shape[2])
+          idx = tf.boolean_mask(shard[SHARD_INDICES][u], mask)
           return tf.nest.map_structure(
-              lambda t: tf.boolean_mask(t[u], mask), shard[SHARD_BATCHES])
+              lambda t: tf.gather(t[u], idx), shard[SHARD_EXAMPLES])
 
         def pad(t):
           paddings = [[0, capacity - tf.shape(t)[0]]] + [[0, 0]] * (
