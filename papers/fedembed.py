@@ -588,23 +588,44 @@ def _run_dirs(root, method, pattern='population=balanced*'):
       root, reporting.RUNS_DIRNAME, PAPER, method, pattern, 'seed_0')))
 
 
+# Run-directory pattern and label of each task's cells (MNIST cells carry no
+# task key; speech cells have `task=speech_preference` in their setting).
+_FIGURE_TASKS = (('', 'MNIST preferences', 'digit'),
+                 (f'_task={SPEECH}', 'speaker preferences', 'voice'))
+
+
 def make_figures(root_output_dir: str) -> list[str]:
-  """Figures 3 and 4 and F1-vs-round curves from the saved runs (PNG)."""
+  """Figures 3, 4 and 5 and F1-vs-round curves from the saved runs (PNG).
+
+  Per task with runs under `root_output_dir`: MNIST figures keep their names
+  (`fedembed_*.png`), speech figures end in `_speech` (Figure 5 is the
+  speech confusion figure, `fedembed_confusion_speech.png`).
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   out = os.path.join(root_output_dir, reporting.TABLES_DIRNAME, PAPER)
   os.makedirs(out, exist_ok=True)
   written = []
+  for task_key, label, group_noun in _FIGURE_TASKS:
+    suffix = '_speech' if task_key else ''
+    written += _curve_figure(root_output_dir, out, task_key, label, suffix)
+    written += _confusion_figure(root_output_dir, out, task_key, label,
+                                 group_noun, suffix)
+    if not task_key:
+      written += _tsne_figure(root_output_dir, out)
+  return written
 
-  # F1 vs round, balanced and imbalanced, with and without DP (seed 0).
+
+def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
+  """F1 vs round, balanced and imbalanced, with and without DP (seed 0)."""
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
   any_curve = False
   for ax, pop in zip(axes, ('balanced', 'imbalanced')):
     for method in METHODS:
       for dp, style in (('none', '-'), ('gaussian_fixed', '--')):
-        for d in _run_dirs(root_output_dir, method,
-                           f'dp={dp}_population={pop}-*'):
+        for d in _run_dirs(root, method,
+                           f'dp={dp}_population={pop}{task_key}-*'):
           path = os.path.join(d, 'curve.json')
           if not os.path.exists(path):
             continue
@@ -614,77 +635,130 @@ def make_figures(root_output_dir: str) -> list[str]:
             any_curve = True
             ax.plot(c['round'], c['f1'], style, marker='.',
                     label=f'{method} ({_DP_NAMES[dp]})')
-    ax.set_title(f'MNIST preferences, {pop}')
+    ax.set_title(f'{label}, {pop}')
     ax.set_xlabel('round')
     ax.set_ylabel('mean F1 (eval users)')
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=7)
+  written = []
   if any_curve:
     fig.tight_layout()
-    path = os.path.join(out, 'fedembed_f1_curves.png')
+    path = os.path.join(out, f'fedembed_f1_curves{suffix}.png')
     fig.savefig(path, dpi=110)
     written.append(path)
   plt.close(fig)
+  return written
 
-  # Figure 3: ground truth vs assigned sub-population (users who trained).
+
+def embedding_assignment(embeddings: np.ndarray, k: int,
+                         seed: int = 0) -> np.ndarray:
+  """Users' clusters from their personal embeddings (k-means, k clusters).
+
+  For methods without a head assignment (FedEmbed-Personal, FedEmbed-Type),
+  the paper's Figure 5 shows preferences "predicted using personal
+  embeddings" without saying how; we read it as clustering the embeddings
+  into as many clusters as sub-populations (scikit-learn's k-means) and
+  then matching clusters to sub-populations one to one (Hungarian).
+  """
+  from sklearn.cluster import KMeans  # pylint: disable=g-import-not-at-top
+  return KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(
+      embeddings).astype(np.int64)
+
+
+def _matched(truth: np.ndarray, assigned: np.ndarray, k: int) -> np.ndarray:
+  """`assigned` relabelled by the best one-to-one map onto `truth`."""
+  from scipy import optimize  # pylint: disable=g-import-not-at-top
+  cm = np.zeros((k, k), np.int64)
+  np.add.at(cm, (truth, assigned), 1)
+  rows, cols = optimize.linear_sum_assignment(-cm)
+  relabel = np.arange(k)
+  relabel[cols] = rows
+  return relabel[assigned]
+
+
+def _confusion_figure(root, out, task_key, label, group_noun,
+                      suffix) -> list[str]:
+  """Figure 3 (MNIST) / Figure 5 (speech): truth vs assigned group."""
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   panels = []
-  for method in ('fedembed_som', 'fedembed_prototype'):  # learned assignment
-    for d in _run_dirs(root_output_dir, method, 'dp=none_population=balanced-*'):
+  for method in ('fedembed_som', 'fedembed_personal', 'fedembed_type',
+                 'fedembed_prototype'):
+    if not task_key and method in ('fedembed_personal', 'fedembed_type'):
+      continue  # MNIST's Figure 3 shows the learned head assignments only.
+    for d in _run_dirs(root, method,
+                       f'dp=none_population=balanced{task_key}-*'):
       path = os.path.join(d, 'analysis.npz')
-      if os.path.exists(path):
-        with np.load(path) as z:
-          if 'head' in z and 'trained' in z and z['trained'].any():
-            t = z['trained']
-            panels.append((method, z['subpopulation'][t], z['head'][t]))
-  if panels:
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
-    axes = np.atleast_1d(axes)
-    for ax, (method, truth, head) in zip(axes, panels):
-      k = int(max(truth.max(), head.max())) + 1
-      cm = confusion(truth, head, k)
-      ax.imshow(cm, cmap='Blues', vmin=0, vmax=1)
-      ax.set_title(f'{method}: head at the last training participation\n'
-                   f'(own head {np.mean(truth == head):.2f}, best one-to-one '
-                   f'relabelling {assignment_accuracy(truth, head, k):.2f}; '
-                   f'{len(truth)} users who trained)', fontsize=8)
-      ax.set_xlabel('assigned head')
-      ax.set_ylabel('ground-truth sub-population')
-      ax.set_xticks(range(k))
-      ax.set_yticks(range(k))
-    fig.tight_layout()
-    path = os.path.join(out, 'fedembed_confusion.png')
-    fig.savefig(path, dpi=110)
-    written.append(path)
-    plt.close(fig)
+      if not os.path.exists(path):
+        continue
+      with np.load(path) as z:
+        if 'trained' not in z or not z['trained'].any():
+          continue
+        t = z['trained']
+        truth = z['subpopulation'][t]
+        if 'head' in z and method in ('fedembed_som', 'fedembed_prototype'):
+          panels.append((method, 'head at the last training participation',
+                         truth, z['head'][t], method == 'fedembed_som'))
+        elif 'embedding' in z:
+          k = int(truth.max()) + 1
+          panels.append((method, 'k-means of personal embeddings', truth,
+                         embedding_assignment(z['embedding'][t], k), True))
+  if not panels:
+    return []
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.8))
+  axes = np.atleast_1d(axes)
+  for ax, (method, how, truth, assigned, relabel) in zip(axes, panels):
+    k = int(max(truth.max(), assigned.max())) + 1
+    shown = _matched(truth, assigned, k) if relabel else assigned
+    ax.imshow(confusion(truth, shown, k), cmap='Blues', vmin=0, vmax=1)
+    own = '' if method == 'fedembed_personal' or 'k-means' in how else (
+        f'own group {np.mean(truth == assigned):.2f}, ')
+    ax.set_title(f'{method}: {how}{" (matched)" if relabel else ""}\n'
+                 f'({own}best one-to-one relabelling '
+                 f'{assignment_accuracy(truth, assigned, k):.2f}; '
+                 f'{len(truth)} users who trained)', fontsize=8)
+    ax.set_xlabel(f'assigned {group_noun} group')
+    ax.set_ylabel(f'ground-truth {group_noun} group')
+    ax.set_xticks(range(k))
+    ax.set_yticks(range(k))
+    ax.tick_params(labelsize=6 if k > 10 else 8)
+  fig.suptitle(f'FedEmbed, {label}, balanced, no DP', fontsize=9)
+  fig.tight_layout()
+  path = os.path.join(out, f'fedembed_confusion{suffix}.png')
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return [path]
 
-  # Figure 4: t-SNE of personal embeddings, with and without the k-way head.
+
+def _tsne_figure(root, out) -> list[str]:
+  """Figure 4: t-SNE of personal embeddings, with and without the k-way head."""
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   panels = []
   for title, pattern in (
       ('with k-way head', 'dp=none_population=balanced-*'),
       ('without k-way head', 'dp=none_population=balanced_type_head=False-*')):
-    for d in _run_dirs(root_output_dir, 'fedembed_type', pattern):
+    for d in _run_dirs(root, 'fedembed_type', pattern):
       path = os.path.join(d, 'analysis.npz')
       if os.path.exists(path):
         with np.load(path) as z:
           if 'embedding' in z and 'trained' in z:
             t = z['trained']
             panels.append((title, z['embedding'][t], z['subpopulation'][t]))
-  if len(panels) == 2:
-    from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
-    for ax, (title, emb, labels) in zip(axes, panels):
-      emb, labels = emb[:2000], labels[:2000]
-      xy = TSNE(n_components=2, perplexity=min(30, len(emb) - 1),
-                random_state=0, init='pca').fit_transform(emb)
-      sc = ax.scatter(xy[:, 0], xy[:, 1], c=labels, cmap='tab10', s=5)
-      ax.set_title(f'FedEmbed-Type {title}\n(5-NN purity '
-                   f'{knn_purity(emb, labels):.2f}, {len(emb)} users)')
-    fig.colorbar(sc, ax=axes, label='sub-population (digit)')
-    path = os.path.join(out, 'fedembed_embeddings_tsne.png')
-    fig.savefig(path, dpi=110)
-    written.append(path)
-    plt.close(fig)
-  return written
+  if len(panels) != 2:
+    return []
+  from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+  for ax, (title, emb, labels) in zip(axes, panels):
+    emb, labels = emb[:2000], labels[:2000]
+    xy = TSNE(n_components=2, perplexity=min(30, len(emb) - 1),
+              random_state=0, init='pca').fit_transform(emb)
+    sc = ax.scatter(xy[:, 0], xy[:, 1], c=labels, cmap='tab10', s=5)
+    ax.set_title(f'FedEmbed-Type {title}\n(5-NN purity '
+                 f'{knn_purity(emb, labels):.2f}, {len(emb)} users)')
+  fig.colorbar(sc, ax=axes, label='sub-population (digit)')
+  path = os.path.join(out, 'fedembed_embeddings_tsne.png')
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return [path]
 
 
 def assignment_accuracy(truth: np.ndarray, assigned: np.ndarray,

@@ -188,6 +188,49 @@ def test_confusion_and_assignment_accuracy():
       pytest.approx(1 / 3))
 
 
+def test_embedding_clusters_are_matched_to_groups_one_to_one():
+  rng = np.random.default_rng(0)
+  truth = np.repeat(np.arange(4), 25)
+  centres = rng.normal(0, 10, (4, 6))
+  embeddings = centres[truth] + rng.normal(0, 0.1, (100, 6))
+  clusters = fedembed.embedding_assignment(embeddings, 4)
+  assert fedembed.assignment_accuracy(truth, clusters, 4) == 1.0
+  np.testing.assert_array_equal(fedembed._matched(truth, clusters, 4), truth)
+  # Embeddings that carry no group information cluster no better than
+  # chance after matching.
+  noise = fedembed.embedding_assignment(rng.normal(size=(100, 6)), 4)
+  assert fedembed.assignment_accuracy(truth, noise, 4) < 0.6
+
+
+def _fake_analysis(root, method, setting_dir, truth, head=None,
+                   embedding=None):
+  d = os.path.join(root, reporting.RUNS_DIRNAME, 'fedembed', method,
+                   setting_dir, 'seed_0')
+  os.makedirs(d)
+  arrays = {'ids': np.arange(len(truth)), 'subpopulation': truth,
+            'trained': np.ones(len(truth), bool)}
+  if head is not None:
+    arrays['head'] = head
+  if embedding is not None:
+    arrays['embedding'] = embedding
+  np.savez(os.path.join(d, 'analysis.npz'), **arrays)
+
+
+def test_speech_runs_get_their_own_figure_5(tmp_path):
+  root = str(tmp_path)
+  truth = np.repeat(np.arange(20), 5)
+  speech = 'dp=none_population=balanced_task=speech_preference-abc'
+  _fake_analysis(root, 'fedembed_prototype', speech, truth, head=truth)
+  _fake_analysis(root, 'fedembed_type', speech, truth,
+                 embedding=np.eye(20)[truth] * 5.0)
+  _fake_analysis(root, 'fedembed_prototype',
+                 'dp=none_population=balanced-abc', truth % 10,
+                 head=truth % 10)
+  written = [os.path.basename(p) for p in fedembed.make_figures(root)]
+  assert 'fedembed_confusion_speech.png' in written  # Figure 5
+  assert 'fedembed_confusion.png' in written  # MNIST's Figure 3
+
+
 def test_speech_cell_without_the_task_fails_clearly(monkeypatch, tmp_path):
   monkeypatch.setattr(task_registry, 'TASKS', ['mnist_preference'])
   cell = fedembed.TABLES['3'].cells(1)[-1]
