@@ -78,9 +78,9 @@ class PreferenceTask:
     """How `train_batches` stores examples (None: in `element_spec` form)."""
     return None
 
-  def _train_arrays(self, user: int):
-    """One user's training `(x, y, type)` in `wire_format`'s form."""
-    return self.data.user_arrays(user, 'train')
+  def _arrays(self, user: int, split: str):
+    """One user's `(x, y, type)` of `split` in `wire_format`'s form."""
+    return self.data.user_arrays(user, split)
 
   def _dataset(self, user: int, split: str, shuffle: int | None):
     return mnist_preference.client_dataset(
@@ -97,7 +97,7 @@ class PreferenceTask:
     out = []
     spec, wire = self.element_spec, self.wire_format
     for cid in client_ids:
-      x, y, types = self._train_arrays(cid)
+      x, y, types = self._arrays(cid, 'train')
       rng = np.random.default_rng(shuffle_seed(self.seed, round_num, cid))
       orders = [rng.permutation(len(y)) for _ in range(self.local_epochs)]
       out.append(client_data.ClientBatches.from_arrays(
@@ -112,6 +112,18 @@ class PreferenceTask:
 
   def eval_datasets(self, client_ids: Sequence[int]) -> list[tf.data.Dataset]:
     return [self._dataset(cid, 'test', None) for cid in client_ids]
+
+  def eval_batches(self, client_ids: Sequence[int]
+                   ) -> list[client_data.ClientBatches]:
+    """`eval_datasets` as numpy batches (the same batches, in order)."""
+    spec, wire = self.element_spec, self.wire_format
+    out = []
+    for cid in client_ids:
+      x, y, types = self._arrays(cid, 'test')
+      out.append(client_data.ClientBatches.from_arrays(
+          collections.OrderedDict(x=x, y=y, type=types), self.batch_size,
+          [np.arange(len(y))], spec, wire=wire))
+    return out
 
   def groups(self, client_ids: Sequence[int]) -> np.ndarray:
     return np.asarray(self.data.subpopulation)[np.asarray(client_ids)]

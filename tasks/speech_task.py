@@ -59,8 +59,8 @@ class SpeechPreferenceTask(preference_task.PreferenceTask):
             y=spec['y'], type=spec['type']),
         decode=speech_preference.to_model_input)
 
-  def _train_arrays(self, user: int):
-    return self.data.user_spectrograms(user, 'train')
+  def _arrays(self, user: int, split: str):
+    return self.data.user_spectrograms(user, split)
 
   def fedembed_model_fn_factory(
       self, config: fedembed.FedEmbedConfig) -> split_model.SplitModelFn:

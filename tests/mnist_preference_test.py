@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tasks import mnist_io
 from tasks import mnist_preference
+from tasks import preference_task
 
 
 @pytest.fixture(scope='module')
@@ -293,3 +294,16 @@ def test_fifty_client_datasets_are_fast(full):
   elapsed = time.perf_counter() - start
   assert len(datasets) == 50
   assert elapsed < 3.0, elapsed
+
+
+def test_eval_batches_are_the_eval_datasets(mnist_dir):
+
+  task = preference_task.mnist_preference_task(
+      mnist_dir, num_users=30, population='balanced', seed=2, batch_size=4)
+  ids = [0, 13, 29]
+  for cb, ds in zip(task.eval_batches(ids), task.eval_datasets(ids)):
+    got, want = list(cb.to_dataset()), list(ds)
+    assert len(got) == len(want) == 3  # 10 test samples in batches of 4
+    for a, b in zip(got, want):
+      for key in ('x', 'y', 'type'):
+        np.testing.assert_array_equal(a[key].numpy(), b[key].numpy())

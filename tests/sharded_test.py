@@ -13,7 +13,6 @@ from tff_personal.algorithms import fedembed as fedembed_algorithms
 from tff_personal.core import client_data
 from tff_personal.core import evaluation
 from tff_personal.core import privacy
-from tff_personal.core import process
 from tff_personal.core import sharded
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
@@ -294,3 +293,74 @@ def test_wire_and_model_forms_are_not_mixed():
     sharded.pack_datasets(wire_batches([3], seed=0), SPEC)  # no wire given
   with pytest.raises(ValueError, match='needs ClientBatches'):
     sharded.pack_datasets(make_datasets([3], seed=0), SPEC, WIRE)
+
+
+@pytest.mark.parametrize('algorithm', ['global_plus', 'fedembed_prototype'])
+def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
+  """Test-time fine-tuning of the private state, then evaluation, sharded.
+
+  FedEmbed-Prototype's `prepare_fn` (head assignment from the user's data)
+  runs on the shard's packed batches as on the user's dataset; training
+  batches come in the uint8 wire form, evaluation data as tf.data.
+  """
+  if algorithm == 'global_plus':
+    proc = fedavg.build_global_plus(
+        model_fn_factory, client_optimizer=fedavg.adam(3e-3),
+        server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=1,
+        embedding_dim=28)
+  else:
+    proc = fedembed_algorithms.build_fedembed_prototype(
+        lambda config: (lambda: fedembed_model.build_fedembed_model(
+            dataclasses.replace(config, num_subpopulations=3),
+            input_spec=TYPED_SPEC)),
+        client_optimizer=fedavg.adam(3e-3),
+        server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=2)
+  typed = algorithm != 'global_plus'
+  spec = TYPED_SPEC if typed else SPEC
+  wire = client_data.WireFormat(
+      spec=collections.OrderedDict(
+          [('x', tf.TensorSpec([None, 28, 28, 1], tf.uint8))] +
+          [(k, v) for k, v in spec.items() if k != 'x']),
+      decode=lambda b: collections.OrderedDict(
+          [('x', tf.cast(b['x'], tf.float32) / 255.0)] +
+          [(k, v) for k, v in b.items() if k != 'x']))
+  weights = proc.get_model_weights(proc.initialize())
+  sizes = [5, 2, 7]
+  rng = np.random.default_rng(5)
+  train = []
+  for u, n in enumerate(sizes):
+    y = rng.integers(0, 2, n).astype(np.int32)
+    examples = collections.OrderedDict(
+        x=rng.integers(0, 256, (n, 28, 28, 1)).astype(np.uint8), y=y)
+    if typed:
+      examples['type'] = np.where(y == 1, u % 3, (u + 1) % 3).astype(np.int32)
+    train.append(client_data.ClientBatches.from_arrays(
+        examples, 2, [rng.permutation(n), rng.permutation(n)], spec,
+        wire=wire))
+  client_states = states(proc, len(sizes), seed=4)
+  test = make_datasets(sizes, seed=9, batch=3, typed=typed)
+  optimizer = tff.learning.optimizers.build_sgdm(0.5)
+  want = evaluation.build_cold_start_eval(
+      proc.model_fn, proc.model_weights_type, proc.client_state_type,
+      optimizer)(weights, client_states, [t.to_dataset() for t in train],
+                 test)
+  no_tuning = evaluation.build_personal_eval(
+      proc.model_fn, proc.model_weights_type, proc.client_state_type)(
+          weights, client_states, test)
+  got = sharded.ShardedPersonalEval(
+      proc.model_fn, proc.model_weights_type, proc.client_state_type, 2,
+      fine_tune_optimizer=optimizer, train_wire=wire)(
+          weights, client_states, train, test)
+  assert len(got) == len(sizes)
+  for g, w, plain, n in zip(got, want, no_tuning, sizes):
+    assert g['outputs'].shape[0] == n
+    np.testing.assert_allclose(g['outputs'], np.asarray(w['outputs']),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(g['labels'], np.asarray(w['labels']))
+  # The fine-tuning changed the outputs (the comparison is not vacuous).
+  assert not np.allclose(got[0]['outputs'], np.asarray(no_tuning[0]['outputs']),
+                         atol=1e-4)
+  with pytest.raises(ValueError, match='train_data, datasets'):
+    sharded.ShardedPersonalEval(
+        proc.model_fn, proc.model_weights_type, proc.client_state_type, 2,
+        fine_tune_optimizer=optimizer)(weights, client_states, test)

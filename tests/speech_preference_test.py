@@ -16,6 +16,7 @@ from tasks import speech_preference
 from tasks import speech_spectrogram
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry as algorithms
+from tff_personal.core import sharded
 from tff_personal.models import fedembed
 from tff_personal.models import fedembed_speech
 
@@ -230,8 +231,18 @@ def test_training_batches_travel_as_uint8_and_decode_to_model_input(
     np.testing.assert_array_equal(got['y'].numpy(), y[idx])
 
 
+def test_speech_eval_batches_are_the_eval_datasets_in_uint8(tiny_task):
+  ids = [3, 11]
+  for cb, ds in zip(tiny_task.eval_batches(ids), tiny_task.eval_datasets(ids)):
+    assert cb.examples['x'].dtype == np.uint8
+    got, want = list(cb.to_dataset()), list(ds)
+    assert len(got) == len(want) == 1  # 2 test samples, batch 3
+    for a, b in zip(got, want):
+      for key in ('x', 'y', 'type'):
+        np.testing.assert_array_equal(a[key].numpy(), b[key].numpy())
+
+
 def test_sharded_speech_round_equals_one_user_per_client(tiny_task):
-  from tff_personal.core import sharded  # pylint: disable=g-import-not-at-top
   build = lambda: algorithms.build(
       'global_plus', tiny_task.model_fn_factory,
       client_optimizer=tff.learning.optimizers.build_sgdm(0.05),

@@ -152,12 +152,44 @@ def run_experiment(task, config: ExperimentConfig,
       directory=os.path.join(config.experiment_dir, 'client_states'))
 
   weights_type = proc.model_weights_type
+  fine_tune_optimizer = (_private_optimizer(config) or fedavg.adam(
+      config.client_learning_rate)) if (
+          config.eval_fine_tune or config.test_fine_tune) else None
+  # Sharded evaluation reads the task's numpy batches where it has them
+  # (examples in its wire form); otherwise its tf.data datasets.
+  wire = getattr(task, 'wire_format', None)
+  batches_eval = bool(num_shards) and hasattr(task, 'eval_batches')
+  eval_data_fn = task.eval_batches if batches_eval else task.eval_datasets
+  batches_train = bool(num_shards) and hasattr(task, 'train_batches')
+  fine_tune_train_fn = (task.train_batches if batches_train else
+                        task.train_datasets)
   if num_shards:  # The same per-user outputs, users packed in shards.
     personal_eval = sharded.ShardedPersonalEval(
+        proc.model_fn, weights_type, proc.client_state_type, num_shards,
+        wire=wire if batches_eval else None)
+    # Held-out test sets (test_datasets) are tf.data datasets.
+    test_eval = (sharded.ShardedPersonalEval(
         proc.model_fn, weights_type, proc.client_state_type, num_shards)
+                 if batches_eval else personal_eval)
+    fine_tune_eval = test_fine_tune_eval = None
+    if fine_tune_optimizer is not None:
+      fine_tune_eval = sharded.ShardedPersonalEval(
+          proc.model_fn, weights_type, proc.client_state_type, num_shards,
+          fine_tune_optimizer=fine_tune_optimizer,
+          wire=wire if batches_eval else None,
+          train_wire=wire if batches_train else None)
+      test_fine_tune_eval = (sharded.ShardedPersonalEval(
+          proc.model_fn, weights_type, proc.client_state_type, num_shards,
+          fine_tune_optimizer=fine_tune_optimizer,
+          train_wire=wire if batches_train else None)
+                             if batches_eval else fine_tune_eval)
   else:
-    personal_eval = evaluation.build_personal_eval(
+    personal_eval = test_eval = evaluation.build_personal_eval(
         proc.model_fn, weights_type, proc.client_state_type)
+    fine_tune_eval = test_fine_tune_eval = (
+        evaluation.build_cold_start_eval(
+            proc.model_fn, weights_type, proc.client_state_type,
+            fine_tune_optimizer) if fine_tune_optimizer is not None else None)
   if config.eval_clients:
     rng = np.random.default_rng([config.seed, 0xE7A1])
     eval_ids = np.sort(rng.choice(population, config.eval_clients,
@@ -165,30 +197,25 @@ def run_experiment(task, config: ExperimentConfig,
   else:
     eval_ids = list(range(population))
 
-  fine_tune_eval = evaluation.build_cold_start_eval(
-      proc.model_fn, weights_type, proc.client_state_type,
-      _private_optimizer(config) or fedavg.adam(
-          config.client_learning_rate)) if (
-              config.eval_fine_tune or config.test_fine_tune) else None
-
   def evaluate(state, datasets_fn, ids=eval_ids,
-               fine_tune=config.eval_fine_tune):
+               fine_tune=config.eval_fine_tune, test=False):
     weights = proc.get_model_weights(state)
+    plain, tuned = ((test_eval, test_fine_tune_eval) if test else
+                    (personal_eval, fine_tune_eval))
     outputs = []
     for i in range(0, len(ids), config.eval_chunk):
       chunk = ids[i:i + config.eval_chunk]
       if not fine_tune:
-        outputs.extend(personal_eval(weights, store.load(chunk),
-                                     datasets_fn(chunk)))
+        outputs.extend(plain(weights, store.load(chunk), datasets_fn(chunk)))
       else:  # The same fixed local pass at every evaluation.
-        outputs.extend(fine_tune_eval(
+        outputs.extend(tuned(
             weights, store.load(chunk),
-            task.train_datasets(chunk, config.rounds), datasets_fn(chunk)))
+            fine_tune_train_fn(chunk, config.rounds), datasets_fn(chunk)))
     return task.evaluate(outputs, ids)
 
   def eval_fn(state, round_num):
     del round_num
-    return evaluate(state, task.eval_datasets)
+    return evaluate(state, eval_data_fn)
 
   loop_config = training_loop.LoopConfig(
       rounds=config.rounds, clients_per_round=config.clients_per_round,
@@ -206,11 +233,11 @@ def run_experiment(task, config: ExperimentConfig,
                        task.train_datasets),
         config=loop_config, eval_fn=eval_fn, log_fn=log_fn)
     if hasattr(task, 'test_datasets'):  # held-out test split, after training
-      test_metrics = evaluate(result.state, task.test_datasets)
+      test_metrics = evaluate(result.state, task.test_datasets, test=True)
       log_fn(f'test: {_short(test_metrics)}')
       if config.test_fine_tune:
         test_fine_tuned = evaluate(result.state, task.test_datasets,
-                                   fine_tune=True)
+                                   fine_tune=True, test=True)
         log_fn(f'test after one local pass of private state: '
                f'{_short(test_fine_tuned)}')
     if export_private_states:

@@ -453,20 +453,33 @@ def maybe_shard(process, num_shards: int,
 
 
 class ShardedPersonalEval:
-  """`evaluation.build_personal_eval` with users packed in shards.
+  """`evaluation.build_personal_eval` (or, with a fine-tuning optimizer,
+  `evaluation.build_cold_start_eval`) with users packed in shards.
 
   Called like the TFF computation it replaces:
   `(weights, client_states, datasets) -> [OrderedDict(outputs, labels)]`,
-  one entry per user, computed with the user's private state. Each shard is
+  or with fine-tuning `(weights, client_states, train_data, datasets)`,
+  one entry per user, computed with the user's private state (first
+  fine-tuned on the user's training batches, shared weights frozen, exactly
+  as `split_training.fine_tune_private` does for one client). Each shard is
   one TFF client call that loops over its users (`tf.while_loop`); outputs
   come back padded and are cut to each user's example count.
+
+  `wire` / `train_wire`: the wire formats of the evaluation and training
+  items when they are `ClientBatches` in a compact form (None: model form,
+  e.g. `tf.data` datasets).
   """
 
   def __init__(self, model_fn, weights_type: tff.Type,
-               client_state_type: tff.Type, num_shards: int):
+               client_state_type: tff.Type, num_shards: int,
+               fine_tune_optimizer=None,
+               wire: client_data.WireFormat | None = None,
+               train_wire: client_data.WireFormat | None = None):
     if num_shards < 1:
       raise ValueError(f'num_shards must be >= 1, got {num_shards}')
     self._num_shards = num_shards
+    self._fine_tune = fine_tune_optimizer is not None
+    self._wire, self._train_wire = wire, train_wire
     with tf.Graph().as_default():
       input_spec = model_fn().input_spec
     self._element_spec = input_spec
@@ -474,78 +487,114 @@ class ShardedPersonalEval:
         client_state_type)
     data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
     stacked_state_type = _stacked_type(client_state_type)
-    shard_type = shard_data_type(data_type)
+    shard_type = shard_data_type(data_type, wire)
+    train_shard_type = shard_data_type(data_type, train_wire)
+    element_spec = input_spec
 
-    @tff.tensorflow.computation(weights_type, stacked_state_type, shard_type)
-    def shard_eval(weights, states, shard):
-      model = model_fn()
+    def run_shard(model, weights, states, shard, train_shard):
+      num_users = tf.shape(shard[SHARD_NUM_BATCHES])[0]
+      indices_shape = tf.shape(shard[SHARD_INDICES])
+      capacity = indices_shape[1] * indices_shape[2]
+      decode = wire.decode if wire is not None else (lambda b: b)
 
-      @tf.function
-      def run(weights, states, shard):
-        num_users = tf.shape(shard[SHARD_NUM_BATCHES])[0]
-        indices_shape = tf.shape(shard[SHARD_INDICES])
-        capacity = indices_shape[1] * indices_shape[2]
+      def user_examples(u):
+        # The user's batches in order, concatenated (as the per-client
+        # evaluation iterates its dataset).
+        mask = tf.sequence_mask(shard[SHARD_BATCH_SIZES][u],
+                                indices_shape[2])
+        idx = tf.boolean_mask(shard[SHARD_INDICES][u], mask)
+        return decode(tf.nest.map_structure(
+            lambda t: tf.gather(t[u], idx), shard[SHARD_EXAMPLES]))
 
-        def user_examples(u):
-          # The user's batches in order, concatenated (as the per-client
-          # evaluation iterates its dataset).
-          mask = tf.sequence_mask(shard[SHARD_BATCH_SIZES][u],
-                                  indices_shape[2])
-          idx = tf.boolean_mask(shard[SHARD_INDICES][u], mask)
-          return tf.nest.map_structure(
-              lambda t: tf.gather(t[u], idx), shard[SHARD_EXAMPLES])
+      def pad(t):
+        paddings = [[0, capacity - tf.shape(t)[0]]] + [[0, 0]] * (
+            t.shape.rank - 1)
+        return tf.pad(t, paddings)
 
-        def pad(t):
-          paddings = [[0, capacity - tf.shape(t)[0]]] + [[0, 0]] * (
-              t.shape.rank - 1)
-          return tf.pad(t, paddings)
+      def body(u, outputs, labels, counts):
+        private = tuple(states[process_lib.CLIENT_STATE_PRIVATE])
+        private_u = tf.nest.map_structure(lambda t: t[u], private)
+        split_training.assign_weights(model, weights, private_u)
+        if train_shard is not None:
+          split_training.fine_tune_private(
+              model, fine_tune_optimizer,
+              PackedBatches(train_shard, u, element_spec, train_wire))
+        batch = user_examples(u)
+        out = model.predict(model.forward(batch, training=False))
+        n = tf.shape(batch['y'])[0]
+        return (u + 1, outputs.write(u, pad(out)),
+                labels.write(u, pad(batch['y'])), counts.write(u, n))
 
-        def body(u, outputs, labels, counts):
-          private = tuple(states[process_lib.CLIENT_STATE_PRIVATE])
-          private_u = tf.nest.map_structure(lambda t: t[u], private)
-          split_training.assign_weights(model, weights, private_u)
-          batch = user_examples(u)
-          out = model.predict(model.forward(batch, training=False))
-          n = tf.shape(batch['y'])[0]
-          return (u + 1, outputs.write(u, pad(out)),
-                  labels.write(u, pad(batch['y'])), counts.write(u, n))
+      arrays = (tf.TensorArray(tf.float32, size=num_users, infer_shape=False),
+                tf.TensorArray(element_spec['y'].dtype, size=num_users,
+                               infer_shape=False),
+                tf.TensorArray(tf.int32, size=num_users))
+      _, outputs, labels, counts = tf.while_loop(
+          lambda u, *_: u < num_users, body, (tf.constant(0),) + arrays)
+      return collections.OrderedDict(
+          outputs=outputs.stack(), labels=labels.stack(),
+          counts=counts.stack())
 
-        arrays = (tf.TensorArray(tf.float32, size=num_users,
-                                 infer_shape=False),
-                  tf.TensorArray(self._element_spec['y'].dtype,
-                                 size=num_users, infer_shape=False),
-                  tf.TensorArray(tf.int32, size=num_users))
-        _, outputs, labels, counts = tf.while_loop(
-            lambda u, *_: u < num_users, body, (tf.constant(0),) + arrays)
-        return collections.OrderedDict(
-            outputs=outputs.stack(), labels=labels.stack(),
-            counts=counts.stack())
+    if self._fine_tune:
+      @tff.tensorflow.computation(weights_type, stacked_state_type,
+                                  train_shard_type, shard_type)
+      def shard_eval(weights, states, train_shard, shard):
+        model = model_fn()
+        return tf.function(lambda w, s, t, d: run_shard(model, w, s, d, t))(
+            weights, states, train_shard, shard)
 
-      return run(weights, states, shard)
+      @tff.federated_computation(
+          tff.FederatedType(weights_type, tff.SERVER),
+          tff.FederatedType(stacked_state_type, tff.CLIENTS),
+          tff.FederatedType(train_shard_type, tff.CLIENTS),
+          tff.FederatedType(shard_type, tff.CLIENTS))
+      def personal_eval(weights, client_states, train_data, client_data):
+        return tff.federated_map(
+            shard_eval, (tff.federated_broadcast(weights), client_states,
+                         train_data, client_data))
+    else:
+      @tff.tensorflow.computation(weights_type, stacked_state_type,
+                                  shard_type)
+      def shard_eval(weights, states, shard):
+        model = model_fn()
+        return tf.function(lambda w, s, d: run_shard(model, w, s, d, None))(
+            weights, states, shard)
 
-    @tff.federated_computation(
-        tff.FederatedType(weights_type, tff.SERVER),
-        tff.FederatedType(stacked_state_type, tff.CLIENTS),
-        tff.FederatedType(shard_type, tff.CLIENTS))
-    def personal_eval(weights, client_states, client_data):
-      return tff.federated_map(
-          shard_eval,
-          (tff.federated_broadcast(weights), client_states, client_data))
+      @tff.federated_computation(
+          tff.FederatedType(weights_type, tff.SERVER),
+          tff.FederatedType(stacked_state_type, tff.CLIENTS),
+          tff.FederatedType(shard_type, tff.CLIENTS))
+      def personal_eval(weights, client_states, client_data):
+        return tff.federated_map(
+            shard_eval,
+            (tff.federated_broadcast(weights), client_states, client_data))
 
     self._eval = personal_eval
 
-  def __call__(self, weights, client_states, datasets) -> list:
-    if len(client_states) != len(datasets):
-      raise ValueError(f'{len(client_states)} client states for '
-                       f'{len(datasets)} datasets')
+  def __call__(self, weights, client_states, *data) -> list:
+    """`(weights, states, datasets)`, or `(weights, states, train, datasets)`
+    when built with a fine-tuning optimizer."""
+    if len(data) != (2 if self._fine_tune else 1):
+      raise ValueError(
+          f'expected {"(train_data, datasets)" if self._fine_tune else "(datasets)"}'
+          f' after the client states, got {len(data)} arguments')
+    datasets = data[-1]
+    for d in data:
+      if len(client_states) != len(d):
+        raise ValueError(f'{len(client_states)} client states for '
+                         f'{len(d)} datasets')
     if not datasets:
       return []
     ranges = shard_ranges(len(datasets), self._num_shards)
-    results = self._eval(
-        weights,
-        [_stack_states([client_states[i] for i in r]) for r in ranges],
-        [pack_datasets([datasets[i] for i in r], self._element_spec)
-         for r in ranges])
+    states = [_stack_states([client_states[i] for i in r]) for r in ranges]
+    shards = [pack_datasets([datasets[i] for i in r], self._element_spec,
+                            self._wire) for r in ranges]
+    if self._fine_tune:
+      train = [pack_datasets([data[0][i] for i in r], self._element_spec,
+                             self._train_wire) for r in ranges]
+      results = self._eval(weights, states, train, shards)
+    else:
+      results = self._eval(weights, states, shards)
     out = []
     for r, result in zip(ranges, results):
       for j in range(len(r)):
