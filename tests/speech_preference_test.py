@@ -188,6 +188,16 @@ def test_reproduction_names_the_speech_models_private_state(tiny_task):
     fedembed_paper._private_names(tiny_task, 'fedembed_prototype')
 
 
+def _client_states(proc, n, seed):
+  """n client states: private floats ~ N(0, 0.1), counters zero."""
+  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  rng = np.random.default_rng(seed)
+  return [tf.nest.map_structure(
+      lambda s: rng.normal(0, 0.1, s.shape).astype(s.dtype.as_numpy_dtype)
+      if s.dtype.is_floating else np.zeros(s.shape, s.dtype.as_numpy_dtype),
+      specs) for _ in range(n)]
+
+
 def test_one_global_plus_round_keeps_embeddings_private(tiny_task):
   proc = algorithms.build(
       'global_plus', tiny_task.model_fn_factory,
@@ -201,12 +211,7 @@ def test_one_global_plus_round_keeps_embeddings_private(tiny_task):
   assert embedding not in shared
   assert embedding in list(proc.client_state_type.private)
   state = proc.initialize()
-  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
-  rng = np.random.default_rng(0)
-  clients = [tf.nest.map_structure(
-      lambda s: rng.normal(0, 0.1, s.shape).astype(s.dtype.as_numpy_dtype)
-      if s.dtype.is_floating else np.zeros(s.shape, s.dtype.as_numpy_dtype),
-      specs) for _ in range(2)]
+  clients = _client_states(proc, 2, seed=0)
   before = proc.get_model_weights(state).trainable
   state, new_clients, metrics = proc.next(
       state, clients, tiny_task.train_datasets([0, 1], round_num=0))
@@ -249,12 +254,7 @@ def test_sharded_speech_round_equals_one_user_per_client(tiny_task):
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
       metrics_fn=tiny_task.metrics_fn, seed=0, embedding_dim=200)
   base = build()
-  specs = tff.types.type_to_tf_tensor_specs(base.client_state_type)
-  rng = np.random.default_rng(1)
-  clients = [tf.nest.map_structure(
-      lambda s: rng.normal(0, 0.1, s.shape).astype(s.dtype.as_numpy_dtype)
-      if s.dtype.is_floating else np.zeros(s.shape, s.dtype.as_numpy_dtype),
-      specs) for _ in range(3)]
+  clients = _client_states(base, 3, seed=1)
   ids = [0, 5, 9]
   want_state, want_clients, _ = base.next(
       base.initialize(), clients, tiny_task.train_datasets(ids, round_num=1))
