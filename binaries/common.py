@@ -51,8 +51,17 @@ def define_flags():
   flags.DEFINE_float('cold_fraction', 0.1,
                      'speaker_context: users held out of training and '
                      'evaluated with cold start.')
+  flags.DEFINE_string('encoder_weights', None,
+                      'speech_preference: an encoder pre-trained on public '
+                      'speakers (binaries.pretrain_speech_encoder) that the '
+                      'shared encoder starts from (None: random, the paper).')
+  flags.DEFINE_bool('freeze_encoder', False,
+                    'speech_preference: keep the encoder at '
+                    '--encoder_weights; only heads, prototypes and private '
+                    'state train (and only they are noised under DP).')
   _group('task', ['task', 'data_dir', 'num_users', 'population', 'batch_size',
-                  'local_epochs', 'max_chars', 'lstm_units', 'cold_fraction'])
+                  'local_epochs', 'max_chars', 'lstm_units', 'cold_fraction',
+                  'encoder_weights', 'freeze_encoder'])
   # Algorithm.
   flags.DEFINE_string('algorithm', 'global_plus',
                       f'One of {sorted(algorithm_registry.ALGORITHMS)}.')
@@ -205,11 +214,20 @@ def configs_from_flags(f):
     experiment.validate(config, f.num_users)
   task_kwargs = dict(data_dir=f.data_dir, seed=f.seed, batch_size=f.batch_size,
                      local_epochs=f.local_epochs)
+  if (f.encoder_weights or f.freeze_encoder) and f.task != 'speech_preference':
+    raise ValueError('--encoder_weights/--freeze_encoder apply to '
+                     f'--task=speech_preference only, not {f.task!r}')
+  if f.freeze_encoder and not f.encoder_weights:
+    raise ValueError('--freeze_encoder needs --encoder_weights (a frozen '
+                     'random encoder learns nothing)')
   if population_from_flags:
     task_kwargs.update(num_users=f.num_users, population=f.population)
   else:
     task_kwargs.update(max_chars=f.max_chars, lstm_units=f.lstm_units,
                        cold_fraction=f.cold_fraction)
+  if f.task == 'speech_preference':
+    task_kwargs.update(encoder_weights=f.encoder_weights,
+                       freeze_encoder=f.freeze_encoder)
   return config, task_kwargs
 
 

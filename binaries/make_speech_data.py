@@ -11,6 +11,8 @@ espeak-ng voices and stores their log-magnitude spectrograms (see
 the first utterance of each voice in turn, to <data_dir>/listening/;
 `--figures_dir` draws speech_spectrograms.png (two close voice pairs) and
 speech_voices.png (the voices' pitch and first formant) there.
+`--voice_set=public --num_utterances=3900 --seed=1` makes the public-speaker
+set that `binaries.pretrain_speech_encoder` pre-trains an encoder on.
 Needs espeak-ng (`sudo apt-get install espeak-ng`).
 """
 
@@ -36,6 +38,10 @@ def define_flags():
       'num_utterances', speech_data.DEFAULT_NUM_UTTERANCES,
       'Number of utterances (the paper: 12,420).')
   flags.DEFINE_integer('seed', 0, 'Seed of texts, voices, jitter.')
+  flags.DEFINE_enum(
+      'voice_set', 'users', ['users', 'public'],
+      "'users': the task's 20 voices; 'public': public speakers (not users) "
+      'for binaries.pretrain_speech_encoder, in their own --data_dir.')
   flags.DEFINE_integer('min_words', speech_text.MIN_WORDS,
                        'Fewest words of a sentence.')
   flags.DEFINE_integer('max_words', speech_text.MAX_WORDS,
@@ -58,7 +64,8 @@ def main(argv):
     raise app.UsageError('--workers must be >= 1')
   config = speech_data.GenerationConfig(
       num_utterances=FLAGS.num_utterances, seed=FLAGS.seed,
-      min_words=FLAGS.min_words, max_words=FLAGS.max_words)
+      min_words=FLAGS.min_words, max_words=FLAGS.max_words,
+      voice_set=FLAGS.voice_set)
   speech_data.generate(FLAGS.data_dir, FLAGS.text_root, config,
                        workers=FLAGS.workers)
   if FLAGS.wav_samples:

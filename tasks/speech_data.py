@@ -20,7 +20,13 @@ Cache layout (`data_dir`):
                     version, sha256 of spectrograms.npy, generation time;
                     written last (atomically): a cache without it is
                     incomplete and is regenerated
-  espeak_root/      the espeak-ng data root with the 20 voice variants
+  espeak_root/      the espeak-ng data root with the voice variants (the
+                    20 user voices and the public ones)
+
+`GenerationConfig(voice_set='public')` speaks with the public speakers
+(`speech_voices.PUBLIC_RECIPES`, none of them a user voice or one of its
+bases) instead: the data `binaries/pretrain_speech_encoder.py` pre-trains the
+encoder on, in its own cache directory.
   listening/        WAV files written by `write_listening_samples`
 """
 
@@ -62,14 +68,19 @@ class GenerationConfig:
   seed: int = 0
   min_words: int = speech_text.MIN_WORDS
   max_words: int = speech_text.MAX_WORDS
+  # 'users': the task's 20 voices; 'public': public speakers for encoder
+  # pre-training (speech_voices.PUBLIC_RECIPES), never a user's voice.
+  voice_set: str = 'users'
 
   def validate(self):
+    speech_voices.check_voice_set(self.voice_set)
+    count = speech_voices.num_voices(self.voice_set)
     if (isinstance(self.num_utterances, bool) or
         not isinstance(self.num_utterances, int) or
-        self.num_utterances < speech_voices.NUM_VOICES):
+        self.num_utterances < count):
       raise ValueError(
-          f'num_utterances must be an int >= {speech_voices.NUM_VOICES} (one '
-          f'per voice at least), got {self.num_utterances!r}')
+          f'num_utterances must be an int >= {count} (one per voice at '
+          f'least), got {self.num_utterances!r}')
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f'seed must be an int, got {self.seed!r}')
 
@@ -90,7 +101,8 @@ def make_plan(config: GenerationConfig, text_root: str) -> Plan:
                                    config.max_words)
   texts = speech_text.choose_sentences(pool, config.num_utterances, rng)
   voices = rng.permutation(
-      np.arange(config.num_utterances) % speech_voices.NUM_VOICES).astype(
+      np.arange(config.num_utterances) %
+      speech_voices.num_voices(config.voice_set)).astype(
           np.int32)
   renditions = speech_voices.sample_renditions(config.num_utterances, rng)
   return Plan(texts=texts, voices=voices, renditions=renditions)
@@ -161,7 +173,8 @@ def generate(data_dir: str, text_root: str,
   log_fn(f'generating {n} utterances into {data_dir} with {workers} espeak-ng '
          f'workers (espeak-ng {speech_voices.espeak_version()}) ...')
   speak = lambda i: speech_voices.synthesize(
-      plan.texts[i], int(plan.voices[i]), root, plan.renditions[i])
+      plan.texts[i], int(plan.voices[i]), root, plan.renditions[i],
+      voice_set=config.voice_set)
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     for lo in range(0, n, chunk_size):
       hi = min(lo + chunk_size, n)
@@ -191,7 +204,7 @@ def generate(data_dir: str, text_root: str,
       'format_version': FORMAT_VERSION,
       'config': dataclasses.asdict(config),
       'num_utterances': n,
-      'num_voices': speech_voices.NUM_VOICES,
+      'num_voices': speech_voices.num_voices(config.voice_set),
       'shape': list(speech_spectrogram.SHAPE),
       'dtype': 'uint8',
       'db_min': speech_spectrogram.DB_MIN,
@@ -201,7 +214,8 @@ def generate(data_dir: str, text_root: str,
       'frame_step': speech_spectrogram.FRAME_STEP,
       'fft_length': speech_spectrogram.FFT_LENGTH,
       'espeak_ng_version': speech_voices.espeak_version(),
-      'voice_recipes': [list(r) for r in speech_voices.VOICE_RECIPES],
+      'voice_recipes': [list(r) for r in
+                        speech_voices.recipes(config.voice_set)],
       'seconds_mean': float(seconds.mean()),
       'seconds_min': float(seconds.min()),
       'seconds_max': float(seconds.max()),
@@ -308,12 +322,13 @@ def write_listening_samples(data_dir: str, count: int,
     The paths written.
   """
   rows = _read_utterances(data_dir)
+  voice_set = _config_of(read_manifest(data_dir)).voice_set
   root = speech_voices.prepare_espeak_root(os.path.join(data_dir, ESPEAK_ROOT))
   out_dir = os.path.join(data_dir, LISTENING)
   os.makedirs(out_dir, exist_ok=True)
   voices = np.asarray([int(r['voice']) for r in rows])
   by_voice = [np.flatnonzero(voices == v)
-              for v in range(speech_voices.NUM_VOICES)]
+              for v in range(speech_voices.num_voices(voice_set))]
   order = [int(idx[k]) for k in range(max(len(i) for i in by_voice))
            for idx in by_voice if k < len(idx)]
   paths = []
@@ -321,8 +336,8 @@ def write_listening_samples(data_dir: str, count: int,
     row = rows[i]
     rendition = speech_voices.Rendition(
         int(row['pitch_adjust']), int(row['wpm']), int(row['amplitude']))
-    samples, rate = speech_voices.synthesize(row['text'], int(row['voice']),
-                                             root, rendition)
+    samples, rate = speech_voices.synthesize(
+        row['text'], int(row['voice']), root, rendition, voice_set=voice_set)
     path = os.path.join(out_dir, f'voice{int(row["voice"]):02d}_utt{i}.wav')
     speech_voices.write_wav(path, samples, rate)
     log_fn(f'  wrote {path}: voice {row["voice"]}, '

@@ -28,6 +28,10 @@ from tff_personal.models import split_model
 class SpeechPreferenceTask(preference_task.PreferenceTask):
   """A `PreferenceTask` over spectrograms with the speech models."""
   activation: str = 'relu'
+  # A pre-trained encoder's weights (fedembed_speech.load_encoder_weights)
+  # and whether the encoder trains; None / True: the paper's setting.
+  encoder_weights: list | None = None
+  train_encoder: bool = True
 
   @property
   def element_spec(self):
@@ -68,7 +72,9 @@ class SpeechPreferenceTask(preference_task.PreferenceTask):
     config = dataclasses.replace(
         config, num_subpopulations=self.data.num_subpopulations)
     spec = self.element_spec
-    kwargs = fedembed_speech.fedembed_model_kwargs(self.activation)
+    kwargs = fedembed_speech.fedembed_model_kwargs(
+        self.activation, encoder_weights=self.encoder_weights,
+        train_encoder=self.train_encoder)
 
     def model_fn():
       try:
@@ -91,7 +97,10 @@ def speech_preference_task(data_dir: str, *,
                            batch_size: int = 10, local_epochs: int = 1,
                            activation: str = 'relu',
                            train_per_user: int = 20,
-                           test_per_user: int = 10) -> SpeechPreferenceTask:
+                           test_per_user: int = 10,
+                           encoder_weights: str | None = None,
+                           freeze_encoder: bool = False
+                           ) -> SpeechPreferenceTask:
   """FedEmbed section 4.3: users who each prefer one synthetic voice.
 
   Args:
@@ -104,19 +113,35 @@ def speech_preference_task(data_dir: str, *,
     activation: The encoder's activation.
     train_per_user: Train samples per user (the paper: 20).
     test_per_user: Test samples per user (the paper: 10).
+    encoder_weights: Path of an encoder pre-trained on public speakers
+      (`binaries.pretrain_speech_encoder`) that every model's shared encoder
+      starts from; None: Keras' random initialisation (the paper).
+    freeze_encoder: Keep the encoder at its initial weights (needs
+      `encoder_weights`): only heads, prototypes and private state train,
+      so DP noise falls on those alone.
 
   Returns:
     The task.
+
+  Raises:
+    ValueError: Bad arguments or data, named.
   """
   if not data_dir:
     raise ValueError('speech_preference needs --data_dir: a directory made '
                      'by `python -m binaries.make_speech_data --data_dir=...`')
+  if freeze_encoder and not encoder_weights:
+    raise ValueError('freeze_encoder needs encoder_weights (a frozen random '
+                     'encoder learns nothing); pass --encoder_weights=PATH')
+  weights = (fedembed_speech.load_encoder_weights(encoder_weights)[0]
+             if encoder_weights else None)
   data = speech_preference.load_task_data(
       data_dir, num_users=num_users, population=population, seed=seed,
       train_per_user=train_per_user, test_per_user=test_per_user)
   builder = lambda dim, input_spec: fedembed_speech.build_preference_model(
-      dim, activation=activation, input_spec=input_spec)
+      dim, activation=activation, input_spec=input_spec,
+      encoder_weights=weights, train_encoder=not freeze_encoder)
   return SpeechPreferenceTask(
       name='speech_preference', data=data, model_builder=builder,
       batch_size=batch_size, local_epochs=local_epochs, seed=seed,
-      activation=activation)
+      activation=activation, encoder_weights=weights,
+      train_encoder=not freeze_encoder)

@@ -68,6 +68,21 @@ VOICE_RECIPES = (
 )
 NUM_VOICES = len(VOICE_RECIPES)
 
+# Public speakers (not users): espeak-ng variants disjoint from BASE_VOICES,
+# for pre-training a speech encoder on data that is not any user's (the role
+# a public speaker corpus such as LibriTTS plays for a real system; see
+# `tasks/speech_public.py`). The public voices are these variants alone and
+# mixtures of two of them, made as the user voices are.
+PUBLIC_BASES = ('m2', 'm5', 'm8', 'f2', 'f4', 'john', 'linda', 'paul',
+                'steph', 'max', 'grandma')
+PUBLIC_RECIPES = tuple(
+    [(a, a, 0.0) for a in PUBLIC_BASES] +
+    [(a, b, (0.3, 0.5, 0.7)[k % 3]) for k, (a, b) in enumerate(
+        [(x, y) for i, x in enumerate(PUBLIC_BASES)
+         for y in PUBLIC_BASES[i + 1:]][::2])])
+NUM_PUBLIC_VOICES = len(PUBLIC_RECIPES)
+VOICE_SETS = ('users', 'public')
+
 # espeak-ng's documented defaults (docs/voices.md).
 DEFAULT_PITCH = (82.0, 118.0)
 DEFAULT_FORMANT = (100.0, 100.0, 100.0, 0.0)
@@ -179,8 +194,28 @@ def interpolate(a: VoiceParams, b: VoiceParams, t: float) -> VoiceParams:
       quality=a.quality if t < 0.5 else b.quality)
 
 
-def voice_name(voice: int) -> str:
+def voice_name(voice: int, voice_set: str = 'users') -> str:
+  check_voice_set(voice_set)
+  if voice_set == 'public':
+    return f'tffp_public{voice:02d}'
   return f'tffp_voice{voice:02d}'
+
+
+def check_voice_set(voice_set: str) -> None:
+  if voice_set not in VOICE_SETS:
+    raise ValueError(f'voice_set must be one of {VOICE_SETS}, got '
+                     f'{voice_set!r}')
+
+
+def num_voices(voice_set: str = 'users') -> int:
+  """Voices of the set: NUM_VOICES (users) or NUM_PUBLIC_VOICES (public)."""
+  check_voice_set(voice_set)
+  return NUM_PUBLIC_VOICES if voice_set == 'public' else NUM_VOICES
+
+
+def recipes(voice_set: str = 'users') -> tuple[tuple[str, str, float], ...]:
+  check_voice_set(voice_set)
+  return PUBLIC_RECIPES if voice_set == 'public' else VOICE_RECIPES
 
 
 def to_variant_file(name: str, params: VoiceParams) -> str:
@@ -222,28 +257,39 @@ def espeak_version() -> str:
   return match.group(1) if match else out.strip()
 
 
-def base_voice_params(data_dir: str | None = None) -> dict[str, VoiceParams]:
-  """The 8 base voices, parsed from the installed variant files."""
+def base_voice_params(data_dir: str | None = None,
+                      names: tuple[str, ...] = BASE_VOICES
+                      ) -> dict[str, VoiceParams]:
+  """Base voices (default: the users' 8), parsed from the variant files.
+
+  A base without its own rate in `BASE_SPEED` (the public ones) speaks at
+  espeak-ng's default rate, before each utterance's jitter.
+  """
   data_dir = data_dir or espeak_data_dir()
   out = {}
-  for name in BASE_VOICES:
+  for name in names:
     path = os.path.join(data_dir, 'voices', '!v', name)
     if not os.path.isfile(path):
       raise EspeakNotFoundError(
           f'espeak-ng variant {path} is missing (espeak-ng-data incomplete?). '
           + INSTALL_HINT)
     with open(path, encoding='utf-8', errors='replace') as f:
-      out[name] = parse_variant(f.read(), speed=BASE_SPEED[name])
+      out[name] = parse_variant(f.read(),
+                                speed=BASE_SPEED.get(name, DEFAULT_SPEED))
   return out
 
 
-def voice_params(bases: dict[str, VoiceParams]) -> list[VoiceParams]:
-  """The NUM_VOICES interpolated voices, in `VOICE_RECIPES` order."""
-  return [interpolate(bases[a], bases[b], t) for a, b, t in VOICE_RECIPES]
+def voice_params(bases: dict[str, VoiceParams], voice_set: str = 'users'
+                 ) -> list[VoiceParams]:
+  """The voices of the set, in `VOICE_RECIPES` (`PUBLIC_RECIPES`) order."""
+  return [interpolate(bases[a], bases[b], t)
+          for a, b, t in recipes(voice_set)]
 
 
 def prepare_espeak_root(root: str) -> str:
-  """Writes a private espeak-ng data root holding the 20 voice variants.
+  """Writes a private espeak-ng data root holding every voice variant.
+
+  The 20 user voices and the NUM_PUBLIC_VOICES public ones.
 
   `<root>/espeak-ng-data/` gets symlinks to every entry of the installed data
   except `voices/`, whose `!v/` holds only our variant files. Idempotent.
@@ -264,10 +310,12 @@ def prepare_espeak_root(root: str) -> str:
     link = os.path.join(data, entry)
     if not os.path.lexists(link):
       os.symlink(os.path.join(system, entry), link)
-  for v, params in enumerate(voice_params(base_voice_params(system))):
-    name = voice_name(v)
-    with open(os.path.join(variants, name), 'w', encoding='utf-8') as f:
-      f.write(to_variant_file(name, params))
+  for voice_set, names in (('users', BASE_VOICES), ('public', PUBLIC_BASES)):
+    bases = base_voice_params(system, names)
+    for v, params in enumerate(voice_params(bases, voice_set)):
+      name = voice_name(v, voice_set)
+      with open(os.path.join(variants, name), 'w', encoding='utf-8') as f:
+        f.write(to_variant_file(name, params))
   return root
 
 
@@ -290,15 +338,17 @@ def sample_renditions(count: int, rng: np.random.Generator
 
 def synthesize(text: str, voice: int, root: str,
                rendition: Rendition = Rendition(50, 175, 100),
-               timeout: float = 60.0) -> tuple[np.ndarray, int]:
+               timeout: float = 60.0, voice_set: str = 'users'
+               ) -> tuple[np.ndarray, int]:
   """Speaks `text` with voice `voice` and returns its waveform.
 
   Args:
     text: The sentence.
-    voice: Voice index in [0, NUM_VOICES).
+    voice: Voice index in [0, num_voices(voice_set)).
     root: A root prepared by `prepare_espeak_root`.
     rendition: The command-line pitch adjustment, rate and amplitude.
     timeout: Seconds before espeak-ng is considered hung.
+    voice_set: 'users' (the task's voices) or 'public' (public speakers).
 
   Returns:
     (int16 samples, sample rate in Hz).
@@ -307,12 +357,14 @@ def synthesize(text: str, voice: int, root: str,
     EspeakNotFoundError: No espeak-ng.
     EspeakError: espeak-ng failed or returned no audio.
   """
-  if not 0 <= voice < NUM_VOICES:
-    raise ValueError(f'voice must be in [0, {NUM_VOICES}), got {voice}')
+  count = num_voices(voice_set)
+  if not 0 <= voice < count:
+    raise ValueError(f'voice must be in [0, {count}) ({voice_set} voices), '
+                     f'got {voice}')
   if not text.strip():
     raise ValueError('text is empty')
   cmd = [espeak_binary(), f'--path={root}', '-v',
-         f'{LANGUAGE}+{voice_name(voice)}', '-p', str(rendition.pitch_adjust),
+         f'{LANGUAGE}+{voice_name(voice, voice_set)}', '-p', str(rendition.pitch_adjust),
          '-s', str(rendition.words_per_minute), '-a', str(rendition.amplitude),
          '--stdin', '--stdout']
   proc = subprocess.run(cmd, input=text.encode('utf-8'), capture_output=True,

@@ -226,3 +226,41 @@ def test_listening_samples_are_the_generated_utterances(tiny_dir):
 def test_missing_data_names_the_command(tmp_path):
   with pytest.raises(speech_data.SpeechDataError, match='make_speech_data'):
     speech_data.load(str(tmp_path))
+
+
+def test_public_voices_are_none_of_the_users():
+  assert not set(speech_voices.PUBLIC_BASES) & set(speech_voices.BASE_VOICES)
+  assert speech_voices.num_voices('public') == len(
+      speech_voices.PUBLIC_RECIPES) == len(set(speech_voices.PUBLIC_RECIPES))
+  assert speech_voices.voice_name(3, 'public') != speech_voices.voice_name(3)
+  with pytest.raises(ValueError, match='voice_set must be one of'):
+    speech_voices.num_voices('private')
+  with pytest.raises(ValueError, match='voice_set must be one of'):
+    speech_data.GenerationConfig(voice_set='mine').validate()
+
+
+@needs_espeak
+@needs_text
+def test_public_set_is_spoken_by_public_voices(tmp_path):
+  count = speech_voices.NUM_PUBLIC_VOICES
+  config = speech_data.GenerationConfig(num_utterances=count, seed=2,
+                                        min_words=3, max_words=5,
+                                        voice_set='public')
+  path = str(tmp_path / 'public')
+  speech_data.generate(path, SHARED_DATA, config, workers=2,
+                       log_fn=lambda s: None)
+  data = speech_data.load(path)
+  assert data.num_voices == count
+  np.testing.assert_array_equal(np.sort(data.voices), np.arange(count))
+  assert data.manifest['config']['voice_set'] == 'public'
+  # The variant files the audio came from: none is a user voice.
+  system = speech_voices.espeak_data_dir()
+  users = speech_voices.voice_params(speech_voices.base_voice_params(system))
+  public = speech_voices.voice_params(
+      speech_voices.base_voice_params(system, speech_voices.PUBLIC_BASES),
+      'public')
+  gap = min(np.linalg.norm(p.vector() - u.vector())
+            for p in public for u in users)
+  assert gap > 0
+  with pytest.raises(ValueError, match=r'in \[0, 20\) \(users voices\)'):
+    speech_voices.synthesize('Hello there.', 25, path)

@@ -268,3 +268,53 @@ def test_sharded_speech_round_equals_one_user_per_client(tiny_task):
     np.testing.assert_allclose(got['private'][0], want['private'][0],
                                rtol=1e-4, atol=1e-5)
     assert not np.allclose(got['private'][0], old['private'][0])
+
+
+def test_frozen_public_encoder_is_never_trained_sent_or_noised(
+    tiny_task, tmp_path):
+  # A frozen pre-trained encoder: under DP only heads, prototypes and the
+  # classifier are in the noised update; the encoder stays bit for bit.
+  from tff_personal.core import privacy  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(5)
+  enc = fedembed_speech.build_encoder(channels=2)
+  want = [rng.normal(0, 0.1, w.shape).astype(np.float32)
+          for w in enc.get_weights()]
+  enc.set_weights(want)
+  path = str(tmp_path / 'encoder.npz')
+  fedembed_speech.save_encoder_weights(path, enc, {})
+  data_dir = os.path.dirname(tiny_task.data.spectrograms.filename)
+  with pytest.raises(ValueError, match='needs encoder_weights'):
+    registry.build_task('speech_preference', data_dir=data_dir, num_users=20,
+                        freeze_encoder=True)
+  task = registry.build_task(
+      'speech_preference', data_dir=data_dir, num_users=20,
+      population='balanced', seed=0, batch_size=3, local_epochs=1,
+      train_per_user=4, test_per_user=2, encoder_weights=path,
+      freeze_encoder=True)
+  proc = algorithms.build(
+      'fedembed_prototype', algorithms.model_factory('fedembed_prototype',
+                                                     task),
+      client_optimizer=fedavg.adam(1e-2),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      aggregator_factory=privacy.build_aggregator(privacy.DPConfig(
+          mechanism='gaussian_fixed', noise_multiplier=1.0, clip_norm=1.0,
+          clients_per_round=2, population=20, rounds=1)),
+      metrics_fn=task.metrics_fn, seed=0, embedding_dim=200)
+  weights_type = proc.model_weights_type
+  trainable_shapes = [tuple(t.shape) for t in weights_type.trainable]
+  assert (576, 256) not in trainable_shapes  # the encoder's dense kernel
+  assert (20, 456, 2) in trainable_shapes     # the heads
+  state = proc.initialize()
+  before = proc.get_model_weights(state)
+  frozen = [np.asarray(w) for w in before.non_trainable
+            if tuple(np.shape(w)) in {x.shape for x in want}]
+  assert len(frozen) == 16
+  for got, w in zip(frozen, want):
+    np.testing.assert_array_equal(got, w)
+  state, _, _ = proc.next(state, _client_states(proc, 2, seed=1),
+                          task.train_datasets([0, 1], round_num=0))
+  after = proc.get_model_weights(state)
+  for old, new in zip(before.non_trainable, after.non_trainable):
+    np.testing.assert_array_equal(old, new)
+  assert any(not np.allclose(a, b) for a, b in
+             zip(before.trainable, after.trainable))

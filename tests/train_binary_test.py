@@ -41,6 +41,9 @@ def _base(tmp_path, mnist_dir, **overrides):
     (dict(dp='gaussian_fixed'), 'needs --noise_multiplier or --target_epsilon'),
     (dict(rounds=0), 'rounds must be >= 1'),
     (dict(inter_op_threads=-3), '--inter_op_threads must be'),
+    (dict(encoder_weights='enc.npz'), 'apply to --task=speech_preference'),
+    (dict(task='speech_preference', algorithm='fedembed_prototype',
+          freeze_encoder=True), '--freeze_encoder needs --encoder_weights'),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, mnist_dir, capsys,
                                         overrides, message):

@@ -40,6 +40,10 @@ Readings (where the appendix is silent or inconsistent):
 
 from __future__ import annotations
 
+import json
+import os
+
+import numpy as np
 import tensorflow as tf
 
 from tff_personal.models import fedembed_mnist
@@ -50,27 +54,127 @@ EMBEDDING_DIM = 200
 FEATURES = 256
 
 
+# Layers of the encoder with weights, in `build_encoder` order: each has a
+# kernel (gamma) and a bias (beta), so an encoder has 2 * 8 weight arrays.
+_WEIGHTED_LAYERS = 8
+ENCODER_WEIGHTS_FORMAT = 'tff_personal.fedembed_speech.encoder/1'
+
+
 def build_encoder(activation: str = 'relu', channels: int = 1,
-                  name: str = 'encoder') -> tf.keras.Sequential:
-  """The Appendix B.2 encoder for a (200, 375, channels) input -> 256."""
-  return tf.keras.Sequential([
+                  name: str = 'encoder', weights=None,
+                  trainable: bool = True) -> tf.keras.Sequential:
+  """The Appendix B.2 encoder for a (200, 375, channels) input -> 256.
+
+  Args:
+    activation: Activation after the convolutions' LayerNorms.
+    channels: Input channels (1: spectrogram; 2: and the embedding channel).
+    name: The Keras name.
+    weights: None (Keras' initialisers) or the 16 arrays of an encoder in
+      `encoder.get_weights()` order (`load_encoder_weights`), made the
+      variables' initial values (initialisers, so that TFF's `initialize`
+      and every `model_fn()` start from them). A first-convolution kernel
+      with more input channels than `channels` is cut to its first
+      `channels` (a 2-channel pre-trained encoder for the 1-channel Global
+      model: the embedding channel's kernel was never trained, its input
+      being zero in pre-training).
+    trainable: False freezes the encoder: its variables are non-trainable,
+      so a federated process broadcasts them and never trains, sends or
+      noises them (only the heads, prototypes and personal state learn).
+
+  Returns:
+    The encoder (a `tf.keras.Sequential`).
+  """
+  if weights is not None:
+    weights = _check_weights(weights, channels)
+  init = iter(weights or ())
+  def kw(first='kernel_initializer', second='bias_initializer'):
+    if weights is None:
+      return {}
+    return {first: tf.keras.initializers.Constant(next(init)),
+            second: tf.keras.initializers.Constant(next(init))}
+  ln = lambda **k: tf.keras.layers.LayerNormalization(
+      **k, **kw('gamma_initializer', 'beta_initializer'))
+  encoder = tf.keras.Sequential([
       tf.keras.layers.InputLayer(input_shape=(*INPUT_SHAPE[:2], channels)),
       tf.keras.layers.ZeroPadding2D(1),
-      tf.keras.layers.Conv2D(16, (3, 5), strides=(2, 3), padding='valid'),
+      tf.keras.layers.Conv2D(16, (3, 5), strides=(2, 3), padding='valid',
+                             **kw()),
       tf.keras.layers.AveragePooling2D((2, 3)),
-      tf.keras.layers.LayerNormalization(axis=[1, 2, 3], name='ln1'),
+      ln(axis=[1, 2, 3], name='ln1'),
       tf.keras.layers.Activation(activation),
-      tf.keras.layers.Conv2D(32, (5, 5), strides=(2, 2), padding='valid'),
+      tf.keras.layers.Conv2D(32, (5, 5), strides=(2, 2), padding='valid',
+                             **kw()),
       tf.keras.layers.AveragePooling2D((3, 3)),
-      tf.keras.layers.LayerNormalization(axis=[1, 2, 3], name='ln2'),
+      ln(axis=[1, 2, 3], name='ln2'),
       tf.keras.layers.Activation(activation),
-      tf.keras.layers.Conv2D(64, (3, 2), strides=(2, 2), padding='valid'),
-      tf.keras.layers.LayerNormalization(axis=[1, 2, 3], name='ln3'),
+      tf.keras.layers.Conv2D(64, (3, 2), strides=(2, 2), padding='valid',
+                             **kw()),
+      ln(axis=[1, 2, 3], name='ln3'),
       tf.keras.layers.Activation(activation),
       tf.keras.layers.Flatten(name='flatten'),
-      tf.keras.layers.Dense(FEATURES),
-      tf.keras.layers.LayerNormalization(name='ln4'),
+      tf.keras.layers.Dense(FEATURES, **kw()),
+      ln(name='ln4'),
   ], name=name)
+  encoder.trainable = trainable
+  return encoder
+
+
+def _encoder_shapes(channels: int) -> list[tuple[int, ...]]:
+  with tf.init_scope():
+    return [tuple(w.shape) for w in
+            build_encoder('relu', channels, name='shapes').weights]
+
+
+def _check_weights(weights, channels: int) -> list:
+  """The arrays for a `channels` encoder, or a ValueError naming the problem."""
+  weights = list(weights)
+  if len(weights) != 2 * _WEIGHTED_LAYERS:
+    raise ValueError(f'an encoder has {2 * _WEIGHTED_LAYERS} weight arrays, '
+                     f'got {len(weights)}')
+  kernel = weights[0]
+  if kernel.ndim == 4 and kernel.shape[2] > channels:
+    weights[0] = kernel[:, :, :channels, :]
+  for i, (w, shape) in enumerate(zip(weights, _encoder_shapes(channels))):
+    if tuple(w.shape) != shape:
+      raise ValueError(f'encoder weight {i} has shape {tuple(w.shape)}, the '
+                       f'{channels}-channel Appendix B.2 encoder needs {shape}')
+  return weights
+
+
+def save_encoder_weights(path: str, encoder: tf.keras.Model,
+                         metadata: dict) -> None:
+  """Writes an encoder's weights and `metadata` (JSON-able) to an .npz file.
+
+  Written to `path + '.tmp'` first and renamed, so a reader never sees a
+  partial file.
+  """
+  arrays = {f'w{i:02d}': w for i, w in enumerate(encoder.get_weights())}
+  tmp = path + '.tmp.npz'
+  np.savez(tmp, format=np.asarray(ENCODER_WEIGHTS_FORMAT),
+           metadata=np.asarray(json.dumps(metadata)), **arrays)
+  os.replace(tmp, path)
+
+
+def load_encoder_weights(path: str) -> tuple[list[np.ndarray], dict]:
+  """(weights in `get_weights()` order, metadata) of `save_encoder_weights`.
+
+  Raises:
+    ValueError: No such file, or not an encoder file (named in the message).
+  """
+  if not os.path.isfile(path):
+    raise ValueError(
+        f'encoder weights {path!r} not found; make them with `python -m '
+        'binaries.pretrain_speech_encoder --data_dir=<public set> '
+        f'--output={path}`')
+  with np.load(path) as z:
+    if 'format' not in z or str(z['format']) != ENCODER_WEIGHTS_FORMAT:
+      raise ValueError(f'{path} is not a speech-encoder weights file (format '
+                       f'{ENCODER_WEIGHTS_FORMAT!r} expected)')
+    weights = [z[f'w{i:02d}'] for i in range(2 * _WEIGHTED_LAYERS)
+               if f'w{i:02d}' in z]
+    metadata = json.loads(str(z['metadata']))
+  _check_weights(weights, 2 if weights[0].shape[2] == 2 else 1)
+  return weights, metadata
 
 
 def embedding_channel(embedding_batch: tf.Tensor) -> tf.Tensor:
@@ -90,13 +194,18 @@ def check_embedding_dim(embedding_dim: int) -> None:
 
 def build_preference_model(embedding_dim: int = EMBEDDING_DIM,
                            activation: str = 'relu',
-                           input_spec=None) -> split_model.SplitModel:
+                           input_spec=None, encoder_weights=None,
+                           train_encoder: bool = True
+                           ) -> split_model.SplitModel:
   """Global (embedding_dim=0) or Global+ (embedding_dim=200) speech model.
 
   Args:
     embedding_dim: Size of the private personal embedding: 0 or 200.
     activation: Activation after the convolutions' LayerNorms.
     input_spec: The element spec of client datasets.
+    encoder_weights: None or a pre-trained encoder's weights
+      (`build_encoder`'s `weights`).
+    train_encoder: False freezes the encoder (`build_encoder`'s `trainable`).
 
   Returns:
     A `SplitModel` with [batch, 2] logits whose only private variable is the
@@ -108,12 +217,14 @@ def build_preference_model(embedding_dim: int = EMBEDDING_DIM,
   if embedding_dim:
     personal = fedembed_mnist.PersonalEmbedding(embedding_dim, name='personal')
     e = personal(x)
-    features = build_encoder(activation, channels=2)(
+    features = build_encoder(activation, channels=2, weights=encoder_weights,
+                             trainable=train_encoder)(
         tf.keras.layers.Concatenate(axis=-1)([x, embedding_channel(e)]))
     features = tf.keras.layers.Concatenate(axis=-1)([features, e])
     private = [personal.embedding]
   else:
-    features = build_encoder(activation, channels=1)(x)
+    features = build_encoder(activation, channels=1, weights=encoder_weights,
+                             trainable=train_encoder)(x)
   logits = tf.keras.layers.Dense(2, name='head')(features)
   return split_model.SplitModel(
       model=tf.keras.Model(inputs=x, outputs=logits),
@@ -121,8 +232,11 @@ def build_preference_model(embedding_dim: int = EMBEDDING_DIM,
       input_spec=input_spec)
 
 
-def fedembed_model_kwargs(activation: str = 'relu') -> dict:
+def fedembed_model_kwargs(activation: str = 'relu', encoder_weights=None,
+                          train_encoder: bool = True) -> dict:
   """Keyword arguments of `fedembed.build_fedembed_model` for speech."""
   return dict(
-      encoder_fn=lambda channels: build_encoder(activation, channels=channels),
+      encoder_fn=lambda channels: build_encoder(
+          activation, channels=channels, weights=encoder_weights,
+          trainable=train_encoder),
       input_shape=INPUT_SHAPE)
