@@ -14,6 +14,13 @@ Tables (method rows, the paper's numbers next to ours):
 * `3`, `5` (and `5_20`, `5_8`): the same for the speech task
   (`speech_preference`, 20 voices; prevalences 20%, 8%, 4%). Its cells have
   `task` in their setting.
+* `3_public`: Table 3 with the speech encoder pre-trained on public
+  speakers and frozen (our addition, not the paper's: see
+  `tff_personal/models/speech_encoder_pretraining.py`); its cells have
+  `encoder='public'` in their setting and need
+  `--fedembed_speech_encoder=<weights .npz>` from
+  `binaries.pretrain_speech_encoder`. The paper's Table 3 numbers are shown
+  for reference.
 * `fig4`: FedEmbed-Type with and without the k-way type head (balanced, no
   DP), whose personal embeddings make Figure 4.
 
@@ -73,6 +80,7 @@ from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.models import fedembed as fedembed_model
+from tff_personal.models import fedembed_speech
 
 PAPER = 'fedembed'
 MNIST = 'mnist_preference'
@@ -95,6 +103,11 @@ def _columns(task: Optional[str]) -> list[reporting.Column]:
   return [reporting.Column(f'{pop} {_DP_NAMES[dp]}',
                            {**extra, 'population': pop, 'dp': dp})
           for pop in ('balanced', 'imbalanced') for dp in _DP_NAMES]
+
+
+def _public_encoder_columns() -> list[reporting.Column]:
+  return [reporting.Column(c.name, {**c.setting, 'encoder': 'public'})
+          for c in _columns(SPEECH)]
 
 
 def _imbalanced_columns(task: Optional[str]) -> list[reporting.Column]:
@@ -232,6 +245,14 @@ TABLES: dict[str, reporting.Table] = {
         paper_values=_paper(_TABLE3, _columns(SPEECH)),
         title='FedEmbed Table 3 (speaker preferences): mean F1',
         notes=_NOTES),
+    '3_public': reporting.Table(
+        name='3_public', paper=PAPER, metric='f1', methods=METHODS,
+        columns=_public_encoder_columns(),
+        paper_values=_paper(_TABLE3, _columns(SPEECH)),
+        title='FedEmbed Table 3 (speaker preferences) with the encoder '
+              'pre-trained on public speakers and frozen (our variant; the '
+              'paper column is its Table 3, trained from scratch): mean F1',
+        notes=_NOTES),
     **_prevalence_tables('4', None, (25, 15, 10, 5), _TABLE4, 'MNIST', 5),
     **_prevalence_tables('5', SPEECH, (20, 8, 4), _TABLE5, 'speech', 4),
     'fig4': reporting.Table(
@@ -261,6 +282,10 @@ def define_flags():
          'FedEmbed: local epochs (None: the per-algorithm default).')
   define('integer', 'fedembed_eval_clients', None,
          'FedEmbed: users evaluated (None: the per-algorithm default).')
+  define('string', 'fedembed_speech_encoder', None,
+         'FedEmbed: the pre-trained speech encoder (.npz of '
+         'binaries.pretrain_speech_encoder) of the `encoder=public` cells '
+         '(table 3_public).')
   define('integer', 'fedembed_eval_every', None,
          'FedEmbed: rounds between evaluations for the learning curves '
          '(None: the per-algorithm default).')
@@ -329,21 +354,42 @@ _TASKS: dict[tuple, Any] = {}
 
 
 def _build_task(name: str, data_dir: Optional[str], s: dict, population: str,
-                seed: int):
+                seed: int, encoder_weights: Optional[str] = None):
+  """The cell's task (cached); `encoder_weights`: a frozen public encoder."""
   if name not in task_registry.TASKS:
     raise ValueError(
         f'task {name!r} is not registered in tasks/registry.py yet; the '
         f'FedEmbed tables that need it (3 and 5) cannot run. Registered: '
         f'{task_registry.TASKS}')
   key = (name, data_dir, s['num_users'], population, seed, s['batch_size'],
-         s['local_epochs'])
+         s['local_epochs'], encoder_weights)
+  extra = ({} if encoder_weights is None else
+           dict(encoder_weights=encoder_weights, freeze_encoder=True))
   if key not in _TASKS:
     _TASKS.clear()  # one task in memory at a time
     _TASKS[key] = task_registry.build_task(
         name, data_dir=data_dir, num_users=s['num_users'],
         population=population, seed=seed, batch_size=s['batch_size'],
-        local_epochs=s['local_epochs'])
+        local_epochs=s['local_epochs'], **extra)
   return _TASKS[key]
+
+
+def _encoder_weights(cell: reporting.Cell, flag_values) -> Optional[str]:
+  """The public encoder of an `encoder='public'` cell (None otherwise)."""
+  encoder = cell.setting.get('encoder')
+  if encoder is None:
+    return None
+  if encoder != 'public' or _task_name(cell.setting) != SPEECH:
+    raise ValueError(f'unknown encoder setting {encoder!r} for task '
+                     f'{_task_name(cell.setting)!r}')
+  path = getattr(flag_values, 'fedembed_speech_encoder', None)
+  if not path:
+    raise ValueError(
+        'the encoder=public cells (table 3_public) need '
+        '--fedembed_speech_encoder=<.npz>: make it with `python -m '
+        'binaries.make_speech_data --voice_set=public ...` and `python -m '
+        'binaries.pretrain_speech_encoder ...` (README)')
+  return path
 
 
 def _data_dir(flag_values, task: str) -> Optional[str]:
@@ -423,8 +469,9 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
     raise ValueError(f'{cell.method!r} is not registered in '
                      'tff_personal/algorithms/registry.py yet')
   s = cell_settings(cell, flag_values)
+  encoder_weights = _encoder_weights(cell, flag_values)
   task = _build_task(task_name, _data_dir(flag_values, task_name), s,
-                     cell.setting['population'], cell.seed)
+                     cell.setting['population'], cell.seed, encoder_weights)
   if cell.setting.get('type_head') is False:
     task = _WithoutTypeHead(task)
   config = experiment_config(cell, flag_values, out_dir, task.population)
@@ -437,6 +484,10 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   if cell.setting['population'] == 'balanced':
     prevalence = (100 // len(prevalence),) * len(prevalence)
   metrics = cell_metrics(summary, prevalence)
+  if encoder_weights:  # which encoder, and how well it told public voices
+    meta = fedembed_speech.load_encoder_weights(encoder_weights)[1]
+    metrics['encoder_weights'] = os.path.abspath(encoder_weights)
+    metrics['encoder_public_accuracy'] = meta.get('val_accuracy', [None])[-1]
   _save_analysis(task, cell, config.experiment_dir, out_dir,
                  config.embedding_dim)
   root = _root_of(out_dir)

@@ -238,6 +238,23 @@ def test_speech_cell_without_the_task_fails_clearly(monkeypatch, tmp_path):
     fedembed.run_cell(cell, _flags(), str(tmp_path))
 
 
+def test_public_encoder_cells_are_their_own_and_need_the_encoder(tmp_path):
+  public = fedembed.TABLES['3_public'].cells(1)
+  scratch = {c.key() for c in fedembed.TABLES['3'].cells(1)}
+  assert len(public) == len(scratch) and not {c.key() for c in public} & scratch
+  assert all(c.setting['encoder'] == 'public' for c in public)
+  cell = [c for c in public if c.method == 'fedembed_prototype'][0]
+  with pytest.raises(ValueError, match='--fedembed_speech_encoder'):
+    fedembed.run_cell(cell, _flags(fedembed_speech_encoder=None),
+                      str(tmp_path))
+  mnist = reporting.Cell('fedembed', 'global',
+                         {'population': 'balanced', 'dp': 'none',
+                          'encoder': 'public'}, 0)
+  with pytest.raises(ValueError, match="unknown encoder setting 'public'"):
+    fedembed.run_cell(mnist, _flags(fedembed_speech_encoder='x.npz'),
+                      str(tmp_path))
+
+
 @pytest.mark.skipif(not os.path.isdir(MNIST), reason='MNIST not found')
 def test_one_tiny_dp_cell_end_to_end(tmp_path):
   f = _flags(rounds=2, clients_per_round=5, num_users=40,
