@@ -490,6 +490,9 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
     metrics['encoder_public_accuracy'] = meta.get('val_accuracy', [None])[-1]
   _save_analysis(task, cell, config.experiment_dir, out_dir,
                  config.embedding_dim)
+  # Every method's F1 curve (the figures draw them all).
+  _copy_curve(os.path.join(config.experiment_dir, 'eval_metrics.csv'),
+              os.path.join(out_dir, 'curve.json'))
   root = _root_of(out_dir)
   if root:  # this cell's record is appended after run_cell returns
     write_extra_tables(root, extra_records=[{
@@ -548,8 +551,6 @@ def _save_analysis(task, cell, exp_dir: str, out_dir: str,
   if 'head' in arrays:
     out['head'] = arrays['head']
   np.savez(os.path.join(out_dir, 'analysis.npz'), **out)
-  _copy_curve(os.path.join(exp_dir, 'eval_metrics.csv'),
-              os.path.join(out_dir, 'curve.json'))
 
 
 def _copy_curve(csv_path: str, json_path: str) -> None:
