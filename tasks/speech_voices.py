@@ -71,8 +71,9 @@ NUM_VOICES = len(VOICE_RECIPES)
 # Public speakers (not users): espeak-ng variants disjoint from BASE_VOICES,
 # for pre-training a speech encoder on data that is not any user's (the role
 # a public speaker corpus such as LibriTTS plays for a real system; see
-# `tasks/speech_public.py`). The public voices are these variants alone and
-# mixtures of two of them, made as the user voices are.
+# `tff_personal/models/speech_encoder_pretraining.py`). The public voices are
+# these variants alone and mixtures of two of them, made as the user voices
+# are (11 + 28 = 39 voices).
 PUBLIC_BASES = ('m2', 'm5', 'm8', 'f2', 'f4', 'john', 'linda', 'paul',
                 'steph', 'max', 'grandma')
 PUBLIC_RECIPES = tuple(

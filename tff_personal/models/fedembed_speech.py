@@ -173,7 +173,10 @@ def load_encoder_weights(path: str) -> tuple[list[np.ndarray], dict]:
     weights = [z[f'w{i:02d}'] for i in range(2 * _WEIGHTED_LAYERS)
                if f'w{i:02d}' in z]
     metadata = json.loads(str(z['metadata']))
-  _check_weights(weights, 2 if weights[0].shape[2] == 2 else 1)
+  if not weights or weights[0].ndim != 4:
+    raise ValueError(f'{path} holds no encoder weights (first convolution '
+                     'kernel missing)')
+  _check_weights(weights, weights[0].shape[2])
   return weights, metadata
 
 
