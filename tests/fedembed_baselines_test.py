@@ -17,6 +17,7 @@ from tff_personal.core import process
 from tff_personal.core import split_training
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
+from tff_personal.models import personal_head
 
 SPEC = collections.OrderedDict(
     x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
@@ -157,6 +158,22 @@ def test_fedrep_trains_the_head_first_and_keeps_it_private():
   for v, e in zip(head_vars, new_states[0]['private']):
     np.testing.assert_allclose(v.numpy(), e, rtol=1e-4, atol=1e-6)
   del opt, new_state
+
+
+def test_fedrep_refuses_a_model_with_nothing_shared_to_train():
+  def frozen_body_fn():
+    base = fedembed_mnist.build_preference_model(0, input_spec=SPEC)
+    for layer in base.model.layers:
+      if layer.name != 'head':
+        layer.trainable = False
+    return base
+
+  assert frozen_body_fn().shared_trainable_variables  # The head, shared.
+  with pytest.raises(ValueError, match='no shared trainable variable'):
+    personal_head.personal_head_model_fn(frozen_body_fn)()
+  # The same model with a trainable body is accepted.
+  assert personal_head.personal_head_model_fn(model_fn_factory(0))(
+      ).shared_trainable_variables
 
 
 # --- pFedMe -------------------------------------------------------------------

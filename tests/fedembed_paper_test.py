@@ -241,7 +241,12 @@ def test_speech_cell_without_the_task_fails_clearly(monkeypatch, tmp_path):
 def test_public_encoder_cells_are_their_own_and_need_the_encoder(tmp_path):
   public = fedembed.TABLES['3_public'].cells(1)
   scratch = {c.key() for c in fedembed.TABLES['3'].cells(1)}
-  assert len(public) == len(scratch) and not {c.key() for c in public} & scratch
+  assert not {c.key() for c in public} & scratch
+  # Every cell of Table 3 but FedRep's (frozen encoder: nothing to federate).
+  assert {(c.method, tuple(sorted((k, v) for k, v in c.setting.items()
+                                   if k != 'encoder'))) for c in public} == {
+      (c.method, tuple(sorted(c.setting.items())))
+      for c in fedembed.TABLES['3'].cells(1) if c.method != 'fedrep'}
   assert all(c.setting['encoder'] == 'public' for c in public)
   cell = [c for c in public if c.method == 'fedembed_prototype'][0]
   with pytest.raises(ValueError, match='--fedembed_speech_encoder'):

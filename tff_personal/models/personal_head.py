@@ -51,10 +51,17 @@ def personal_head_model_fn(model_fn: split_model.SplitModelFn,
     private = list(base.private_variables) + [
         v for v in head.trainable_weights
         if v.ref() not in {p.ref() for p in base.private_variables}]
-    return split_model.SplitModel(
+    split = split_model.SplitModel(
         model=base.model, private_variables=private, loss_fn=base.loss_fn,
         input_spec=base.input_spec, predict_fn=base.predict_fn,
         prepare_fn=base.prepare_fn)
+    if not split.shared_trainable_variables:
+      raise ValueError(
+          f'with the {head_layer!r} layer personal, the task model has no '
+          'shared trainable variable left (is its encoder frozen?): FedRep '
+          'would federate nothing; use a trainable encoder or another '
+          'algorithm')
+    return split
 
   return fn
 
