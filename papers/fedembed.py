@@ -20,7 +20,11 @@ Tables (method rows, the paper's numbers next to ours):
   `encoder='public'` in their setting and need
   `--fedembed_speech_encoder=<weights .npz>` from
   `binaries.pretrain_speech_encoder`. The paper's Table 3 numbers are shown
-  for reference.
+  for reference. A cell is keyed by `encoder='public'`, not by the file: each
+  records the file's path and its public speaker accuracy in its metrics, and
+  a re-trained encoder needs a new `--root_output_dir` (or its cells removed
+  from results.jsonl) to be run again. FedRep is left out (see
+  `PUBLIC_ENCODER_METHODS`).
 * `fig4`: FedEmbed-Type with and without the k-way type head (balanced, no
   DP), whose personal embeddings make Figure 4.
 
