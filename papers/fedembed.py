@@ -695,7 +695,9 @@ def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
             c = json.load(f)
           if c['round']:
             any_curve = True
+            # One colour per method (tab10 has 10), the line style for DP.
             ax.plot(c['round'], c['f1'], style, marker='.',
+                    color=f'C{METHODS.index(method)}',
                     label=f'{method} ({_DP_NAMES[dp]})')
     ax.set_title(f'{label}, {pop}')
     ax.set_xlabel('round')
