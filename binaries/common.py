@@ -71,7 +71,10 @@ def define_flags():
   flags.DEFINE_float('personal_init_stddev', 0.1,
                      'New clients\' personal embeddings ~ N(0, stddev^2), '
                      'seeded by (seed, client id).')
-  flags.DEFINE_float('client_learning_rate', 1e-3, 'Local Adam learning rate.')
+  flags.DEFINE_float('client_learning_rate', 1e-3, 'Local learning rate.')
+  flags.DEFINE_enum('client_optimizer', 'adam', ['adam', 'sgd'],
+                    'Local optimizer of the shared (and, without '
+                    '--private_learning_rate, the private) parameters.')
   flags.DEFINE_float('private_learning_rate', None,
                      'Local Adam learning rate of the private parameters '
                      '(default: --client_learning_rate, one optimizer).')
@@ -80,10 +83,14 @@ def define_flags():
                     'Appendix B.1 uses Adam with lr 1 on averaged gradients; '
                     'on averaged model deltas that diverges (measured).')
   flags.DEFINE_float('server_learning_rate', 1.0, 'Server learning rate.')
+  flags.DEFINE_float('server_momentum', 0.0,
+                     'Heavy-ball momentum of --server_optimizer=sgd, in '
+                     '[0, 1) (0: plain FedAvg server step).')
   _group('algorithm', ['algorithm', 'embedding_dim', 'personal_init_stddev',
-                       'client_learning_rate', 'private_learning_rate',
+                       'client_learning_rate', 'client_optimizer',
+                       'private_learning_rate',
                        'server_optimizer',
-                       'server_learning_rate'])
+                       'server_learning_rate', 'server_momentum'])
   # Training.
   flags.DEFINE_integer('rounds', 5, 'Training rounds.')
   flags.DEFINE_integer('clients_per_round', 20, 'Cohort size.')
@@ -198,9 +205,11 @@ def configs_from_flags(f):
       clients_per_round=f.clients_per_round,
       root_output_dir=f.root_output_dir, experiment_name=f.experiment_name,
       client_learning_rate=f.client_learning_rate,
+      client_optimizer=f.client_optimizer,
       private_learning_rate=f.private_learning_rate,
       server_optimizer=f.server_optimizer,
       server_learning_rate=f.server_learning_rate,
+      server_momentum=f.server_momentum,
       embedding_dim=f.embedding_dim,
       personal_init_stddev=f.personal_init_stddev, sampling=f.sampling,
       seed=f.seed, checkpoint_every=f.checkpoint_every,

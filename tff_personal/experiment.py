@@ -33,9 +33,17 @@ class ExperimentConfig:
   root_output_dir: str
   experiment_name: str
   client_learning_rate: float = 1e-3
+  # 'adam' (the papers' local optimizer) or 'sgd'. Under DP, SGD's update
+  # follows the gradient's large coordinates, where Adam moves every
+  # coordinate by about the learning rate, noise-dominated ones included.
+  client_optimizer: str = 'adam'
   private_learning_rate: Optional[float] = None  # None: client optimizer
   server_optimizer: str = 'sgd'
   server_learning_rate: float = 1.0
+  # Heavy-ball momentum of the 'sgd' server optimizer (0: none, FedAvg with
+  # lr 1). Under DP it averages the noise of successive rounds while the
+  # clients' common direction adds up (DP-FedAvgM).
+  server_momentum: float = 0.0
   embedding_dim: Optional[int] = None  # None: the algorithm's default
   personal_init_stddev: float = 0.1
   sampling: str = 'fixed_size'
@@ -71,12 +79,30 @@ class ExperimentConfig:
     return os.path.join(self.root_output_dir, self.experiment_name)
 
 
-def _server_optimizer(name: str, lr: float):
+def make_server_optimizer(name: str, lr: float, momentum: float = 0.0):
+  """TFF's Adam or SGD (with heavy-ball `momentum` when it is not 0)."""
+  if not 0.0 <= momentum < 1.0:
+    raise ValueError(f'server_momentum must be in [0, 1), got {momentum}')
   if name == 'adam':
+    if momentum:
+      raise ValueError("server_momentum applies to server_optimizer='sgd' "
+                       f'only (Adam has its own moments), got {momentum}')
     return fedavg.adam(lr)
   if name == 'sgd':
-    return tff.learning.optimizers.build_sgdm(learning_rate=lr)
+    return tff.learning.optimizers.build_sgdm(
+        learning_rate=lr, momentum=momentum or None)
   raise ValueError(f"server_optimizer must be 'adam' or 'sgd', got {name!r}")
+
+
+def make_client_optimizer(config: ExperimentConfig):
+  """The local optimizer `config.client_optimizer` at its learning rate."""
+  if config.client_optimizer == 'adam':
+    return fedavg.adam(config.client_learning_rate)
+  if config.client_optimizer == 'sgd':
+    return tff.learning.optimizers.build_sgdm(
+        learning_rate=config.client_learning_rate)
+  raise ValueError("client_optimizer must be 'adam' or 'sgd', got "
+                   f'{config.client_optimizer!r}')
 
 
 def _private_optimizer(config: ExperimentConfig):
@@ -102,7 +128,9 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   if config.eval_clients < 0 or config.eval_clients > population:
     raise ValueError(f'eval_clients must be in [0, population={population}], '
                      f'got {config.eval_clients}')
-  _server_optimizer(config.server_optimizer, config.server_learning_rate)
+  make_server_optimizer(config.server_optimizer, config.server_learning_rate,
+                    config.server_momentum)
+  make_client_optimizer(config)
   dp = dataclasses.replace(
       config.dp, clients_per_round=config.clients_per_round,
       population=population, rounds=config.rounds, sampling=config.sampling)
@@ -130,9 +158,10 @@ def run_experiment(task, config: ExperimentConfig,
   aggregator = privacy.build_aggregator(dp)
   proc = registry.build(
       config.algorithm, registry.model_factory(config.algorithm, task),
-      client_optimizer=fedavg.adam(config.client_learning_rate),
-      server_optimizer=_server_optimizer(config.server_optimizer,
-                                         config.server_learning_rate),
+      client_optimizer=make_client_optimizer(config),
+      server_optimizer=make_server_optimizer(config.server_optimizer,
+                                         config.server_learning_rate,
+                                         config.server_momentum),
       aggregator_factory=aggregator, metrics_fn=task.metrics_fn,
       train_metrics=config.train_metrics, seed=config.seed,
       private_optimizer=_private_optimizer(config),
@@ -152,8 +181,8 @@ def run_experiment(task, config: ExperimentConfig,
       directory=os.path.join(config.experiment_dir, 'client_states'))
 
   weights_type = proc.model_weights_type
-  fine_tune_optimizer = (_private_optimizer(config) or fedavg.adam(
-      config.client_learning_rate)) if (
+  fine_tune_optimizer = (_private_optimizer(config) or
+                         make_client_optimizer(config)) if (
           config.eval_fine_tune or config.test_fine_tune) else None
   # Sharded evaluation reads the task's numpy batches where it has them
   # (examples in its wire form); otherwise its tf.data datasets.
@@ -303,7 +332,7 @@ def _cold_start(task, proc, state, store, config: ExperimentConfig) -> dict:
   """
   cold_eval = evaluation.build_cold_start_eval(
       proc.model_fn, proc.model_weights_type, proc.client_state_type,
-      _private_optimizer(config) or fedavg.adam(config.client_learning_rate))
+      _private_optimizer(config) or make_client_optimizer(config))
   ids = list(task.cold_client_ids)
   weights = proc.get_model_weights(state)
   states = [store.initial_state(i) for i in ids]
