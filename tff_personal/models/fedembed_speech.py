@@ -40,12 +40,14 @@ Readings (where the appendix is silent or inconsistent):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import numpy as np
 import tensorflow as tf
 
+from tff_personal import atomic_io
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import split_model
 
@@ -119,10 +121,12 @@ def build_encoder(activation: str = 'relu', channels: int = 1,
   return encoder
 
 
-def _encoder_shapes(channels: int) -> list[tuple[int, ...]]:
+@functools.lru_cache(maxsize=None)
+def _encoder_shapes(channels: int) -> tuple[tuple[int, ...], ...]:
+  """The weight shapes of a `channels` encoder (built once per count)."""
   with tf.init_scope():
-    return [tuple(w.shape) for w in
-            build_encoder('relu', channels, name='shapes').weights]
+    return tuple(tuple(w.shape) for w in
+                 build_encoder('relu', channels, name='shapes').weights)
 
 
 def _check_weights(weights, channels: int) -> list:
@@ -145,14 +149,12 @@ def save_encoder_weights(path: str, encoder: tf.keras.Model,
                          metadata: dict) -> None:
   """Writes an encoder's weights and `metadata` (JSON-able) to an .npz file.
 
-  Written to `path + '.tmp'` first and renamed, so a reader never sees a
-  partial file.
+  Atomically (`atomic_io.atomic_write`): a reader never sees a partial file.
   """
   arrays = {f'w{i:02d}': w for i, w in enumerate(encoder.get_weights())}
-  tmp = path + '.tmp.npz'
-  np.savez(tmp, format=np.asarray(ENCODER_WEIGHTS_FORMAT),
-           metadata=np.asarray(json.dumps(metadata)), **arrays)
-  os.replace(tmp, path)
+  with atomic_io.atomic_write(path, 'wb') as fh:
+    np.savez(fh, format=np.asarray(ENCODER_WEIGHTS_FORMAT),
+             metadata=np.asarray(json.dumps(metadata)), **arrays)
 
 
 def load_encoder_weights(path: str) -> tuple[list[np.ndarray], dict]:
