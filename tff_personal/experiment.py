@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Optional
 
 import numpy as np
+import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.algorithms import fedavg
@@ -139,6 +140,54 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   return privacy.resolve(dp)
 
 
+def build_process(task, config: ExperimentConfig, aggregator=None):
+  """The configured algorithm's process on `task` (None: weighted mean)."""
+  return registry.build(
+      config.algorithm, registry.model_factory(config.algorithm, task),
+      client_optimizer=make_client_optimizer(config),
+      server_optimizer=make_server_optimizer(config.server_optimizer,
+                                             config.server_learning_rate,
+                                             config.server_momentum),
+      aggregator_factory=aggregator, metrics_fn=task.metrics_fn,
+      train_metrics=config.train_metrics, seed=config.seed,
+      private_optimizer=_private_optimizer(config),
+      **({} if config.embedding_dim is None else
+         {'embedding_dim': config.embedding_dim}))
+
+
+def initial_client_state_fn(proc, config: ExperimentConfig):
+  """The documented seeded initial state of a client id (its private part)."""
+  template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  return client_state_lib.seeded_initial_state_fn(
+      template, config.seed, init='normal', stddev=config.personal_init_stddev)
+
+
+def probe_client_updates(task, config: ExperimentConfig,
+                         client_ids) -> np.ndarray:
+  """The shared-model updates the clients would send from the initial model.
+
+  Each of `client_ids` runs the algorithm's client step once (its local
+  training from its initial private state) on the initial server model; the
+  result is one flattened update per row, unclipped and un-noised. For DP
+  diagnostics (`binaries.dp_budget`): this is what the DP aggregator clips.
+  Needs an algorithm whose process records its client step.
+  """
+  proc = build_process(task, config)
+  composition = proc.composition
+  if composition is None or composition.client_step is None:
+    raise ValueError(f'{config.algorithm!r} records no per-user client step; '
+                     'its updates cannot be probed')
+  step = tf.function(composition.client_step())
+  weights = proc.get_model_weights(proc.initialize())
+  initial_state = initial_client_state_fn(proc, config)
+  rows = []
+  for cid, data in zip(client_ids, task.train_datasets(list(client_ids), 1)):
+    out = step(weights, initial_state(cid), data)
+    rows.append(np.concatenate(
+        [np.ravel(np.asarray(x)) for x in tf.nest.flatten(out['update'])]))
+  return np.stack(rows)
+
+
 def run_experiment(task, config: ExperimentConfig,
                    log_fn: Callable[[str], None] = print,
                    flag_values: Optional[dict[str, Any]] = None,
@@ -155,27 +204,14 @@ def run_experiment(task, config: ExperimentConfig,
   os.makedirs(config.experiment_dir, exist_ok=True)
   t_start = time.perf_counter()
 
-  aggregator = privacy.build_aggregator(dp)
-  proc = registry.build(
-      config.algorithm, registry.model_factory(config.algorithm, task),
-      client_optimizer=make_client_optimizer(config),
-      server_optimizer=make_server_optimizer(config.server_optimizer,
-                                         config.server_learning_rate,
-                                         config.server_momentum),
-      aggregator_factory=aggregator, metrics_fn=task.metrics_fn,
-      train_metrics=config.train_metrics, seed=config.seed,
-      private_optimizer=_private_optimizer(config),
-      **({} if config.embedding_dim is None else
-         {'embedding_dim': config.embedding_dim}))
+  proc = build_process(task, config, privacy.build_aggregator(dp))
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   # Tasks whose examples travel in a compact form (speech: uint8) say so.
   train_proc = sharded.maybe_shard(proc, num_shards, dp,
                                    getattr(task, 'wire_format', None))
   log_fn(f'simulation: {num_shards} shards per round' if num_shards else
          'simulation: one user per TFF client')
-  template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
-  initial_state_fn = client_state_lib.seeded_initial_state_fn(
-      template, config.seed, init='normal', stddev=config.personal_init_stddev)
+  initial_state_fn = initial_client_state_fn(proc, config)
   store = client_state_lib.make_store(
       config.client_state_backend, initial_state_fn, population=population,
       directory=os.path.join(config.experiment_dir, 'client_states'))
