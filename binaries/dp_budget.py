@@ -12,8 +12,8 @@ flag applies):
   per coordinate and unit of clip (z / cohort), and the norm of all the
   noise a run adds to the model (z * clip / cohort * sqrt(rounds * d), d the
   shared update's size).
-* `--probe_users` users (evenly spaced ids) run their client step once from
-  the initial model; reported: their update norms, and the coherent norm of
+* `--probe_users` users (evenly spaced ids) run their client step once (one
+  round's local training, `--local_epochs`) from the initial model; reported: their update norms, and the coherent norm of
   the clipped updates (`core/update_stats.coherent_norm`, the part a mean
   over many clients keeps) against one round's noise norm at the flags'
   cohort.
@@ -113,7 +113,8 @@ def main(argv):
   for r in rows:
     print(f'| {r["cohort"]} | {r["rounds"]} | {r["noise_multiplier"]:.3f} | '
           f'{r["noise_std_per_coordinate"]:.5f} | {r["run_noise_norm"]:.2f} |')
-  print(f'probe ({len(ids)} users, one local pass from the initial model): '
+  print(f'probe ({len(ids)} users, one round of local training from the '
+        'initial model): '
         f'median update norm {result["median_update_norm"]:.3f}, '
         f'{result["clipped_fraction"]:.0%} clipped; coherent clipped norm '
         f'{result["coherent_clipped_norm"]:.3f} vs one round\'s noise norm '
