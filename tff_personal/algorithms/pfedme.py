@@ -113,23 +113,14 @@ def build_pfedme(model_fn_factory, *,
     if beta <= 0:
       raise ValueError(f'beta must be positive, got {beta}')
     server_optimizer = tff.learning.optimizers.build_sgdm(learning_rate=beta)
-  if aggregator_factory is None:
-    aggregator_factory = tff.aggregators.MeanFactory()
   model_fn = personal_head.personal_copy_model_fn(
       model_fn_factory(0), lam, head_layer)
-  weights = process_lib.initial_shared_weights(model_fn, seed)
-  weights_type = process_lib.model_weights_type(weights)
-  client_state_type = process_lib.split_client_state_type(model_fn)
   inner = private_optimizer or tff.learning.optimizers.build_sgdm(
       learning_rate=inner_learning_rate)
   make_step = pfedme_client_step_factory(
       model_fn, client_optimizer, inner, lam=lam, inner_steps=inner_steps,
       head_layer=head_layer, metrics_fn=metrics_fn)
-  client_work = process_lib.client_work_from_step(
-      make_step, weights_type, client_state_type,
-      process_lib.split_data_type(model_fn))
-  return process_lib.compose_stateful_client_process(
-      initial_model_weights=weights, client_state_type=client_state_type,
-      client_work=client_work, aggregator_factory=aggregator_factory,
-      server_optimizer=server_optimizer, train_metrics=train_metrics,
-      model_fn=model_fn, client_step=make_step)
+  return process_lib.build_split_step_process(
+      model_fn, make_step, server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+      seed=seed)

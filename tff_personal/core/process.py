@@ -408,13 +408,36 @@ def build_split_model_process(
   `private_optimizer` optionally trains the private variables with their own
   optimizer (default: `client_optimizer` over both parts).
   """
+  return build_split_step_process(
+      model_fn, split_client_step_factory(
+          model_fn, client_optimizer, metrics_fn, private_optimizer),
+      server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+      seed=seed)
+
+
+def build_split_step_process(
+    model_fn: split_model_lib.SplitModelFn,
+    make_step: ClientStepFactory,
+    *,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    aggregator_factory=None,
+    train_metrics: bool = True,
+    seed: Optional[int] = None,
+) -> StatefulClientProcess:
+  """The process of a split model trained on clients by `make_step`.
+
+  The shared weights start from `model_fn` (seeded), the client state is the
+  model's private variables, the client work runs `make_step()`'s step on
+  each client (recorded, so that `core/sharded.py` can run it per user), and
+  the shared update goes through `aggregator_factory` (default weighted
+  mean) and `server_optimizer`. The algorithms differ only in `make_step`.
+  """
   if aggregator_factory is None:
     aggregator_factory = tff.aggregators.MeanFactory()
   weights = initial_shared_weights(model_fn, seed)
   weights_type = model_weights_type(weights)
   client_state_type = split_client_state_type(model_fn)
-  make_step = split_client_step_factory(
-      model_fn, client_optimizer, metrics_fn, private_optimizer)
   client_work = client_work_from_step(
       make_step, weights_type, client_state_type, split_data_type(model_fn))
   return compose_stateful_client_process(
