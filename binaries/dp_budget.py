@@ -13,10 +13,10 @@ flag applies):
   noise a run adds to the model (z * clip / cohort * sqrt(rounds * d), d the
   shared update's size).
 * `--probe_users` users (evenly spaced ids) run their client step once (one
-  round's local training, `--local_epochs`) from the initial model; reported: their update norms, and the coherent norm of
-  the clipped updates (`core/update_stats.coherent_norm`, the part a mean
-  over many clients keeps) against one round's noise norm at the flags'
-  cohort.
+  round's local training, `--local_epochs`) from the initial model;
+  reported: their update norms, and the coherent norm of the clipped updates
+  (`core/update_stats.coherent_norm`, the part a mean over many clients
+  keeps) against one round's noise norm at the flags' cohort.
 Prints a markdown table and one JSON line (also written to --output if set).
 """
 
@@ -51,6 +51,9 @@ def _grid(values):
     except ValueError:
       raise ValueError(f'--budget_grid entry {v!r} is not COHORTxROUNDS, '
                        'e.g. 100x30') from None
+    if cohort < 1 or rounds < 1:
+      raise ValueError(f'--budget_grid entry {v!r}: cohort and rounds must '
+                       'be positive')
     out.append((cohort, rounds))
   return out
 

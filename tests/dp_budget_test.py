@@ -60,6 +60,7 @@ def test_grid_and_probe(tmp_path, mnist_dir):
     (dict(dp='none', target_epsilon=None), 'needs --dp=gaussian_fixed'),
     (dict(budget_grid=['10by4']), "'10by4' is not COHORTxROUNDS"),
     (dict(budget_grid=['80x4']), 'cohort larger than the population 40'),
+    (dict(budget_grid=['10x0']), 'cohort and rounds must be positive'),
     (dict(probe_users=1), '--probe_users must be >= 2'),
 ])
 def test_bad_flags_are_named(tmp_path, mnist_dir, capsys, overrides, message):
