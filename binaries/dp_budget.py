@@ -29,6 +29,7 @@ import numpy as np
 
 from binaries import common
 from tasks import registry as task_registry
+from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal.core import privacy
 from tff_personal.core import runtime
@@ -85,37 +86,40 @@ def main(argv):
   d = updates.shape[1]
   rows = []
   for cohort, rounds in grid:
-    z = privacy.calibrate_noise_multiplier(privacy.DPConfig(
+    row_config = privacy.resolve(privacy.DPConfig(
         mechanism=dp.mechanism, target_epsilon=FLAGS.target_epsilon,
         clip_norm=dp.clip_norm, target_delta=dp.target_delta,
         clients_per_round=cohort, population=population, rounds=rounds,
         sampling=dp.sampling))
-    rows.append(dict(cohort=cohort, rounds=rounds, noise_multiplier=z,
-                     noise_std_per_coordinate=z / cohort,
-                     run_noise_norm=z * dp.clip_norm / cohort *
-                     np.sqrt(rounds * d)))
+    z = row_config.noise_multiplier
+    rows.append(dict(
+        cohort=cohort, rounds=rounds, noise_multiplier=z,
+        # PLD where it applies (e.g. full participation), else RDP.
+        accountant=privacy.compute_epsilon(row_config, rounds)['accountant'],
+        noise_std_per_coordinate=z / cohort,
+        run_noise_norm=update_stats.noise_norm(z, dp.clip_norm, cohort, d,
+                                               rounds)))
   result = dict(task=FLAGS.task, algorithm=FLAGS.algorithm, d=d,
                 epsilon=FLAGS.target_epsilon, delta=dp.target_delta,
-                clip_norm=dp.clip_norm,
-                accountant=privacy.privacy_report(dp, dp.rounds)['accountant'],
-                grid=rows, probed_users=len(ids))
+                clip_norm=dp.clip_norm, grid=rows, probed_users=len(ids))
   norms = np.linalg.norm(updates, axis=1)
   clipped = update_stats.clip_rows(updates, dp.clip_norm)
   result.update(
       median_update_norm=float(np.median(norms)),
       clipped_fraction=float(np.mean(norms > dp.clip_norm)),
       coherent_clipped_norm=update_stats.coherent_norm(clipped),
-      round_noise_norm=dp.noise_multiplier * dp.clip_norm /
-      dp.clients_per_round * np.sqrt(d),
+      round_noise_norm=update_stats.noise_norm(
+          dp.noise_multiplier, dp.clip_norm, dp.clients_per_round, d),
       round_noise_at=dict(cohort=dp.clients_per_round,
                           noise_multiplier=dp.noise_multiplier))
   print(f'd = {d} shared parameters; epsilon {FLAGS.target_epsilon} at delta '
-        f'{dp.target_delta:.3g} ({result["accountant"]}), clip {dp.clip_norm}')
-  print('| cohort | rounds | noise multiplier | std / coordinate | '
-        'run noise norm |\n|---:|---:|---:|---:|---:|')
+        f'{dp.target_delta:.3g}, clip {dp.clip_norm}')
+  print('| cohort | rounds | noise multiplier | accountant | std / coordinate '
+        '| run noise norm |\n|---:|---:|---:|---|---:|---:|')
   for r in rows:
     print(f'| {r["cohort"]} | {r["rounds"]} | {r["noise_multiplier"]:.3f} | '
-          f'{r["noise_std_per_coordinate"]:.5f} | {r["run_noise_norm"]:.2f} |')
+          f'{r["accountant"]} | {r["noise_std_per_coordinate"]:.5f} | '
+          f'{r["run_noise_norm"]:.2f} |')
   print(f'probe ({len(ids)} users, one round of local training from the '
         'initial model): '
         f'median update norm {result["median_update_norm"]:.3f}, '
@@ -125,7 +129,7 @@ def main(argv):
   line = json.dumps(result, default=float)
   print(line)
   if FLAGS.output:
-    with open(FLAGS.output, 'w') as f:
+    with atomic_io.atomic_write(FLAGS.output) as f:
       f.write(line + '\n')
   return 0
 

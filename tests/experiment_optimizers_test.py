@@ -1,5 +1,7 @@
 """The experiment's client and server optimizers do what their flags say."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -43,8 +45,7 @@ def test_server_momentum_is_heavy_ball():
     ('rmsprop', 0.0, "server_optimizer must be 'adam' or 'sgd'"),
 ])
 def test_bad_server_optimizer_is_named(name, momentum, message):
-  with pytest.raises(ValueError, match=message.replace('[', r'\[').replace(
-      ')', r'\)').replace('(', r'\(')):
+  with pytest.raises(ValueError, match=re.escape(message)):
     experiment.make_server_optimizer(name, 1.0, momentum)
 
 

@@ -38,3 +38,11 @@ def coherent_norm(updates: np.ndarray) -> float:
   mean_sq = float((updates ** 2).sum(axis=1).mean())
   estimate = (n * float(mean @ mean) - mean_sq) / (n - 1)
   return float(np.sqrt(max(estimate, 0.0)))
+
+
+def noise_norm(noise_multiplier: float, clip: float, cohort: int, d: int,
+               rounds: int = 1) -> float:
+  """Expected L2 norm of the Gaussian noise on the mean update, summed over
+  `rounds` rounds: std `noise_multiplier * clip / cohort` per coordinate in
+  `d` coordinates (sqrt(rounds * d) times that std)."""
+  return noise_multiplier * clip / cohort * float(np.sqrt(rounds * d))
