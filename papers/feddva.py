@@ -65,13 +65,19 @@ DEFAULT_VAE_ROUNDS = 30
 _PRETRAIN_DIRNAME = '_feddva_pretrain'
 
 
-def _class_columns(rounds: int):
-  return [reporting.Column(t, {'task': t, 'rounds': rounds})
-          for t in TASK_NAMES]
+def _class_columns(rounds: int, shared_decoder: bool):
+  columns = [reporting.Column(t, {'task': t, 'rounds': rounds})
+             for t in TASK_NAMES]
+  if shared_decoder:  # Only feddva's row fills these.
+    columns += [reporting.Column(f'{t} (shared decoder)',
+                                 {'task': t, 'rounds': rounds,
+                                  'decoder': 'shared'}) for t in TASK_NAMES]
+  return columns
 
 
-def _tables(class_rounds: int, vae_rounds: int) -> dict:
-  columns = _class_columns(class_rounds)
+def _tables(class_rounds: int, vae_rounds: int,
+            shared_decoder: bool = False) -> dict:
+  columns = _class_columns(class_rounds, shared_decoder)
   common = dict(paper=PAPER, methods=METHODS, columns=columns)
   note = ('The paper reports these as curves only (Figures 6, 7), so there '
           'are no paper numbers. feddva also ran pretrain_rounds rounds of '
@@ -93,7 +99,10 @@ def _tables(class_rounds: int, vae_rounds: int) -> dict:
           name='probes', paper=PAPER, metric='client_from_c',
           methods=('probe',),
           columns=[reporting.Column('marked_mnist', {
-              'task': 'marked_mnist', 'rounds': vae_rounds})],
+              'task': 'marked_mnist', 'rounds': vae_rounds}),
+                   reporting.Column('marked_mnist (shared decoder)', {
+                       'task': 'marked_mnist', 'rounds': vae_rounds,
+                       'decoder': 'shared'})],
           title='Linear probe: client from c (accuracy); the other probes '
                 '(client_from_z, digit_from_z, digit_from_c, chance_client) '
                 'are in results.jsonl and docs', scale=1.0),
@@ -123,6 +132,10 @@ def define_flags():
   define('float', 'feddva_beta', 0.75, 'FedDVA: beta (weight of R_c).')
   define('float', 'feddva_learning_rate', 1e-3, 'FedDVA: local Adam lr.')
   define('float', 'feddva_ditto_lambda', 0.1, 'FedDVA: Ditto lambda.')
+  define('enum', 'feddva_decoder', 'private', list(feddva.DECODERS),
+         "FedDVA: 'private' (the paper's p_k, client state) or 'shared' "
+         '(ablation: the decoder is averaged with the encoders; cells get '
+         'setting decoder=shared).')
   define('integer', 'feddva_ft_epochs', 1,
          'FedDVA: local fine-tuning epochs of fedavg_ft.')
   define('integer', 'feddva_clients_per_round', 0,
@@ -160,16 +173,35 @@ def cells(table: str, f) -> list[reporting.Cell]:
     raise ValueError(f'--feddva_channels needs 4 values, got '
                      f'{f.feddva_channels}')
   # The tables' columns carry the rounds run.
-  TABLES.update(_tables(_class_rounds(f), f.feddva_vae_rounds))
-  out = [reporting.Cell(PAPER, 'probe', {'task': 'marked_mnist',
-                                         'rounds': f.feddva_vae_rounds}, s)
+  TABLES.update(_tables(_class_rounds(f), f.feddva_vae_rounds,
+                        bool(_decoder_setting(f))))
+  out = [reporting.Cell(PAPER, 'probe', probe_setting(f), s)
          for s in range(f.seeds)]
   for method in METHODS:
     for task in TASK_NAMES:
       for s in range(f.seeds):
         out.append(reporting.Cell(
-            PAPER, method, {'task': task, 'rounds': _class_rounds(f)}, s))
+            PAPER, method, _class_setting(method, task, f), s))
   return out
+
+
+def _decoder_setting(f) -> dict:
+  """{'decoder': 'shared'} for the ablation; {} for the paper's FedDVA (so
+  that cells run before the flag existed keep their identity)."""
+  decoder = getattr(f, 'feddva_decoder', 'private')
+  return {} if decoder == 'private' else {'decoder': decoder}
+
+
+def probe_setting(f) -> dict:
+  return {'task': 'marked_mnist', 'rounds': f.feddva_vae_rounds,
+          **_decoder_setting(f)}
+
+
+def _class_setting(method: str, task: str, f) -> dict:
+  setting = {'task': task, 'rounds': _class_rounds(f)}
+  if method == 'feddva':  # Only FedDVA's classifier depends on the decoder.
+    setting.update(_decoder_setting(f))
+  return setting
 
 
 # ------------------------------------------------------------------ helpers
@@ -258,10 +290,12 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
   Returns {'encoders': tuple of arrays, 'decoders': [tuple per client],
   'curve': per-round training metrics, 'seconds_per_round'}.
   """
+  decoder = getattr(f, 'feddva_decoder', 'private')
   key = (f'{task.name}_dim{dim}_r{f.feddva_vae_rounds}_e{f.feddva_local_epochs}'
          f'_b{f.feddva_batch_size}_ch{"-".join(map(str, f.feddva_channels))}'
          f'_h{f.feddva_hidden}_xi{f.feddva_xi}_a{f.feddva_alpha}'
-         f'_b{f.feddva_beta}_n{task.num_clients}_seed{seed}')
+         f'_b{f.feddva_beta}_n{task.num_clients}_seed{seed}'
+         + ('' if decoder == 'private' else f'_{decoder}dec'))
   cache = os.path.join(root, reporting.RUNS_DIRNAME, _PRETRAIN_DIRNAME, key)
   weights_path = os.path.join(cache, 'weights.npz')
   if os.path.exists(weights_path):
@@ -279,9 +313,10 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
       alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi)
   process = feddva.build_feddva(
       config, loss_config, decoder_optimizer=_adam(f),
-      encoder_optimizer=_adam(f), seed=seed)
+      encoder_optimizer=_adam(f), seed=seed, decoder=decoder)
   _, decoder0 = feddva.initial_weights(config, seed)
-  states = [feddva.initial_client_state(decoder0)
+  states = [feddva.initial_client_state(
+      decoder0 if decoder == 'private' else ())
             for _ in range(task.num_clients)]
   state = process.initialize()
   curve, start = [], time.perf_counter()
@@ -294,10 +329,15 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
       states[k] = s
     curve.append({k: float(v) for k, v in metrics['train'].items()})
   seconds = (time.perf_counter() - start) / max(f.feddva_vae_rounds, 1)
-  encoders = tuple(np.asarray(w)
-                   for w in process.get_model_weights(state).trainable)
-  decoders = [tuple(np.asarray(w) for w in s[process_lib.CLIENT_STATE_PRIVATE])
-              for s in states]
+  encoders, shared_decoder = feddva.split_shared_weights(
+      config, [np.asarray(w)
+               for w in process.get_model_weights(state).trainable])
+  if decoder == 'private':
+    decoders = [tuple(np.asarray(w)
+                      for w in s[process_lib.CLIENT_STATE_PRIVATE])
+                for s in states]
+  else:  # One decoder for every client.
+    decoders = [shared_decoder] * task.num_clients
   os.makedirs(cache, exist_ok=True)
   arrays = {f'e{i}': w for i, w in enumerate(encoders)}
   for k, dec in enumerate(decoders):
@@ -466,7 +506,9 @@ def _run_classification(cell, f, out_dir) -> dict:
   _write_json(os.path.join(out_dir, 'curve.json'), {
       'round': list(range(1, len(means) + 1)), 'mean': means, 'std': stds,
       'per_client': per_round, 'client_names': task.client_names})
-  fedavg_path = _curve_path(root, 'fedavg', cell.setting, cell.seed)
+  fedavg_path = _curve_path(root, 'fedavg',
+                            _class_setting('fedavg', cell.setting['task'], f),
+                            cell.seed)
   target = None
   if os.path.exists(fedavg_path):
     with open(fedavg_path) as fh:
@@ -513,11 +555,10 @@ def make_figures(root: str, f, latent: bool = True,
   os.makedirs(fig_dir, exist_ok=True)
   written = []
   # Accuracy curves (seed 0).
-  rounds = _class_rounds(f)
   loaded = {}
   for t in TASK_NAMES if curves else ():
     for m in METHODS:
-      path = _curve_path(root, m, {'task': t, 'rounds': rounds}, 0)
+      path = _curve_path(root, m, _class_setting(m, t, f), 0)
       if os.path.exists(path):
         with open(path) as fh:
           loaded[(t, m)] = json.load(fh)
@@ -543,8 +584,7 @@ def make_figures(root: str, f, latent: bool = True,
     plt.close(fig)
     written.append(path)
   # Reconstructions and t-SNE from the probe's FedDVA (seed 0).
-  probe_cell = reporting.Cell(PAPER, 'probe', {
-      'task': 'marked_mnist', 'rounds': f.feddva_vae_rounds}, 0)
+  probe_cell = reporting.Cell(PAPER, 'probe', probe_setting(f), 0)
   reps_path = os.path.join(probe_cell.out_dir(root), 'representations.npz')
   if latent and os.path.exists(reps_path):
     task = _task('marked_mnist', f, 0)

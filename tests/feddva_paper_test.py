@@ -68,3 +68,19 @@ def test_linear_probes_find_what_is_there_and_not_what_is_not():
   assert out['client_from_z'] < out['chance_client'] + 0.1
   assert out['digit_from_c'] < 0.25
   assert 0.2 < out['chance_client'] < 0.35
+
+
+def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
+  default = paper.cells('classification', _flags(rounds=5))
+  assert all('decoder' not in c.setting for c in default)
+  shared = paper.cells('classification',
+                       _flags(rounds=5, feddva_decoder='shared'))
+  marked = {(c.method, c.setting['task']) for c in shared
+            if c.setting.get('decoder') == 'shared'}
+  # The probe and FedDVA's classifier depend on the decoder; the baselines
+  # do not, so their cells (and results) are shared with the default run.
+  assert marked == {('probe', 'marked_mnist')} | {
+      ('feddva', t) for t in paper.TASK_NAMES}
+  assert paper.TABLES['probes'].column_for(shared[0].setting) is not None
+  assert paper.TABLES['classification'].column_for(
+      {'task': 'marked_mnist', 'rounds': 5, 'decoder': 'shared'}) is not None

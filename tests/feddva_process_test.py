@@ -164,3 +164,77 @@ def test_ditto_global_part_is_fedavg_and_personal_models_stay_local():
     return sum(float(np.sum((a - b) ** 2)) for a, b in zip(
         out[0][process_lib.CLIENT_STATE_PRIVATE], w0))
   assert drift(100.0) < drift(0.0)
+
+
+def test_unknown_decoder_mode_is_refused():
+  with pytest.raises(ValueError, match="decoder must be one of.*'local'"):
+    feddva.build_feddva(CONFIG, decoder='local')
+
+
+def test_shared_decoder_ablation_averages_the_decoder_weighted_by_data(
+    monkeypatch):
+  """decoder='shared': the server holds encoders + decoder; each client's
+  decoder update is averaged like the encoders' (weighted by examples) and
+  the client state holds no weights.
+
+  The client step is replaced by a deterministic one (the real step samples
+  the reparameterisation noise) so that the expected average is exact:
+  client k returns the decoder moved by the mean pixel of its data and the
+  encoders unchanged.
+  """
+  def fake_update(model, dec_opt, enc_opt, encoder_weights, decoder_weights,
+                  dataset, loss_config, decoder_first=True):
+    del model, dec_opt, enc_opt, loss_config, decoder_first
+    total, count = dataset.reduce(
+        (0.0, 0), lambda s, b: (s[0] + tf.reduce_sum(b['x']),
+                                s[1] + tf.shape(b['x'])[0]))
+    shift = total / tf.cast(count * 28 * 28, tf.float32)
+    metrics = collections.OrderedDict(
+        (f'{k}_sum', tf.constant(0.0)) for k in ('loss',))
+    metrics['num_examples'] = tf.cast(count, tf.int64)
+    return (tuple(tf.zeros_like(e) for e in encoder_weights),
+            tf.cast(count, tf.float32),
+            tuple(d + shift for d in decoder_weights), metrics)
+
+  monkeypatch.setattr(feddva.feddva_training, 'client_update', fake_update)
+  p = feddva.build_feddva(CONFIG, seed=1, decoder='shared')
+  encoders, decoder = feddva.initial_weights(CONFIG, seed=1)
+  trainable_type = p.next.type_signature.parameter[0].member
+  trainable_type = trainable_type.global_model_weights.trainable
+  assert [tuple(t.shape) for t in trainable_type] == (
+      [e.shape for e in encoders] + [d.shape for d in decoder])
+  assert sorted(tuple(t.shape) for t in _flat_types(
+      p.aggregation_value_type)) == sorted(
+          [e.shape for e in encoders] + [d.shape for d in decoder])
+  sizes = (12, 6)
+  data = [_data(k, n=n) for k, n in enumerate(sizes)]
+  shifts = [float(np.mean(np.concatenate([b['x'] for b in d])))
+            for d in data]
+  expected_shift = np.average(shifts, weights=sizes)
+  state, states, _ = p.next(
+      p.initialize(), [feddva.initial_client_state(()) for _ in sizes], data)
+  assert all(len(s[process_lib.CLIENT_STATE_PRIVATE]) == 0 for s in states)
+  new_enc, new_dec = feddva.split_shared_weights(
+      CONFIG, p.get_model_weights(state).trainable)
+  for a, b in zip(new_enc, encoders):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  for a, b in zip(new_dec, decoder):
+    np.testing.assert_allclose(a, b + expected_shift, rtol=1e-5, atol=1e-5)
+  # The shifts differ, so an unweighted mean would fail the check above.
+  assert abs(np.mean(shifts) - expected_shift) > 1e-4
+
+
+def test_shared_decoder_real_step_moves_the_server_decoder_only_if_trained():
+  encoders, decoder = feddva.initial_weights(CONFIG, seed=1)
+  empty = [feddva.initial_client_state(()) for _ in range(2)]
+  data = [_data(k) for k in range(2)]
+  for dec_lr, moved in ((0.0, False), (0.05, True)):
+    p = feddva.build_feddva(CONFIG, decoder_optimizer=_sgd(dec_lr),
+                            encoder_optimizer=_sgd(0.05), seed=1,
+                            decoder='shared')
+    state, _, metrics = p.next(p.initialize(), empty, data)
+    enc, dec = feddva.split_shared_weights(
+        CONFIG, p.get_model_weights(state).trainable)
+    assert any(not np.allclose(a, b) for a, b in zip(enc, encoders))
+    assert any(not np.allclose(a, b) for a, b in zip(dec, decoder)) == moved
+    assert int(metrics['train']['num_examples']) == 24

@@ -17,6 +17,15 @@ FedDVA (Personalization Disentanglement for FL, Algorithm 1) as a
 * The client work is `models/feddva_training.client_update`: the local
   decoder first, then the shared encoders (Algorithm 1's order).
 
+`decoder='shared'` is an ablation, not FedDVA's privacy contract: the
+decoder is averaged with the encoders (one decoder for the federation; the
+client state holds no weights). It is our reading of a second way to take
+Algorithm 1's "phi_k <- phi ... phi <- phi_k", where phi carries no client
+index: a decoder handed on from client to client, whose parallel FedAvg
+analogue this is. It exists to measure what a private decoder costs the
+disentanglement: with a private p_k the client's mark can live in the
+decoder, so nothing forces c to carry it (docs/feddva.md).
+
 `build_feddva_classifier_process` is the personalized-classification stage:
 FedAvg of the two encoders and a classification head on [mu_z; mu_c]
 (`models/feddva.build_feddva_classifier`), started from the FedDVA encoders.
@@ -42,6 +51,7 @@ from tff_personal.models import feddva_losses
 from tff_personal.models import feddva_training
 
 ModelWeights = tff.learning.models.ModelWeights
+DECODERS = ('private', 'shared')
 
 
 def _adam(learning_rate):
@@ -62,6 +72,7 @@ def initial_weights(config: feddva_lib.FeddvaConfig, seed: Optional[int] = 0):
 
 
 def initial_client_state(decoder_weights) -> collections.OrderedDict:
+  """A client's first state; `decoder_weights=()` for `decoder='shared'`."""
   return collections.OrderedDict([
       (process_lib.CLIENT_STATE_PRIVATE, tuple(decoder_weights)),
       (process_lib.CLIENT_STATE_ROUNDS, np.int32(0)),
@@ -83,22 +94,34 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
                  train_metrics: bool = True,
                  seed: Optional[int] = 0,
                  decoder_first: bool = True,
+                 decoder: str = 'private',
                  ) -> process_lib.StatefulClientProcess:
   """The FedDVA process (defaults: appendix H's Adam lr 1e-3 on clients).
 
   Client data: batches of `OrderedDict(x=float32[n, 28, 28, 1] in [0, 1],
   y=int32[n])` (y is unused by the VAE).
+
+  `decoder`: 'private' (FedDVA: p_k is client state) or 'shared' (the
+  ablation of the module docstring: the server's trainable weights are the
+  encoders followed by the decoder, all averaged; client state
+  `initial_client_state(())`; `split_shared_weights` separates them).
   """
+  if decoder not in DECODERS:
+    raise ValueError(f'decoder must be one of {DECODERS}, got {decoder!r}')
   decoder_optimizer = decoder_optimizer or _adam(1e-3)
   encoder_optimizer = encoder_optimizer or _adam(1e-3)
   server_optimizer = server_optimizer or tff.learning.optimizers.build_sgdm(1.0)
   aggregator_factory = aggregator_factory or tff.aggregators.MeanFactory()
-  shared, decoder = initial_weights(config, seed)
-  weights = ModelWeights(trainable=shared, non_trainable=())
+  shared, decoder0 = initial_weights(config, seed)
+  is_shared = decoder == 'shared'
+  num_encoders = len(shared)
+  weights = ModelWeights(
+      trainable=shared + decoder0 if is_shared else shared, non_trainable=())
   weights_type = process_lib.model_weights_type(weights)
+  private_weights = () if is_shared else decoder0
   client_state_type = tff.types.to_type(collections.OrderedDict([
       (process_lib.CLIENT_STATE_PRIVATE,
-       tuple(tff.TensorType(d.dtype, d.shape) for d in decoder)),
+       tuple(tff.TensorType(d.dtype, d.shape) for d in private_weights)),
       (process_lib.CLIENT_STATE_ROUNDS, np.int32)]))
 
   @tff.tensorflow.computation(weights_type, client_state_type, data_type())
@@ -108,9 +131,23 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
         feddva_training.client_update, model, decoder_optimizer,
         encoder_optimizer, loss_config=loss_config,
         decoder_first=decoder_first))
+    trainable = tuple(weights.trainable)
+    if is_shared:
+      encoders, broadcast_decoder = (trainable[:num_encoders],
+                                     trainable[num_encoders:])
+      update, weight, new_decoder, metrics = step(
+          encoders, broadcast_decoder, dataset)
+      # The decoder's update in TFF's sign convention (old - new), averaged
+      # with the encoders'; a non-finite client returns the broadcast
+      # decoder, hence a zero update (and weight 0).
+      update = tuple(update) + tuple(
+          tf.subtract(old, new)
+          for old, new in zip(broadcast_decoder, new_decoder))
+      return process_lib.client_step_result(update, weight, (), client_state,
+                                            metrics)
     update, weight, new_decoder, metrics = step(
-        tuple(weights.trainable),
-        tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset)
+        trainable, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
+        dataset)
     return process_lib.client_step_result(
         update, weight, new_decoder, client_state, metrics)
 
@@ -118,6 +155,16 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
       initial_model_weights=weights, client_state_type=client_state_type,
       client_work=client_work, aggregator_factory=aggregator_factory,
       server_optimizer=server_optimizer, train_metrics=train_metrics)
+
+
+def split_shared_weights(config: feddva_lib.FeddvaConfig, trainable):
+  """(encoders, decoder) of a `decoder='shared'` process's trainable weights.
+
+  For a private-decoder process the decoder part is empty.
+  """
+  num_encoders = len(feddva_lib.FeddvaModel(config).shared_variables)
+  trainable = tuple(trainable)
+  return trainable[:num_encoders], trainable[num_encoders:]
 
 
 def build_feddva_classifier_process(
