@@ -679,13 +679,19 @@ def make_figures(root_output_dir: str) -> list[str]:
 
 
 def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
-  """F1 vs round, balanced and imbalanced, with and without DP (seed 0)."""
+  """F1 vs round, balanced and imbalanced, with and without DP (seed 0).
+
+  One legend outside the panels: a colour per method, a line style per DP
+  setting (a legend per panel covered the curves).
+  """
+  from matplotlib import lines  # pylint: disable=g-import-not-at-top
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-  any_curve = False
+  plotted_methods, plotted_dp = set(), set()
+  styles = (('none', '-'), ('gaussian_fixed', '--'))
   for ax, pop in zip(axes, ('balanced', 'imbalanced')):
     for method in METHODS:
-      for dp, style in (('none', '-'), ('gaussian_fixed', '--')):
+      for dp, style in styles:
         for d in _run_dirs(root, method,
                            f'dp={dp}_population={pop}{task_key}-*'):
           path = os.path.join(d, 'curve.json')
@@ -694,21 +700,27 @@ def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
           with open(path) as f:
             c = json.load(f)
           if c['round']:
-            any_curve = True
+            plotted_methods.add(method)
+            plotted_dp.add(dp)
             # One colour per method (tab10 has 10), the line style for DP.
             ax.plot(c['round'], c['f1'], style, marker='.',
-                    color=f'C{METHODS.index(method)}',
-                    label=f'{method} ({_DP_NAMES[dp]})')
+                    color=f'C{METHODS.index(method)}')
     ax.set_title(f'{label}, {pop}')
     ax.set_xlabel('round')
     ax.set_ylabel('mean F1 (eval users)')
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=7)
   written = []
-  if any_curve:
+  if plotted_methods:
+    handles = [lines.Line2D([], [], color=f'C{METHODS.index(m)}', marker='.',
+                            label=m)
+               for m in METHODS if m in plotted_methods]
+    handles += [lines.Line2D([], [], color='gray', linestyle=style,
+                             label=f'DP: {_DP_NAMES[dp]}')
+                for dp, style in styles if dp in plotted_dp]
     fig.tight_layout()
+    fig.legend(handles=handles, loc='center left', bbox_to_anchor=(1.0, 0.5),
+               fontsize=8, frameon=False)
     path = os.path.join(out, f'fedembed_f1_curves{suffix}.png')
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches='tight')
     written.append(path)
   plt.close(fig)
   return written
