@@ -28,9 +28,11 @@ batch size are flags; the paper's are larger (200 rounds of 5 epochs, batch
 
 Figures (rebuilt after every cell into <root_output_dir>/figures/):
 `feddva_reconstructions.png` (per client: rows vary z, columns vary c, the
-client's own decoder; Figure 3b / 10), `feddva_tsne.png` (t-SNE of z and of c
-coloured by client; Figure 5), `feddva_accuracy_curves.png` (mean and spread
-across clients vs round, both tasks; Figures 6, 7).
+client's own decoder; Figure 3b / 10), `feddva_tsne.png` (t-SNE of z and of
+c coloured by client; Figure 5), `feddva_accuracy_curves.png` (mean and
+spread across clients vs round, both tasks; Figures 6, 7). With
+`--feddva_decoder=shared` the two latent figures are
+`*_shared_decoder.png` (one decoder for every client).
 """
 
 from __future__ import annotations
@@ -589,12 +591,14 @@ def make_figures(root: str, f, latent: bool = True,
   if latent and os.path.exists(reps_path):
     task = _task('marked_mnist', f, 0)
     pre = pretrain_feddva(task, f, f.feddva_probe_dim, 0, root)
-    written.append(_reconstruction_grid(plt, task, f, pre, fig_dir))
-    written.append(_tsne(plt, reps_path, task, fig_dir))
+    suffix = ''.join(f'_{v}_decoder' for v in _decoder_setting(f).values())
+    written.append(_reconstruction_grid(plt, task, f, pre, fig_dir, suffix))
+    written.append(_tsne(plt, reps_path, task, fig_dir, suffix))
   return written
 
 
-def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:
+def _reconstruction_grid(plt, task, f, pre, fig_dir, suffix='',
+                         size=6) -> str:
   """Per client, its decoder on rows of z (its images) x columns of c.
 
   Rows: mu_z of `size` of the client's test images. Columns: mu_c of one
@@ -624,7 +628,9 @@ def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:
         0, 2, 1, 3).reshape(size * 28, len(c_columns) * 28)
     ax = axes[k // ncols][k % ncols]
     ax.imshow(grid, cmap='gray', vmin=0, vmax=1)
-    ax.set_title(f'client {k} ({task.client_names[k]}) decoder', fontsize=9)
+    ax.set_title(f'client {k} ({task.client_names[k]}): '
+                 + ('the shared decoder' if suffix else 'its decoder'),
+                 fontsize=9)
     ax.set_xlabel('c (from clients ' + ', '.join(
         str(j) for j in range(n) for _ in range(cols_per_client)) + ')',
                   fontsize=7)
@@ -634,13 +640,13 @@ def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:
   for k in range(n, nrows * ncols):
     axes[k // ncols][k % ncols].axis('off')
   fig.tight_layout()
-  path = os.path.join(fig_dir, 'feddva_reconstructions.png')
+  path = os.path.join(fig_dir, f'feddva_reconstructions{suffix}.png')
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
 
 
-def _tsne(plt, reps_path, task, fig_dir, max_points=800) -> str:
+def _tsne(plt, reps_path, task, fig_dir, suffix='', max_points=800) -> str:
   from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
   with np.load(reps_path) as data:
     reps = {k: data[k] for k in data.files}
@@ -657,7 +663,7 @@ def _tsne(plt, reps_path, task, fig_dir, max_points=800) -> str:
     ax.set_yticks([])
   axes[1].legend(markerscale=3, fontsize=7)
   fig.tight_layout()
-  path = os.path.join(fig_dir, 'feddva_tsne.png')
+  path = os.path.join(fig_dir, f'feddva_tsne{suffix}.png')
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
