@@ -134,10 +134,12 @@ def define_flags():
   define('float', 'feddva_beta', 0.75, 'FedDVA: beta (weight of R_c).')
   define('float', 'feddva_learning_rate', 1e-3, 'FedDVA: local Adam lr.')
   define('float', 'feddva_ditto_lambda', 0.1, 'FedDVA: Ditto lambda.')
-  define('enum', 'feddva_decoder', 'private', list(feddva.DECODERS),
-         "FedDVA: 'private' (the paper's p_k, client state) or 'shared' "
-         '(ablation: the decoder is averaged with the encoders; cells get '
-         'setting decoder=shared).')
+  if 'feddva_decoder' not in flags.FLAGS:
+    flags.DEFINE_enum(
+        'feddva_decoder', 'private', list(feddva.DECODERS),
+        "FedDVA: 'private' (the paper's p_k, client state) or 'shared' "
+        '(ablation: the decoder is averaged with the encoders; cells get '
+        'setting decoder=shared).')
   define('integer', 'feddva_ft_epochs', 1,
          'FedDVA: local fine-tuning epochs of fedavg_ft.')
   define('integer', 'feddva_clients_per_round', 0,

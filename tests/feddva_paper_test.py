@@ -84,3 +84,13 @@ def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
   assert paper.TABLES['probes'].column_for(shared[0].setting) is not None
   assert paper.TABLES['classification'].column_for(
       {'task': 'marked_mnist', 'rounds': 5, 'decoder': 'shared'}) is not None
+
+
+def test_define_flags_defines_every_flag_the_cells_read():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  paper.define_flags()
+  paper.define_flags()  # A second call (another binary) is harmless.
+  for name in ('feddva_decoder', 'feddva_vae_rounds', 'feddva_channels',
+               'feddva_marked_train'):
+    assert name in flags.FLAGS
+  assert flags.FLAGS['feddva_decoder'].default == 'private'
