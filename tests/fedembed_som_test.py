@@ -2,39 +2,23 @@
 clustering of a known synthetic population, DP, privacy."""
 
 import collections
+import functools
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.algorithms import best_scoring
 from tff_personal.algorithms import fedembed_som
 from tff_personal.core import privacy
-from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import som
 
-SPEC = collections.OrderedDict(
-    x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
-    y=tf.TensorSpec([None], tf.int32),
-    type=tf.TensorSpec([None], tf.int32))
-
-
-def factory(config):
-  return lambda: fedembed_model.build_fedembed_model(config, input_spec=SPEC)
-
-
-def datasets(types, seed=0, n=4, other=None):
-  rng = np.random.default_rng(seed)
-  out = []
-  for t in types:
-    y = np.tile([1, 0], n // 2).astype(np.int32)
-    neg = other if other is not None else (t + 1) % 10
-    out.append(tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-        x=rng.random((n, 28, 28, 1), dtype=np.float32), y=y,
-        type=np.where(y == 1, t, neg).astype(np.int32))).batch(n // 2))
-  return out
+SPEC = fedembed_testdata.SPEC
+factory = fedembed_testdata.factory
+datasets = functools.partial(fedembed_testdata.datasets, n=4)
 
 
 def states_with_embeddings(proc, embeddings):

@@ -7,33 +7,16 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.algorithms import fedembed
 from tff_personal.core import privacy
 from tff_personal.core import process
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 
-SPEC = collections.OrderedDict(
-    x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
-    y=tf.TensorSpec([None], tf.int32),
-    type=tf.TensorSpec([None], tf.int32))
-
-
-def factory(config):
-  return lambda: fedembed_model.build_fedembed_model(config, input_spec=SPEC)
-
-
-def datasets(types_of_positives, seed=0, n=20, other=None):
-  """Clients whose positives all have the given type (negatives: `other`)."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for t in types_of_positives:
-    y = np.tile([1, 0], n // 2).astype(np.int32)
-    neg = other if other is not None else (t + 1) % 10
-    out.append(tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-        x=rng.random((n, 28, 28, 1), dtype=np.float32), y=y,
-        type=np.where(y == 1, t, neg).astype(np.int32))).batch(10))
-  return out
+SPEC = fedembed_testdata.SPEC
+factory = fedembed_testdata.factory
+datasets = fedembed_testdata.datasets
 
 
 def initial_states(proc, num, seed=0):
