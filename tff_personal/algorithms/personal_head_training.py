@@ -71,6 +71,28 @@ def _batch_size(batch):
   return tf.shape(tf.nest.flatten(batch)[0])[0]
 
 
+def _accumulate(model, metrics_fn, state, batch, outputs, loss):
+  """(num_examples, loss_sum, sums) of `state` plus this batch's."""
+  num_examples, loss_sum, sums = state[:3]
+  n = _batch_size(batch)
+  if metrics_fn is not None:
+    batch_sums = metrics_fn(batch, model.predict(outputs))
+    sums = collections.OrderedDict(
+        (k, sums[k] + batch_sums[k]) for k in sums)
+  return (num_examples + tf.cast(n, tf.int64),
+          loss_sum + loss * tf.cast(n, tf.float32), sums)
+
+
+def _reduce(model, dataset, metrics_fn, optimizer, variables, reduce_fn):
+  """Runs `reduce_fn` over `dataset` from zero sums and a fresh optimizer
+  state for `variables`; returns (num_examples, loss_sum, sums)."""
+  num_examples, loss_sum, sums, _ = dataset.reduce(
+      (tf.constant(0, tf.int64), tf.constant(0.0),
+       _metric_zeros(model, dataset, metrics_fn),
+       optimizer.initialize(_specs(variables))), reduce_fn)
+  return num_examples, loss_sum, sums
+
+
 def train_pass(model: split_model_lib.SplitModel,
                optimizer: tff.learning.optimizers.Optimizer,
                variables: Sequence[tf.Variable], dataset: tf.data.Dataset,
@@ -82,7 +104,7 @@ def train_pass(model: split_model_lib.SplitModel,
   variables = list(variables)
 
   def reduce_fn(state, batch):
-    num_examples, loss_sum, sums, opt_state = state
+    opt_state = state[3]
     with tf.GradientTape() as tape:
       outputs = model.forward(batch, training=True)
       loss = model.loss(batch, outputs)
@@ -91,19 +113,10 @@ def train_pass(model: split_model_lib.SplitModel,
                   for g, v in zip(grads, variables))
     opt_state, updated = optimizer.next(opt_state, tuple(variables), grads)
     _assign(variables, updated)
-    n = _batch_size(batch)
-    if metrics_fn is not None:
-      batch_sums = metrics_fn(batch, model.predict(outputs))
-      sums = collections.OrderedDict(
-          (k, sums[k] + batch_sums[k]) for k in sums)
-    return (num_examples + tf.cast(n, tf.int64),
-            loss_sum + loss * tf.cast(n, tf.float32), sums, opt_state)
+    return _accumulate(model, metrics_fn, state, batch, outputs,
+                       loss) + (opt_state,)
 
-  num_examples, loss_sum, sums, _ = dataset.reduce(
-      (tf.constant(0, tf.int64), tf.constant(0.0),
-       _metric_zeros(model, dataset, metrics_fn),
-       optimizer.initialize(_specs(variables))), reduce_fn)
-  return num_examples, loss_sum, sums
+  return _reduce(model, dataset, metrics_fn, optimizer, variables, reduce_fn)
 
 
 def _result(model, initial_weights, private_weights, num_examples, loss_sum,
@@ -182,7 +195,7 @@ def pfedme_local_train(model: split_model_lib.SplitModel,
   outer = encoder + w
 
   def reduce_fn(state, batch):
-    num_examples, loss_sum, sums, opt_state = state
+    opt_state = state[3]
     inner_state = inner_optimizer.initialize(_specs(theta))
     for _ in tf.range(inner_steps):  # a graph loop (one trace per step)
       with tf.GradientTape() as tape:
@@ -200,17 +213,10 @@ def pfedme_local_train(model: split_model_lib.SplitModel,
     grads += [lam * (wi - ti) for wi, ti in zip(w, theta)]
     opt_state, updated = optimizer.next(opt_state, tuple(outer), tuple(grads))
     _assign(outer, updated)
-    n = _batch_size(batch)
-    if metrics_fn is not None:
-      batch_sums = metrics_fn(batch, model.predict(outputs))
-      sums = collections.OrderedDict(
-          (k, sums[k] + batch_sums[k]) for k in sums)
-    return (num_examples + tf.cast(n, tf.int64),
-            loss_sum + loss * tf.cast(n, tf.float32), sums, opt_state)
+    return _accumulate(model, metrics_fn, state, batch, outputs,
+                       loss) + (opt_state,)
 
-  num_examples, loss_sum, sums, _ = dataset.reduce(
-      (tf.constant(0, tf.int64), tf.constant(0.0),
-       _metric_zeros(model, dataset, metrics_fn),
-       optimizer.initialize(_specs(outer))), reduce_fn)
+  num_examples, loss_sum, sums = _reduce(model, dataset, metrics_fn,
+                                         optimizer, outer, reduce_fn)
   return _result(model, initial_weights, private_weights, num_examples,
                  loss_sum, sums)
