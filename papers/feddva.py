@@ -558,23 +558,27 @@ def make_figures(root: str, f, latent: bool = True,
   fig_dir = os.path.join(root, 'figures')
   os.makedirs(fig_dir, exist_ok=True)
   written = []
-  # Accuracy curves (seed 0).
+  # Accuracy curves (seed 0): every method, FedDVA with either decoder if
+  # run; one panel per task that has curves.
+  lines_to_draw = [(m, {}, m) for m in METHODS]
+  lines_to_draw.append(('feddva', {'decoder': 'shared'},
+                        'feddva (shared decoder)'))
   loaded = {}
   for t in TASK_NAMES if curves else ():
-    for m in METHODS:
-      path = _curve_path(root, m, _class_setting(m, t, f), 0)
+    for m, extra, label in lines_to_draw:
+      setting = {'task': t, 'rounds': _class_rounds(f), **extra}
+      path = _curve_path(root, m, setting, 0)
       if os.path.exists(path):
         with open(path) as fh:
-          loaded[(t, m)] = json.load(fh)
+          loaded.setdefault(t, []).append((label, json.load(fh)))
   if loaded:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, t in zip(axes, TASK_NAMES):
-      for m in METHODS:
-        if (t, m) not in loaded:
-          continue
-        c = loaded[(t, m)]
+    tasks = [t for t in TASK_NAMES if t in loaded]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4),
+                             squeeze=False)
+    for ax, t in zip(axes[0], tasks):
+      for label, c in loaded[t]:
         mean, std = np.array(c['mean']), np.array(c['std'])
-        line, = ax.plot(c['round'], mean, label=m)
+        line, = ax.plot(c['round'], mean, label=label)
         ax.fill_between(c['round'], mean - std, mean + std, alpha=0.15,
                         color=line.get_color())
       ax.set_title(f'{t} (mean ± std across clients)')
