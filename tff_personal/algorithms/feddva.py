@@ -24,7 +24,10 @@ Algorithm 1's "phi_k <- phi ... phi <- phi_k", where phi carries no client
 index: a decoder handed on from client to client, whose parallel FedAvg
 analogue this is. It exists to measure what a private decoder costs the
 disentanglement: with a private p_k the client's mark can live in the
-decoder, so nothing forces c to carry it (docs/feddva.md).
+decoder, so nothing forces c to carry it. Measured on marked_mnist
+(docs/feddva.md): sharing the decoder takes client information out of z
+but does not make c a client code either. (The authors' public code keeps
+the decoder local, as the default here does.)
 
 `build_feddva_classifier_process` is the personalized-classification stage:
 FedAvg of the two encoders and a classification head on [mu_z; mu_c]
