@@ -189,11 +189,15 @@ def cells(table: str, f) -> list[reporting.Cell]:
   return out
 
 
+def _decoder(f) -> str:
+  """--feddva_decoder ('private' where the flags predate it)."""
+  return getattr(f, 'feddva_decoder', 'private')
+
+
 def _decoder_setting(f) -> dict:
   """{'decoder': 'shared'} for the ablation; {} for the paper's FedDVA (so
   that cells run before the flag existed keep their identity)."""
-  decoder = getattr(f, 'feddva_decoder', 'private')
-  return {} if decoder == 'private' else {'decoder': decoder}
+  return {} if _decoder(f) == 'private' else {'decoder': _decoder(f)}
 
 
 def probe_setting(f) -> dict:
@@ -294,7 +298,7 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
   Returns {'encoders': tuple of arrays, 'decoders': [tuple per client],
   'curve': per-round training metrics, 'seconds_per_round'}.
   """
-  decoder = getattr(f, 'feddva_decoder', 'private')
+  decoder = _decoder(f)
   key = (f'{task.name}_dim{dim}_r{f.feddva_vae_rounds}_e{f.feddva_local_epochs}'
          f'_b{f.feddva_batch_size}_ch{"-".join(map(str, f.feddva_channels))}'
          f'_h{f.feddva_hidden}_xi{f.feddva_xi}_a{f.feddva_alpha}'
