@@ -601,14 +601,18 @@ def make_figures(root: str, f, latent: bool = True,
   if latent and os.path.exists(reps_path):
     task = _task('marked_mnist', f, 0)
     pre = pretrain_feddva(task, f, f.feddva_probe_dim, 0, root)
-    suffix = ''.join(f'_{v}_decoder' for v in _decoder_setting(f).values())
-    written.append(_reconstruction_grid(plt, task, f, pre, fig_dir, suffix))
+    suffix = _figure_suffix(f)
+    written.append(_reconstruction_grid(plt, task, f, pre, fig_dir))
     written.append(_tsne(plt, reps_path, task, fig_dir, suffix))
   return written
 
 
-def _reconstruction_grid(plt, task, f, pre, fig_dir, suffix='',
-                         size=6) -> str:
+def _figure_suffix(f) -> str:
+  """'' for the paper's FedDVA, '_shared_decoder' for the ablation."""
+  return '' if _decoder(f) == 'private' else f'_{_decoder(f)}_decoder'
+
+
+def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:
   """Per client, its decoder on rows of z (its images) x columns of c.
 
   Rows: mu_z of `size` of the client's test images. Columns: mu_c of one
@@ -639,7 +643,8 @@ def _reconstruction_grid(plt, task, f, pre, fig_dir, suffix='',
     ax = axes[k // ncols][k % ncols]
     ax.imshow(grid, cmap='gray', vmin=0, vmax=1)
     ax.set_title(f'client {k} ({task.client_names[k]}): '
-                 + ('the shared decoder' if suffix else 'its decoder'),
+                 + ('its decoder' if _decoder(f) == 'private'
+                    else 'the shared decoder'),
                  fontsize=9)
     ax.set_xlabel('c (from clients ' + ', '.join(
         str(j) for j in range(n) for _ in range(cols_per_client)) + ')',
@@ -650,7 +655,8 @@ def _reconstruction_grid(plt, task, f, pre, fig_dir, suffix='',
   for k in range(n, nrows * ncols):
     axes[k // ncols][k % ncols].axis('off')
   fig.tight_layout()
-  path = os.path.join(fig_dir, f'feddva_reconstructions{suffix}.png')
+  path = os.path.join(fig_dir,
+                      f'feddva_reconstructions{_figure_suffix(f)}.png')
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
