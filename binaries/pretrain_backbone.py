@@ -1,19 +1,22 @@
-r"""Pre-trains a small GPT-2 on WikiText-2 and saves it as a keras-nlp preset.
+r"""Pre-trains a small GPT-2 on public text and saves it as a keras-nlp preset.
 
   python -m binaries.pretrain_backbone --data_dir=../shared/data/wikitext2 \
     --output_dir=out/fedperc/backbone [--vocabulary_size=4096 --num_layers=3 \
-    --hidden_dim=128 --minutes=20]
+    --hidden_dim=128 --minutes=20] \
+    [--shakespeare_dir=../shared/data/shakespeare --max_steps=N]
 
 FedPerC's backbone (the paper's DistilGPT2) cannot be downloaded here, so the
-project trains its own: a byte-level BPE vocabulary learned on WikiText-2
-(`tff_personal/models/bpe_trainer.py`; keras-nlp has no trainer), then a
-`keras_nlp.models.GPT2Backbone` trained on next-token prediction. WikiText-2
-is public text that is not user data. `valid.txt` and all but the last
-`--heldout_paragraphs` paragraphs of `test.txt` train; the rest measure
-held-out perplexity. The output directory is a keras-nlp preset:
-`GPT2Backbone.from_preset(dir)` and `GPT2Tokenizer.from_preset(dir)` load it,
-and `--backbone=dir` selects it for FedPerC. `pretrain_summary.json` records
-the flags, step count, time and perplexities.
+project trains its own: a byte-level BPE vocabulary learned on the training
+text (`tff_personal/models/bpe_trainer.py`; keras-nlp has no trainer), then a
+`keras_nlp.models.GPT2Backbone` trained on next-token prediction. The text is
+public and not user data of the tv_shows task: WikiText-2 (`valid.txt` and all
+but the last `--heldout_paragraphs` paragraphs of `test.txt` train; the rest
+measure held-out perplexity) and, with `--shakespeare_dir`, the Moby
+Shakespeare's speeches (dialogue; the last `--heldout_speeches` held out). The
+output directory is a keras-nlp preset: `GPT2Backbone.from_preset(dir)` and
+`GPT2Tokenizer.from_preset(dir)` load it, and `--backbone=dir` selects it for
+FedPerC. `pretrain_summary.json` records the flags, step count, time and
+perplexities.
 """
 
 import json
@@ -28,6 +31,7 @@ import keras_nlp
 import numpy as np
 import tensorflow as tf
 
+from tasks import speaker_context_io
 from tff_personal import atomic_io
 from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc_backbone
@@ -52,19 +56,36 @@ def define_flags():
   flags.DEFINE_float('minutes', 20.0, 'Wall-clock training budget.')
   flags.DEFINE_integer('max_epochs', 30, 'Upper bound on epochs.')
   flags.DEFINE_integer(
+      'max_steps', 0,
+      'If > 0, train at most this many steps, and the cosine learning-rate '
+      'decay ends there (otherwise it ends after --max_epochs; a run cut by '
+      '--minutes then stops before the rate has decayed).')
+  flags.DEFINE_string(
+      'shakespeare_dir', None,
+      'Optional folder holding shakespeare.tsv.gz (the Moby Shakespeare, '
+      'public domain): its speeches are added to the training text (dialogue '
+      'that is not user data of tv_shows); the last --heldout_speeches are '
+      'held out and their perplexity reported.')
+  flags.DEFINE_integer('heldout_speeches', 1000,
+                       'Last Shakespeare speeches kept for held-out '
+                       'perplexity (with --shakespeare_dir).')
+  flags.DEFINE_integer(
       'heldout_paragraphs', 200,
       'Last paragraphs of test.txt kept for held-out perplexity.')
   flags.DEFINE_integer('seed', 0, 'Seed.')
 
 
 class _Deadline(tf.keras.callbacks.Callback):
+  """Stops training at a wall-clock deadline or after `max_steps` (if > 0)."""
 
-  def __init__(self, seconds):
+  def __init__(self, seconds, max_steps=0):
     super().__init__()
     self._end = time.time() + seconds
+    self._max_steps = max_steps
 
   def on_train_batch_end(self, batch, logs=None):
-    if time.time() > self._end:
+    steps = int(self.model.optimizer.iterations.numpy())
+    if time.time() > self._end or 0 < self._max_steps <= steps:
       self.model.stop_training = True
 
 
@@ -86,6 +107,17 @@ def main(argv):
       os.path.join(FLAGS.data_dir, 'test.txt'))
   heldout = test_text[-FLAGS.heldout_paragraphs:]
   train_text += test_text[:-FLAGS.heldout_paragraphs]
+  heldout_speeches = []
+  if FLAGS.shakespeare_dir:
+    speeches = [u.text for u in speaker_context_io.load_shakespeare(
+        FLAGS.shakespeare_dir)]
+    if len(speeches) <= FLAGS.heldout_speeches:
+      print(f'error: --heldout_speeches={FLAGS.heldout_speeches} leaves no '
+            f'Shakespeare speech to train on ({len(speeches)} read)',
+            file=sys.stderr)
+      return 2
+    heldout_speeches = speeches[-FLAGS.heldout_speeches:]
+    train_text += speeches[:-FLAGS.heldout_speeches]
 
   vocabulary, merges = bpe_trainer.train_bpe(train_text, FLAGS.vocabulary_size)
   bpe_seconds = time.time() - start
@@ -99,6 +131,9 @@ def main(argv):
                                                end_id)
   heldout_blocks = fedperc_backbone.token_blocks(tokenizer, heldout, block,
                                                  end_id)
+  speech_blocks = (fedperc_backbone.token_blocks(
+      tokenizer, heldout_speeches, block, end_id) if heldout_speeches
+                   else None)
   print(f'{train_blocks.size} training tokens, {heldout_blocks.size} held out',
         flush=True)
 
@@ -109,8 +144,11 @@ def main(argv):
       max_sequence_length=FLAGS.max_sequence_length)
   model = fedperc_backbone.CausalLM(backbone)
   steps_per_epoch = math.ceil(len(train_blocks) / FLAGS.batch_size)
+  decay_steps = steps_per_epoch * FLAGS.max_epochs
+  if FLAGS.max_steps > 0:
+    decay_steps = min(decay_steps, FLAGS.max_steps)
   schedule = tf.keras.optimizers.schedules.CosineDecay(
-      0.0, decay_steps=steps_per_epoch * FLAGS.max_epochs,
+      0.0, decay_steps=decay_steps,
       warmup_target=FLAGS.learning_rate, warmup_steps=200)
   model.compile(
       optimizer=tf.keras.optimizers.Adam(schedule),
@@ -122,8 +160,13 @@ def main(argv):
   budget = FLAGS.minutes * 60 - (time.time() - start)
   history = model.fit(train_ds, epochs=FLAGS.max_epochs,
                       validation_data=heldout_ds, verbose=2,
-                      callbacks=[_Deadline(budget)])
+                      callbacks=[_Deadline(budget, FLAGS.max_steps)])
   heldout_loss = model.evaluate(heldout_ds, verbose=0)
+  speech_perplexity = None
+  if speech_blocks is not None:
+    speech_perplexity = float(np.exp(model.evaluate(
+        fedperc_backbone.lm_dataset(speech_blocks, FLAGS.batch_size, False,
+                                    FLAGS.seed), verbose=0)))
 
   os.makedirs(FLAGS.output_dir, exist_ok=True)
   fedperc_backbone.save_preset(backbone, tokenizer, FLAGS.output_dir)
@@ -136,14 +179,17 @@ def main(argv):
           'data_dir', 'vocabulary_size', 'num_layers', 'num_heads',
           'hidden_dim', 'intermediate_dim', 'sequence_length',
           'max_sequence_length', 'batch_size', 'learning_rate', 'minutes',
-          'max_epochs', 'heldout_paragraphs', 'seed')},
+          'max_epochs', 'max_steps', 'heldout_paragraphs', 'shakespeare_dir',
+          'heldout_speeches', 'seed')},
       parameters=int(backbone.count_params()),
-      train_tokens=int(train_blocks.size), heldout_tokens=int(heldout_blocks.size),
+      train_tokens=int(train_blocks.size),
+      heldout_tokens=int(heldout_blocks.size),
       epochs=len(history.history['loss']),
       steps=int(model.optimizer.iterations.numpy()),
       bpe_seconds=bpe_seconds, seconds=time.time() - start,
       train_perplexity=float(np.exp(history.history['loss'][-1])),
-      heldout_perplexity=float(np.exp(heldout_loss)))
+      heldout_perplexity=float(np.exp(heldout_loss)),
+      heldout_shakespeare_perplexity=speech_perplexity)
   with atomic_io.atomic_write(
       os.path.join(FLAGS.output_dir, 'pretrain_summary.json')) as f:
     f.write(json.dumps(summary, indent=2))

@@ -1,0 +1,98 @@
+"""End-to-end tests of binaries.pretrain_backbone on tiny text files."""
+
+import csv
+import gzip
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tff_personal.models import fedperc_backbone
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_WORDS = ('the king said that we must go to the river before the night comes '
+          'and I think you are right about the old house on the hill').split()
+
+
+def _sentence(rng, n=12):
+  return ' '.join(rng.choice(_WORDS, n)) + ' .'
+
+
+def _write_wikitext(d, rng):
+  os.makedirs(d, exist_ok=True)
+  for name in ('valid.txt', 'test.txt'):
+    with open(os.path.join(d, name), 'w', encoding='utf-8') as f:
+      f.write(' = Page = \n')
+      for _ in range(30):
+        f.write(' ' + _sentence(rng) + ' \n')
+
+
+def _write_shakespeare(d, rng, speeches):
+  os.makedirs(d, exist_ok=True)
+  buf = io.StringIO()
+  writer = csv.writer(buf, delimiter='\t', lineterminator='\n')
+  writer.writerow(('play', 'title', 'act', 'scene', 'speech', 'speaker',
+                   'text'))
+  for i in range(speeches):
+    writer.writerow(('hamlet', 'Hamlet', '1', '1', str(i),
+                     'HAMLET' if i % 2 else 'HORATIO', _sentence(rng, 8)))
+  with gzip.open(os.path.join(d, 'shakespeare.tsv.gz'), 'wt',
+                 encoding='utf-8', newline='') as f:
+    f.write(buf.getvalue())
+
+
+def _run(tmp_path, *extra):
+  cmd = [sys.executable, '-m', 'binaries.pretrain_backbone',
+         f'--data_dir={tmp_path / "wiki"}', f'--output_dir={tmp_path / "out"}',
+         '--vocabulary_size=300', '--num_layers=1', '--num_heads=2',
+         '--hidden_dim=16', '--intermediate_dim=32', '--sequence_length=15',
+         '--max_sequence_length=32', '--batch_size=4',
+         '--heldout_paragraphs=5', *extra]
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                        timeout=600, env=env)
+
+
+def test_max_steps_and_shakespeare_text(tmp_path):
+  rng = np.random.default_rng(0)
+  _write_wikitext(str(tmp_path / 'wiki'), rng)
+  _write_shakespeare(str(tmp_path / 'shake'), rng, 40)
+  proc = _run(tmp_path, '--max_steps=3', '--max_epochs=50',
+              f'--shakespeare_dir={tmp_path / "shake"}',
+              '--heldout_speeches=10')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(tmp_path / 'out' / 'pretrain_summary.json') as f:
+    summary = json.load(f)
+  # Training stops at --max_steps although --max_epochs would allow more.
+  assert summary['steps'] == 3
+  assert summary['flags']['shakespeare_dir'] == str(tmp_path / 'shake')
+  # The held-out speeches are scored: a finite perplexity of a (nearly
+  # untrained) model over a 300-token vocabulary is above 1 and not far
+  # above the vocabulary size.
+  assert 1.0 < summary['heldout_shakespeare_perplexity'] < 3000.0
+  # The speeches are training text: more tokens than WikiText alone gives.
+  wiki_only = _run(tmp_path, '--max_steps=1',
+                   f'--output_dir={tmp_path / "out_wiki"}')
+  assert wiki_only.returncode == 0, wiki_only.stderr[-3000:]
+  with open(tmp_path / 'out_wiki' / 'pretrain_summary.json') as f:
+    wiki_summary = json.load(f)
+  assert wiki_summary['heldout_shakespeare_perplexity'] is None
+  assert summary['train_tokens'] > wiki_summary['train_tokens']
+  spec = fedperc_backbone.load_backbone(str(tmp_path / 'out'))
+  assert spec.hidden_dim == 16
+
+
+def test_holding_out_every_speech_is_refused(tmp_path):
+  rng = np.random.default_rng(1)
+  _write_wikitext(str(tmp_path / 'wiki'), rng)
+  _write_shakespeare(str(tmp_path / 'shake'), rng, 5)
+  proc = _run(tmp_path, '--max_steps=1',
+              f'--shakespeare_dir={tmp_path / "shake"}',
+              '--heldout_speeches=5')
+  assert proc.returncode == 2
+  assert '--heldout_speeches=5 leaves no Shakespeare speech' in proc.stderr
+  assert not os.path.exists(tmp_path / 'out')
