@@ -196,6 +196,12 @@ def cells(table: str, flag_values) -> list[reporting.Cell]:
                'fedperc_max_tokens', 'fedperc_fine_tune_steps'):
     if getattr(flag_values, name) < 1:
       raise ValueError(f'--{name} must be positive')
+  if (TABLES[table].metric == 'perplexity'
+      and fedperc_backbone.has_random_weights(flag_values.fedperc_backbone)):
+    raise ValueError(
+        f'--fedperc_backbone={flag_values.fedperc_backbone} has random weights '
+        f'({fedperc_backbone.RANDOM_WEIGHTS_FILE}; binaries.shaped_backbone): '
+        f'it times passes and counts memory, but {table} measures perplexity')
   return TABLES[table].cells(flag_values.seeds)
 
 

@@ -110,7 +110,7 @@ def random_backbone(vocabulary: dict[str, int], merges: Sequence[str], *,
                     hidden_dim: int = 16, intermediate_dim: int = 32,
                     max_sequence_length: int = 32,
                     seed: int = 0) -> BackboneSpec:
-  """A randomly initialised backbone (tests)."""
+  """A randomly initialised backbone (tests; shape-only measurements)."""
   tf.keras.utils.set_random_seed(seed)
   backbone = keras_nlp.models.GPT2Backbone(
       vocabulary_size=len(vocabulary), num_layers=num_layers,
@@ -120,6 +120,45 @@ def random_backbone(vocabulary: dict[str, int], merges: Sequence[str], *,
   tokenizer = keras_nlp.models.GPT2Tokenizer(
       vocabulary=dict(vocabulary), merges=list(merges))
   return spec_from_backbone(backbone, tokenizer, name='random')
+
+
+UNUSED_TOKEN = '<|unused_{}|>'
+
+
+def padded_vocabulary(vocabulary: dict[str, int],
+                      size: int) -> dict[str, int]:
+  """`vocabulary` extended to `size` ids by tokens no merge produces.
+
+  The added tokens (`<|unused_i|>`) are never emitted by the tokenizer, so
+  text tokenizes exactly as before; only the embedding and output layers
+  grow. Used to build a backbone of another model's shape (e.g. DistilGPT2's
+  50,257-token vocabulary) for measurements that depend on shape only.
+
+  Raises:
+    ValueError: `size` is below the vocabulary's size, or the ids are not
+      0..len(vocabulary) - 1.
+  """
+  if sorted(vocabulary.values()) != list(range(len(vocabulary))):
+    raise ValueError('vocabulary ids must be 0..len(vocabulary) - 1')
+  if size < len(vocabulary):
+    raise ValueError(f'cannot pad a vocabulary of {len(vocabulary)} tokens to '
+                     f'{size}')
+  out = dict(vocabulary)
+  for i in range(size - len(vocabulary)):
+    token = UNUSED_TOKEN.format(i)
+    if token in out:
+      raise ValueError(f'vocabulary already holds {token}')
+    out[token] = len(out)
+  return out
+
+
+# Written into a preset directory whose weights are random (shape-only
+# measurements); perplexity tables refuse such a backbone.
+RANDOM_WEIGHTS_FILE = 'random_weights.json'
+
+
+def has_random_weights(preset_or_dir: str) -> bool:
+  return os.path.exists(os.path.join(preset_or_dir, RANDOM_WEIGHTS_FILE))
 
 
 def save_preset(backbone, tokenizer, preset_dir: str) -> None:
