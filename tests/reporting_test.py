@@ -153,6 +153,19 @@ def test_markdown_mean_std_and_paper_value(tmp_path):
   assert s.std == pytest.approx(0.1414213562)
 
 
+def test_huge_means_print_in_scientific_notation(tmp_path):
+  results = reporting.ResultsFile(str(tmp_path / 'results.jsonl'))
+  results.append(_cell(seed=0), {'accuracy': 6.2e103})  # a diverged model
+  results.append(_cell(seed=1), {'accuracy': 4.2e103})
+  results.append(_cell('personal', 0, num_users=100, dp='none'),
+                 {'accuracy': 999999.0})
+  row = {line.split('|')[1].strip(): [c.strip() for c in line.split('|')[2:-1]]
+         for line in reporting.render_markdown(results, _TABLE).splitlines()
+         if line.startswith('| ') and '---' not in line}
+  assert row['global'][0] == '5.20e+103 ± 1.41e+103 (2)'
+  assert row['personal'][2] == '999999.00 ± 0.00 (1)'
+
+
 def test_write_tables_is_atomic(tmp_path):
   results = reporting.ResultsFile(str(tmp_path / 'results.jsonl'))
   results.append(_cell(seed=0), {'accuracy': 0.5})

@@ -357,10 +357,21 @@ def _cell_summaries(records, table: Table):
   return out
 
 
+# Means at or above this magnitude (e.g. the perplexity of a diverged model)
+# print in scientific notation, not as a hundred digits.
+_SCIENTIFIC_FROM = 1e6
+
+
+def _number(x: float, digits: int, scientific: bool) -> str:
+  return f'{x:.{max(digits, 2)}e}' if scientific else f'{x:.{digits}f}'
+
+
 def _fmt(s: Optional[Summary], digits: int) -> str:
   if s is None:
     return MISSING
-  return f'{s.mean:.{digits}f} ± {s.std:.{digits}f} ({s.n})'
+  scientific = abs(s.mean) >= _SCIENTIFIC_FROM
+  return (f'{_number(s.mean, digits, scientific)} ± '
+          f'{_number(s.std, digits, scientific)} ({s.n})')
 
 
 def render_markdown(results: Results, table: Table) -> str:
