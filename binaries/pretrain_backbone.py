@@ -95,6 +95,10 @@ def main(argv):
   if not FLAGS.data_dir or not FLAGS.output_dir:
     print('error: --data_dir and --output_dir are required', file=sys.stderr)
     return 2
+  if FLAGS.max_steps < 0:
+    print('error: --max_steps must be >= 0 (0: no step limit)',
+          file=sys.stderr)
+    return 2
   if FLAGS.sequence_length + 1 > FLAGS.max_sequence_length:
     print('error: --sequence_length must be below --max_sequence_length',
           file=sys.stderr)
@@ -109,8 +113,15 @@ def main(argv):
   train_text += test_text[:-FLAGS.heldout_paragraphs]
   heldout_speeches = []
   if FLAGS.shakespeare_dir:
-    speeches = [u.text for u in speaker_context_io.load_shakespeare(
-        FLAGS.shakespeare_dir)]
+    if FLAGS.heldout_speeches < 1:
+      print('error: --heldout_speeches must be at least 1', file=sys.stderr)
+      return 2
+    try:
+      speeches = [u.text for u in speaker_context_io.load_shakespeare(
+          FLAGS.shakespeare_dir)]
+    except speaker_context_io.SpeakerDataError as e:
+      print(f'error: --shakespeare_dir: {e}', file=sys.stderr)
+      return 2
     if len(speeches) <= FLAGS.heldout_speeches:
       print(f'error: --heldout_speeches={FLAGS.heldout_speeches} leaves no '
             f'Shakespeare speech to train on ({len(speeches)} read)',

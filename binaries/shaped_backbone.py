@@ -52,6 +52,11 @@ def main(argv):
     print('error: --tokenizer_from and --output_dir are required',
           file=sys.stderr)
     return 2
+  if os.path.isdir(FLAGS.output_dir) and os.listdir(FLAGS.output_dir):
+    # Never overwrite a preset (e.g. a trained backbone) with random weights.
+    print(f'error: --output_dir={FLAGS.output_dir} exists and is not empty',
+          file=sys.stderr)
+    return 2
   source = fedperc_backbone.load_backbone(FLAGS.tokenizer_from)
   try:
     vocabulary = fedperc_backbone.padded_vocabulary(source.vocabulary,

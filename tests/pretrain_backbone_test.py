@@ -95,4 +95,15 @@ def test_holding_out_every_speech_is_refused(tmp_path):
               '--heldout_speeches=5')
   assert proc.returncode == 2
   assert '--heldout_speeches=5 leaves no Shakespeare speech' in proc.stderr
+  # 0 would hold out every speech too (speeches[-0:] is all of them).
+  zero = _run(tmp_path, '--max_steps=1',
+              f'--shakespeare_dir={tmp_path / "shake"}',
+              '--heldout_speeches=0')
+  assert zero.returncode == 2
+  assert '--heldout_speeches must be at least 1' in zero.stderr
+  missing = _run(tmp_path, '--max_steps=1',
+                 f'--shakespeare_dir={tmp_path / "nowhere"}')
+  assert missing.returncode == 2
+  assert 'shakespeare.tsv.gz' in missing.stderr
+  assert 'Traceback' not in missing.stderr
   assert not os.path.exists(tmp_path / 'out')

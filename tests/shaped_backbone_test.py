@@ -82,3 +82,15 @@ def test_binary_writes_a_marked_preset_that_perplexity_tables_refuse(
   assert too_small.returncode == 2
   assert 'cannot pad a vocabulary of 300 tokens to 10' in too_small.stderr
   assert not os.path.exists(tmp_path / 'no')
+
+  # A preset (here the trained one) is never overwritten with random weights.
+  before = sorted(os.listdir(trained))
+  overwrite = subprocess.run(
+      [sys.executable, '-m', 'binaries.shaped_backbone',
+       f'--tokenizer_from={trained}', f'--output_dir={trained}'],
+      cwd=REPO, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  assert overwrite.returncode == 2
+  assert 'exists and is not empty' in overwrite.stderr
+  assert sorted(os.listdir(trained)) == before
+  assert not fedperc_backbone.has_random_weights(trained)
