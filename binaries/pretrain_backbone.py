@@ -16,7 +16,8 @@ Shakespeare's speeches (dialogue; the last `--heldout_speeches` held out). The
 output directory is a keras-nlp preset: `GPT2Backbone.from_preset(dir)` and
 `GPT2Tokenizer.from_preset(dir)` load it, and `--backbone=dir` selects it for
 FedPerC. `pretrain_summary.json` records the flags, step count, time and
-perplexities.
+perplexities. A non-empty `--output_dir` is refused before any work unless
+`--overwrite` is given (results depend on the preset they were made with).
 """
 
 import json
@@ -44,6 +45,9 @@ def define_flags():
   flags.DEFINE_string('data_dir', None, 'Directory with WikiText-2 '
                       'valid.txt and test.txt.')
   flags.DEFINE_string('output_dir', None, 'Preset directory to write.')
+  flags.DEFINE_bool('overwrite', False,
+                    'Replace an existing non-empty --output_dir (refused '
+                    'otherwise, before any training).')
   flags.DEFINE_integer('vocabulary_size', 4096, 'BPE vocabulary size.')
   flags.DEFINE_integer('num_layers', 3, 'Transformer layers.')
   flags.DEFINE_integer('num_heads', 4, 'Attention heads.')
@@ -94,6 +98,12 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if not FLAGS.data_dir or not FLAGS.output_dir:
     print('error: --data_dir and --output_dir are required', file=sys.stderr)
+    return 2
+  if (os.path.isdir(FLAGS.output_dir) and os.listdir(FLAGS.output_dir)
+      and not FLAGS.overwrite):
+    print(f'error: --output_dir={FLAGS.output_dir} exists and is not empty '
+          '(a backbone that results depend on?); pass --overwrite to replace '
+          'it', file=sys.stderr)
     return 2
   if FLAGS.max_steps < 0:
     print('error: --max_steps must be >= 0 (0: no step limit)',

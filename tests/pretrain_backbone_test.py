@@ -84,6 +84,16 @@ def test_max_steps_and_shakespeare_text(tmp_path):
   assert summary['train_tokens'] > wiki_summary['train_tokens']
   spec = fedperc_backbone.load_backbone(str(tmp_path / 'out'))
   assert spec.hidden_dim == 16
+  # An existing preset is not replaced without --overwrite.
+  weights = tmp_path / 'out' / 'model.weights.h5'
+  before = weights.read_bytes()
+  again = _run(tmp_path, '--max_steps=1', '--hidden_dim=8')
+  assert again.returncode == 2
+  assert 'exists and is not empty' in again.stderr
+  assert weights.read_bytes() == before
+  replaced = _run(tmp_path, '--max_steps=1', '--hidden_dim=8', '--overwrite')
+  assert replaced.returncode == 0, replaced.stderr[-3000:]
+  assert fedperc_backbone.load_backbone(str(tmp_path / 'out')).hidden_dim == 8
 
 
 def test_holding_out_every_speech_is_refused(tmp_path):
