@@ -71,15 +71,17 @@ def main(argv):
       max_sequence_length=FLAGS.max_sequence_length, seed=FLAGS.seed)
   backbone = spec.build_backbone()
   backbone.set_weights(spec.weights)
-  fedperc_backbone.save_preset(backbone, spec.tokenizer(), FLAGS.output_dir)
   summary = dict(
       random_weights=True, tokenizer_from=FLAGS.tokenizer_from,
       trained_tokens=len(source.vocabulary), config=spec.config,
       parameters=int(backbone.count_params()),
       note='Random weights: for time and memory measurements only.')
+  # The marker goes first: a preset written halfway is still marked random.
+  os.makedirs(FLAGS.output_dir, exist_ok=True)
   with atomic_io.atomic_write(os.path.join(
       FLAGS.output_dir, fedperc_backbone.RANDOM_WEIGHTS_FILE)) as f:
     f.write(json.dumps(summary, indent=2))
+  fedperc_backbone.save_preset(backbone, spec.tokenizer(), FLAGS.output_dir)
   print(json.dumps(summary, indent=2))
   return 0
 
