@@ -32,7 +32,9 @@ client's own decoder; Figure 3b / 10), `feddva_tsne.png` (t-SNE of z and of
 c coloured by client; Figure 5), `feddva_accuracy_curves.png` (mean and
 spread across clients vs round, both tasks; Figures 6, 7). With
 `--feddva_decoder=shared` the two latent figures are
-`*_shared_decoder.png` (one decoder for every client).
+`*_shared_decoder.png` (one decoder for every client); with
+`--feddva_schedule=reference` (the authors' code's three-pass round,
+`models/feddva_training.py`) they get `_reference_schedule`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
+from tff_personal.models import feddva_training
 
 PAPER = 'feddva'
 TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
@@ -67,19 +70,32 @@ DEFAULT_VAE_ROUNDS = 30
 _PRETRAIN_DIRNAME = '_feddva_pretrain'
 
 
-def _class_columns(rounds: int, shared_decoder: bool):
+def variant_label(variant: dict) -> str:
+  """' (shared decoder, reference schedule)' for a variant setting; '' for
+  the paper's FedDVA."""
+  parts = []
+  if 'decoder' in variant:
+    parts.append(f"{variant['decoder']} decoder")
+  if 'schedule' in variant:
+    parts.append(f"{variant['schedule']} schedule")
+  return f" ({', '.join(parts)})" if parts else ''
+
+
+def _class_columns(rounds: int, variant: dict):
   columns = [reporting.Column(t, {'task': t, 'rounds': rounds})
              for t in TASK_NAMES]
-  if shared_decoder:  # Only feddva's row fills these.
-    columns += [reporting.Column(f'{t} (shared decoder)',
-                                 {'task': t, 'rounds': rounds,
-                                  'decoder': 'shared'}) for t in TASK_NAMES]
+  if variant:  # Only feddva's row fills these.
+    columns += [reporting.Column(f'{t}{variant_label(variant)}',
+                                 {'task': t, 'rounds': rounds, **variant})
+                for t in TASK_NAMES]
   return columns
 
 
 def _tables(class_rounds: int, vae_rounds: int,
-            shared_decoder: bool = False) -> dict:
-  columns = _class_columns(class_rounds, shared_decoder)
+            variant: dict | None = None) -> dict:
+  """The tables; `variant` (e.g. {'decoder': 'shared'}) adds its columns."""
+  variant = dict(variant or {'decoder': 'shared'})
+  columns = _class_columns(class_rounds, variant)
   common = dict(paper=PAPER, methods=METHODS, columns=columns)
   note = ('The paper reports these as curves only (Figures 6, 7), so there '
           'are no paper numbers. feddva also ran pretrain_rounds rounds of '
@@ -102,16 +118,17 @@ def _tables(class_rounds: int, vae_rounds: int,
           methods=('probe',),
           columns=[reporting.Column('marked_mnist', {
               'task': 'marked_mnist', 'rounds': vae_rounds}),
-                   reporting.Column('marked_mnist (shared decoder)', {
+                   reporting.Column(f'marked_mnist{variant_label(variant)}', {
                        'task': 'marked_mnist', 'rounds': vae_rounds,
-                       'decoder': 'shared'})],
+                       **variant})],
           title='Linear probe: client from c (accuracy); the other probes '
                 '(client_from_z, digit_from_z, digit_from_c, chance_client) '
                 'are in results.jsonl and docs', scale=1.0),
   }
 
 
-TABLES = _tables(DEFAULT_CLASS_ROUNDS, DEFAULT_VAE_ROUNDS)
+TABLES = _tables(DEFAULT_CLASS_ROUNDS, DEFAULT_VAE_ROUNDS,
+                 {'decoder': 'shared'})
 
 
 def define_flags():
@@ -140,6 +157,13 @@ def define_flags():
         "FedDVA: 'private' (the paper's p_k, client state) or 'shared' "
         '(ablation: the decoder is averaged with the encoders; cells get '
         'setting decoder=shared).')
+  if 'feddva_schedule' not in flags.FLAGS:
+    flags.DEFINE_enum(
+        'feddva_schedule', 'paper', list(feddva_training.SCHEDULES),
+        "FedDVA's client round: 'paper' (Algorithm 1: decoder pass, then "
+        "encoders pass) or 'reference' (the authors' public code: decoder; "
+        'z-encoder with c drawn from the prior; c-encoder and decoder with z '
+        'fixed; cells get setting schedule=reference).')
   define('integer', 'feddva_ft_epochs', 1,
          'FedDVA: local fine-tuning epochs of fedavg_ft.')
   define('integer', 'feddva_clients_per_round', 0,
@@ -178,7 +202,7 @@ def cells(table: str, f) -> list[reporting.Cell]:
                      f'{f.feddva_channels}')
   # The tables' columns carry the rounds run.
   TABLES.update(_tables(_class_rounds(f), f.feddva_vae_rounds,
-                        bool(_decoder_setting(f))))
+                        _variant_setting(f)))
   out = [reporting.Cell(PAPER, 'probe', probe_setting(f), s)
          for s in range(f.seeds)]
   for method in METHODS:
@@ -194,21 +218,32 @@ def _decoder(f) -> str:
   return getattr(f, 'feddva_decoder', 'private')
 
 
-def _decoder_setting(f) -> dict:
-  """{'decoder': 'shared'} for the ablation; {} for the paper's FedDVA (so
-  that cells run before the flag existed keep their identity)."""
-  return {} if _decoder(f) == 'private' else {'decoder': _decoder(f)}
+def _schedule(f) -> str:
+  """--feddva_schedule ('paper' where the flags predate it)."""
+  return getattr(f, 'feddva_schedule', 'paper')
+
+
+def _variant_setting(f) -> dict:
+  """The setting keys of a FedDVA variant: {'decoder': 'shared'} and / or
+  {'schedule': 'reference'}; {} for the paper's FedDVA (so that cells run
+  before these flags existed keep their identity)."""
+  variant = {}
+  if _decoder(f) != 'private':
+    variant['decoder'] = _decoder(f)
+  if _schedule(f) != 'paper':
+    variant['schedule'] = _schedule(f)
+  return variant
 
 
 def probe_setting(f) -> dict:
   return {'task': 'marked_mnist', 'rounds': f.feddva_vae_rounds,
-          **_decoder_setting(f)}
+          **_variant_setting(f)}
 
 
 def _class_setting(method: str, task: str, f) -> dict:
   setting = {'task': task, 'rounds': _class_rounds(f)}
   if method == 'feddva':  # Only FedDVA's classifier depends on the decoder.
-    setting.update(_decoder_setting(f))
+    setting.update(_variant_setting(f))
   return setting
 
 
@@ -303,7 +338,8 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
          f'_b{f.feddva_batch_size}_ch{"-".join(map(str, f.feddva_channels))}'
          f'_h{f.feddva_hidden}_xi{f.feddva_xi}_a{f.feddva_alpha}'
          f'_b{f.feddva_beta}_n{task.num_clients}_seed{seed}'
-         + ('' if decoder == 'private' else f'_{decoder}dec'))
+         + ('' if decoder == 'private' else f'_{decoder}dec')
+         + ('' if _schedule(f) == 'paper' else f'_{_schedule(f)}sched'))
   cache = os.path.join(root, reporting.RUNS_DIRNAME, _PRETRAIN_DIRNAME, key)
   weights_path = os.path.join(cache, 'weights.npz')
   if os.path.exists(weights_path):
@@ -321,7 +357,8 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
       alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi)
   process = feddva.build_feddva(
       config, loss_config, decoder_optimizer=_adam(f),
-      encoder_optimizer=_adam(f), seed=seed, decoder=decoder)
+      encoder_optimizer=_adam(f), seed=seed, decoder=decoder,
+      schedule=_schedule(f))
   _, decoder0 = feddva.initial_weights(config, seed)
   states = [feddva.initial_client_state(
       decoder0 if decoder == 'private' else ())
@@ -565,8 +602,10 @@ def make_figures(root: str, f, latent: bool = True,
   # Accuracy curves (seed 0): every method, FedDVA with either decoder if
   # run; one panel per task that has curves.
   lines_to_draw = [(m, {}, m) for m in METHODS]
-  lines_to_draw.append(('feddva', {'decoder': 'shared'},
-                        'feddva (shared decoder)'))
+  for variant in ({'decoder': 'shared'}, _variant_setting(f)):
+    if variant and ('feddva', variant) not in [l[:2] for l in lines_to_draw]:
+      lines_to_draw.append(('feddva', variant,
+                            f'feddva{variant_label(variant)}'))
   loaded = {}
   for t in TASK_NAMES if curves else ():
     for m, extra, label in lines_to_draw:
@@ -608,8 +647,13 @@ def make_figures(root: str, f, latent: bool = True,
 
 
 def _figure_suffix(f) -> str:
-  """'' for the paper's FedDVA, '_shared_decoder' for the ablation."""
-  return '' if _decoder(f) == 'private' else f'_{_decoder(f)}_decoder'
+  """'' for the paper's FedDVA, '_shared_decoder' and / or
+  '_reference_schedule' for the variants."""
+  variant = _variant_setting(f)
+  return (('' if 'decoder' not in variant
+           else f"_{variant['decoder']}_decoder")
+          + ('' if 'schedule' not in variant
+             else f"_{variant['schedule']}_schedule"))
 
 
 def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:

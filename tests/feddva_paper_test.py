@@ -86,6 +86,30 @@ def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
       {'task': 'marked_mnist', 'rounds': 5, 'decoder': 'shared'}) is not None
 
 
+@pytest.mark.parametrize('variant', [
+    {'schedule': 'reference'},
+    {'decoder': 'shared', 'schedule': 'reference'}])
+def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
+  cells = paper.cells('classification', _flags(
+      rounds=5, **{f'feddva_{k}': v for k, v in variant.items()}))
+  marked = {(c.method, c.setting['task']) for c in cells
+            if all(c.setting.get(k) == v for k, v in variant.items())}
+  assert marked == {('probe', 'marked_mnist')} | {
+      ('feddva', t) for t in paper.TASK_NAMES}
+  # Baselines do not depend on FedDVA's variant: no variant keys.
+  assert all(not set(variant) & set(c.setting) for c in cells
+             if c.method not in ('probe', 'feddva'))
+  column = paper.TABLES['probes'].column_for(cells[0].setting)
+  assert column is not None and 'reference schedule' in column.name
+  assert paper.TABLES['classification'].column_for(
+      {'task': 'marked_mnist', 'rounds': 5, **variant}) is not None
+  # The paper's FedDVA cells carry neither key.
+  plain = paper.cells('classification', _flags(
+      rounds=5, feddva_decoder='private', feddva_schedule='paper'))
+  assert all('schedule' not in c.setting and 'decoder' not in c.setting
+             for c in plain)
+
+
 def test_define_flags_defines_every_flag_the_cells_read():
   from absl import flags  # pylint: disable=g-import-not-at-top
   paper.define_flags()
@@ -94,3 +118,4 @@ def test_define_flags_defines_every_flag_the_cells_read():
                'feddva_marked_train'):
     assert name in flags.FLAGS
   assert flags.FLAGS['feddva_decoder'].default == 'private'
+  assert flags.FLAGS['feddva_schedule'].default == 'paper'

@@ -98,6 +98,7 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
                  seed: Optional[int] = 0,
                  decoder_first: bool = True,
                  decoder: str = 'private',
+                 schedule: str = 'paper',
                  ) -> process_lib.StatefulClientProcess:
   """The FedDVA process (defaults: appendix H's Adam lr 1e-3 on clients).
 
@@ -108,9 +109,14 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
   ablation of the module docstring: the server's trainable weights are the
   encoders followed by the decoder, all averaged; client state
   `initial_client_state(())`; `split_shared_weights` separates them).
+  `schedule`: 'paper' (Algorithm 1: decoder pass, then encoders pass) or
+  'reference' (the authors' code's three passes; `feddva_training`).
   """
   if decoder not in DECODERS:
     raise ValueError(f'decoder must be one of {DECODERS}, got {decoder!r}')
+  if schedule not in feddva_training.SCHEDULES:
+    raise ValueError(f'schedule must be one of {feddva_training.SCHEDULES}, '
+                     f'got {schedule!r}')
   decoder_optimizer = decoder_optimizer or _adam(1e-3)
   encoder_optimizer = encoder_optimizer or _adam(1e-3)
   server_optimizer = server_optimizer or tff.learning.optimizers.build_sgdm(1.0)
@@ -133,7 +139,7 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
     step = tf.function(functools.partial(
         feddva_training.client_update, model, decoder_optimizer,
         encoder_optimizer, loss_config=loss_config,
-        decoder_first=decoder_first))
+        decoder_first=decoder_first, schedule=schedule))
     trainable = tuple(weights.trainable)
     if is_shared:
       encoders, broadcast_decoder = (trainable[:num_encoders],

@@ -155,18 +155,29 @@ class FeddvaModel:
     mu_c, logvar_c = self.encoder_c([x, mu_z], training=training)
     return mu_z, logvar_z, mu_c, logvar_c
 
-  def forward(self, x, eps_z=None, eps_c=None, training: bool = True):
+  def forward(self, x, eps_z=None, eps_c=None, training: bool = True,
+              c_from_prior: bool = False, stop_z: bool = False):
     """One reparameterised sample: z ~ q(z|x), c ~ q(c|x, z), logits of x.
 
     `eps_z`, `eps_c` (standard normal noise) default to fresh draws; tests
-    pass them to make the forward pass deterministic.
+    pass them to make the forward pass deterministic. `c_from_prior=True`
+    does not run the c-encoder: c = eps_c ~ N(0, I), reported as mu_c = 0,
+    logvar_c = 0 (so R_c is the constant xi and gives no gradient);
+    `stop_z=True` stops the gradient at z (into the c-encoder and the
+    decoder). Both serve the 'reference' schedule of `feddva_training`.
     """
     n = tf.shape(x)[0]
     mu_z, logvar_z = self.encoder_z(x, training=training)
     if eps_z is None:
       eps_z = tf.random.normal([n, self.config.z_dim])
     z = mu_z + tf.exp(0.5 * logvar_z) * eps_z
-    mu_c, logvar_c = self.encoder_c([x, z], training=training)
+    if stop_z:
+      z = tf.stop_gradient(z)
+    if c_from_prior:
+      mu_c = tf.zeros([n, self.config.c_dim])
+      logvar_c = tf.zeros([n, self.config.c_dim])
+    else:
+      mu_c, logvar_c = self.encoder_c([x, z], training=training)
     if eps_c is None:
       eps_c = tf.random.normal([n, self.config.c_dim])
     c = mu_c + tf.exp(0.5 * logvar_c) * eps_c
@@ -176,8 +187,9 @@ class FeddvaModel:
         logvar_c=logvar_c)
 
   def loss(self, x, loss_config: feddva_losses.LossConfig, eps_z=None,
-           eps_c=None):
-    outputs = self.forward(x, eps_z, eps_c)
+           eps_c=None, c_from_prior: bool = False, stop_z: bool = False):
+    outputs = self.forward(x, eps_z, eps_c, c_from_prior=c_from_prior,
+                           stop_z=stop_z)
     return feddva_losses.feddva_loss(x, outputs, loss_config,
                                      self.config.c_dim)
 

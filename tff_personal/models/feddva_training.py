@@ -15,11 +15,26 @@ fresh `tff.learning.optimizers` state (Adam by default); optimizer state is
 not kept between rounds (the paper does not say; it is the FedAvg habit).
 A non-finite result gives a zero update of weight 0 and keeps the old
 decoder, as `core/split_training.py` does.
+
+`schedule='reference'` is the authors' public code's round (pysleepy/FedDVA,
+read, not copied; the paper does not describe it), three passes instead of
+two:
+
+1. the decoder phi_k, as above;
+2. the z-encoder f only, with c replaced by a draw from the prior N(0, I)
+   (the c-encoder is not run), so z alone must let the decoder reconstruct x;
+   loss: reconstruction + alpha R_z;
+3. the c-encoder h and the decoder phi_k, with z held fixed (stop-gradient);
+   loss: Eq. 4 (R_z gives no gradient there).
+
+The update is the change of both encoders; the new decoder is the one after
+pass 3; metrics and the example weight are pass 3's.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -27,6 +42,7 @@ import tensorflow_federated as tff
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
 
+SCHEDULES = ('paper', 'reference')
 METRIC_NAMES = ('loss', 'reconstruction', 'kl_z', 'r_c', 'kl_c_prior',
                 'kl_c_mixture', 'constraint_met')
 
@@ -41,15 +57,17 @@ def _all_finite(tensors) -> tf.Tensor:
       [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
-def _optimise(model, variables, optimizer, dataset, loss_config,
-              with_metrics: bool):
-  """One pass over `dataset` updating `variables` only."""
+def _optimise(loss_fn, variables, optimizer, dataset, with_metrics: bool):
+  """One pass over `dataset` updating `variables` only.
+
+  `loss_fn(x)` returns the loss dict of `feddva_losses.feddva_loss`.
+  """
   specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
 
   def reduce_fn(state, batch):
     num_examples, sums, opt_state = state
     with tf.GradientTape() as tape:
-      losses = model.loss(batch['x'], loss_config)
+      losses = loss_fn(batch['x'])
     grads = tape.gradient(losses['loss'], variables)
     grads = tuple(tf.zeros_like(v) if g is None else g
                   for g, v in zip(grads, variables))
@@ -76,24 +94,40 @@ def client_update(model: feddva_lib.FeddvaModel,
                   encoder_optimizer: tff.learning.optimizers.Optimizer,
                   encoder_weights, decoder_weights, dataset: tf.data.Dataset,
                   loss_config: feddva_losses.LossConfig,
-                  decoder_first: bool = True):
+                  decoder_first: bool = True,
+                  schedule: str = 'paper'):
   """Algorithm 1's ClientUpdate; returns (update, weight, decoder, metrics).
 
   `decoder_first=False` swaps the passes (encoders, then decoder); it exists
-  only for the test that the order matters.
+  only for the test that the order matters. `schedule`: 'paper' (Algorithm
+  1's two passes) or 'reference' (the authors' code's three passes, module
+  docstring).
   """
+  if schedule not in SCHEDULES:
+    raise ValueError(f'schedule must be one of {SCHEDULES}, got {schedule!r}')
   encoders = model.shared_variables
   decoder = model.decoder_variables
   _assign(encoders, encoder_weights)
   _assign(decoder, decoder_weights)
-  if decoder_first:
-    _optimise(model, decoder, decoder_optimizer, dataset, loss_config, False)
-    num_examples, sums = _optimise(model, encoders, encoder_optimizer,
-                                   dataset, loss_config, True)
+  full_loss = functools.partial(model.loss, loss_config=loss_config)
+  if schedule == 'reference':
+    _optimise(full_loss, decoder, decoder_optimizer, dataset, False)
+    _optimise(functools.partial(model.loss, loss_config=loss_config,
+                                c_from_prior=True),
+              model.encoder_z.trainable_variables, encoder_optimizer,
+              dataset, False)
+    num_examples, sums = _optimise(
+        functools.partial(model.loss, loss_config=loss_config, stop_z=True),
+        model.encoder_c.trainable_variables + decoder, encoder_optimizer,
+        dataset, True)
+  elif decoder_first:
+    _optimise(full_loss, decoder, decoder_optimizer, dataset, False)
+    num_examples, sums = _optimise(full_loss, encoders, encoder_optimizer,
+                                   dataset, True)
   else:
-    num_examples, sums = _optimise(model, encoders, encoder_optimizer,
-                                   dataset, loss_config, True)
-    _optimise(model, decoder, decoder_optimizer, dataset, loss_config, False)
+    num_examples, sums = _optimise(full_loss, encoders, encoder_optimizer,
+                                   dataset, True)
+    _optimise(full_loss, decoder, decoder_optimizer, dataset, False)
   update = tuple(tf.subtract(a, b.read_value())
                  for a, b in zip(encoder_weights, encoders))
   new_decoder = tuple(v.read_value() for v in decoder)
