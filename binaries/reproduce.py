@@ -4,8 +4,10 @@ r"""Reproduces a paper's table: runs its cells, records them, prints tables.
     --root_output_dir=/tmp/repro --seeds=3 [--methods=a,b] [--settings=...] \
     [--data_dir=../shared/data/mnist --rounds=... --dry_run]
 
-Every finished cell is appended to <root_output_dir>/results.jsonl; a rerun
-skips the finished cells, so kill it at any moment and rerun the same command.
+Every finished cell is appended to <root_output_dir>/results.jsonl with the
+paper's flags (`config`); a rerun skips the finished cells, so kill it at any
+moment and rerun the same command. A run with other paper flags than the
+table's recorded cells is refused (exit 2) unless --allow_config_change.
 Tables (ours next to the paper's numbers) are rewritten after every cell to
 <root_output_dir>/tables/<paper>/<table>.{md,csv} and printed at the end.
 Per-cell outputs: <root_output_dir>/runs/<paper>/<method>/<setting>/seed_<n>.
@@ -69,6 +71,10 @@ def define_flags():
   _define('bool', 'dry_run', False,
           'Print the cells that would run and the table from existing '
           'results; run nothing.')
+  _define('bool', 'allow_config_change', False,
+          "Run even if the root's recorded cells of this table were made "
+          'with other paper flags (the table then mixes configurations; '
+          'each record keeps its own `config`).')
   # Common per-paper knobs; None means "the paper module's default".
   _define('string', 'data_dir', None, 'Data directory (None: paper default).')
   _define('integer', 'rounds', None, 'Training rounds (None: paper default).')
@@ -82,7 +88,8 @@ def run(f: Any, log_fn: Callable[[str], None] = print) -> int:
   try:
     plan = reporting.plan(
         f.paper, f.table, f.root_output_dir, f, seeds=f.seeds,
-        methods=_as_list(f.methods), settings=_as_list(f.settings))
+        methods=_as_list(f.methods), settings=_as_list(f.settings),
+        allow_config_change=bool(getattr(f, 'allow_config_change', False)))
   except reporting.ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

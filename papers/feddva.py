@@ -64,6 +64,8 @@ from tff_personal.models import feddva_training
 
 PAPER = 'feddva'
 TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
+# Flags that the cells' settings carry (reporting.run_config leaves them out).
+SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule')
 METHODS = ('fedavg', 'fedavg_ft', 'ditto', 'feddva')
 DEFAULT_CLASS_ROUNDS = 20
 DEFAULT_VAE_ROUNDS = 30

@@ -190,7 +190,8 @@ def test_finished_cells_are_skipped_on_restart(tmp_path, paper, capsys):
       str(tmp_path / 'results.jsonl')).records()
   assert len(records) == 8
   assert {tuple(sorted(r)) for r in records} == {tuple(sorted(
-      reporting.RECORD_KEYS + ('seconds', 'out_dir', 'finished_at')))}
+      reporting.RECORD_KEYS + ('config', 'seconds', 'out_dir',
+                               'finished_at')))}
 
   paper.calls.clear()
   assert reproduce.run(f) == 0
@@ -199,6 +200,63 @@ def test_finished_cells_are_skipped_on_restart(tmp_path, paper, capsys):
   assert '0 to run' in capsys.readouterr().out
   assert len(reporting.ResultsFile(
       str(tmp_path / 'results.jsonl')).records()) == 8
+
+
+def test_other_paper_flags_are_refused_before_any_work(tmp_path, paper,
+                                                        capsys):
+  assert reproduce.run(_flags(tmp_path, seeds=1, fake_lr=0.1,
+                              other_lr=7)) == 0
+  results = reporting.ResultsFile(str(tmp_path / 'results.jsonl'))
+  before = (tmp_path / 'results.jsonl').read_bytes()
+  assert {json.dumps(r['config'], sort_keys=True)
+          for r in results.records()} == {json.dumps(
+              {'fake_lr': 0.1, 'data_dir': None, 'rounds': None,
+               'clients_per_round': None, 'num_users': None},
+              sort_keys=True)}
+  paper.calls.clear()
+  capsys.readouterr()
+  # Another paper's flag is not this paper's configuration.
+  assert reproduce.run(_flags(tmp_path, seeds=1, fake_lr=0.1,
+                              other_lr=8)) == 0
+  # A new seed under other flags would land in the same table: refused,
+  # naming the flag, both values and a recorded cell; nothing runs.
+  assert reproduce.run(_flags(tmp_path, seeds=2, fake_lr=0.2)) == 2
+  err = capsys.readouterr().err
+  assert '--fake_lr: 0.1 in the recorded cell global' in err
+  assert '0.2 now' in err and '--allow_config_change' in err
+  assert paper.calls == []
+  assert (tmp_path / 'results.jsonl').read_bytes() == before
+  # The same flags resume; mixing on purpose is allowed and recorded.
+  assert reproduce.run(_flags(tmp_path, seeds=2, fake_lr=0.2,
+                              allow_config_change=True)) == 0
+  assert len(paper.calls) == 4
+  lrs = sorted(r['config']['fake_lr'] for r in results.records())
+  assert lrs == [0.1] * 4 + [0.2] * 4
+
+
+def test_run_config_and_conflicts(tmp_path, monkeypatch):
+  module = types.SimpleNamespace(SETTING_FLAGS=('rounds', 'fake_variant'))
+  (tmp_path / 'data').mkdir()
+  monkeypatch.chdir(tmp_path)
+  f = types.SimpleNamespace(fake_lr=0.1, fake_variant='b', fakeish=1,
+                            other_lr=2, rounds=5, data_dir='data',
+                            fake_list=['1', '2'])
+  config = reporting.run_config('fake', module, f)
+  assert config == {'fake_lr': 0.1, 'fake_list': ['1', '2'],
+                    'data_dir': str((tmp_path / 'data').resolve())}
+  record = dict(paper='fake', method='global', seed=0, metrics={},
+                setting={'num_users': 10, 'dp': 'none'},
+                config=dict(config, fake_lr=0.3, fake_new_flag=1))
+  conflicts = reporting.config_conflicts([record], _TABLE, config)
+  assert len(conflicts) == 1 and conflicts[0].startswith('--fake_lr: 0.3')
+  # Not compared: records made before configs were recorded, and cells
+  # outside the table (another table's settings or methods).
+  assert not reporting.config_conflicts(
+      [{k: v for k, v in record.items() if k != 'config'}], _TABLE, config)
+  assert not reporting.config_conflicts(
+      [dict(record, setting={'num_users': 7, 'dp': 'none'})], _TABLE, config)
+  assert not reporting.config_conflicts([dict(record, method='other')],
+                                        _TABLE, config)
 
 
 def test_killed_run_resumes_with_the_remaining_cells(tmp_path, paper):

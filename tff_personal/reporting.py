@@ -17,6 +17,14 @@ A *paper module* (registered with `register_paper`) has:
 `flags` is the binary's absl FLAGS (any object with attributes in tests).
 `out_dir` is stable per cell, so a `run_cell` may resume a killed run there.
 
+A paper's flags are named `<paper>_*`. Those, and the common knobs
+(`COMMON_CONFIG_FLAGS`), shape results without being part of a cell's
+identity, so each record also carries them as `config` (`run_config`), and a
+run whose flags differ from those of results already in its table is refused
+before anything runs (`config_conflicts`): one table never mixes cells made
+under different flags unless asked to. A module lists the flags that its
+cells' settings already carry in an optional `SETTING_FLAGS`.
+
 Nothing here needs TensorFlow or TFF.
 """
 
@@ -43,6 +51,8 @@ TABLES_DIRNAME = 'tables'
 RUNS_DIRNAME = 'runs'
 MISSING = '—'
 RECORD_KEYS = ('paper', 'method', 'setting', 'seed', 'metrics')
+CONFIG_KEY = 'config'
+COMMON_CONFIG_FLAGS = ('data_dir', 'rounds', 'clients_per_round', 'num_users')
 
 _NAME_RE = re.compile(r'^[A-Za-z0-9_.-]+$')
 
@@ -486,6 +496,63 @@ def get_paper(name: str) -> Any:
   return _PAPERS[name]
 
 
+# ------------------------------------------------------- run configuration
+
+
+def _flag_names(flag_values: Any) -> list[str]:
+  """Flag names of absl FlagValues, or attribute names of a namespace."""
+  try:
+    return list(flag_values)  # absl FlagValues iterates over its names.
+  except TypeError:
+    return list(vars(flag_values))
+
+
+def _config_value(value: Any) -> Any:
+  if isinstance(value, str) and value and os.path.exists(value):
+    return os.path.realpath(value)  # One data set, however it was named.
+  return _jsonable(value)
+
+
+def run_config(paper: str, module: Any, flag_values: Any) -> dict[str, Any]:
+  """The flags that shape `paper`'s results beyond its cells' settings.
+
+  Every flag named `<paper>_*` and the `COMMON_CONFIG_FLAGS`, less the
+  module's `SETTING_FLAGS`; paths that exist are resolved, so the same data
+  reached by another relative path is the same configuration.
+  """
+  skip = set(getattr(module, 'SETTING_FLAGS', ()))
+  names = [n for n in _flag_names(flag_values)
+           if (n.startswith(f'{paper}_') or n in COMMON_CONFIG_FLAGS)
+           and n not in skip]
+  return {n: _config_value(getattr(flag_values, n)) for n in sorted(names)}
+
+
+def config_conflicts(records: Iterable[Mapping[str, Any]], table: 'Table',
+                     config: Mapping[str, Any], limit: int = 5) -> list[str]:
+  """How `config` differs from the configs of the table's recorded cells.
+
+  Records without a config (made before configs were recorded) and flags
+  that one side lacks (defined later) are not compared. Returns one line per
+  differing flag, naming a record that has the other value.
+  """
+  lines, seen = [], set()
+  for r in records:
+    old = r.get(CONFIG_KEY)
+    if (not isinstance(old, Mapping) or r['method'] not in table.methods
+        or table.column_for(r['setting']) is None):
+      continue
+    for name in sorted(set(old) & set(config)):
+      if name in seen or (canonical_json(old[name])
+                          == canonical_json(_jsonable(config[name]))):
+        continue
+      seen.add(name)
+      lines.append(f'--{name}: {old[name]!r} in the recorded cell '
+                   f'{r["method"]} {setting_label(r["setting"])} seed '
+                   f'{r["seed"]}, {config[name]!r} now')
+  return lines[:limit] + ([f'... and {len(lines) - limit} more']
+                          if len(lines) > limit else [])
+
+
 # ---------------------------------------------------------------- the loop
 
 
@@ -498,6 +565,7 @@ class Plan:
   pending: list[Cell]  # Those not in results.jsonl yet.
   results: ResultsFile
   tables_dir: str
+  config: dict = dataclasses.field(default_factory=dict)
 
 
 def _filter_settings(cells: list[Cell], table: Table,
@@ -529,8 +597,13 @@ def _filter_settings(cells: list[Cell], table: Table,
 def plan(paper: str, table: Optional[str], root_output_dir: Optional[str],
          flag_values: Any, seeds: int = 1,
          methods: Optional[Sequence[str]] = None,
-         settings: Optional[Sequence[str]] = None) -> Plan:
-  """Resolves paper, table, filters and pending cells; raises ConfigError."""
+         settings: Optional[Sequence[str]] = None,
+         allow_config_change: bool = False) -> Plan:
+  """Resolves paper, table, filters and pending cells; raises ConfigError.
+
+  Also refuses flags that differ from those of the table's recorded cells
+  (`config_conflicts`) unless `allow_config_change`.
+  """
   module = get_paper(paper)
   tables = module.TABLES
   if table is None:
@@ -565,10 +638,20 @@ def plan(paper: str, table: Optional[str], root_output_dir: Optional[str],
     cells = _filter_settings(cells, spec, settings)
   cells = list(dict.fromkeys(cells))  # Drops duplicates, keeps the order.
   results = ResultsFile(os.path.join(root_output_dir, RESULTS_FILENAME))
-  finished = results.finished_keys()
-  pending = [c for c in cells if c.key() not in finished]
+  latest = results.latest()
+  config = run_config(paper, module, flag_values)
+  conflicts = config_conflicts(
+      [r for r in latest.values() if r['paper'] == paper], spec, config)
+  if conflicts and not allow_config_change:
+    raise ConfigError(
+        f'{results.path} holds {paper} table {table!r} cells made with other '
+        'flags:\n  ' + '\n  '.join(conflicts) + '\nA table would mix the two '
+        'configurations (finished cells are not rerun). Use another '
+        '--root_output_dir, or --allow_config_change to mix them on purpose '
+        '(each record keeps its own config).')
+  pending = [c for c in cells if c.key() not in latest]
   return Plan(paper, module, spec, cells, pending, results,
-              os.path.join(root_output_dir, TABLES_DIRNAME, paper))
+              os.path.join(root_output_dir, TABLES_DIRNAME, paper), config)
 
 
 def _fmt_metrics(metrics: Mapping[str, Any]) -> str:
@@ -611,6 +694,7 @@ def reproduce(p: Plan, flag_values: Any, root_output_dir: str,
       raise TypeError(f'{p.paper}.run_cell returned {type(metrics).__name__}, '
                       'not a dict of metrics')
     p.results.append(cell, metrics, extra={
+        CONFIG_KEY: p.config,
         'seconds': round(seconds, 3), 'out_dir': out_dir,
         'finished_at': datetime.datetime.now(
             datetime.timezone.utc).isoformat(timespec='seconds')})
