@@ -11,6 +11,7 @@ out/speech_encoder.npz [--freeze_encoder]` starts the shared encoder there
 """
 
 import json
+import os
 
 from absl import app
 from absl import flags
@@ -35,13 +36,22 @@ def define_flags():
   flags.DEFINE_float('validation_fraction', defaults.validation_fraction,
                      'Utterances held out to report speaker accuracy.')
   flags.DEFINE_integer('seed', defaults.seed, 'Seed of split and weights.')
+  flags.DEFINE_bool('overwrite', False,
+                    'Replace an existing --output (refused otherwise).')
   flags.mark_flags_as_required(['data_dir', 'output'])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  data = speech_data.load(FLAGS.data_dir)
+  if os.path.exists(FLAGS.output) and not FLAGS.overwrite:
+    raise app.UsageError(
+        f'--output={FLAGS.output} exists (a trained encoder?); pass '
+        '--overwrite to replace it, or choose another path')
+  try:
+    data = speech_data.load(FLAGS.data_dir)
+  except speech_data.SpeechDataError as e:
+    raise app.UsageError(str(e)) from e
   voice_set = data.manifest['config'].get('voice_set', 'users')
   if voice_set != 'public':
     raise app.UsageError(

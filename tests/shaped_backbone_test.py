@@ -18,6 +18,14 @@ TEXTS = ['I think we must go to the river before night comes.',
          'How you doin? I think you are right about the house.'] * 4
 
 
+def _run(*flags):
+  """`python -m binaries.shaped_backbone FLAGS`, its output captured."""
+  return subprocess.run(
+      [sys.executable, '-m', 'binaries.shaped_backbone', *flags],
+      cwd=REPO, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+
+
 def test_padded_vocabulary_adds_tokens_that_text_never_uses():
   vocabulary, merges = bpe_trainer.train_bpe(TEXTS, 300)
   padded = fedperc_backbone.padded_vocabulary(vocabulary, 1000)
@@ -42,13 +50,10 @@ def test_binary_writes_a_marked_preset_that_perplexity_tables_refuse(
   trained = str(tmp_path / 'trained')
   fedperc_backbone.save_preset(backbone, source.tokenizer(), trained)
   out = str(tmp_path / 'shaped')
-  proc = subprocess.run(
-      [sys.executable, '-m', 'binaries.shaped_backbone',
-       f'--tokenizer_from={trained}', f'--output_dir={out}',
-       '--vocabulary_size=512', '--num_layers=2', '--num_heads=2',
-       '--hidden_dim=8', '--intermediate_dim=16', '--max_sequence_length=40'],
-      cwd=REPO, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  proc = _run(f'--tokenizer_from={trained}', f'--output_dir={out}',
+              '--vocabulary_size=512', '--num_layers=2', '--num_heads=2',
+              '--hidden_dim=8', '--intermediate_dim=16',
+              '--max_sequence_length=40')
   assert proc.returncode == 0, proc.stderr[-3000:]
   spec = fedperc_backbone.load_backbone(out)
   assert (spec.vocabulary_size, spec.hidden_dim,
@@ -73,23 +78,15 @@ def test_binary_writes_a_marked_preset_that_perplexity_tables_refuse(
   flag_values.fedperc_backbone = trained
   assert fedperc_paper.cells('table1', flag_values)
 
-  too_small = subprocess.run(
-      [sys.executable, '-m', 'binaries.shaped_backbone',
-       f'--tokenizer_from={trained}', f'--output_dir={tmp_path / "no"}',
-       '--vocabulary_size=10'],
-      cwd=REPO, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  too_small = _run(f'--tokenizer_from={trained}',
+                   f'--output_dir={tmp_path / "no"}', '--vocabulary_size=10')
   assert too_small.returncode == 2
   assert 'cannot pad a vocabulary of 300 tokens to 10' in too_small.stderr
   assert not os.path.exists(tmp_path / 'no')
 
   # A preset (here the trained one) is never overwritten with random weights.
   before = sorted(os.listdir(trained))
-  overwrite = subprocess.run(
-      [sys.executable, '-m', 'binaries.shaped_backbone',
-       f'--tokenizer_from={trained}', f'--output_dir={trained}'],
-      cwd=REPO, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  overwrite = _run(f'--tokenizer_from={trained}', f'--output_dir={trained}')
   assert overwrite.returncode == 2
   assert 'exists and is not empty' in overwrite.stderr
   assert sorted(os.listdir(trained)) == before

@@ -1,6 +1,9 @@
 """Tests for the public-speaker encoder: weights in and out, pre-training."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -104,3 +107,29 @@ def test_pretraining_refuses_bad_input():
   with pytest.raises(ValueError, match='validation_fraction'):
     pretraining.pretrain(x, voices, 2, pretraining.PretrainConfig(
         validation_fraction=1.0))
+
+
+def test_binary_refuses_to_overwrite_an_encoder(tmp_path):
+  """The check runs before any data is read; the file is left as it was."""
+  output = tmp_path / 'encoder.npz'
+  output.write_bytes(b'a trained encoder')
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, '-m', 'binaries.pretrain_speech_encoder',
+       f'--data_dir={tmp_path / "missing"}', f'--output={output}'],
+      cwd=repo, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode != 0
+  assert f'--output={output} exists' in proc.stderr
+  assert '--overwrite' in proc.stderr
+  assert output.read_bytes() == b'a trained encoder'
+  # With --overwrite the check passes and the missing data is what fails,
+  # named, without a traceback.
+  proc = subprocess.run(
+      [sys.executable, '-m', 'binaries.pretrain_speech_encoder',
+       f'--data_dir={tmp_path / "missing"}', f'--output={output}',
+       '--overwrite'],
+      cwd=repo, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode != 0
+  assert 'no generated speech data' in proc.stderr
+  assert 'Traceback' not in proc.stderr
+  assert output.read_bytes() == b'a trained encoder'
