@@ -375,6 +375,12 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
     for k, s in zip(cohort, new_states):
       states[k] = s
     curve.append({k: float(v) for k, v in metrics['train'].items()})
+    if (r + 1) % 10 == 0 or r + 1 == f.feddva_vae_rounds:
+      elapsed = time.perf_counter() - start
+      print(f'feddva {task.name} dim {dim} seed {seed}: FedDVA round '
+            f'{r + 1}/{f.feddva_vae_rounds}, loss '
+            f'{curve[-1].get("loss", float("nan")):.1f}, '
+            f'{elapsed / (r + 1):.1f} s/round', flush=True)
   seconds = (time.perf_counter() - start) / max(f.feddva_vae_rounds, 1)
   encoders, shared_decoder = feddva.split_shared_weights(
       config, [np.asarray(w)
