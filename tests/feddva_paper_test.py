@@ -5,6 +5,7 @@ import types
 import numpy as np
 import pytest
 
+from binaries import reproduce
 from papers import feddva as paper
 from tff_personal import reporting
 
@@ -119,3 +120,48 @@ def test_define_flags_defines_every_flag_the_cells_read():
     assert name in flags.FLAGS
   assert flags.FLAGS['feddva_decoder'].default == 'private'
   assert flags.FLAGS['feddva_schedule'].default == 'paper'
+
+
+def _run_flags(root, mnist_dir, **overrides):
+  values = dict(
+      paper='feddva', table='probes', root_output_dir=str(root), seeds=1,
+      methods=['probe'], settings=None, dry_run=False, data_dir=mnist_dir,
+      rounds=None, clients_per_round=None, num_users=None,
+      feddva_vae_rounds=2, feddva_local_epochs=1, feddva_batch_size=20,
+      feddva_channels=['2', '2', '2', '2'], feddva_hidden=8,
+      feddva_probe_dim=2, feddva_class_dim=2, feddva_xi=None,
+      feddva_alpha=1.0, feddva_beta=0.75, feddva_learning_rate=1e-3,
+      feddva_ditto_lambda=0.1, feddva_decoder='private',
+      feddva_schedule='reference', feddva_ft_epochs=1,
+      feddva_clients_per_round=0, feddva_marked_clients=4,
+      feddva_marked_train=40, feddva_marked_test=40, feddva_skew_clients=4,
+      feddva_skew_train=40, feddva_skew_test=20, feddva_dirichlet_alpha=0.5)
+  values.update(overrides)
+  return types.SimpleNamespace(**values)
+
+
+def test_probe_cell_end_to_end_records_probes_and_config(tmp_path, mnist_dir,
+                                                         capsys):
+  """The reference schedule through TFF, the probes, the recorded config,
+  and a rerun under another paper flag refused before any work."""
+  assert reproduce.run(_run_flags(tmp_path, mnist_dir)) == 0
+  assert 'FedDVA round 2/2' in capsys.readouterr().out
+  records = reporting.ResultsFile(
+      str(tmp_path / 'results.jsonl')).records()
+  assert len(records) == 1
+  record = records[0]
+  assert record['setting'] == {'task': 'marked_mnist', 'rounds': 2,
+                               'schedule': 'reference'}
+  metrics = record['metrics']
+  for name in ('client_from_c', 'client_from_z', 'digit_from_z',
+               'digit_from_c', 'chance_client'):
+    assert 0.0 <= metrics[name] <= 1.0, name
+  assert record['config']['feddva_local_epochs'] == 1
+  assert 'feddva_schedule' not in record['config']  # In the setting.
+  before = (tmp_path / 'results.jsonl').read_bytes()
+  capsys.readouterr()
+  assert reproduce.run(_run_flags(tmp_path, mnist_dir, seeds=2,
+                                  feddva_local_epochs=3)) == 2
+  assert '--feddva_local_epochs: 1 in the recorded cell probe' in (
+      capsys.readouterr().err)
+  assert (tmp_path / 'results.jsonl').read_bytes() == before
