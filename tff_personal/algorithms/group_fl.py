@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import federated_map
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
 from tff_personal.core import training_loop
@@ -195,13 +196,8 @@ def build_local_personalization(
         trainable=tuple(w - u for w, u in zip(weights.trainable, update)),
         non_trainable=tuple(weights.non_trainable))
 
-  @tff.federated_computation(tff.FederatedType(weights_type, tff.SERVER),
-                             tff.FederatedType(data_type, tff.CLIENTS))
-  def personalize(weights, client_data):
-    return tff.federated_map(
-        personalize_client, (tff.federated_broadcast(weights), client_data))
-
-  return personalize
+  return federated_map.broadcast_map(
+      personalize_client, weights_type, ('client_data', data_type))
 
 
 def build_lm_evaluation(model_fn: split_model_lib.SplitModelFn,
@@ -237,14 +233,9 @@ def build_lm_evaluation(model_fn: split_model_lib.SplitModelFn,
 
     return run(weights, dataset)
 
-  @tff.federated_computation(tff.FederatedType(weights_type, weights_placement),
-                             tff.FederatedType(data_type, tff.CLIENTS))
-  def evaluate(weights, client_data):
-    if weights_placement is tff.SERVER:
-      weights = tff.federated_broadcast(weights)
-    return tff.federated_map(client_eval, (weights, client_data))
-
-  return evaluate
+  return federated_map.broadcast_map(
+      client_eval, weights_type, ('client_data', data_type),
+      weights_placement=weights_placement)
 
 
 def build_client_updates(model_fn: split_model_lib.SplitModelFn,
@@ -265,13 +256,8 @@ def build_client_updates(model_fn: split_model_lib.SplitModelFn,
     update, _, _, _ = train(weights, dataset)
     return update
 
-  @tff.federated_computation(tff.FederatedType(weights_type, tff.SERVER),
-                             tff.FederatedType(data_type, tff.CLIENTS))
-  def updates(weights, client_data):
-    return tff.federated_map(
-        client_update, (tff.federated_broadcast(weights), client_data))
-
-  return updates
+  return federated_map.broadcast_map(
+      client_update, weights_type, ('client_data', data_type))
 
 
 def _chunks(items, size):

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import federated_map
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
 from tff_personal.models import split_model as split_model_lib
@@ -49,16 +50,9 @@ def build_personal_eval(model_fn: split_model_lib.SplitModelFn,
     return run(weights,
                tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset)
 
-  @tff.federated_computation(
-      tff.FederatedType(weights_type, tff.SERVER),
-      tff.FederatedType(client_state_type, tff.CLIENTS),
-      tff.FederatedType(data_type, tff.CLIENTS))
-  def personal_eval(weights, client_states, client_data):
-    return tff.federated_map(
-        client_eval,
-        (tff.federated_broadcast(weights), client_states, client_data))
-
-  return personal_eval
+  return federated_map.broadcast_map(
+      client_eval, weights_type, ('client_states', client_state_type),
+      ('client_data', data_type))
 
 
 def _outputs_and_labels(model, dataset):
@@ -104,17 +98,9 @@ def build_cold_start_eval(model_fn: split_model_lib.SplitModelFn,
     return run(weights, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
                train_data, test_data)
 
-  @tff.federated_computation(
-      tff.FederatedType(weights_type, tff.SERVER),
-      tff.FederatedType(client_state_type, tff.CLIENTS),
-      tff.FederatedType(data_type, tff.CLIENTS),
-      tff.FederatedType(data_type, tff.CLIENTS))
-  def cold_start_eval(weights, client_states, train_data, test_data):
-    return tff.federated_map(
-        client_eval, (tff.federated_broadcast(weights), client_states,
-                      train_data, test_data))
-
-  return cold_start_eval
+  return federated_map.broadcast_map(
+      client_eval, weights_type, ('client_states', client_state_type),
+      ('train_data', data_type), ('test_data', data_type))
 
 
 def classification_metrics(per_client: Sequence[Mapping[str, Any]]

@@ -45,6 +45,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.core import client_data
+from tff_personal.core import federated_map
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
@@ -543,15 +544,9 @@ class ShardedPersonalEval:
         return tf.function(lambda w, s, t, d: run_shard(model, w, s, d, t))(
             weights, states, train_shard, shard)
 
-      @tff.federated_computation(
-          tff.FederatedType(weights_type, tff.SERVER),
-          tff.FederatedType(stacked_state_type, tff.CLIENTS),
-          tff.FederatedType(train_shard_type, tff.CLIENTS),
-          tff.FederatedType(shard_type, tff.CLIENTS))
-      def personal_eval(weights, client_states, train_data, client_data):
-        return tff.federated_map(
-            shard_eval, (tff.federated_broadcast(weights), client_states,
-                         train_data, client_data))
+      personal_eval = federated_map.broadcast_map(
+          shard_eval, weights_type, ('client_states', stacked_state_type),
+          ('train_data', train_shard_type), ('client_data', shard_type))
     else:
       @tff.tensorflow.computation(weights_type, stacked_state_type,
                                   shard_type)
@@ -560,14 +555,9 @@ class ShardedPersonalEval:
         return tf.function(lambda w, s, d: run_shard(model, w, s, d, None))(
             weights, states, shard)
 
-      @tff.federated_computation(
-          tff.FederatedType(weights_type, tff.SERVER),
-          tff.FederatedType(stacked_state_type, tff.CLIENTS),
-          tff.FederatedType(shard_type, tff.CLIENTS))
-      def personal_eval(weights, client_states, client_data):
-        return tff.federated_map(
-            shard_eval,
-            (tff.federated_broadcast(weights), client_states, client_data))
+      personal_eval = federated_map.broadcast_map(
+          shard_eval, weights_type, ('client_states', stacked_state_type),
+          ('client_data', shard_type))
 
     self._eval = personal_eval
 
