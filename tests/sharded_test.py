@@ -8,11 +8,15 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.algorithms import best_scoring
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedembed as fedembed_algorithms
+from tff_personal.algorithms import fedembed_som
+from tff_personal.algorithms import pfedkm
 from tff_personal.core import client_data
 from tff_personal.core import evaluation
 from tff_personal.core import privacy
+from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
@@ -364,3 +368,140 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
     sharded.ShardedPersonalEval(
         proc.model_fn, proc.model_weights_type, proc.client_state_type, 2,
         fine_tune_optimizer=optimizer)(weights, client_states, test)
+
+
+# --- processes with a server step (statistics_process): PFedKM, FedEmbed-SOM --
+
+def typed_fedembed_factory(config):
+  return lambda: fedembed_model.build_fedembed_model(config,
+                                                     input_spec=TYPED_SPEC)
+
+
+def build_statistics_process(algorithm, som_update=None,
+                             aggregator_factory=None):
+  common = dict(client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+                server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+                aggregator_factory=aggregator_factory, seed=3,
+                num_subpopulations=3)
+  if algorithm == 'pfedkm':
+    return pfedkm.build_pfedkm(typed_fedembed_factory, **common)
+  return fedembed_som.build_fedembed_som(
+      typed_fedembed_factory,
+      som_config=fedembed_som.SomConfig(update=som_update), **common)
+
+
+def assert_statistics_runs_equal(got, want, start):
+  """Server weights (trainable and non-trainable), client states, metrics."""
+  (got_state, got_clients, got_metrics) = got
+  (want_state, want_clients, want_metrics) = want
+  assert_close_structures(got_state.global_model_weights.trainable,
+                          want_state.global_model_weights.trainable)
+  assert_close_structures(got_state.global_model_weights.non_trainable,
+                          want_state.global_model_weights.non_trainable)
+  assert len(got_clients) == len(want_clients)
+  for g, w in zip(got_clients, want_clients):
+    assert_close_structures(g, w)
+  for key in ('train', 'server_step'):
+    assert got_metrics[key].keys() == want_metrics[key].keys()
+    assert_close_structures(got_metrics[key], want_metrics[key])
+  assert got_metrics['train']['clients'] == len(want_clients)
+  # The server-side structure (centroids / SOM) moved: not a vacuous check.
+  assert any(not np.allclose(a, b) for a, b in zip(
+      got_state.global_model_weights.non_trainable, start.non_trainable))
+
+
+@pytest.mark.parametrize('algorithm,som_update', [
+    ('pfedkm', None), ('fedembed_som', 'best'), ('fedembed_som', 'mean')])
+def test_statistics_process_sharded_equals_one_user_per_client(algorithm,
+                                                               som_update):
+  """5 users in 2 shards (2 + 3), 2 rounds, same seed and initial states.
+
+  PFedKM's centroid update multiplies the mean statistics by the cohort
+  size: it must be 5 users, not 2 shards. SOM 'best' selects one user's
+  update through the shards; with these initial states the first round's
+  best user is the first of the second shard (user 2; checked by hand), so
+  selecting any other user of a shard would change the map.
+  """
+  build = lambda: build_statistics_process(algorithm, som_update)
+  base = build()
+  assert sharded.resolve_num_shards(base, sharded.AUTO) > 0
+  sizes = [6, 9, 3, 8, 5]
+  init = states(base, len(sizes), seed=11)
+  want = run_rounds(base, 2, init, sizes, typed=True)
+  proc = sharded.ShardedProcess(build(), 2)
+  assert [len(r) for r in proc.shards(len(sizes))] == [2, 3]
+  got = run_rounds(proc, 2, init, sizes, typed=True)
+  assert_statistics_runs_equal(got, want,
+                               base.initialize().global_model_weights)
+
+
+@pytest.mark.parametrize('algorithm', ['pfedkm', 'fedembed_som'])
+def test_statistics_process_dp_sharded_clips_per_user(algorithm):
+  """Noise 0, fixed clip 0.05 (below the norm of the statistics alone, so
+  every user's joint update is clipped): per-user clipping in the shards
+  equals TFF's DP aggregator over the users. SOM under DP uses 'mean'."""
+  sizes = [6, 9, 3, 8, 5]
+  config = dp_config(0.0, len(sizes))
+  build = lambda: build_statistics_process(
+      algorithm, aggregator_factory=privacy.build_aggregator(config))
+  base = build()
+  assert sharded.resolve_num_shards(base, sharded.AUTO, config) > 0
+  adaptive = dataclasses.replace(config, mechanism='gaussian_adaptive',
+                                 noise_multiplier=1.0)
+  assert sharded.resolve_num_shards(base, sharded.AUTO, adaptive) == 0
+  init = states(base, len(sizes), seed=11)
+  want = run_rounds(base, 2, init, sizes, typed=True)
+  got = run_rounds(sharded.ShardedProcess(build(), 2, config), 2, init,
+                   sizes, typed=True)
+  assert_statistics_runs_equal(got, want,
+                               base.initialize().global_model_weights)
+
+
+def test_best_scoring_over_shards_selects_the_first_best_user():
+  """Each shard keeps its first best user (`best_scoring.better` in user
+  order, as the shard work does); the aggregator over the shards then gives
+  the aggregator's result over the users, ties and -inf included."""
+  value_type = tff.types.to_type(collections.OrderedDict(
+      score=np.float32, value=tff.TensorType(np.float32, [2])))
+  proc = best_scoring.BestScoringFactory().create(value_type)
+  spec = tff.types.type_to_tf_tensor_specs(value_type.value)
+  for scores in ([1.0, 3.0, 3.0, 2.0, 3.0], [2.0, -np.inf, 5.0, 5.0, 1.0],
+                 [-np.inf] * 4, [np.nan, 1.0, 1.0]):
+    users = [collections.OrderedDict(score=np.float32(s),
+                                     value=np.float32([i, -i]))
+             for i, s in enumerate(scores)]
+    want = proc.next(proc.initialize(), users).result
+    for num_shards in range(1, len(users) + 1):
+      shard_best = []
+      for r in sharded.shard_ranges(len(users), num_shards):
+        best = best_scoring.no_candidate(spec)
+        for i in r:
+          best = best_scoring.better(best, users[i])
+        shard_best.append(tf.nest.map_structure(np.asarray, best))
+      got = proc.next(proc.initialize(), shard_best).result
+      np.testing.assert_array_equal(got['score'], want['score'])
+      np.testing.assert_array_equal(got['value'], want['value'])
+  # The first of the tied best users (user 1 of [1, 3, 3, 2, 3]) is chosen.
+  users = [collections.OrderedDict(score=np.float32(s),
+                                   value=np.float32([i, -i]))
+           for i, s in enumerate([1.0, 3.0, 3.0, 2.0, 3.0])]
+  np.testing.assert_array_equal(
+      proc.next(proc.initialize(), users).result['value'], [1.0, -1.0])
+
+
+def test_an_unknown_selection_aggregator_is_not_sharded():
+  """Only the best-scoring selection has a known reduction over a shard."""
+  composition = process_lib.Composition(
+      initial_model_weights=None, client_state_type=None,
+      client_data_type=None, client_work_result_type=None,
+      aggregator_factory=tff.aggregators.MeanFactory(), server_optimizer=None,
+      train_metrics=True, client_step=lambda: None, server_step=object(),
+      selection_factory=tff.aggregators.UnweightedMeanFactory())
+  proc = collections.namedtuple('Proc', 'composition')(composition)
+  assert sharded.resolve_num_shards(proc, sharded.AUTO) == 0
+  with pytest.raises(ValueError, match='BestScoringFactory'):
+    sharded.ShardedProcess(proc, 2)
+  best = dataclasses.replace(
+      composition, selection_factory=best_scoring.BestScoringFactory())
+  assert sharded.resolve_num_shards(
+      collections.namedtuple('Proc', 'composition')(best), sharded.AUTO) > 0

@@ -9,6 +9,15 @@ the client with the highest score (the first one met on ties) and that score.
 It is one `tff.federated_aggregate` whose accumulator keeps the better of
 two candidates, so it runs in any TFF runtime, hierarchically too.
 
+The rule is `better`: a candidate replaces the accumulator only if its score
+is strictly higher, so on ties the candidate met first is kept (and a score
+of -inf or NaN is never taken over the -inf start). TFF's runtime visits
+clients in order (tested), so the result is the first best client.
+`core/sharded.py` applies the same `better` over the users of a shard in
+user order, then this factory over the shards in shard order: the first
+best user of the first shard holding a best user, which is the first best
+user of the cohort, ties included.
+
 What it reveals. Unlike a sum, an arg-max releases one client's value
 exactly: for the SOM update `h(bmu, i) (e_u - w_i)` of `models/som.py`, the
 server can solve for that client's personal embedding e_u, and learns that
@@ -34,6 +43,27 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 
+def no_candidate(value_spec) -> collections.OrderedDict:
+  """The selection before any client: score -inf, a zero value."""
+  return collections.OrderedDict(
+      score=tf.constant(float('-inf'), tf.float32),
+      value=tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype),
+                                  value_spec))
+
+
+def better(a, b) -> collections.OrderedDict:
+  """`b` if its score is strictly higher than `a`'s, else `a` (ties: `a`).
+
+  `a` and `b` are `<score, value>` structures; pure TF, so that a shard of
+  users (`core/sharded.py`) selects with exactly the rule of the aggregator.
+  """
+  take_b = b['score'] > a['score']
+  return collections.OrderedDict(
+      score=tf.where(take_b, b['score'], a['score']),
+      value=tf.nest.map_structure(
+          lambda x, y: tf.where(take_b, y, x), a['value'], b['value']))
+
+
 class BestScoringFactory(tff.aggregators.UnweightedAggregationFactory):
   """Selects the value of the highest-scoring client.
 
@@ -52,21 +82,13 @@ class BestScoringFactory(tff.aggregators.UnweightedAggregationFactory):
 
     @tff.tensorflow.computation
     def zero():
-      return collections.OrderedDict(
-          score=tf.constant(float('-inf'), tf.float32),
-          value=tf.nest.map_structure(
-              lambda s: tf.zeros(s.shape, s.dtype),
-              tff.types.type_to_tf_tensor_specs(value_type.value)))
+      return no_candidate(tff.types.type_to_tf_tensor_specs(value_type.value))
 
     acc_type = zero.type_signature.result
 
     @tff.tensorflow.computation(acc_type, acc_type)
-    def better(a, b):
-      take_b = b['score'] > a['score']
-      return collections.OrderedDict(
-          score=tf.where(take_b, b['score'], a['score']),
-          value=tf.nest.map_structure(
-              lambda x, y: tf.where(take_b, y, x), a['value'], b['value']))
+    def accumulate(a, b):
+      return better(a, b)
 
     @tff.tensorflow.computation(acc_type)
     def report(a):
@@ -79,7 +101,8 @@ class BestScoringFactory(tff.aggregators.UnweightedAggregationFactory):
     @tff.federated_computation(init_fn.type_signature.result,
                                tff.FederatedType(value_type, tff.CLIENTS))
     def next_fn(state, value):
-      best = tff.federated_aggregate(value, zero(), better, better, report)
+      best = tff.federated_aggregate(value, zero(), accumulate, accumulate,
+                                    report)
       return tff.templates.MeasuredProcessOutput(
           state=state, result=best,
           measurements=tff.federated_value((), tff.SERVER))

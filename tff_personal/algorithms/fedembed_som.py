@@ -183,12 +183,10 @@ def build_fedembed_som(model_factory, *,
   best = cfg.update == 'best'
   sign = -1.0 if cfg.winner == 'least_similar' else 1.0
 
-  @tff.tensorflow.computation(weights_type, client_state_type, data_type)
-  def client_work(weights, client_state, dataset):
+  def make_step():  # a process_lib.ClientStepFactory (sharding: sharded.py)
     model = model_fn()
 
-    @tf.function
-    def run(weights, client_state, dataset):
+    def step(weights, client_state, dataset):
       update, weight, new_private, metrics = split_training.local_train(
           model, client_optimizer, weights,
           tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset,
@@ -223,8 +221,10 @@ def build_fedembed_som(model_factory, *,
             value=delta)
       return out
 
-    return run(weights, client_state, dataset)
+    return step
 
+  client_work = process_lib.client_work_from_step(
+      make_step, weights_type, client_state_type, data_type)
   statistics_type = client_work.type_signature.result.update.statistics
   step_types = [weights_type, statistics_type, tff.TensorType(np.float32)]
   if best:
@@ -273,4 +273,4 @@ def build_fedembed_som(model_factory, *,
       client_work=client_work, aggregator_factory=aggregator_factory,
       server_optimizer=server_optimizer, server_step=server_step,
       selection_factory=best_scoring.BestScoringFactory() if best else None,
-      train_metrics=train_metrics, model_fn=model_fn)
+      train_metrics=train_metrics, model_fn=model_fn, client_step=make_step)

@@ -111,12 +111,10 @@ def build_pfedkm(model_factory, *,
   data_type = process_lib.split_data_type(model_fn)
   scale = statistics_scale
 
-  @tff.tensorflow.computation(weights_type, client_state_type, data_type)
-  def client_work(weights, client_state, dataset):
+  def make_step():  # a process_lib.ClientStepFactory (sharding: sharded.py)
     model = model_fn()
 
-    @tf.function
-    def run(weights, client_state, dataset):
+    def step(weights, client_state, dataset):
       private = tuple(client_state[process_lib.CLIENT_STATE_PRIVATE])
       split_training.assign_weights(model, weights, private)
       probe = fedembed_model.kmeans_probe_feature(model, dataset)
@@ -141,8 +139,10 @@ def build_pfedkm(model_factory, *,
                client_state[process_lib.CLIENT_STATE_ROUNDS] + 1)]),
           metrics=metrics)
 
-    return run(weights, client_state, dataset)
+    return step
 
+  client_work = process_lib.client_work_from_step(
+      make_step, weights_type, client_state_type, data_type)
   statistics_type = client_work.type_signature.result.update.statistics
 
   @tff.tensorflow.computation(weights_type, statistics_type,
@@ -170,4 +170,4 @@ def build_pfedkm(model_factory, *,
       initial_model_weights=weights, client_state_type=client_state_type,
       client_work=client_work, aggregator_factory=aggregator_factory,
       server_optimizer=server_optimizer, server_step=server_step,
-      train_metrics=train_metrics, model_fn=model_fn)
+      train_metrics=train_metrics, model_fn=model_fn, client_step=make_step)

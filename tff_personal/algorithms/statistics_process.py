@@ -28,6 +28,16 @@ from client statistics: a self-organising map and the head re-use counts
 The server state is TFF's `LearningAlgorithmState` like every other process
 of the project, so the training loop, checkpoints, evaluation and
 `get/set_model_weights` work unchanged.
+
+Sharded simulation (`core/sharded.py`): given the per-user `client_step`
+that `client_work` runs, the process records it with `server_step` and the
+selection factory in its `Composition`, and `ShardedProcess` re-composes the
+process with this function around a shard's work (many users per TFF
+client). The shard carries `update` (model and statistics, one joint update)
+through the same per-user weighting or DP clipping as any update, selects
+its best user with the selection's own rule, and reports how many users it
+ran (`cohort_field`), so that the server step receives the cohort size in
+users, not in shards.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ def compose_with_server_step(
     = None,
     train_metrics: bool = True,
     model_fn=None,
+    client_step: Optional[process_lib.ClientStepFactory] = None,
+    cohort_field: Optional[str] = None,
 ) -> process_lib.StatefulClientProcess:
   """Composes the process described in the module docstring.
 
@@ -72,6 +84,13 @@ def compose_with_server_step(
       client work returns `selected`).
     train_metrics: release sums of training metrics.
     model_fn: the split-model builder (for evaluation).
+    client_step: the per-user TF logic `client_work` runs (e.g. built with
+      `process_lib.client_work_from_step`); recorded, with `server_step` and
+      `selection_factory`, so that `core/sharded.py` can run many users per
+      TFF client.
+    cohort_field: a float32 field of the client work's result holding how
+      many users that client ran (a shard's); the cohort size is its
+      `federated_sum`. None: each TFF client is one user.
 
   Returns:
     A `StatefulClientProcess`.
@@ -133,9 +152,18 @@ def compose_with_server_step(
     return aggregated['statistics'] if isinstance(aggregated, dict) else (
         aggregated.statistics)
 
-  @tff.tensorflow.computation(result_type.update_weight)
-  def one(_):
-    return tf.constant(1.0, tf.float32)
+  if cohort_field is None:
+    @tff.tensorflow.computation(result_type.update_weight)
+    def users(_):
+      return tf.constant(1.0, tf.float32)
+  else:
+    if getattr(result_type, cohort_field) != tff.TensorType(np.float32):
+      raise TypeError(f'the client work\'s {cohort_field!r} must be a float32 '
+                      f'scalar, got {getattr(result_type, cohort_field)}')
+
+    @tff.tensorflow.computation(getattr(result_type, cohort_field))
+    def users(count):
+      return tf.identity(count)
 
   @tff.federated_computation(
       state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
@@ -153,7 +181,9 @@ def compose_with_server_step(
     finalized = finalizer.next(
         state.finalizer, state.global_model_weights,
         tff.federated_map(model_part, aggregated.result))
-    cohort = tff.federated_sum(tff.federated_map(one, outputs.update_weight))
+    cohort = tff.federated_sum(tff.federated_map(
+        users, outputs.update_weight if cohort_field is None else
+        getattr(outputs, cohort_field)))
     step_args = [finalized.result,
                  tff.federated_map(statistics_part, aggregated.result), cohort]
     if selection is not None:
@@ -175,9 +205,17 @@ def compose_with_server_step(
           finalize_metrics, tff.federated_sum(outputs.metrics))
     return new_state, outputs.client_state, tff.federated_zip(measurements)
 
+  composition = process_lib.Composition(
+      initial_model_weights=weights_value,
+      client_state_type=client_state_type, client_data_type=data_type,
+      client_work_result_type=result_type,
+      aggregator_factory=aggregator_factory, server_optimizer=server_optimizer,
+      train_metrics=train_metrics, client_step=client_step,
+      server_step=server_step, selection_factory=selection_factory)
   return process_lib.StatefulClientProcess(
       initialize_fn, next_fn, client_state_type=client_state_type,
-      aggregation_value_type=update_type, model_fn=model_fn)
+      aggregation_value_type=update_type, model_fn=model_fn,
+      composition=composition)
 
 
 def shared_variable_index(model_fn, name: str, trainable: bool) -> int:

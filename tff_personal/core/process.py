@@ -61,6 +61,10 @@ class Composition:
 
   `client_step` is the per-user TF logic (a `ClientStepFactory`), or None for
   processes whose client work was given only as a TFF computation.
+  `server_step` and `selection_factory` are set by
+  `algorithms/statistics_process.compose_with_server_step` (the server's
+  TF step after the aggregation, and the aggregator of the clients'
+  `selected`, if any); None for plain processes.
   """
   initial_model_weights: Any
   client_state_type: tff.Type
@@ -70,6 +74,8 @@ class Composition:
   server_optimizer: Any
   train_metrics: bool
   client_step: Optional[Callable[[], Callable[..., Any]]]
+  server_step: Optional[tff.Computation] = None
+  selection_factory: Any = None
 
 
 class StatefulClientProcess(tff.templates.IterativeProcess):

@@ -32,6 +32,38 @@ and sends their sum, and the server aggregates with
 `privacy.build_aggregator` over the users, hence the same (epsilon, delta).
 Only fixed clipping is supported sharded. Written by hand: TFF has no form of
 its learning processes that runs several clients per computation call.
+
+Processes with a server step (`algorithms/statistics_process.py`: PFedKM,
+FedEmbed-SOM) are re-composed with that step around the shard work:
+
+* their `update` is `<model, statistics>`, one joint update, so the shard's
+  weighted mean (or its sum of per-user clipped updates, DP) covers the
+  statistics exactly as the aggregator over users does (TFF's DP query also
+  clips the whole record with one global norm);
+* `selected` (the best-scoring selection, `algorithms/best_scoring.py`) is
+  reduced in the shard with that aggregator's own rule `best_scoring.better`
+  over the users in order, and the server's aggregator then selects among
+  the shards in order: the first best user of the cohort, as over users
+  (ties included: the rule keeps the earlier candidate). Values are copied,
+  not combined, so this is exact. Another selection aggregator is refused
+  (its shard-level reduction is unknown);
+* the server step's cohort size is the sum of the shards' user counts
+  (`SHARD_USERS`), not the number of shards.
+
+What "the same" means: integer and selected values are equal exactly;
+means (weighted: a mean of shard means; DP: a sum of shard sums) equal the
+means over users up to float32 rounding of the summation order, as for every
+sharded process. PFedKM's server step is continuous in them (a zero count
+stays exactly zero). FedEmbed-SOM's head re-use is an argmax over the mean
+membership counts (ties keep the own head): it is the same unless the
+one-user-per-client counts hold an exact tie that last-bit rounding breaks
+the other way, which can happen when users have equal update weights (e.g.
+a new cluster with one user from its own and one from another old cluster,
+in different shards of unequal total weight); such a round then re-uses
+the other, equally overlapping head. The clients' own discrete choices in
+later rounds (nearest centroid, best-matching unit, best score) likewise
+differ only for a user within rounding of a tie. The tests compare both
+forms on users of unequal sizes, where no such tie occurs.
 """
 
 from __future__ import annotations
@@ -44,6 +76,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.algorithms import best_scoring
+from tff_personal.algorithms import statistics_process
 from tff_personal.core import client_data
 from tff_personal.core import federated_map
 from tff_personal.core import privacy
@@ -54,6 +88,8 @@ SHARD_EXAMPLES = 'examples'
 SHARD_INDICES = 'indices'
 SHARD_BATCH_SIZES = 'batch_sizes'
 SHARD_NUM_BATCHES = 'num_batches'
+# The shard work's count of the users it ran (for the server step's cohort).
+SHARD_USERS = 'users'
 
 
 def _stacked_type(t: tff.Type) -> tff.Type:
@@ -223,7 +259,8 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
                      data_type: tff.SequenceType,
                      step_result_type: tff.Type,
                      user_clip_norm: float | None = None,
-                     wire: client_data.WireFormat | None = None
+                     wire: client_data.WireFormat | None = None,
+                     count_users: bool = False
                      ) -> tff.Computation:
   """The TFF client work of a shard: the per-user step over every user.
 
@@ -234,9 +271,13 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
   clipped to that L2 norm (for DP; the weight is then the number of users).
   `step_result_type` is the type of one step's result (the one-user client
   work's result type). With `wire`, the shard's examples arrive in that
-  form and each batch is decoded before the step sees it.
+  form and each batch is decoded before the step sees it. When the step
+  returns `selected` (`<score, value>`), the shard returns its best user's,
+  selected in user order by `best_scoring.better`. With `count_users`, the
+  result also holds `SHARD_USERS`, the shard's user count (float32).
   """
   spec = tff.types.type_to_tf_tensor_specs(step_result_type)
+  select = 'selected' in spec
   element_spec = tff.types.type_to_tf_tensor_specs(data_type.element)
   stacked_state_type = _stacked_type(client_state_type)
   shard_type = shard_data_type(data_type, wire)
@@ -255,8 +296,11 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
           lambda s: tf.TensorArray(s.dtype, size=num_users,
                                    element_shape=s.shape),
           spec['client_state'])
+      # The selection so far (an empty structure when there is none).
+      best = (best_scoring.no_candidate(spec['selected']['value'])
+              if select else ())
 
-      def body(u, update_sum, total_weight, metric_sums, arrays):
+      def body(u, update_sum, total_weight, metric_sums, arrays, best):
         state_u = tf.nest.map_structure(lambda t: t[u], states)
         out = step(weights, state_u, PackedBatches(shard, u, element_spec,
                                                    wire))
@@ -272,11 +316,14 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
                                             out['metrics'])
         arrays = tf.nest.map_structure(lambda ta, x: ta.write(u, x), arrays,
                                        out['client_state'])
-        return u + 1, update_sum, total_weight + w, metric_sums, arrays
+        if select:
+          best = best_scoring.better(best, out['selected'])
+        return u + 1, update_sum, total_weight + w, metric_sums, arrays, best
 
-      _, update_sum, total_weight, metric_sums, arrays = tf.while_loop(
+      _, update_sum, total_weight, metric_sums, arrays, best = tf.while_loop(
           lambda u, *_: u < num_users, body,
-          (tf.constant(0), update_sum, tf.constant(0.0), metric_sums, arrays))
+          (tf.constant(0), update_sum, tf.constant(0.0), metric_sums, arrays,
+           best))
       if user_clip_norm is None:
         update = tf.nest.map_structure(
             lambda a: tf.math.divide_no_nan(a, tf.cast(total_weight, a.dtype)),
@@ -284,9 +331,14 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
       else:
         update = update_sum
       new_states = tf.nest.map_structure(lambda ta: ta.stack(), arrays)
-      return collections.OrderedDict(
+      result = collections.OrderedDict(
           update=update, update_weight=total_weight, client_state=new_states,
           metrics=metric_sums)
+      if select:
+        result['selected'] = best
+      if count_users:
+        result[SHARD_USERS] = tf.cast(num_users, tf.float32)
+      return result
 
     return run(weights, states, shard)
 
@@ -310,7 +362,9 @@ class ShardedProcess:
 
     Args:
       base: a process composed with a `client_step` (every process built by
-        `build_split_model_process` is).
+        `build_split_model_process` is; so are PFedKM and FedEmbed-SOM, by
+        `statistics_process.compose_with_server_step`, whose server step and
+        best-scoring selection are kept: module docstring).
       num_shards: TFF clients per round (users are split evenly); about the
         number of CPU cores.
       dp_config: the `DPConfig` that `base`'s aggregator was built from, when
@@ -340,6 +394,13 @@ class ShardedProcess:
                        'privacy.build_aggregator(dp_config)')
     if num_shards < 1:
       raise ValueError(f'num_shards must be >= 1, got {num_shards}')
+    if not _selection_is_shardable(composition):
+      raise ValueError(
+          'the process selects with '
+          f'{type(composition.selection_factory).__name__}, whose reduction '
+          'over a shard of users is unknown (only BestScoringFactory is '
+          'sharded); run it with one user per client (num_shards=0)')
+    with_server_step = composition.server_step is not None
     self._base = base
     self._num_shards = num_shards
     data_type = composition.client_data_type
@@ -352,8 +413,8 @@ class ShardedProcess:
         composition.client_state_type, data_type,
         composition.client_work_result_type,
         user_clip_norm=None if dp is None else float(dp.clip_norm),
-        wire=wire)
-    self._process = process_lib.compose_stateful_client_process(
+        wire=wire, count_users=with_server_step)
+    common = dict(
         initial_model_weights=composition.initial_model_weights,
         client_state_type=_stacked_type(composition.client_state_type),
         client_work=shard_work,
@@ -361,6 +422,13 @@ class ShardedProcess:
                             privacy.build_sharded_aggregator(dp)),
         server_optimizer=composition.server_optimizer,
         train_metrics=composition.train_metrics, model_fn=base.model_fn)
+    if with_server_step:
+      self._process = statistics_process.compose_with_server_step(
+          server_step=composition.server_step,
+          selection_factory=composition.selection_factory,
+          cohort_field=SHARD_USERS, **common)
+    else:
+      self._process = process_lib.compose_stateful_client_process(**common)
 
   @property
   def num_shards(self) -> int:
@@ -424,11 +492,18 @@ class ShardedProcess:
 AUTO = -1
 
 
+def _selection_is_shardable(composition: process_lib.Composition) -> bool:
+  """No selection, or the best-scoring one (whose rule shards can apply)."""
+  return composition.selection_factory is None or isinstance(
+      composition.selection_factory, best_scoring.BestScoringFactory)
+
+
 def resolve_num_shards(process, requested: int,
                        dp_config: privacy.DPConfig | None = None) -> int:
   """The shard count to use: `requested`, or for AUTO (-1) the CPU count
-  when the process can be sharded (it has a per-user client step, and DP if
-  any is fixed-clip Gaussian), else 0 (one user per client)."""
+  when the process can be sharded (it has a per-user client step, its
+  selection if any is the best-scoring one, and DP if any is fixed-clip
+  Gaussian), else 0 (one user per client)."""
   if requested != AUTO:
     if requested < 0:
       raise ValueError(f'simulation_shards must be >= 0 or {AUTO} (auto), '
@@ -436,6 +511,8 @@ def resolve_num_shards(process, requested: int,
     return requested
   composition = getattr(process, 'composition', None)
   if composition is None or composition.client_step is None:
+    return 0
+  if not _selection_is_shardable(composition):
     return 0
   if dp_config is not None and dp_config.mechanism not in (
       'none', 'gaussian_fixed'):
