@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_personal.algorithms import best_scoring
+from tff_personal.core import best_scoring
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedembed as fedembed_algorithms
 from tff_personal.algorithms import fedembed_som

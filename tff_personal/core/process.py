@@ -62,7 +62,7 @@ class Composition:
   `client_step` is the per-user TF logic (a `ClientStepFactory`), or None for
   processes whose client work was given only as a TFF computation.
   `server_step` and `selection_factory` are set by
-  `algorithms/statistics_process.compose_with_server_step` (the server's
+  `core/statistics_process.compose_with_server_step` (the server's
   TF step after the aggregation, and the aggregator of the clients'
   `selected`, if any); None for plain processes.
   """

@@ -33,14 +33,14 @@ and sends their sum, and the server aggregates with
 Only fixed clipping is supported sharded. Written by hand: TFF has no form of
 its learning processes that runs several clients per computation call.
 
-Processes with a server step (`algorithms/statistics_process.py`: PFedKM,
+Processes with a server step (`core/statistics_process.py`: PFedKM,
 FedEmbed-SOM) are re-composed with that step around the shard work:
 
 * their `update` is `<model, statistics>`, one joint update, so the shard's
   weighted mean (or its sum of per-user clipped updates, DP) covers the
   statistics exactly as the aggregator over users does (TFF's DP query also
   clips the whole record with one global norm);
-* `selected` (the best-scoring selection, `algorithms/best_scoring.py`) is
+* `selected` (the best-scoring selection, `core/best_scoring.py`) is
   reduced in the shard with that aggregator's own rule `best_scoring.better`
   over the users in order, and the server's aggregator then selects among
   the shards in order: the first best user of the cohort, as over users
@@ -76,8 +76,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_personal.algorithms import best_scoring
-from tff_personal.algorithms import statistics_process
+from tff_personal.core import best_scoring
+from tff_personal.core import statistics_process
 from tff_personal.core import client_data
 from tff_personal.core import federated_map
 from tff_personal.core import privacy
