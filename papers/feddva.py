@@ -329,6 +329,23 @@ def _per_client_accuracy(outputs) -> list[float]:
 # ------------------------------------------------------------ FedDVA (VAE)
 
 
+def pretrain_key(task_name: str, num_clients: int, f, dim: int,
+                 seed: int) -> str:
+  """The cache directory name of a FedDVA pre-training: everything it
+  depends on (task and its training data, sizes, loss weights, optimizer,
+  cohort, decoder mode, schedule, seed)."""
+  train = (f.feddva_marked_train if task_name == 'marked_mnist'
+           else f'{f.feddva_skew_train}_da{f.feddva_dirichlet_alpha}')
+  return (f'{task_name}_dim{dim}_r{f.feddva_vae_rounds}'
+          f'_e{f.feddva_local_epochs}_b{f.feddva_batch_size}'
+          f'_ch{"-".join(map(str, f.feddva_channels))}_h{f.feddva_hidden}'
+          f'_xi{f.feddva_xi}_a{f.feddva_alpha}_b{f.feddva_beta}'
+          f'_n{num_clients}_seed{seed}_tr{train}'
+          f'_lr{f.feddva_learning_rate}_cpr{f.feddva_clients_per_round}'
+          + ('' if _decoder(f) == 'private' else f'_{_decoder(f)}dec')
+          + ('' if _schedule(f) == 'paper' else f'_{_schedule(f)}sched'))
+
+
 def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
   """FedDVA on `task`, cached under <root>/runs/_feddva_pretrain/...
 
@@ -336,13 +353,8 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
   'curve': per-round training metrics, 'seconds_per_round'}.
   """
   decoder = _decoder(f)
-  key = (f'{task.name}_dim{dim}_r{f.feddva_vae_rounds}_e{f.feddva_local_epochs}'
-         f'_b{f.feddva_batch_size}_ch{"-".join(map(str, f.feddva_channels))}'
-         f'_h{f.feddva_hidden}_xi{f.feddva_xi}_a{f.feddva_alpha}'
-         f'_b{f.feddva_beta}_n{task.num_clients}_seed{seed}'
-         + ('' if decoder == 'private' else f'_{decoder}dec')
-         + ('' if _schedule(f) == 'paper' else f'_{_schedule(f)}sched'))
-  cache = os.path.join(root, reporting.RUNS_DIRNAME, _PRETRAIN_DIRNAME, key)
+  cache = os.path.join(root, reporting.RUNS_DIRNAME, _PRETRAIN_DIRNAME,
+                       pretrain_key(task.name, task.num_clients, f, dim, seed))
   weights_path = os.path.join(cache, 'weights.npz')
   if os.path.exists(weights_path):
     with np.load(weights_path) as data:

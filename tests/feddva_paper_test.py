@@ -111,6 +111,32 @@ def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
              for c in plain)
 
 
+def test_pretrain_key_changes_with_everything_training_depends_on():
+  f = _run_flags('/unused', '/unused')
+  base = paper.pretrain_key('marked_mnist', 4, f, 8, 0)
+  changed = dict(feddva_marked_train=41, feddva_learning_rate=2e-3,
+                 feddva_clients_per_round=2, feddva_local_epochs=2,
+                 feddva_batch_size=21, feddva_channels=['2', '2', '2', '3'],
+                 feddva_hidden=9, feddva_xi=1.0, feddva_alpha=0.5,
+                 feddva_beta=0.5, feddva_vae_rounds=3,
+                 feddva_decoder='shared', feddva_schedule='paper')
+  for name, value in changed.items():
+    other = _run_flags('/unused', '/unused', **{name: value})
+    assert paper.pretrain_key('marked_mnist', 4, other, 8, 0) != base, name
+  assert paper.pretrain_key('marked_mnist', 4, f, 8, 1) != base
+  assert paper.pretrain_key('marked_mnist', 5, f, 8, 0) != base
+  assert paper.pretrain_key('marked_mnist', 4, f, 4, 0) != base
+  # Test-set sizes and the other task's sizes do not change training.
+  same = _run_flags('/unused', '/unused', feddva_marked_test=999,
+                    feddva_skew_train=999)
+  assert paper.pretrain_key('marked_mnist', 4, same, 8, 0) == base
+  skew = paper.pretrain_key('label_skew_mnist', 4, f, 8, 0)
+  for name, value in (('feddva_skew_train', 41),
+                      ('feddva_dirichlet_alpha', 0.3)):
+    other = _run_flags('/unused', '/unused', **{name: value})
+    assert paper.pretrain_key('label_skew_mnist', 4, other, 8, 0) != skew
+
+
 def test_define_flags_defines_every_flag_the_cells_read():
   from absl import flags  # pylint: disable=g-import-not-at-top
   paper.define_flags()
