@@ -183,8 +183,9 @@ def test_shared_decoder_ablation_averages_the_decoder_weighted_by_data(
   encoders unchanged.
   """
   def fake_update(model, dec_opt, enc_opt, encoder_weights, decoder_weights,
-                  dataset, loss_config, decoder_first=True):
+                  dataset, loss_config, decoder_first=True, schedule='paper'):
     del model, dec_opt, enc_opt, loss_config, decoder_first
+    assert schedule == 'paper'
     total, count = dataset.reduce(
         (0.0, 0), lambda s, b: (s[0] + tf.reduce_sum(b['x']),
                                 s[1] + tf.shape(b['x'])[0]))
