@@ -166,6 +166,42 @@ def test_ditto_global_part_is_fedavg_and_personal_models_stay_local():
   assert drift(100.0) < drift(0.0)
 
 
+def test_ditto_personal_pass_reads_the_second_shuffle_of_the_data():
+  """Both passes iterate one reshuffling dataset; the personal pass must
+  deterministically come second (it once raced the global pass for the
+  first order, and two runs of one seed differed)."""
+  model_fn = lambda: feddva_lib.build_cnn_classifier(CONFIG)
+  p = ditto.build_ditto(model_fn, lam=0.1, client_optimizer=_sgd(0.2),
+                        seed=3)
+  state = p.initialize()
+  w0 = p.get_model_weights(state).trainable
+
+  def reshuffling():
+    rng = np.random.default_rng(4)
+    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=rng.uniform(size=(12, 28, 28, 1)).astype(np.float32),
+        y=rng.integers(0, 10, 12).astype(np.int32))).shuffle(
+            12, seed=5, reshuffle_each_iteration=True).batch(4)
+
+  # Reference, eagerly: the first iteration is the global pass's, the
+  # second (another order) the personal pass's.
+  orders = reshuffling()
+  first, second = ([b['y'].numpy().tolist() for b in orders]
+                   for _ in range(2))
+  assert first != second  # Else this test could not tell them apart.
+  reference = reshuffling()
+  for _ in reference:  # The global pass's iteration.
+    pass
+  personal_model = model_fn()
+  expected, _ = ditto.personal_train(personal_model, _sgd(0.2), w0, w0,
+                                     reference, 0.1)
+  for _ in range(4):  # A race would show as a mismatch in some run.
+    _, out, _ = p.next(state, [ditto.initial_client_state(w0)],
+                       [reshuffling()])
+    for a, b in zip(out[0][process_lib.CLIENT_STATE_PRIVATE], expected):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_unknown_decoder_mode_is_refused():
   with pytest.raises(ValueError, match="decoder must be one of.*'local'"):
     feddva.build_feddva(CONFIG, decoder='local')

@@ -150,9 +150,15 @@ def build_ditto(model_fn: split_model_lib.SplitModelFn, *,
     def run(global_weights, personal, dataset):
       update, weight, _, metrics = split_training.local_train(
           global_model, client_optimizer, global_weights, (), dataset)
-      new_personal, personal_loss = personal_train(
-          personal_model, personal_optimizer, global_weights.trainable,
-          personal, dataset, lam)
+      # The two passes touch different variables, so nothing orders them;
+      # but both iterate `dataset`, whose shuffle (reshuffled on each
+      # iteration) gives the first iteration one order and the second
+      # another: unordered, which pass got which order was a race, and two
+      # runs of one seed differed. The personal pass goes second.
+      with tf.control_dependencies(tf.nest.flatten(update)):
+        new_personal, personal_loss = personal_train(
+            personal_model, personal_optimizer, global_weights.trainable,
+            personal, dataset, lam)
       finite = tf.reduce_all(tf.stack(
           [tf.reduce_all(tf.math.is_finite(p)) for p in new_personal]))
       new_personal = tuple(tf.where(finite, n, o)
