@@ -1,0 +1,99 @@
+"""Every registered algorithm gives bit-identical rounds for identical inputs.
+
+Their client work uses only stateless (seeded) randomness, so one round run
+twice from the same state, client states and data must give exactly the same
+server state, client states and metrics. The data reshuffle on every
+iteration and repeat for two epochs, so a client computation whose passes
+over the data were not ordered (Ditto had one: `feddva_process_test`) would
+show as a difference here.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.algorithms import ditto
+from tff_personal.algorithms import registry
+from tff_personal.models import fedembed as fedembed_model
+from tff_personal.models import fedembed_mnist
+
+SPEC = collections.OrderedDict(
+    x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
+    y=tf.TensorSpec([None], tf.int32),
+    type=tf.TensorSpec([None], tf.int32))
+
+
+def _split_factory(dim):
+  return lambda: fedembed_mnist.build_preference_model(dim, input_spec=SPEC)
+
+
+def _fedembed_factory(config):
+  return lambda: fedembed_model.build_fedembed_model(config, input_spec=SPEC)
+
+
+def _datasets(num=3, n=6):
+  rng = np.random.default_rng(11)
+  out = []
+  for i in range(num):
+    y = (np.arange(n) % 2).astype(np.int32)
+    out.append(tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=rng.random((n, 28, 28, 1), dtype=np.float32), y=y,
+        type=np.where(y == 1, i % 3, (i + 1) % 3).astype(np.int32))).shuffle(
+            n, seed=7, reshuffle_each_iteration=True).repeat(2).batch(2))
+  return out
+
+
+def _initial_states(proc, num=3):
+  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  rng = np.random.default_rng(5)
+
+  def init(spec):
+    if spec.dtype.is_floating:
+      return (0.1 * rng.normal(size=spec.shape)).astype(
+          spec.dtype.as_numpy_dtype)
+    return np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
+
+  return [tf.nest.map_structure(init, specs) for _ in range(num)]
+
+
+def _flat(value):
+  return [np.asarray(v) for v in tf.nest.flatten(
+      tff.structure.to_odict_or_tuple(value, recursive=True)
+      if isinstance(value, tff.structure.Struct) else value)]
+
+
+def _build(name):
+  optimizers = dict(
+      client_optimizer=tff.learning.optimizers.build_adam(1e-2),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=2)
+  if name == 'ditto':  # Not in the registry (FedDVA's baseline).
+    return ditto.build_ditto(_split_factory(0), lam=0.1, **optimizers)
+  fedembed_like = name.startswith('fedembed_') or name == 'pfedkm'
+  kwargs = {'num_subpopulations': 3} if name in ('pfedkm',
+                                                  'fedembed_som') else {}
+  if name == 'furl':
+    kwargs['embedding_dim'] = 28  # The MNIST model's diagonal channel.
+  return registry.build(
+      name, _fedembed_factory if fedembed_like else _split_factory,
+      **optimizers, **kwargs)
+
+
+@pytest.mark.parametrize('name', sorted(registry.ALGORITHMS) + ['ditto'])
+def test_one_round_twice_is_bit_identical(name):
+  proc = _build(name)
+  state = proc.initialize()
+  states = _initial_states(proc)
+  first = proc.next(state, states, _datasets())
+  second = proc.next(state, states, _datasets())
+  a, b = _flat(first), _flat(second)
+  assert len(a) == len(b)
+  for i, (x, y) in enumerate(zip(a, b)):
+    np.testing.assert_array_equal(x, y, err_msg=f'{name}: leaf {i}')
+  # The round did something (else equality would say nothing).
+  moved = [not np.array_equal(x, y) for x, y in zip(
+      _flat(first[0].global_model_weights.trainable),
+      _flat(state.global_model_weights.trainable))]
+  assert any(moved), name
