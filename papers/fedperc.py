@@ -28,7 +28,7 @@ it runs on the users that are not withheld (`tasks/tv_shows.py`), so the
 known-user table is over the 15 trained users and the withheld-user table
 over the 4 withheld ones (the paper trains twice; this halves the CPU cost).
 `fedperc` and `fedperc_frozen` share one training. The trained state is
-cached under `<root>/runs/fedperc/_trained/`.
+cached under `<root>/runs/fedperc/_trained/<digest of the paper's flags>/`.
 
 Test time: `fine_tune` methods take `--fedperc_fine_tune_steps` (15, as
 Appendix B) local Adam steps (lr 1e-3) on their adaptable variables, each on
@@ -50,6 +50,7 @@ import hashlib
 import json
 import os
 import pickle
+import sys
 import time
 from typing import Any
 
@@ -563,9 +564,18 @@ def _cached_json(path: str, compute):
   return value
 
 
+def trained_cache_dir(root: str, flag_values) -> str:
+  """Where cells share trained models, evaluations and costs: one directory
+  per configuration of the paper's flags (`reporting.run_config`), so that
+  no cell reuses what was made under other flags."""
+  config = reporting.run_config(PAPER, sys.modules[__name__], flag_values)
+  return os.path.join(root, reporting.RUNS_DIRNAME, PAPER, '_trained',
+                      reporting.config_digest(config))
+
+
 def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   root = _root(out_dir)
-  cache = os.path.join(root, reporting.RUNS_DIRNAME, PAPER, '_trained')
+  cache = trained_cache_dir(root, flag_values)
   os.makedirs(cache, exist_ok=True)
   seed = cell.seed
   _users(flag_values, seed, cache)  # Loads (or makes) the disk cache.

@@ -234,6 +234,33 @@ def test_other_paper_flags_are_refused_before_any_work(tmp_path, paper,
   assert lrs == [0.1] * 4 + [0.2] * 4
 
 
+def test_a_killed_cell_is_not_resumed_under_other_flags(tmp_path, paper,
+                                                        capsys):
+  killed = reporting.Cell('fake', 'global', {'num_users': 10, 'dp': 'none'},
+                          0)
+  paper.fail_on = killed
+  with pytest.raises(RuntimeError, match='killed'):
+    reproduce.run(_flags(tmp_path, seeds=1, fake_lr=0.1))
+  started = os.path.join(killed.out_dir(str(tmp_path)),
+                         reporting.CELL_CONFIG_FILENAME)
+  with open(started) as f:
+    assert json.load(f)['fake_lr'] == 0.1
+  paper.fail_on = None
+  capsys.readouterr()
+  # No finished record conflicts (none was written), but the killed cell
+  # would resume from what it saved under --fake_lr=0.1: refused, even with
+  # --allow_config_change.
+  for allow in (False, True):
+    assert reproduce.run(_flags(tmp_path, seeds=1, fake_lr=0.2,
+                                allow_config_change=allow)) == 2
+    err = capsys.readouterr().err
+    assert 'global' in err and "started with --fake_lr=0.1" in err
+  assert paper.calls == []
+  # The old flags resume it.
+  assert reproduce.run(_flags(tmp_path, seeds=1, fake_lr=0.1)) == 0
+  assert paper.calls[0] == killed
+
+
 def test_run_config_and_conflicts(tmp_path, monkeypatch):
   module = types.SimpleNamespace(SETTING_FLAGS=('rounds', 'fake_variant'))
   (tmp_path / 'data').mkdir()
@@ -244,6 +271,10 @@ def test_run_config_and_conflicts(tmp_path, monkeypatch):
   config = reporting.run_config('fake', module, f)
   assert config == {'fake_lr': 0.1, 'fake_list': ['1', '2'],
                     'data_dir': str((tmp_path / 'data').resolve())}
+  assert reporting.config_digest(config) == reporting.config_digest(
+      dict(reversed(list(config.items()))))
+  assert reporting.config_digest(config) != reporting.config_digest(
+      dict(config, fake_lr=0.2))
   record = dict(paper='fake', method='global', seed=0, metrics={},
                 setting={'num_users': 10, 'dp': 'none'},
                 config=dict(config, fake_lr=0.3, fake_new_flag=1))

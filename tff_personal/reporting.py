@@ -22,7 +22,10 @@ A paper's flags are named `<paper>_*`. Those, and the common knobs
 identity, so each record also carries them as `config` (`run_config`), and a
 run whose flags differ from those of results already in its table is refused
 before anything runs (`config_conflicts`): one table never mixes cells made
-under different flags unless asked to. A module lists the flags that its
+under different flags unless asked to. A cell writes the config to its
+`out_dir` when it starts, and an unfinished cell (killed, resumable) is never
+resumed under other flags. Caches shared by cells should be keyed by
+`config_digest(run_config(...))`. A module lists the flags that its
 cells' settings already carry in an optional `SETTING_FLAGS`.
 
 Nothing here needs TensorFlow or TFF.
@@ -52,6 +55,7 @@ RUNS_DIRNAME = 'runs'
 MISSING = '—'
 RECORD_KEYS = ('paper', 'method', 'setting', 'seed', 'metrics')
 CONFIG_KEY = 'config'
+CELL_CONFIG_FILENAME = 'config.json'  # In a cell's out_dir, when it starts.
 COMMON_CONFIG_FLAGS = ('data_dir', 'rounds', 'clients_per_round', 'num_users')
 
 _NAME_RE = re.compile(r'^[A-Za-z0-9_.-]+$')
@@ -553,6 +557,36 @@ def config_conflicts(records: Iterable[Mapping[str, Any]], table: 'Table',
                           if len(lines) > limit else [])
 
 
+def config_digest(config: Mapping[str, Any]) -> str:
+  """A short name for a configuration (e.g. for caches shared by cells)."""
+  return hashlib.sha1(
+      canonical_json(_jsonable(dict(config))).encode()).hexdigest()[:12]
+
+
+def _partial_run_conflicts(cells: Sequence[Cell], root_output_dir: str,
+                           config: Mapping[str, Any]) -> list[str]:
+  """Unfinished cells whose out_dir holds a start made with other flags."""
+  lines = []
+  for cell in cells:
+    path = os.path.join(cell.out_dir(root_output_dir), CELL_CONFIG_FILENAME)
+    if not os.path.exists(path):
+      continue
+    try:
+      with open(path, encoding='utf-8') as f:
+        old = json.load(f)
+    except (OSError, ValueError) as e:
+      lines.append(f'{path}: unreadable ({e})')
+      continue
+    names = sorted(n for n in set(old) & set(config)
+                   if canonical_json(old[n])
+                   != canonical_json(_jsonable(config[n])))
+    if names:
+      lines.append(f'{cell.method} {setting_label(cell.setting)} seed '
+                   f'{cell.seed} ({os.path.dirname(path)}): started with ' +
+                   ', '.join(f'--{n}={old[n]!r}' for n in names))
+  return lines
+
+
 # ---------------------------------------------------------------- the loop
 
 
@@ -650,6 +684,13 @@ def plan(paper: str, table: Optional[str], root_output_dir: Optional[str],
         '--root_output_dir, or --allow_config_change to mix them on purpose '
         '(each record keeps its own config).')
   pending = [c for c in cells if c.key() not in latest]
+  partial = _partial_run_conflicts(pending, root_output_dir, config)
+  if partial:
+    raise ConfigError(
+        'unfinished cells were started with other flags and would resume '
+        'from what they saved:\n  ' + '\n  '.join(partial) + '\nRerun '
+        'with those flags, or delete those directories to start the cells '
+        'over (--allow_config_change does not cover this).')
   return Plan(paper, module, spec, cells, pending, results,
               os.path.join(root_output_dir, TABLES_DIRNAME, paper), config)
 
@@ -687,6 +728,8 @@ def reproduce(p: Plan, flag_values: Any, root_output_dir: str,
   for i, cell in enumerate(p.pending, 1):
     out_dir = cell.out_dir(root_output_dir)
     os.makedirs(out_dir, exist_ok=True)
+    _write_atomic(os.path.join(out_dir, CELL_CONFIG_FILENAME),
+                  json.dumps(p.config, sort_keys=True, indent=1))
     start = time.perf_counter()
     metrics = p.module.run_cell(cell, flag_values, out_dir)
     seconds = time.perf_counter() - start
