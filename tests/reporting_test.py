@@ -261,6 +261,30 @@ def test_a_killed_cell_is_not_resumed_under_other_flags(tmp_path, paper,
   assert paper.calls[0] == killed
 
 
+def test_plan_uses_the_table_as_cells_rebuilt_it(tmp_path, paper):
+  """A paper may rebuild a table from the flags in cells() (FedDVA's
+  columns carry the rounds and the variant run); the plan, its conflict
+  check and the printed table use the rebuilt one."""
+  rebuilt = reporting.Table(
+      name='table1', paper='fake', metric='accuracy',
+      methods=('global', 'personal'),
+      columns=(reporting.Column('tiny', {'num_users': 3, 'dp': 'none'}),),
+      title='Rebuilt')
+  original_cells = paper.cells
+
+  def cells(table, flags):
+    paper.TABLES['table1'] = rebuilt
+    return original_cells(table, flags)
+
+  paper.cells = cells
+  try:
+    p = reporting.plan('fake', 'table1', str(tmp_path), _flags(tmp_path))
+  finally:
+    paper.TABLES['table1'] = _TABLE
+  assert p.table is rebuilt
+  assert {c.setting['num_users'] for c in p.cells} == {3}
+
+
 def test_run_config_and_conflicts(tmp_path, monkeypatch):
   module = types.SimpleNamespace(SETTING_FLAGS=('rounds', 'fake_variant'))
   (tmp_path / 'data').mkdir()

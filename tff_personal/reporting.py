@@ -665,6 +665,9 @@ def plan(paper: str, table: Optional[str], root_output_dir: Optional[str],
   for c in cells:
     if not isinstance(c, Cell) or c.paper != paper:
       raise ConfigError(f'paper {paper!r}: cells() returned {c!r}')
+  # cells() may rebuild the tables from the flags (e.g. columns carrying the
+  # rounds run, or a variant's columns): use the table as it now stands.
+  spec = module.TABLES.get(table, spec)
   cells = [c for c in cells if c.seed < seeds]
   if methods:
     cells = [c for c in cells if c.method in methods]
