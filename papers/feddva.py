@@ -7,7 +7,9 @@
   (the clients' test images, half to fit, half to score) multinomial
   logistic-regression probes (scikit-learn) predict the client from the
   posterior mean of c and of z, and the digit from z and from c.
-  `chance_client` is the majority-client fraction of the scored half.
+  `chance_client` is the majority-client fraction of the scored half;
+  `digit_from_z_within_client` fits the digit probe within each client
+  (private decoders may each read z in their own coordinates).
 * `fedavg`, `fedavg_ft`, `ditto`, `feddva` on `marked_mnist` and
   `label_skew_mnist` (setting task, rounds = classification rounds):
   accuracy of each client's model on its own test images after every round;
@@ -456,10 +458,28 @@ def linear_probes(reps: dict, seed: int) -> dict:
     return float(clf.score(scaler.transform(features[score]), target[score]))
 
   counts = np.bincount(reps['client'][score])
+  # The digit from z by a probe fitted within each client, averaged over
+  # clients weighted by their scored images: private decoders may each read
+  # z in their own coordinates, which one map for all clients cannot follow.
+  within, weights = [], []
+  for k in np.unique(reps['client']):
+    fit_k = fit[reps['client'][fit] == k]
+    score_k = score[reps['client'][score] == k]
+    if len(score_k) == 0 or len(np.unique(reps['digit'][fit_k])) < 2:
+      continue
+    scaler = StandardScaler().fit(reps['z'][fit_k])
+    clf = LogisticRegression(max_iter=3000).fit(
+        scaler.transform(reps['z'][fit_k]), reps['digit'][fit_k])
+    within.append(clf.score(scaler.transform(reps['z'][score_k]),
+                            reps['digit'][score_k]))
+    weights.append(len(score_k))
   return {'client_from_c': probe(reps['c'], reps['client']),
           'client_from_z': probe(reps['z'], reps['client']),
           'digit_from_z': probe(reps['z'], reps['digit']),
           'digit_from_c': probe(reps['c'], reps['digit']),
+          'digit_from_z_within_client': (
+              float(np.average(within, weights=weights)) if within
+              else float('nan')),
           'chance_client': float(counts.max() / counts.sum())}
 
 

@@ -69,6 +69,26 @@ def test_linear_probes_find_what_is_there_and_not_what_is_not():
   assert out['client_from_z'] < out['chance_client'] + 0.1
   assert out['digit_from_c'] < 0.25
   assert 0.2 < out['chance_client'] < 0.35
+  assert out['digit_from_z_within_client'] > 0.9
+
+
+def test_within_client_probe_reads_client_specific_digit_codes():
+  """z holds the digit, but each client places the digits differently (as
+  private decoders may): one linear map for all clients fails, a map fitted
+  per client does not."""
+  rng = np.random.default_rng(1)
+  n, clients = 1600, 4
+  client = rng.integers(0, clients, n)
+  digit = rng.integers(0, 10, n)
+  centers = rng.normal(scale=4.0, size=(10, 6))
+  perms = [rng.permutation(10) for _ in range(clients)]
+  z = np.stack([centers[perms[k][d]] for k, d in zip(client, digit)])
+  reps = {'client': client, 'digit': digit,
+          'c': rng.normal(size=(n, 3)),
+          'z': z + rng.normal(size=(n, 6)) * 0.3}
+  out = paper.linear_probes(reps, seed=0)
+  assert out['digit_from_z'] < 0.6
+  assert out['digit_from_z_within_client'] > 0.9
 
 
 def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
