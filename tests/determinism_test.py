@@ -5,7 +5,9 @@ twice from the same state, client states and data must give exactly the same
 server state, client states and metrics. The data reshuffle on every
 iteration and repeat for two epochs, so a client computation whose passes
 over the data were not ordered (Ditto had one: `feddva_process_test`) would
-show as a difference here.
+show as a difference here. Each registered algorithm is checked in its
+one-user-per-client form and in the sharded form the simulation runs by
+default.
 """
 
 import collections
@@ -17,6 +19,7 @@ import tensorflow_federated as tff
 
 from tff_personal.algorithms import ditto
 from tff_personal.algorithms import registry
+from tff_personal.core import sharded
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 
@@ -81,9 +84,14 @@ def _build(name):
       **optimizers, **kwargs)
 
 
-@pytest.mark.parametrize('name', sorted(registry.ALGORITHMS) + ['ditto'])
-def test_one_round_twice_is_bit_identical(name):
+@pytest.mark.parametrize('name, shards', [
+    (name, shards) for name in sorted(registry.ALGORITHMS)
+    for shards in (0, 2)] + [('ditto', 0)])
+def test_one_round_twice_is_bit_identical(name, shards):
   proc = _build(name)
+  if shards:  # The simulation's default form (core/sharded.py).
+    assert sharded.resolve_num_shards(proc, sharded.AUTO) > 0, name
+    proc = sharded.ShardedProcess(proc, shards)
   state = proc.initialize()
   states = _initial_states(proc)
   first = proc.next(state, states, _datasets())
