@@ -17,24 +17,15 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.algorithms import ditto
 from tff_personal.algorithms import registry
 from tff_personal.core import sharded
-from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 
-SPEC = collections.OrderedDict(
-    x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
-    y=tf.TensorSpec([None], tf.int32),
-    type=tf.TensorSpec([None], tf.int32))
-
-
 def _split_factory(dim):
-  return lambda: fedembed_mnist.build_preference_model(dim, input_spec=SPEC)
-
-
-def _fedembed_factory(config):
-  return lambda: fedembed_model.build_fedembed_model(config, input_spec=SPEC)
+  return lambda: fedembed_mnist.build_preference_model(
+      dim, input_spec=fedembed_testdata.SPEC)
 
 
 def _datasets(num=3, n=6):
@@ -47,19 +38,6 @@ def _datasets(num=3, n=6):
         type=np.where(y == 1, i % 3, (i + 1) % 3).astype(np.int32))).shuffle(
             n, seed=7, reshuffle_each_iteration=True).repeat(2).batch(2))
   return out
-
-
-def _initial_states(proc, num=3):
-  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
-  rng = np.random.default_rng(5)
-
-  def init(spec):
-    if spec.dtype.is_floating:
-      return (0.1 * rng.normal(size=spec.shape)).astype(
-          spec.dtype.as_numpy_dtype)
-    return np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
-
-  return [tf.nest.map_structure(init, specs) for _ in range(num)]
 
 
 def _flat(value):
@@ -80,7 +58,7 @@ def _build(name):
   if name == 'furl':
     kwargs['embedding_dim'] = 28  # The MNIST model's diagonal channel.
   return registry.build(
-      name, _fedembed_factory if fedembed_like else _split_factory,
+      name, fedembed_testdata.factory if fedembed_like else _split_factory,
       **optimizers, **kwargs)
 
 
@@ -93,7 +71,7 @@ def test_one_round_twice_is_bit_identical(name, shards):
     assert sharded.resolve_num_shards(proc, sharded.AUTO) > 0, name
     proc = sharded.ShardedProcess(proc, shards)
   state = proc.initialize()
-  states = _initial_states(proc)
+  states = fedembed_testdata.initial_states(proc, 3, seed=5)
   first = proc.next(state, states, _datasets())
   second = proc.next(state, states, _datasets())
   a, b = _flat(first), _flat(second)

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import pfedkm
 from tff_personal.algorithms import pfedme
@@ -52,17 +53,7 @@ def datasets(num, seed=0, n=4, flip=()):
   return out
 
 
-def initial_states(proc, num, seed=0):
-  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
-  rng = np.random.default_rng(seed)
-
-  def init(spec):
-    if spec.dtype.is_floating:
-      return (0.1 * rng.normal(size=spec.shape)).astype(
-          spec.dtype.as_numpy_dtype)
-    return np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
-
-  return [tf.nest.map_structure(init, specs) for _ in range(num)]
+initial_states = fedembed_testdata.initial_states
 
 
 def fedavg_process(client_opt):

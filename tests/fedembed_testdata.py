@@ -4,6 +4,7 @@ import collections
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from tff_personal.models import fedembed as fedembed_model
 
@@ -29,3 +30,17 @@ def datasets(types_of_positives, seed=0, n=20, other=None):
         x=rng.random((n, 28, 28, 1), dtype=np.float32), y=y,
         type=np.where(y == 1, t, neg).astype(np.int32))).batch(n // 2))
   return out
+
+
+def initial_states(proc, num, seed=0):
+  """`num` client states of `proc`'s type: small random floats, zero ints."""
+  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  rng = np.random.default_rng(seed)
+
+  def init(spec):
+    if spec.dtype.is_floating:
+      return (0.1 * rng.normal(size=spec.shape)).astype(
+          spec.dtype.as_numpy_dtype)
+    return np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
+
+  return [tf.nest.map_structure(init, specs) for _ in range(num)]
