@@ -451,7 +451,7 @@ def linear_probes(reps: dict, seed: int) -> dict:
   order = np.random.default_rng([seed, 5]).permutation(n)
   fit, score = order[:n // 2], order[n // 2:]
 
-  def probe(features, target):
+  def probe(features, target, fit=fit, score=score):
     scaler = StandardScaler().fit(features[fit])
     clf = LogisticRegression(max_iter=3000)
     clf.fit(scaler.transform(features[fit]), target[fit])
@@ -465,21 +465,16 @@ def linear_probes(reps: dict, seed: int) -> dict:
   for k in np.unique(reps['client']):
     fit_k = fit[reps['client'][fit] == k]
     score_k = score[reps['client'][score] == k]
-    if len(score_k) == 0 or len(np.unique(reps['digit'][fit_k])) < 2:
-      continue
-    scaler = StandardScaler().fit(reps['z'][fit_k])
-    clf = LogisticRegression(max_iter=3000).fit(
-        scaler.transform(reps['z'][fit_k]), reps['digit'][fit_k])
-    within.append(clf.score(scaler.transform(reps['z'][score_k]),
-                            reps['digit'][score_k]))
-    weights.append(len(score_k))
+    if len(score_k) and len(np.unique(reps['digit'][fit_k])) > 1:
+      within.append(probe(reps['z'], reps['digit'], fit_k, score_k))
+      weights.append(len(score_k))
   return {'client_from_c': probe(reps['c'], reps['client']),
           'client_from_z': probe(reps['z'], reps['client']),
           'digit_from_z': probe(reps['z'], reps['digit']),
           'digit_from_c': probe(reps['c'], reps['digit']),
           'digit_from_z_within_client': (
               float(np.average(within, weights=weights)) if within
-              else float('nan')),
+              else None),
           'chance_client': float(counts.max() / counts.sum())}
 
 
