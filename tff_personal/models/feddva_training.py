@@ -24,8 +24,8 @@ two:
 2. the z-encoder f only, with c replaced by a draw from the prior N(0, I)
    (the c-encoder is not run), so z alone must let the decoder reconstruct x;
    loss: reconstruction + alpha R_z;
-3. the c-encoder h and the decoder phi_k, with z held fixed (stop-gradient);
-   loss: Eq. 4 (R_z gives no gradient there).
+3. the c-encoder h and the decoder phi_k, with z held fixed (stop-gradient),
+   by the encoder optimizer; loss: Eq. 4 (R_z gives no gradient there).
 
 The update is the change of both encoders; the new decoder is the one after
 pass 3; metrics and the example weight are pass 3's.
