@@ -10,8 +10,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import fedembed_testdata
-from tff_personal.core import best_scoring
 from tff_personal.algorithms import fedembed_som
+from tff_personal.core import best_scoring
 from tff_personal.core import privacy
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import som

@@ -8,11 +8,11 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_personal.core import best_scoring
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedembed as fedembed_algorithms
 from tff_personal.algorithms import fedembed_som
 from tff_personal.algorithms import pfedkm
+from tff_personal.core import best_scoring
 from tff_personal.core import client_data
 from tff_personal.core import evaluation
 from tff_personal.core import privacy

@@ -65,9 +65,9 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.core import best_scoring
-from tff_personal.core import statistics_process
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
+from tff_personal.core import statistics_process
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import som
 

@@ -55,9 +55,9 @@ import tensorflow_federated as tff
 # tff.learning; see the module docstring).
 from tensorflow_federated.python.learning.algorithms import kmeans_clustering
 
-from tff_personal.core import statistics_process
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
+from tff_personal.core import statistics_process
 from tff_personal.models import fedembed as fedembed_model
 
 

@@ -77,12 +77,12 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.core import best_scoring
-from tff_personal.core import statistics_process
 from tff_personal.core import client_data
 from tff_personal.core import federated_map
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
+from tff_personal.core import statistics_process
 
 SHARD_EXAMPLES = 'examples'
 SHARD_INDICES = 'indices'
