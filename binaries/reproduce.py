@@ -1,7 +1,8 @@
 r"""Reproduces a paper's table: runs its cells, records them, prints tables.
 
   python -m binaries.reproduce --paper=fedembed --table=table2 \
-    --root_output_dir=/tmp/repro --seeds=3 [--methods=a,b] [--settings=...] \
+    --root_output_dir=/tmp/repro --seeds=3 [--first_seed=1] \
+    [--methods=a,b] [--settings=...] \
     [--data_dir=../shared/data/mnist --rounds=... --dry_run]
 
 Every finished cell is appended to <root_output_dir>/results.jsonl with the
@@ -63,6 +64,9 @@ def define_flags():
   _define('string', 'root_output_dir', None,
           'Holds results.jsonl, tables/ and runs/.')
   _define('integer', 'seeds', 1, 'Number of seeds: 0..n-1.')
+  _define('integer', 'first_seed', 0,
+          'Run only seeds first_seed..seeds-1 (the table still shows every '
+          'seed recorded in the root).')
   _define('list', 'methods', None,
           'Comma-separated methods to run (default: all of the table).')
   _define('list', 'settings', None,
@@ -89,7 +93,8 @@ def run(f: Any, log_fn: Callable[[str], None] = print) -> int:
     plan = reporting.plan(
         f.paper, f.table, f.root_output_dir, f, seeds=f.seeds,
         methods=_as_list(f.methods), settings=_as_list(f.settings),
-        allow_config_change=bool(getattr(f, 'allow_config_change', False)))
+        allow_config_change=bool(getattr(f, 'allow_config_change', False)),
+        first_seed=getattr(f, 'first_seed', 0))
   except reporting.ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

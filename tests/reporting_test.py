@@ -350,12 +350,28 @@ def test_filters_and_dry_run(tmp_path, paper, capsys):
           for c in paper.calls] == [('global', 10, 0), ('global', 10, 1)]
 
 
+def test_first_seed_runs_only_the_later_seeds(tmp_path, paper):
+  assert reproduce.run(_flags(tmp_path, seeds=3, first_seed=1,
+                              methods='global', settings='small')) == 0
+  assert [c.seed for c in paper.calls] == [1, 2]
+  table_md = (tmp_path / 'tables' / 'fake' / 'table1.md').read_text(
+      encoding='utf-8')
+  # Seeds 1 and 2 (0.7, 0.9) are the row's mean; seed 0 never ran.
+  assert '| global | 0.80 ± 0.14 (2) |' in table_md
+  paper.calls.clear()
+  assert reproduce.run(_flags(tmp_path, seeds=3, methods='global',
+                              settings='small')) == 0
+  assert [c.seed for c in paper.calls] == [0]
+
+
 @pytest.mark.parametrize('overrides, message', [
     (dict(paper='nope'), "unknown --paper='nope'"),
     (dict(table='table9'), "unknown --table='table9'"),
     (dict(methods='fedavg'), 'unknown --methods'),
     (dict(settings='huge'), 'unknown --settings'),
     (dict(seeds=0), '--seeds must be a positive integer'),
+    (dict(seeds=2, first_seed=2), '--first_seed must be an integer in'),
+    (dict(first_seed=-1), '--first_seed must be an integer in'),
     (dict(root_output_dir=None), '--root_output_dir is required'),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, paper, capsys, overrides,

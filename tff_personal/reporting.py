@@ -632,8 +632,12 @@ def plan(paper: str, table: Optional[str], root_output_dir: Optional[str],
          flag_values: Any, seeds: int = 1,
          methods: Optional[Sequence[str]] = None,
          settings: Optional[Sequence[str]] = None,
-         allow_config_change: bool = False) -> Plan:
+         allow_config_change: bool = False, first_seed: int = 0) -> Plan:
   """Resolves paper, table, filters and pending cells; raises ConfigError.
+
+  The cells are those of seeds `first_seed .. seeds - 1` (e.g. seeds=5,
+  first_seed=2 adds seeds 2 to 4 to a root, or starts a root with them, as
+  another machine runs seeds 0 and 1 elsewhere).
 
   Also refuses flags that differ from those of the table's recorded cells
   (`config_conflicts`) unless `allow_config_change`.
@@ -653,6 +657,10 @@ def plan(paper: str, table: Optional[str], root_output_dir: Optional[str],
     raise ConfigError('--root_output_dir is required')
   if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
     raise ConfigError(f'--seeds must be a positive integer, got {seeds!r}')
+  if (isinstance(first_seed, bool) or not isinstance(first_seed, int)
+      or not 0 <= first_seed < seeds):
+    raise ConfigError(f'--first_seed must be an integer in [0, --seeds={seeds}'
+                      f'), got {first_seed!r}')
   if methods:
     unknown = [m for m in methods if m not in spec.methods]
     if unknown:
@@ -668,7 +676,7 @@ def plan(paper: str, table: Optional[str], root_output_dir: Optional[str],
   # cells() may rebuild the tables from the flags (e.g. columns carrying the
   # rounds run, or a variant's columns): use the table as it now stands.
   spec = module.TABLES.get(table, spec)
-  cells = [c for c in cells if c.seed < seeds]
+  cells = [c for c in cells if first_seed <= c.seed < seeds]
   if methods:
     cells = [c for c in cells if c.method in methods]
   if settings:
