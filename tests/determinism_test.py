@@ -7,7 +7,8 @@ iteration and repeat for two epochs, so a client computation whose passes
 over the data were not ordered (Ditto had one: `feddva_process_test`) would
 show as a difference here. Each registered algorithm is checked in its
 one-user-per-client form and in the sharded form the simulation runs by
-default.
+default; FedDVA (not in the registry), whose clients sample z and c every
+batch, in each schedule and decoder mode.
 """
 
 import collections
@@ -19,8 +20,11 @@ import tensorflow_federated as tff
 
 from tests import fedembed_testdata
 from tff_personal.algorithms import ditto
+from tff_personal.algorithms import feddva
 from tff_personal.algorithms import registry
 from tff_personal.core import sharded
+from tff_personal.models import feddva as feddva_lib
+from tff_personal.models import feddva_training
 from tff_personal.models import fedembed_mnist
 
 def _split_factory(dim):
@@ -83,3 +87,49 @@ def test_one_round_twice_is_bit_identical(name, shards):
       _flat(first[0].global_model_weights.trainable),
       _flat(state.global_model_weights.trainable))]
   assert any(moved), name
+
+
+_FEDDVA = feddva_lib.FeddvaConfig(z_dim=2, c_dim=2, channels=(2, 2, 2, 3),
+                                  hidden=5)
+
+
+@pytest.mark.parametrize('schedule, decoder', [
+    ('paper', 'private'), ('reference', 'private'), ('paper', 'shared')])
+def test_feddva_round_twice_is_bit_identical(schedule, decoder):
+  """FedDVA samples z and c every batch: its noise is seeded too."""
+  proc = feddva.build_feddva(
+      _FEDDVA, schedule=schedule, decoder=decoder, seed=4,
+      decoder_optimizer=tff.learning.optimizers.build_adam(1e-2),
+      encoder_optimizer=tff.learning.optimizers.build_adam(1e-2))
+  _, decoder0 = feddva.initial_weights(_FEDDVA, seed=4)
+  states = [feddva.initial_client_state(
+      () if decoder == 'shared' else decoder0) for _ in range(3)]
+  state = proc.initialize()
+  data = lambda: [d.map(lambda b: collections.OrderedDict(x=b['x'],
+                                                          y=b['y']))
+                  for d in _datasets()]
+  first = proc.next(state, states, data())
+  second = proc.next(state, states, data())
+  for i, (x, y) in enumerate(zip(_flat(first), _flat(second))):
+    np.testing.assert_array_equal(x, y, err_msg=f'leaf {i}')
+  moved = [not np.array_equal(x, y) for x, y in zip(
+      _flat(first[0].global_model_weights.trainable),
+      _flat(state.global_model_weights.trainable))]
+  assert any(moved)
+
+
+def _images(order, n=6, seed=3):
+  rng = np.random.default_rng(seed)
+  x = rng.integers(0, 256, (n, 28, 28, 1)).astype(np.float32) / 255.0
+  return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=x[order], y=np.zeros(n, np.int32))).batch(2)
+
+
+def test_feddva_client_seed_ignores_order_but_not_data_or_round():
+  seed = lambda rounds, data, base=0: feddva_training.client_seed(
+      base, rounds, data).numpy().tolist()
+  forward, backward = _images(np.arange(6)), _images(np.arange(6)[::-1])
+  assert seed(0, forward) == seed(0, backward)
+  assert seed(0, forward) != seed(1, forward)
+  assert seed(0, forward) != seed(0, _images(np.arange(6), seed=4))
+  assert seed(0, forward) != seed(0, forward, base=1)

@@ -219,9 +219,10 @@ def test_shared_decoder_ablation_averages_the_decoder_weighted_by_data(
   encoders unchanged.
   """
   def fake_update(model, dec_opt, enc_opt, encoder_weights, decoder_weights,
-                  dataset, loss_config, decoder_first=True, schedule='paper'):
+                  dataset, loss_config, decoder_first=True, schedule='paper',
+                  seed=None):
     del model, dec_opt, enc_opt, loss_config, decoder_first
-    assert schedule == 'paper'
+    assert schedule == 'paper' and seed.shape == [2]
     total, count = dataset.reduce(
         (0.0, 0), lambda s, b: (s[0] + tf.reduce_sum(b['x']),
                                 s[1] + tf.shape(b['x'])[0]))

@@ -111,6 +111,8 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
   `initial_client_state(())`; `split_shared_weights` separates them).
   `schedule`: 'paper' (Algorithm 1: decoder pass, then encoders pass) or
   'reference' (the authors' code's three passes; `feddva_training`).
+  `seed` seeds the initial weights and the clients' reparameterisation
+  noise (`feddva_training.client_seed`): equal inputs give equal rounds.
   """
   if decoder not in DECODERS:
     raise ValueError(f'decoder must be one of {DECODERS}, got {decoder!r}')
@@ -122,6 +124,7 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
   server_optimizer = server_optimizer or tff.learning.optimizers.build_sgdm(1.0)
   aggregator_factory = aggregator_factory or tff.aggregators.MeanFactory()
   shared, decoder0 = initial_weights(config, seed)
+  noise_seed_base = 0 if seed is None else int(seed)
   is_shared = decoder == 'shared'
   num_encoders = len(shared)
   weights = ModelWeights(
@@ -141,11 +144,14 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
         encoder_optimizer, loss_config=loss_config,
         decoder_first=decoder_first, schedule=schedule))
     trainable = tuple(weights.trainable)
+    noise_seed = feddva_training.client_seed(
+        noise_seed_base, client_state[process_lib.CLIENT_STATE_ROUNDS],
+        dataset)
     if is_shared:
       encoders, broadcast_decoder = (trainable[:num_encoders],
                                      trainable[num_encoders:])
       update, weight, new_decoder, metrics = step(
-          encoders, broadcast_decoder, dataset)
+          encoders, broadcast_decoder, dataset, seed=noise_seed)
       # The decoder's update in TFF's sign convention (old - new), averaged
       # with the encoders'; a non-finite client returns the broadcast
       # decoder, hence a zero update (and weight 0).
@@ -156,7 +162,7 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
                                             metrics)
     update, weight, new_decoder, metrics = step(
         trainable, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
-        dataset)
+        dataset, seed=noise_seed)
     return process_lib.client_step_result(
         update, weight, new_decoder, client_state, metrics)
 

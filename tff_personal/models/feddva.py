@@ -156,20 +156,26 @@ class FeddvaModel:
     return mu_z, logvar_z, mu_c, logvar_c
 
   def forward(self, x, eps_z=None, eps_c=None, training: bool = True,
-              c_from_prior: bool = False, stop_z: bool = False):
+              c_from_prior: bool = False, stop_z: bool = False, seed=None):
     """One reparameterised sample: z ~ q(z|x), c ~ q(c|x, z), logits of x.
 
-    `eps_z`, `eps_c` (standard normal noise) default to fresh draws; tests
-    pass them to make the forward pass deterministic. `c_from_prior=True`
+    `eps_z`, `eps_c` (standard normal noise) default to draws from `seed`
+    (a shape-[2] integer tensor: `tf.random.stateless_normal`, so equal
+    seeds give equal draws; the training loop passes one per batch), or to
+    fresh stateful draws when `seed` is None. `c_from_prior=True`
     does not run the c-encoder: c = eps_c ~ N(0, I), reported as mu_c = 0,
     logvar_c = 0 (so R_c is the constant xi and gives no gradient);
     `stop_z=True` stops the gradient at z (into the c-encoder and the
     decoder). Both serve the 'reference' schedule of `feddva_training`.
     """
     n = tf.shape(x)[0]
+    seed_z = seed_c = None
+    if seed is not None:
+      seed_z, seed_c = tf.unstack(tf.random.experimental.stateless_split(
+          seed, num=2))
     mu_z, logvar_z = self.encoder_z(x, training=training)
     if eps_z is None:
-      eps_z = tf.random.normal([n, self.config.z_dim])
+      eps_z = _normal([n, self.config.z_dim], seed_z)
     z = mu_z + tf.exp(0.5 * logvar_z) * eps_z
     if stop_z:
       z = tf.stop_gradient(z)
@@ -179,7 +185,7 @@ class FeddvaModel:
     else:
       mu_c, logvar_c = self.encoder_c([x, z], training=training)
     if eps_c is None:
-      eps_c = tf.random.normal([n, self.config.c_dim])
+      eps_c = _normal([n, self.config.c_dim], seed_c)
     c = mu_c + tf.exp(0.5 * logvar_c) * eps_c
     logits = self.decoder([z, c], training=training)
     return collections.OrderedDict(
@@ -187,15 +193,22 @@ class FeddvaModel:
         logvar_c=logvar_c)
 
   def loss(self, x, loss_config: feddva_losses.LossConfig, eps_z=None,
-           eps_c=None, c_from_prior: bool = False, stop_z: bool = False):
+           eps_c=None, c_from_prior: bool = False, stop_z: bool = False,
+           seed=None):
     outputs = self.forward(x, eps_z, eps_c, c_from_prior=c_from_prior,
-                           stop_z=stop_z)
+                           stop_z=stop_z, seed=seed)
     return feddva_losses.feddva_loss(x, outputs, loss_config,
                                      self.config.c_dim)
 
   def decode_mean(self, z, c):
     """Pixel means (sigmoid of the logits) of p_k(x | z, c)."""
     return tf.sigmoid(self.decoder([z, c], training=False))
+
+
+def _normal(shape, seed):
+  if seed is None:
+    return tf.random.normal(shape)
+  return tf.random.stateless_normal(shape, seed)
 
 
 def classification_input_spec():

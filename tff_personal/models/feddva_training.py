@@ -16,6 +16,13 @@ not kept between rounds (the paper does not say; it is the FedAvg habit).
 A non-finite result gives a zero update of weight 0 and keeps the old
 decoder, as `core/split_training.py` does.
 
+Randomness: the reparameterisation noise is stateless
+(`tf.random.stateless_normal`), drawn from a seed per (client round, pass,
+batch): `client_seed` derives the round's seed from the process seed, the
+client's count of rounds participated and an order-free fingerprint of its
+data, so a round run twice from the same state and data is bit-identical
+(tests/determinism_test.py), while clients and rounds draw different noise.
+
 `schedule='reference'` is the authors' public code's round (pysleepy/FedDVA,
 read, not copied; the paper does not describe it), three passes instead of
 two:
@@ -57,17 +64,39 @@ def _all_finite(tensors) -> tf.Tensor:
       [tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
-def _optimise(loss_fn, variables, optimizer, dataset, with_metrics: bool):
+def client_seed(seed: int, rounds_participated, dataset: tf.data.Dataset
+                ) -> tf.Tensor:
+  """A client round's [2] int64 noise seed (module docstring).
+
+  The fingerprint is the sum of the images' pixels on the 0-255 grid, an
+  integer, so it does not depend on the order the batches come in; it costs
+  one read of the data (no model pass). Our construction: clients have no
+  identifier in TFF, and their data tells them apart.
+  """
+  fingerprint = dataset.reduce(
+      tf.constant(0, tf.int64),
+      lambda total, batch: total + tf.reduce_sum(
+          tf.cast(tf.round(batch['x'] * 255.0), tf.int64)))
+  base = tf.stack([tf.constant(seed, tf.int64),
+                   tf.cast(rounds_participated, tf.int64)])
+  return tf.random.experimental.stateless_fold_in(base, fingerprint)
+
+
+def _optimise(loss_fn, variables, optimizer, dataset, with_metrics: bool,
+              seed):
   """One pass over `dataset` updating `variables` only.
 
-  `loss_fn(x)` returns the loss dict of `feddva_losses.feddva_loss`.
+  `loss_fn(x, seed)` returns the loss dict of `feddva_losses.feddva_loss`;
+  batch i gets the seed `stateless_fold_in(seed, i)`.
   """
   specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
 
   def reduce_fn(state, batch):
-    num_examples, sums, opt_state = state
+    num_examples, sums, opt_state, step = state
+    batch_seed = (None if seed is None else
+                  tf.random.experimental.stateless_fold_in(seed, step))
     with tf.GradientTape() as tape:
-      losses = loss_fn(batch['x'])
+      losses = loss_fn(batch['x'], seed=batch_seed)
     grads = tape.gradient(losses['loss'], variables)
     grads = tuple(tf.zeros_like(v) if g is None else g
                   for g, v in zip(grads, variables))
@@ -78,13 +107,14 @@ def _optimise(loss_fn, variables, optimizer, dataset, with_metrics: bool):
       w = tf.cast(n, tf.float32)
       sums = collections.OrderedDict(
           (k, sums[k] + losses[k] * w) for k in sums)
-    return num_examples + tf.cast(n, tf.int64), sums, opt_state
+    return num_examples + tf.cast(n, tf.int64), sums, opt_state, step + 1
 
   zeros = collections.OrderedDict(
       (f'{k}_sum', tf.constant(0.0)) for k in METRIC_NAMES)
   sums = collections.OrderedDict((k[:-4], v) for k, v in zeros.items())
-  num_examples, sums, _ = dataset.reduce(
-      (tf.constant(0, tf.int64), sums, optimizer.initialize(specs)),
+  num_examples, sums, _, _ = dataset.reduce(
+      (tf.constant(0, tf.int64), sums, optimizer.initialize(specs),
+       tf.constant(0, tf.int64)),
       reduce_fn)
   return num_examples, sums
 
@@ -95,8 +125,11 @@ def client_update(model: feddva_lib.FeddvaModel,
                   encoder_weights, decoder_weights, dataset: tf.data.Dataset,
                   loss_config: feddva_losses.LossConfig,
                   decoder_first: bool = True,
-                  schedule: str = 'paper'):
+                  schedule: str = 'paper', seed=None):
   """Algorithm 1's ClientUpdate; returns (update, weight, decoder, metrics).
+
+  `seed`: the round's [2] integer noise seed (`client_seed`); pass k of
+  the round folds in k. None draws stateful (unrepeatable) noise.
 
   `decoder_first=False` swaps the passes (encoders, then decoder); it exists
   only for the test that the order matters. `schedule`: 'paper' (Algorithm
@@ -110,24 +143,31 @@ def client_update(model: feddva_lib.FeddvaModel,
   _assign(encoders, encoder_weights)
   _assign(decoder, decoder_weights)
   full_loss = functools.partial(model.loss, loss_config=loss_config)
+  seeds = [None] * 3
+  if seed is not None:
+    seeds = [tf.random.experimental.stateless_fold_in(seed, k)
+             for k in range(3)]
   if schedule == 'reference':
-    _optimise(full_loss, decoder, decoder_optimizer, dataset, False)
+    _optimise(full_loss, decoder, decoder_optimizer, dataset, False,
+              seeds[0])
     _optimise(functools.partial(model.loss, loss_config=loss_config,
                                 c_from_prior=True),
               model.encoder_z.trainable_variables, encoder_optimizer,
-              dataset, False)
+              dataset, False, seeds[1])
     num_examples, sums = _optimise(
         functools.partial(model.loss, loss_config=loss_config, stop_z=True),
         model.encoder_c.trainable_variables + decoder, encoder_optimizer,
-        dataset, True)
+        dataset, True, seeds[2])
   elif decoder_first:
-    _optimise(full_loss, decoder, decoder_optimizer, dataset, False)
+    _optimise(full_loss, decoder, decoder_optimizer, dataset, False,
+              seeds[0])
     num_examples, sums = _optimise(full_loss, encoders, encoder_optimizer,
-                                   dataset, True)
+                                   dataset, True, seeds[1])
   else:
     num_examples, sums = _optimise(full_loss, encoders, encoder_optimizer,
-                                   dataset, True)
-    _optimise(full_loss, decoder, decoder_optimizer, dataset, False)
+                                   dataset, True, seeds[1])
+    _optimise(full_loss, decoder, decoder_optimizer, dataset, False,
+              seeds[0])
   update = tuple(tf.subtract(a, b.read_value())
                  for a, b in zip(encoder_weights, encoders))
   new_decoder = tuple(v.read_value() for v in decoder)
