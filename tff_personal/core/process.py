@@ -170,6 +170,126 @@ def _metrics_finalizer(metric_sums_type: tff.Type):
   return finalize
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessParts:
+  """The TFF parts every composition here wires: built by `build_parts`.
+
+  Shared by `compose_stateful_client_process` and
+  `core/statistics_process.compose_with_server_step`, which differ only in
+  what happens between aggregation and the new state.
+  """
+  weights_value: ModelWeights
+  client_work: tff.Computation
+  data_type: tff.Type
+  result_type: tff.Type
+  aggregation: tff.templates.AggregationProcess
+  weighted: bool
+  distributor: tff.templates.MeasuredProcess
+  finalizer: tff.templates.MeasuredProcess
+  finalize_metrics: tff.Computation
+  initialize_fn: tff.Computation
+
+  @property
+  def state_type(self) -> tff.Type:
+    return self.initialize_fn.type_signature.result
+
+
+def build_parts(*, initial_model_weights: ModelWeights,
+                client_state_type: tff.Type, client_work: tff.Computation,
+                aggregator_factory,
+                server_optimizer: tff.learning.optimizers.Optimizer
+                ) -> ProcessParts:
+  """Checks the client work against the state type; builds the TFF parts.
+
+  The aggregation is created for the client work's whole `update` (weighted
+  by `update_weight` when the factory is weighted); `initialize_fn` gives
+  TFF's `LearningAlgorithmState` at SERVER.
+  """
+  weights_value = tf.nest.map_structure(np.asarray, initial_model_weights)
+  weights_type = model_weights_type(weights_value)
+  param = client_work.type_signature.parameter
+  result_type = client_work.type_signature.result
+  if not param[1].is_assignable_from(client_state_type):
+    raise TypeError(
+        f'client_work takes client state {param[1]}, not {client_state_type}')
+  if isinstance(aggregator_factory, tff.aggregators.WeightedAggregationFactory):
+    aggregation = aggregator_factory.create(
+        result_type.update, result_type.update_weight)
+    weighted = True
+  elif isinstance(aggregator_factory,
+                  tff.aggregators.UnweightedAggregationFactory):
+    aggregation = aggregator_factory.create(result_type.update)
+    weighted = False
+  else:
+    raise TypeError('aggregator_factory must be a tff.aggregators weighted or '
+                    f'unweighted factory, got {type(aggregator_factory)}')
+  distributor = tff.learning.templates.build_broadcast_process(weights_type)
+  finalizer = tff.learning.templates.build_apply_optimizer_finalizer(
+      server_optimizer, weights_type)
+
+  @tff.tensorflow.computation
+  def initial_weights_fn():
+    return tf.nest.map_structure(tf.constant, weights_value)
+
+  @tff.federated_computation
+  def initialize_fn():
+    return tff.federated_zip(LearningAlgorithmState(
+        global_model_weights=tff.federated_eval(initial_weights_fn, tff.SERVER),
+        distributor=distributor.initialize(),
+        client_work=tff.federated_value((), tff.SERVER),
+        aggregator=aggregation.initialize(),
+        finalizer=finalizer.initialize()))
+
+  return ProcessParts(
+      weights_value=weights_value, client_work=client_work,
+      data_type=param[2], result_type=result_type, aggregation=aggregation,
+      weighted=weighted, distributor=distributor, finalizer=finalizer,
+      finalize_metrics=_metrics_finalizer(result_type.metrics),
+      initialize_fn=initialize_fn)
+
+
+def run_clients_and_aggregate(parts: ProcessParts, state, client_states,
+                              client_data):
+  """In a federated computation: broadcast, client work, aggregation.
+
+  Returns `(distributed, outputs, aggregated)`: the distributor's output,
+  the client work's outputs at CLIENTS and the aggregation's output.
+  """
+  distributed = parts.distributor.next(state.distributor,
+                                       state.global_model_weights)
+  outputs = tff.federated_map(
+      parts.client_work, (distributed.result, client_states, client_data))
+  if parts.weighted:
+    aggregated = parts.aggregation.next(state.aggregator, outputs.update,
+                                        outputs.update_weight)
+  else:
+    aggregated = parts.aggregation.next(state.aggregator, outputs.update)
+  return distributed, outputs, aggregated
+
+
+def next_state_and_measurements(parts: ProcessParts, state, distributed,
+                                aggregated, finalized, global_model_weights,
+                                outputs, train_metrics: bool, **extra):
+  """In a federated computation: the new server state and measurements.
+
+  `extra` measurements (SERVER-placed) go after the aggregator's and the
+  finalizer's; the training-metric sums come last when `train_metrics`.
+  """
+  new_state = tff.federated_zip(LearningAlgorithmState(
+      global_model_weights=global_model_weights,
+      distributor=distributed.state,
+      client_work=state.client_work,
+      aggregator=aggregated.state,
+      finalizer=finalized.state))
+  measurements = collections.OrderedDict(
+      aggregator=aggregated.measurements,
+      finalizer=finalized.measurements, **extra)
+  if train_metrics:
+    measurements['train'] = tff.federated_map(
+        parts.finalize_metrics, tff.federated_sum(outputs.metrics))
+  return new_state, tff.federated_zip(measurements)
+
+
 def compose_stateful_client_process(
     *,
     initial_model_weights: ModelWeights,
@@ -203,85 +323,34 @@ def compose_stateful_client_process(
   Returns:
     A `StatefulClientProcess`.
   """
-  weights_value = tf.nest.map_structure(np.asarray, initial_model_weights)
-  weights_type = model_weights_type(weights_value)
-  param = client_work.type_signature.parameter
-  data_type = param[2]
-  result_type = client_work.type_signature.result
-  update_type = result_type.update
-  metrics_type = result_type.metrics
-  if not param[1].is_assignable_from(client_state_type):
-    raise TypeError(
-        f'client_work takes client state {param[1]}, not {client_state_type}')
-
-  if isinstance(aggregator_factory, tff.aggregators.WeightedAggregationFactory):
-    aggregation = aggregator_factory.create(
-        update_type, result_type.update_weight)
-    weighted = True
-  elif isinstance(aggregator_factory,
-                  tff.aggregators.UnweightedAggregationFactory):
-    aggregation = aggregator_factory.create(update_type)
-    weighted = False
-  else:
-    raise TypeError('aggregator_factory must be a tff.aggregators weighted or '
-                    f'unweighted factory, got {type(aggregator_factory)}')
-  distributor = tff.learning.templates.build_broadcast_process(weights_type)
-  finalizer = tff.learning.templates.build_apply_optimizer_finalizer(
-      server_optimizer, weights_type)
-  finalize_metrics = _metrics_finalizer(metrics_type)
-
-  @tff.tensorflow.computation
-  def initial_weights_fn():
-    return tf.nest.map_structure(tf.constant, weights_value)
-
-  @tff.federated_computation
-  def initialize_fn():
-    return tff.federated_zip(LearningAlgorithmState(
-        global_model_weights=tff.federated_eval(initial_weights_fn, tff.SERVER),
-        distributor=distributor.initialize(),
-        client_work=tff.federated_value((), tff.SERVER),
-        aggregator=aggregation.initialize(),
-        finalizer=finalizer.initialize()))
-
-  state_type = initialize_fn.type_signature.result
+  parts = build_parts(
+      initial_model_weights=initial_model_weights,
+      client_state_type=client_state_type, client_work=client_work,
+      aggregator_factory=aggregator_factory,
+      server_optimizer=server_optimizer)
 
   @tff.federated_computation(
-      state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
-      tff.FederatedType(data_type, tff.CLIENTS))
+      parts.state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
+      tff.FederatedType(parts.data_type, tff.CLIENTS))
   def next_fn(state, client_states, client_data):
-    distributed = distributor.next(state.distributor, state.global_model_weights)
-    outputs = tff.federated_map(
-        client_work, (distributed.result, client_states, client_data))
-    if weighted:
-      aggregated = aggregation.next(
-          state.aggregator, outputs.update, outputs.update_weight)
-    else:
-      aggregated = aggregation.next(state.aggregator, outputs.update)
-    finalized = finalizer.next(
+    distributed, outputs, aggregated = run_clients_and_aggregate(
+        parts, state, client_states, client_data)
+    finalized = parts.finalizer.next(
         state.finalizer, state.global_model_weights, aggregated.result)
-    new_state = tff.federated_zip(LearningAlgorithmState(
-        global_model_weights=finalized.result,
-        distributor=distributed.state,
-        client_work=state.client_work,
-        aggregator=aggregated.state,
-        finalizer=finalized.state))
-    measurements = collections.OrderedDict(
-        aggregator=aggregated.measurements,
-        finalizer=finalized.measurements)
-    if train_metrics:
-      measurements['train'] = tff.federated_map(
-          finalize_metrics, tff.federated_sum(outputs.metrics))
-    return new_state, outputs.client_state, tff.federated_zip(measurements)
+    new_state, measurements = next_state_and_measurements(
+        parts, state, distributed, aggregated, finalized, finalized.result,
+        outputs, train_metrics)
+    return new_state, outputs.client_state, measurements
 
   composition = Composition(
-      initial_model_weights=weights_value,
-      client_state_type=client_state_type, client_data_type=data_type,
-      client_work_result_type=result_type,
+      initial_model_weights=parts.weights_value,
+      client_state_type=client_state_type, client_data_type=parts.data_type,
+      client_work_result_type=parts.result_type,
       aggregator_factory=aggregator_factory, server_optimizer=server_optimizer,
       train_metrics=train_metrics, client_step=client_step)
   return StatefulClientProcess(
-      initialize_fn, next_fn, client_state_type=client_state_type,
-      aggregation_value_type=update_type,
+      parts.initialize_fn, next_fn, client_state_type=client_state_type,
+      aggregation_value_type=parts.result_type.update,
       model_fn=model_fn, composition=composition)
 
 

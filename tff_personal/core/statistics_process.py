@@ -95,52 +95,19 @@ def compose_with_server_step(
   Returns:
     A `StatefulClientProcess`.
   """
-  weights_value = tf.nest.map_structure(np.asarray, initial_model_weights)
-  weights_type = process_lib.model_weights_type(weights_value)
-  param = client_work.type_signature.parameter
-  data_type = param[2]
-  result_type = client_work.type_signature.result
-  update_type = result_type.update
+  parts = process_lib.build_parts(
+      initial_model_weights=initial_model_weights,
+      client_state_type=client_state_type, client_work=client_work,
+      aggregator_factory=aggregator_factory,
+      server_optimizer=server_optimizer)
+  result_type = parts.result_type
   has_selection = 'selected' in dir(result_type)
   if has_selection != (selection_factory is not None):
     raise ValueError('selection_factory must be given exactly when the client '
                      'work returns `selected`')
-  if not param[1].is_assignable_from(client_state_type):
-    raise TypeError(
-        f'client_work takes client state {param[1]}, not {client_state_type}')
-  if isinstance(aggregator_factory, tff.aggregators.WeightedAggregationFactory):
-    aggregation = aggregator_factory.create(update_type,
-                                            result_type.update_weight)
-    weighted = True
-  elif isinstance(aggregator_factory,
-                  tff.aggregators.UnweightedAggregationFactory):
-    aggregation = aggregator_factory.create(update_type)
-    weighted = False
-  else:
-    raise TypeError('aggregator_factory must be a tff.aggregators weighted or '
-                    f'unweighted factory, got {type(aggregator_factory)}')
   selection = (selection_factory.create(result_type.selected)
                if has_selection else None)
-  distributor = tff.learning.templates.build_broadcast_process(weights_type)
-  finalizer = tff.learning.templates.build_apply_optimizer_finalizer(
-      server_optimizer, weights_type)
-  finalize_metrics = process_lib._metrics_finalizer(result_type.metrics)  # pylint: disable=protected-access
-
-  @tff.tensorflow.computation
-  def initial_weights_fn():
-    return tf.nest.map_structure(tf.constant, weights_value)
-
-  @tff.federated_computation
-  def initialize_fn():
-    return tff.federated_zip(process_lib.LearningAlgorithmState(
-        global_model_weights=tff.federated_eval(initial_weights_fn, tff.SERVER),
-        distributor=distributor.initialize(),
-        client_work=tff.federated_value((), tff.SERVER),
-        aggregator=aggregation.initialize(),
-        finalizer=finalizer.initialize()))
-
-  state_type = initialize_fn.type_signature.result
-  aggregated_type = aggregation.next.type_signature.result.result.member
+  aggregated_type = parts.aggregation.next.type_signature.result.result.member
 
   @tff.tensorflow.computation(aggregated_type)
   def model_part(aggregated):
@@ -166,19 +133,12 @@ def compose_with_server_step(
       return tf.identity(count)
 
   @tff.federated_computation(
-      state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
-      tff.FederatedType(data_type, tff.CLIENTS))
+      parts.state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
+      tff.FederatedType(parts.data_type, tff.CLIENTS))
   def next_fn(state, client_states, client_data):
-    distributed = distributor.next(state.distributor,
-                                   state.global_model_weights)
-    outputs = tff.federated_map(
-        client_work, (distributed.result, client_states, client_data))
-    if weighted:
-      aggregated = aggregation.next(state.aggregator, outputs.update,
-                                    outputs.update_weight)
-    else:
-      aggregated = aggregation.next(state.aggregator, outputs.update)
-    finalized = finalizer.next(
+    distributed, outputs, aggregated = process_lib.run_clients_and_aggregate(
+        parts, state, client_states, client_data)
+    finalized = parts.finalizer.next(
         state.finalizer, state.global_model_weights,
         tff.federated_map(model_part, aggregated.result))
     cohort = tff.federated_sum(tff.federated_map(
@@ -190,31 +150,21 @@ def compose_with_server_step(
       selected = selection.next(selection.initialize(), outputs.selected)
       step_args.append(selected.result)
     stepped = tff.federated_map(server_step, tuple(step_args))
-    new_state = tff.federated_zip(process_lib.LearningAlgorithmState(
-        global_model_weights=stepped.weights,
-        distributor=distributed.state,
-        client_work=state.client_work,
-        aggregator=aggregated.state,
-        finalizer=finalized.state))
-    measurements = collections.OrderedDict(
-        aggregator=aggregated.measurements,
-        finalizer=finalized.measurements,
-        server_step=stepped.measurements)
-    if train_metrics:
-      measurements['train'] = tff.federated_map(
-          finalize_metrics, tff.federated_sum(outputs.metrics))
-    return new_state, outputs.client_state, tff.federated_zip(measurements)
+    new_state, measurements = process_lib.next_state_and_measurements(
+        parts, state, distributed, aggregated, finalized, stepped.weights,
+        outputs, train_metrics, server_step=stepped.measurements)
+    return new_state, outputs.client_state, measurements
 
   composition = process_lib.Composition(
-      initial_model_weights=weights_value,
-      client_state_type=client_state_type, client_data_type=data_type,
+      initial_model_weights=parts.weights_value,
+      client_state_type=client_state_type, client_data_type=parts.data_type,
       client_work_result_type=result_type,
       aggregator_factory=aggregator_factory, server_optimizer=server_optimizer,
       train_metrics=train_metrics, client_step=client_step,
       server_step=server_step, selection_factory=selection_factory)
   return process_lib.StatefulClientProcess(
-      initialize_fn, next_fn, client_state_type=client_state_type,
-      aggregation_value_type=update_type, model_fn=model_fn,
+      parts.initialize_fn, next_fn, client_state_type=client_state_type,
+      aggregation_value_type=result_type.update, model_fn=model_fn,
       composition=composition)
 
 
