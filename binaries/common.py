@@ -16,6 +16,7 @@ from tasks import registry as task_registry
 from tff_personal import experiment
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
@@ -269,6 +270,77 @@ def run(config, task_kwargs, f) -> int:
   print(json.dumps({k: summary[k] for k in (
       'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
       'privacy')}, indent=1, default=str))
+  return 0
+
+
+# Flags that only shape evaluation or how the simulation runs: a re-evaluation
+# (binaries.evaluate) may change them; every other flag must be the run's.
+EVALUATION_FLAGS = ('eval_clients', 'eval_fine_tune', 'cold_start_epochs',
+                    'eval_every', 'checkpoint_every', 'resume',
+                    'simulation_shards', 'use_gpu', 'workers',
+                    'intra_op_threads', 'inter_op_threads',
+                    'root_output_dir', 'experiment_name')
+
+
+def flag_differences(recorded: dict, current: dict,
+                     ignore=EVALUATION_FLAGS) -> list[str]:
+  """`--name: run's value, now value` for grouped flag dicts (summary.json).
+
+  Flags one side lacks (added to the binaries later) are not compared.
+  """
+  def flat(grouped):
+    return {name: value for group in grouped.values() if isinstance(
+        group, dict) for name, value in group.items()}
+  old, new = flat(recorded), flat(current)
+  return [f'--{n}: {old[n]!r} in the run, {new[n]!r} now'
+          for n in sorted(set(old) & set(new))
+          if n not in ignore and old[n] != new[n]]
+
+
+def run_evaluation(config, task_kwargs, f, eval_name: str,
+                   overwrite: bool = False) -> int:
+  """Re-evaluates the finished run of `f`'s flags (binaries.evaluate)."""
+  if not f.use_gpu:
+    tf.config.set_visible_devices([], 'GPU')
+  if not f['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  summary_path = os.path.join(config.experiment_dir, 'summary.json')
+  if os.path.exists(summary_path):
+    with open(summary_path, encoding='utf-8') as fh:
+      recorded = json.load(fh).get('flags') or {}
+    differences = flag_differences(recorded, flag_values(f))
+    if differences:
+      print(f'error: {summary_path} was trained with other flags:\n  ' +
+            '\n  '.join(differences) + '\nPass the run\'s flags; only '
+            f'{", ".join(EVALUATION_FLAGS[:3])} and the runtime flags may '
+            'differ.', file=sys.stderr)
+      return 2
+  try:
+    worker_threads.resolve(f.intra_op_threads, '--intra_op_threads')
+    worker_threads.resolve(f.inter_op_threads, '--inter_op_threads')
+    task = task_registry.build_task(f.task, **task_kwargs)
+    experiment.validate(config, task.population)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  with runtime.local_runtime(workers=f.workers,
+                             intra_op_threads=f.intra_op_threads,
+                             inter_op_threads=f.inter_op_threads):
+    try:
+      record = experiment.evaluate_experiment(
+          task, config, eval_name, log_fn=lambda s: print(s, flush=True),
+          overwrite=overwrite, flag_values=flag_values(f))
+    except experiment.EvaluationError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 2
+    except (training_loop.CheckpointError,
+            client_state_lib.ClientStateStoreError) as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 3
+  print(json.dumps({k: record[k] for k in (
+      'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},
+                   indent=1, default=str))
+  print(f'written: {experiment.evaluation_path(config, eval_name)}')
   return 0
 
 

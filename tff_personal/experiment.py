@@ -9,6 +9,7 @@ is here or below. A task is duck-typed (see `tasks/preference_task.py`):
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any, Callable, Optional
@@ -190,34 +191,16 @@ def probe_client_updates(task, config: ExperimentConfig,
   return np.stack(rows)
 
 
-def run_experiment(task, config: ExperimentConfig,
-                   log_fn: Callable[[str], None] = print,
-                   flag_values: Optional[dict[str, Any]] = None,
-                   export_private_states: bool = False) -> dict:
-  """Trains and evaluates; writes and returns the summary (summary.json).
+def _personal_evaluator(task, proc, config: ExperimentConfig, store,
+                        num_shards: int):
+  """`(evaluate, eval_ids, eval_data_fn)` for `proc`'s state on `task`.
 
-  With `export_private_states`, the final private states of the evaluated
-  clients are written to `private_states.npz` (ids and each private tensor)
-  for analysis such as the t-SNE of user embeddings. This reads every
-  client's state, which only a simulation can do; a deployment never would.
+  `evaluate(state, datasets_fn, ids=eval_ids, fine_tune=config.eval_fine_tune,
+  test=False)` tests the clients `ids` with their private states from
+  `store` (after the fixed local pass of `eval_fine_tune` if `fine_tune`)
+  and returns `task.evaluate`'s metrics. Shared by training
+  (`run_experiment`) and re-evaluation (`evaluate_experiment`).
   """
-  population = task.population
-  dp = validate(config, population)
-  os.makedirs(config.experiment_dir, exist_ok=True)
-  t_start = time.perf_counter()
-
-  proc = build_process(task, config, privacy.build_aggregator(dp))
-  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
-  # Tasks whose examples travel in a compact form (speech: uint8) say so.
-  train_proc = sharded.maybe_shard(proc, num_shards, dp,
-                                   getattr(task, 'wire_format', None))
-  log_fn(f'simulation: {num_shards} shards per round' if num_shards else
-         'simulation: one user per TFF client')
-  initial_state_fn = initial_client_state_fn(proc, config)
-  store = client_state_lib.make_store(
-      config.client_state_backend, initial_state_fn, population=population,
-      directory=os.path.join(config.experiment_dir, 'client_states'))
-
   weights_type = proc.model_weights_type
   fine_tune_optimizer = (_private_optimizer(config) or
                          make_client_optimizer(config)) if (
@@ -259,10 +242,10 @@ def run_experiment(task, config: ExperimentConfig,
             fine_tune_optimizer) if fine_tune_optimizer is not None else None)
   if config.eval_clients:
     rng = np.random.default_rng([config.seed, 0xE7A1])
-    eval_ids = np.sort(rng.choice(population, config.eval_clients,
+    eval_ids = np.sort(rng.choice(task.population, config.eval_clients,
                                   replace=False)).tolist()
   else:
-    eval_ids = list(range(population))
+    eval_ids = list(range(task.population))
 
   def evaluate(state, datasets_fn, ids=eval_ids,
                fine_tune=config.eval_fine_tune, test=False):
@@ -280,6 +263,40 @@ def run_experiment(task, config: ExperimentConfig,
             fine_tune_train_fn(chunk, config.rounds), datasets_fn(chunk)))
     return task.evaluate(outputs, ids)
 
+  return evaluate, eval_ids, eval_data_fn
+
+
+def run_experiment(task, config: ExperimentConfig,
+                   log_fn: Callable[[str], None] = print,
+                   flag_values: Optional[dict[str, Any]] = None,
+                   export_private_states: bool = False) -> dict:
+  """Trains and evaluates; writes and returns the summary (summary.json).
+
+  With `export_private_states`, the final private states of the evaluated
+  clients are written to `private_states.npz` (ids and each private tensor)
+  for analysis such as the t-SNE of user embeddings. This reads every
+  client's state, which only a simulation can do; a deployment never would.
+  """
+  population = task.population
+  dp = validate(config, population)
+  os.makedirs(config.experiment_dir, exist_ok=True)
+  t_start = time.perf_counter()
+
+  proc = build_process(task, config, privacy.build_aggregator(dp))
+  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
+  # Tasks whose examples travel in a compact form (speech: uint8) say so.
+  train_proc = sharded.maybe_shard(proc, num_shards, dp,
+                                   getattr(task, 'wire_format', None))
+  log_fn(f'simulation: {num_shards} shards per round' if num_shards else
+         'simulation: one user per TFF client')
+  initial_state_fn = initial_client_state_fn(proc, config)
+  store = client_state_lib.make_store(
+      config.client_state_backend, initial_state_fn, population=population,
+      directory=os.path.join(config.experiment_dir, 'client_states'))
+
+  evaluate, eval_ids, eval_data_fn = _personal_evaluator(
+      task, proc, config, store, num_shards)
+
   def eval_fn(state, round_num):
     del round_num
     return evaluate(state, eval_data_fn)
@@ -291,7 +308,6 @@ def run_experiment(task, config: ExperimentConfig,
       checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
       resume=config.resume)
   setup_seconds = time.perf_counter() - t_start
-  test_metrics = test_fine_tuned = cold_start_metrics = None
   try:
     result = training_loop.run_training(
         train_proc, store=store,
@@ -299,20 +315,10 @@ def run_experiment(task, config: ExperimentConfig,
                        hasattr(task, 'train_batches') else
                        task.train_datasets),
         config=loop_config, eval_fn=eval_fn, log_fn=log_fn)
-    if hasattr(task, 'test_datasets'):  # held-out test split, after training
-      test_metrics = evaluate(result.state, task.test_datasets, test=True)
-      log_fn(f'test: {_short(test_metrics)}')
-      if config.test_fine_tune:
-        test_fine_tuned = evaluate(result.state, task.test_datasets,
-                                   fine_tune=True, test=True)
-        log_fn(f'test after one local pass of private state: '
-               f'{_short(test_fine_tuned)}')
+    finals = _final_evaluations(task, proc, result.state, store, config,
+                                evaluate, log_fn)
     if export_private_states:
       _export_private_states(store, eval_ids, config.experiment_dir)
-    if getattr(task, 'cold_client_ids', None):
-      cold_start_metrics = _cold_start(task, proc, result.state, store, config)
-      log_fn(f'cold start ({len(task.cold_client_ids)} users never trained): '
-             f'{_short(cold_start_metrics)}')
   finally:
     store.close()
 
@@ -337,9 +343,7 @@ def run_experiment(task, config: ExperimentConfig,
       'population': population,
       'simulation_shards': num_shards,
       'eval': result.eval_metrics,
-      'test': test_metrics,
-      'test_fine_tuned': test_fine_tuned,
-      'cold_start': cold_start_metrics,
+      **finals,
       'final_train_metrics': result.train_metrics,
       'privacy': report,
       'flags': flag_values if flag_values is not None else dataclasses.asdict(
@@ -352,6 +356,128 @@ def run_experiment(task, config: ExperimentConfig,
            f'({report["accountant"]}, {report["sampling"]} sampling, '
            f'noise_multiplier={report["noise_multiplier"]:.4g})')
   return summary
+
+
+class EvaluationError(ValueError):
+  """A run cannot be re-evaluated as asked (names the file and why)."""
+
+
+EVALUATIONS_DIRNAME = 'evaluations'
+# Config fields that only shape evaluation (or how the simulation runs):
+# re-evaluating a run may change them; every other field must be the run's.
+EVALUATION_FIELDS = ('eval_clients', 'eval_chunk', 'eval_fine_tune',
+                     'test_fine_tune', 'cold_start_epochs',
+                     'simulation_shards', 'eval_every', 'checkpoint_every',
+                     'resume')
+
+
+def evaluation_path(config: ExperimentConfig, eval_name: str) -> str:
+  return os.path.join(config.experiment_dir, EVALUATIONS_DIRNAME,
+                      f'{eval_name}.json')
+
+
+def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
+                        log_fn: Callable[[str], None] = print,
+                        overwrite: bool = False,
+                        flag_values: Optional[dict[str, Any]] = None) -> dict:
+  """Evaluates a finished run's final state again; writes nothing else.
+
+  Reads `<experiment_dir>/summary.json` (a run writes it when it ends), the
+  server checkpoint of its last round and the clients' private states as
+  committed at that round, then runs the same evaluations as the end of
+  training (`eval`; `test` / `test_fine_tuned` with a held-out split;
+  `cold_start`) under this config's evaluation fields (`EVALUATION_FIELDS`:
+  e.g. `eval_fine_tune`, `eval_clients`). The result goes to
+  `<experiment_dir>/evaluations/<eval_name>.json` (refused if it exists,
+  unless `overwrite`); the checkpoints, the client-state store and
+  summary.json are only read. Checking that the other fields are the run's
+  is the caller's (`binaries.evaluate` compares the flags with summary.json).
+
+  Raises:
+    EvaluationError: the run has not finished, or the output exists.
+    training_loop.CheckpointError: the last round's checkpoint is missing or
+      unreadable.
+    client_state_lib.ClientStateStoreError: the stored states do not match
+      that round.
+  """
+  if not eval_name or os.sep in eval_name or eval_name.startswith('.'):
+    raise EvaluationError(f'eval_name must be a plain file name, got '
+                          f'{eval_name!r}')
+  summary_path = os.path.join(config.experiment_dir, 'summary.json')
+  if not os.path.exists(summary_path):
+    raise EvaluationError(
+        f'{summary_path} does not exist: the run in {config.experiment_dir} '
+        'has not finished (resume it with binaries.train --resume); only '
+        'finished runs are re-evaluated')
+  with open(summary_path, encoding='utf-8') as f:
+    run_summary = json.load(f)
+  out_path = evaluation_path(config, eval_name)
+  if os.path.exists(out_path) and not overwrite:
+    raise EvaluationError(f'{out_path} exists; choose another eval_name or '
+                          'overwrite it on purpose')
+  rounds = int(run_summary['rounds_completed'])
+  population = task.population
+  dp = validate(config, population)
+  proc = build_process(task, config, privacy.build_aggregator(dp))
+  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
+  state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)
+  store = client_state_lib.make_store(
+      config.client_state_backend, initial_client_state_fn(proc, config),
+      population=population,
+      directory=os.path.join(config.experiment_dir, 'client_states'))
+  t_start = time.perf_counter()
+  try:
+    if isinstance(store, client_state_lib.InMemoryClientStateStore):
+      store.restore(rounds)  # Loads snapshot `rounds`; writes nothing.
+    elif store.committed_round() != rounds:
+      raise client_state_lib.ClientStateStoreError(
+          f'the client-state store in {config.experiment_dir} is committed at '
+          f'round {store.committed_round()}, not at the run\'s last round '
+          f'{rounds}')
+    evaluate, _, eval_data_fn = _personal_evaluator(
+        task, proc, config, store, num_shards)
+    result = {'eval': evaluate(state, eval_data_fn)}
+    log_fn(f'eval: {_short(result["eval"])}')
+    result.update(_final_evaluations(task, proc, state, store, config,
+                                     evaluate, log_fn))
+  finally:
+    store.close()
+  record = {
+      'eval_name': eval_name,
+      'round': rounds,
+      **result,
+      'seconds': time.perf_counter() - t_start,
+      'evaluation': {k: getattr(config, k) for k in EVALUATION_FIELDS
+                     if k not in ('resume', 'checkpoint_every', 'eval_every')},
+      # The shared model's guarantee is the run's; evaluation metrics, like
+      # training's, are simulation diagnostics.
+      'privacy': run_summary.get('privacy'),
+      'flags': flag_values if flag_values is not None else dataclasses.asdict(
+          config),
+  }
+  os.makedirs(os.path.dirname(out_path), exist_ok=True)
+  training_loop.write_summary(out_path, record)
+  return record
+
+
+def _final_evaluations(task, proc, state, store, config: ExperimentConfig,
+                       evaluate, log_fn) -> dict:
+  """The evaluations after the last round: `test`, `test_fine_tuned`,
+  `cold_start` (None where the task or config has none)."""
+  out = dict(test=None, test_fine_tuned=None, cold_start=None)
+  if hasattr(task, 'test_datasets'):  # held-out test split, after training
+    out['test'] = evaluate(state, task.test_datasets, test=True)
+    log_fn(f'test: {_short(out["test"])}')
+    if config.test_fine_tune:
+      out['test_fine_tuned'] = evaluate(state, task.test_datasets,
+                                        fine_tune=True, test=True)
+      log_fn(f'test after one local pass of private state: '
+             f'{_short(out["test_fine_tuned"])}')
+  if getattr(task, 'cold_client_ids', None):
+    out['cold_start'] = _cold_start(task, proc, state, store, config)
+    log_fn(f'cold start ({len(task.cold_client_ids)} users never trained): '
+           f'{_short(out["cold_start"])}')
+  return out
 
 
 def _short(metrics: dict) -> str:

@@ -176,6 +176,34 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
       'state. Nothing was changed.')
 
 
+def load_checkpoint(process, experiment_dir: str, round_num: int):
+  """The server state checkpointed at `round_num`, read only.
+
+  Raises `CheckpointError` naming the directory when there is no checkpoint
+  of that round or it cannot be read; nothing is written or removed (unlike
+  resuming, which drops checkpoints newer than the client-state store).
+  """
+  ckpt_dir = os.path.join(experiment_dir, 'checkpoints')
+  manager = tff.program.FileProgramStateManager(ckpt_dir)
+  versions = asyncio.run(manager.get_versions()) or []
+  if round_num not in versions:
+    raise CheckpointError(
+        f'{ckpt_dir} has no checkpoint of round {round_num} (has '
+        f'{sorted(versions) or "none"})')
+  try:
+    program_state = asyncio.run(manager.load(
+        round_num, {'server_state': process.initialize(), 'round_num': 0}))
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(
+        f'checkpoint for round {round_num} in {ckpt_dir} cannot be read '
+        f'({type(e).__name__}: {e})') from e
+  if int(program_state['round_num']) != round_num:
+    raise CheckpointError(
+        f'checkpoint directory for round {round_num} holds round '
+        f'{program_state["round_num"]}; the checkpoint is inconsistent')
+  return program_state['server_state']
+
+
 def run_training(
     process,
     *,

@@ -1,0 +1,46 @@
+r"""Evaluates a finished experiment again, e.g. with test-time fine-tuning.
+
+  python -m binaries.evaluate <the run's binaries.train flags> \
+    [--eval_fine_tune] [--eval_clients=N] --eval_name=fine_tuned
+
+Reads <root_output_dir>/<experiment_name>/: summary.json (the run's flags;
+they must match these, except the evaluation and runtime flags), the
+server checkpoint of the last round and the clients' private states as
+committed then. Writes only evaluations/<eval_name>.json (refused if it
+exists, unless --overwrite_evaluation). Exit codes: 2 for flags or a run that
+has not finished, 3 for a missing or unreadable checkpoint or client state.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+
+from binaries import common
+
+FLAGS = flags.FLAGS
+common.define_flags()
+flags.DEFINE_string('eval_name', 'evaluation',
+                    'Name of the result file: evaluations/<eval_name>.json.')
+flags.DEFINE_bool('overwrite_evaluation', False,
+                  'Replace an existing evaluations/<eval_name>.json.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  try:
+    config, task_kwargs = common.configs_from_flags(FLAGS)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  try:
+    return common.run_evaluation(config, task_kwargs, FLAGS, FLAGS.eval_name,
+                                 overwrite=FLAGS.overwrite_evaluation)
+  except ConnectionError as e:  # --workers unreachable; nothing was read.
+    print(f'error: {e}', file=sys.stderr)
+    return 4
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,126 @@
+"""binaries.evaluate: re-evaluating a finished run reads it and writes one file."""
+
+import hashlib
+import json
+import os
+
+from absl import flags
+from absl.testing import flagsaver
+import numpy as np
+import pytest
+
+from binaries import evaluate
+from binaries import train
+
+FLAGS = flags.FLAGS
+
+
+def _parse_flags():
+  if not FLAGS.is_parsed():
+    FLAGS(['evaluate'])
+
+
+def _run_flags(root, mnist_dir, **overrides):
+  values = dict(task='mnist_preference', algorithm='fedembed_personal',
+                data_dir=mnist_dir, num_users=30, rounds=2,
+                clients_per_round=6, root_output_dir=str(root),
+                experiment_name='run', seed=3, eval_clients=0)
+  values.update(overrides)
+  return values
+
+
+def _tree_digest(path):
+  """Names and contents of every file below `path` (what 'read only' keeps)."""
+  digest = {}
+  for dirpath, _, files in os.walk(path):
+    for name in files:
+      full = os.path.join(dirpath, name)
+      with open(full, 'rb') as f:
+        digest[os.path.relpath(full, path)] = hashlib.sha1(
+            f.read()).hexdigest()
+  return digest
+
+
+@pytest.fixture(scope='module')
+def finished_run(tmp_path_factory, mnist_dir):
+  _parse_flags()
+  root = tmp_path_factory.mktemp('evaluate')
+  with flagsaver.flagsaver(**_run_flags(root, mnist_dir)):
+    assert train.main(['train']) == 0
+  with open(root / 'run' / 'summary.json') as f:
+    return root, json.load(f)
+
+
+def _evaluate(root, mnist_dir, **overrides):
+  with flagsaver.flagsaver(**_run_flags(root, mnist_dir, **overrides)):
+    return evaluate.main(['evaluate'])
+
+
+def _read(root, name):
+  with open(root / 'run' / 'evaluations' / f'{name}.json') as f:
+    return json.load(f)
+
+
+def test_reevaluation_reproduces_the_run_and_changes_nothing(
+    finished_run, mnist_dir):
+  root, summary = finished_run
+  before = _tree_digest(root / 'run')
+  assert _evaluate(root, mnist_dir, eval_name='again') == 0
+  record = _read(root, 'again')
+  assert record['round'] == 2
+  # The same state, private states and evaluation: the run's final numbers.
+  for key, value in summary['eval'].items():
+    if isinstance(value, float):
+      np.testing.assert_allclose(record['eval'][key], value, rtol=1e-6,
+                                 err_msg=key)
+  after = _tree_digest(root / 'run')
+  assert {k: v for k, v in after.items()
+          if not k.startswith('evaluations')} == before
+
+
+def test_fine_tuned_and_subset_evaluations(finished_run, mnist_dir):
+  root, summary = finished_run
+  # (The run itself evaluated after the local pass: the MNIST default.)
+  assert summary['flags']['training']['eval_fine_tune'] is True
+  assert _evaluate(root, mnist_dir, eval_name='subset', eval_clients=12,
+                   eval_fine_tune=False) == 0
+  assert _evaluate(root, mnist_dir, eval_name='tuned', eval_fine_tune=True,
+                   eval_clients=12) == 0
+  plain, tuned = _read(root, 'subset'), _read(root, 'tuned')
+  assert plain['eval']['num_clients'] == tuned['eval']['num_clients'] == 12
+  assert summary['eval']['num_clients'] == 30
+  assert tuned['evaluation']['eval_fine_tune'] is True
+  assert plain['evaluation']['eval_fine_tune'] is False
+  # One local pass of each client's private embedding moves its scores.
+  assert tuned['eval']['auc'] != plain['eval']['auc']
+
+
+def test_other_training_flags_are_refused(finished_run, mnist_dir, capsys):
+  root, _ = finished_run
+  assert _evaluate(root, mnist_dir, eval_name='lr',
+                   client_learning_rate=0.5) == 2
+  err = capsys.readouterr().err
+  assert '--client_learning_rate: ' in err and ', 0.5 now' in err
+  assert '--eval_name' not in err and '--seed' not in err
+  assert not os.path.exists(root / 'run' / 'evaluations' / 'lr.json')
+
+
+def test_existing_result_is_kept_unless_overwritten(finished_run, mnist_dir,
+                                                    capsys):
+  root, _ = finished_run
+  assert _evaluate(root, mnist_dir, eval_name='twice') == 0
+  path = root / 'run' / 'evaluations' / 'twice.json'
+  first = path.read_bytes()
+  assert _evaluate(root, mnist_dir, eval_name='twice') == 2
+  assert 'exists' in capsys.readouterr().err
+  assert path.read_bytes() == first
+  assert _evaluate(root, mnist_dir, eval_name='twice',
+                   overwrite_evaluation=True) == 0
+
+
+def test_unfinished_run_is_refused(tmp_path, mnist_dir, capsys):
+  _parse_flags()
+  (tmp_path / 'run').mkdir()
+  assert _evaluate(tmp_path, mnist_dir, eval_name='x') == 2
+  assert 'has not finished' in capsys.readouterr().err
+  assert os.listdir(tmp_path / 'run') == []
