@@ -1,5 +1,6 @@
 """binaries.evaluate: re-evaluating a finished run reads it and writes one file."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -9,8 +10,11 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 
+from binaries import common
 from binaries import evaluate
 from binaries import train
+from tasks import registry as task_registry
+from tff_personal import experiment
 
 FLAGS = flags.FLAGS
 
@@ -124,3 +128,16 @@ def test_unfinished_run_is_refused(tmp_path, mnist_dir, capsys):
   assert _evaluate(tmp_path, mnist_dir, eval_name='x') == 2
   assert 'has not finished' in capsys.readouterr().err
   assert os.listdir(tmp_path / 'run') == []
+
+
+def test_library_call_checks_the_recorded_config(finished_run, mnist_dir):
+  """`evaluate_experiment` itself compares with run_config.json."""
+  root, _ = finished_run
+  with flagsaver.flagsaver(**_run_flags(root, mnist_dir)):
+    config, task_kwargs = common.configs_from_flags(FLAGS)
+  task = task_registry.build_task('mnist_preference', **task_kwargs)
+  other = dataclasses.replace(config, client_learning_rate=0.5)
+  with pytest.raises(experiment.EvaluationError,
+                     match='client_learning_rate: 0.003 when the run started'):
+    experiment.evaluate_experiment(task, other, 'library')
+  assert not os.path.exists(root / 'run' / 'evaluations' / 'library.json')

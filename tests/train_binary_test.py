@@ -192,3 +192,66 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
   with open(tmp_path / 'killed' / 'train_metrics.csv') as f:
     rounds = [int(r.split(',')[0]) for r in f.read().splitlines()[1:]]
   assert rounds == list(range(1, 7))
+
+
+def _digest_dir(path):
+  out = {}
+  for dirpath, _, files in os.walk(path):
+    for name in files:
+      with open(os.path.join(dirpath, name), 'rb') as f:
+        out[os.path.relpath(os.path.join(dirpath, name), path)] = f.read()
+  return out
+
+
+def test_resume_under_other_settings_is_refused(tmp_path, mnist_dir,
+                                                 capsys):
+  """A resumed run is the run that started: its settings are recorded."""
+  _parse_flags()
+  dp = dict(dp='gaussian_fixed', target_epsilon=8.0, clip_norm=0.5)
+  with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=1, **dp)):
+    assert train.main(['train']) == 0
+  run = tmp_path / 'e2e'
+  with open(run / 'run_config.json') as f:
+    recorded = json.load(f)
+  z_one_round = recorded['config']['dp']['noise_multiplier']
+  assert z_one_round > 0 and recorded['flags']['client_learning_rate']
+  before = _digest_dir(run)
+  # Another learning rate.
+  with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=2, resume=True,
+                                   client_learning_rate=0.05, **dp)):
+    assert train.main(['train']) == 3
+  err = capsys.readouterr().err
+  assert 'client_learning_rate' in err and '0.05 now' in err
+  # More rounds at the same target epsilon: the calibrated noise multiplier
+  # would change under rounds already noised at the old one.
+  with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=3, resume=True,
+                                   **dp)):
+    assert train.main(['train']) == 3
+  err = capsys.readouterr().err
+  assert 'dp.noise_multiplier' in err and repr(z_one_round) in err
+  assert _digest_dir(run) == before  # Nothing was changed.
+  # The same settings, at the same noise multiplier, extend it.
+  dp_fixed = dict(dp='gaussian_fixed', noise_multiplier=z_one_round,
+                  clip_norm=0.5)
+  with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=2, resume=True,
+                                   **dp_fixed)):
+    code = train.main(['train'])
+  err = capsys.readouterr().err
+  # target_epsilon -> noise_multiplier is a flag difference, named as such.
+  assert code == 3 and '--target_epsilon: 8.0' in err
+
+
+def test_resume_extends_a_run_with_a_given_noise_multiplier(tmp_path,
+                                                            mnist_dir):
+  _parse_flags()
+  dp = dict(dp='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5)
+  with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=1, **dp)):
+    assert train.main(['train']) == 0
+  with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=2, resume=True,
+                                   **dp)):
+    assert train.main(['train']) == 0
+  with open(tmp_path / 'e2e' / 'summary.json') as f:
+    summary = json.load(f)
+  assert summary['rounds_completed'] == 2 and summary['resumed_from_round'] == 1
+  assert summary['privacy']['rounds'] == 2
+  assert summary['privacy']['noise_multiplier'] == 1.0

@@ -280,6 +280,7 @@ def run_experiment(task, config: ExperimentConfig,
   population = task.population
   dp = validate(config, population)
   os.makedirs(config.experiment_dir, exist_ok=True)
+  check_or_record_run_config(config, dp, flag_values)
   t_start = time.perf_counter()
 
   proc = build_process(task, config, privacy.build_aggregator(dp))
@@ -358,6 +359,85 @@ def run_experiment(task, config: ExperimentConfig,
   return summary
 
 
+RUN_CONFIG_FILENAME = 'run_config.json'
+# What a resumed run may change: evaluation, how the simulation runs, where
+# the run lives, and `rounds` (to extend or shorten it; the noise multiplier
+# is compared as resolved, so a DP run calibrated to a target epsilon for
+# other rounds is refused, while one with a given noise multiplier may be
+# extended and is accounted for all its rounds at that multiplier).
+RESUMABLE_FIELDS = ('eval_clients', 'eval_chunk', 'eval_fine_tune',
+                    'test_fine_tune', 'cold_start_epochs', 'simulation_shards',
+                    'eval_every', 'checkpoint_every', 'resume', 'rounds',
+                    'root_output_dir', 'experiment_name', 'use_gpu',
+                    'workers', 'intra_op_threads', 'inter_op_threads')
+
+
+class ResumeError(training_loop.CheckpointError):
+  """A run would resume under another configuration than it started with."""
+
+
+def _run_record(config: ExperimentConfig, dp: privacy.DPConfig,
+                flag_values: Optional[dict[str, Any]]) -> dict:
+  record = dataclasses.asdict(config)
+  record['dp'] = {k: v for k, v in dataclasses.asdict(dp).items()
+                  if k != 'rounds'}
+  flat = {}
+  for group in (flag_values or {}).values():
+    if isinstance(group, dict):
+      flat.update(group)
+  return {'config': record, 'flags': flat}
+
+
+def _differences(old: dict, new: dict, prefix: str = '') -> list[str]:
+  lines = []
+  for name in sorted(set(old) & set(new)):
+    if name in RESUMABLE_FIELDS:
+      continue
+    a, b = old[name], new[name]
+    if isinstance(a, dict) and isinstance(b, dict):
+      lines += _differences(a, b, f'{prefix}{name}.')
+    elif json.dumps(a, sort_keys=True, default=str) != json.dumps(
+        b, sort_keys=True, default=str):
+      lines.append(f'{prefix}{name}: {a!r} when the run started, {b!r} now')
+  return lines
+
+
+def check_or_record_run_config(config: ExperimentConfig,
+                               dp: privacy.DPConfig,
+                               flag_values: Optional[dict[str, Any]] = None
+                               ) -> None:
+  """Records a new run's configuration; refuses to resume under another.
+
+  A run that has no checkpoint yet writes `run_config.json` (the config, the
+  resolved DP config and the flags). Resuming (`config.resume` with
+  checkpoints) compares against it everything but `RESUMABLE_FIELDS`, so
+  that a resumed run is the run that started: e.g. another learning rate,
+  client-state backend or a DP noise multiplier re-calibrated for other
+  rounds (rounds 1..r noised at one multiplier and reported at another
+  would under-report epsilon) raise `ResumeError` naming each difference,
+  before anything is changed. A run from before this record is resumed
+  unchecked.
+  """
+  path = os.path.join(config.experiment_dir, RUN_CONFIG_FILENAME)
+  record = _run_record(config, dp, flag_values)
+  if not training_loop.checkpoint_rounds(config.experiment_dir):
+    os.makedirs(config.experiment_dir, exist_ok=True)
+    training_loop.write_summary(path, record)
+    return
+  if not config.resume or not os.path.exists(path):
+    return  # The loop refuses a rerun without resume; old runs: unchecked.
+  with open(path, encoding='utf-8') as f:
+    old = json.load(f)
+  new = json.loads(json.dumps(record, default=training_loop._json_default))  # pylint: disable=protected-access
+  lines = (_differences(old.get('config', {}), new['config']) +
+           _differences(old.get('flags', {}), new['flags'], '--'))
+  if lines:
+    raise ResumeError(
+        f'{config.experiment_dir} started with another configuration ({path}):'
+        '\n  ' + '\n  '.join(lines) + '\nResume with the run\'s own '
+        'settings, or start a new --experiment_name. Nothing was changed.')
+
+
 class EvaluationError(ValueError):
   """A run cannot be re-evaluated as asked (names the file and why)."""
 
@@ -416,8 +496,21 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
     raise EvaluationError(f'{out_path} exists; choose another eval_name or '
                           'overwrite it on purpose')
   rounds = int(run_summary['rounds_completed'])
+  # The evaluation's local pass reads the data of the run's last round.
+  config = dataclasses.replace(config, rounds=rounds)
   population = task.population
   dp = validate(config, population)
+  record_path = os.path.join(config.experiment_dir, RUN_CONFIG_FILENAME)
+  if os.path.exists(record_path):
+    with open(record_path, encoding='utf-8') as f:
+      started = json.load(f).get('config', {})
+    current = json.loads(json.dumps(_run_record(config, dp, None)['config'],
+                                    default=training_loop._json_default))  # pylint: disable=protected-access
+    lines = _differences(started, current)
+    if lines:
+      raise EvaluationError(
+          f'{config.experiment_dir} was trained with another configuration '
+          f'({record_path}):\n  ' + '\n  '.join(lines))
   proc = build_process(task, config, privacy.build_aggregator(dp))
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)

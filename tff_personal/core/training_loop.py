@@ -176,6 +176,15 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
       'state. Nothing was changed.')
 
 
+def checkpoint_rounds(experiment_dir: str) -> list[int]:
+  """Rounds of the server checkpoints `run_training` saved, ascending."""
+  ckpt_dir = os.path.join(experiment_dir, 'checkpoints')
+  if not os.path.isdir(ckpt_dir):
+    return []
+  return sorted(asyncio.run(
+      tff.program.FileProgramStateManager(ckpt_dir).get_versions()) or [])
+
+
 def load_checkpoint(process, experiment_dir: str, round_num: int):
   """The server state checkpointed at `round_num`, read only.
 
