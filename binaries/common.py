@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from absl import app
 from absl import flags
 from absl import logging
 import tensorflow as tf
@@ -239,6 +240,23 @@ def configs_from_flags(f):
     task_kwargs.update(encoder_weights=f.encoder_weights,
                        freeze_encoder=f.freeze_encoder)
   return config, task_kwargs
+
+
+def main(argv, f, run_fn) -> int:
+  """A binary's main: flags -> configs (exit 2 on bad flags), then
+  `run_fn(config, task_kwargs)`; unreachable --workers exit 4."""
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  try:
+    config, task_kwargs = configs_from_flags(f)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  try:
+    return run_fn(config, task_kwargs)
+  except ConnectionError as e:  # --workers unreachable; nothing ran.
+    print(f'error: {e}', file=sys.stderr)
+    return 4
 
 
 def run(config, task_kwargs, f) -> int:

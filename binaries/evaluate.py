@@ -11,8 +11,6 @@ exists, unless --overwrite_evaluation). Exit codes: 2 for flags or a run that
 has not finished, 3 for a missing or unreadable checkpoint or client state.
 """
 
-import sys
-
 from absl import app
 from absl import flags
 
@@ -27,19 +25,10 @@ flags.DEFINE_bool('overwrite_evaluation', False,
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  try:
-    config, task_kwargs = common.configs_from_flags(FLAGS)
-  except ValueError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  try:
-    return common.run_evaluation(config, task_kwargs, FLAGS, FLAGS.eval_name,
-                                 overwrite=FLAGS.overwrite_evaluation)
-  except ConnectionError as e:  # --workers unreachable; nothing was read.
-    print(f'error: {e}', file=sys.stderr)
-    return 4
+  return common.main(
+      argv, FLAGS, lambda config, task_kwargs: common.run_evaluation(
+          config, task_kwargs, FLAGS, FLAGS.eval_name,
+          overwrite=FLAGS.overwrite_evaluation))
 
 
 if __name__ == '__main__':

@@ -12,8 +12,6 @@ With --workers=host:port,... (services started by `python -m binaries.worker
 --port=N`), each round's clients are split across those workers.
 """
 
-import sys
-
 from absl import app
 from absl import flags
 
@@ -24,18 +22,9 @@ common.define_flags()
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  try:
-    config, task_kwargs = common.configs_from_flags(FLAGS)
-  except ValueError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  try:
-    return common.run(config, task_kwargs, FLAGS)
-  except ConnectionError as e:  # --workers unreachable; nothing was trained.
-    print(f'error: {e}', file=sys.stderr)
-    return 4
+  return common.main(
+      argv, FLAGS, lambda config, task_kwargs: common.run(
+          config, task_kwargs, FLAGS))
 
 
 if __name__ == '__main__':

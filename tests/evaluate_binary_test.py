@@ -1,7 +1,6 @@
 """binaries.evaluate: re-evaluating a finished run reads it and writes one file."""
 
 import dataclasses
-import hashlib
 import json
 import os
 
@@ -14,6 +13,7 @@ from binaries import common
 from binaries import evaluate
 from binaries import train
 from tasks import registry as task_registry
+from tests import files
 from tff_personal import experiment
 
 FLAGS = flags.FLAGS
@@ -31,18 +31,6 @@ def _run_flags(root, mnist_dir, **overrides):
                 experiment_name='run', seed=3, eval_clients=0)
   values.update(overrides)
   return values
-
-
-def _tree_digest(path):
-  """Names and contents of every file below `path` (what 'read only' keeps)."""
-  digest = {}
-  for dirpath, _, files in os.walk(path):
-    for name in files:
-      full = os.path.join(dirpath, name)
-      with open(full, 'rb') as f:
-        digest[os.path.relpath(full, path)] = hashlib.sha1(
-            f.read()).hexdigest()
-  return digest
 
 
 @pytest.fixture(scope='module')
@@ -68,7 +56,7 @@ def _read(root, name):
 def test_reevaluation_reproduces_the_run_and_changes_nothing(
     finished_run, mnist_dir):
   root, summary = finished_run
-  before = _tree_digest(root / 'run')
+  before = files.tree_digest(root / 'run')
   assert _evaluate(root, mnist_dir, eval_name='again') == 0
   record = _read(root, 'again')
   assert record['round'] == 2
@@ -77,7 +65,7 @@ def test_reevaluation_reproduces_the_run_and_changes_nothing(
     if isinstance(value, float):
       np.testing.assert_allclose(record['eval'][key], value, rtol=1e-6,
                                  err_msg=key)
-  after = _tree_digest(root / 'run')
+  after = files.tree_digest(root / 'run')
   assert {k: v for k, v in after.items()
           if not k.startswith('evaluations')} == before
 

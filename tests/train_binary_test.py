@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from binaries import train
+from tests import files
 from tests import process_utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,15 +195,6 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
   assert rounds == list(range(1, 7))
 
 
-def _digest_dir(path):
-  out = {}
-  for dirpath, _, files in os.walk(path):
-    for name in files:
-      with open(os.path.join(dirpath, name), 'rb') as f:
-        out[os.path.relpath(os.path.join(dirpath, name), path)] = f.read()
-  return out
-
-
 def test_resume_under_other_settings_is_refused(tmp_path, mnist_dir,
                                                  capsys):
   """A resumed run is the run that started: its settings are recorded."""
@@ -215,7 +207,7 @@ def test_resume_under_other_settings_is_refused(tmp_path, mnist_dir,
     recorded = json.load(f)
   z_one_round = recorded['config']['dp']['noise_multiplier']
   assert z_one_round > 0 and recorded['flags']['client_learning_rate']
-  before = _digest_dir(run)
+  before = files.tree_digest(run)
   # Another learning rate.
   with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=2, resume=True,
                                    client_learning_rate=0.05, **dp)):
@@ -229,7 +221,7 @@ def test_resume_under_other_settings_is_refused(tmp_path, mnist_dir,
     assert train.main(['train']) == 3
   err = capsys.readouterr().err
   assert 'dp.noise_multiplier' in err and repr(z_one_round) in err
-  assert _digest_dir(run) == before  # Nothing was changed.
+  assert files.tree_digest(run) == before  # Nothing was changed.
   # The same settings, at the same noise multiplier, extend it.
   dp_fixed = dict(dp='gaussian_fixed', noise_multiplier=z_one_round,
                   clip_norm=0.5)
