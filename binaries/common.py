@@ -291,13 +291,10 @@ def run(config, task_kwargs, f) -> int:
   return 0
 
 
-# Flags that only shape evaluation or how the simulation runs: a re-evaluation
-# (binaries.evaluate) may change them; every other flag must be the run's.
-EVALUATION_FLAGS = ('eval_clients', 'eval_fine_tune', 'cold_start_epochs',
-                    'eval_every', 'checkpoint_every', 'resume',
-                    'simulation_shards', 'use_gpu', 'workers',
-                    'intra_op_threads', 'inter_op_threads',
-                    'root_output_dir', 'experiment_name')
+# Flags a re-evaluation (binaries.evaluate) may change: those a resumed run
+# may change, but the rounds (the run's). Every other flag must be the run's.
+EVALUATION_FLAGS = tuple(name for name in experiment.RESUMABLE_FIELDS
+                         if name != 'rounds')
 
 
 def flag_differences(recorded: dict, current: dict,
@@ -329,9 +326,10 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
     differences = flag_differences(recorded, flag_values(f))
     if differences:
       print(f'error: {summary_path} was trained with other flags:\n  ' +
-            '\n  '.join(differences) + '\nPass the run\'s flags; only '
-            f'{", ".join(EVALUATION_FLAGS[:3])} and the runtime flags may '
-            'differ.', file=sys.stderr)
+            '\n  '.join(differences) + '\nPass the run\'s flags; only the '
+            'evaluation flags (--eval_fine_tune, --eval_clients, '
+            '--cold_start_epochs) and the runtime ones may differ.',
+            file=sys.stderr)
       return 2
   try:
     worker_threads.resolve(f.intra_op_threads, '--intra_op_threads')

@@ -360,16 +360,21 @@ def run_experiment(task, config: ExperimentConfig,
 
 
 RUN_CONFIG_FILENAME = 'run_config.json'
-# What a resumed run may change: evaluation, how the simulation runs, where
-# the run lives, and `rounds` (to extend or shorten it; the noise multiplier
-# is compared as resolved, so a DP run calibrated to a target epsilon for
-# other rounds is refused, while one with a given noise multiplier may be
-# extended and is accounted for all its rounds at that multiplier).
-RESUMABLE_FIELDS = ('eval_clients', 'eval_chunk', 'eval_fine_tune',
-                    'test_fine_tune', 'cold_start_epochs', 'simulation_shards',
-                    'eval_every', 'checkpoint_every', 'resume', 'rounds',
-                    'root_output_dir', 'experiment_name', 'use_gpu',
-                    'workers', 'intra_op_threads', 'inter_op_threads')
+EVALUATIONS_DIRNAME = 'evaluations'
+# Config fields that only shape evaluation: a re-evaluation
+# (`evaluate_experiment`) may change them.
+EVALUATION_FIELDS = ('eval_clients', 'eval_chunk', 'eval_fine_tune',
+                     'test_fine_tune', 'cold_start_epochs')
+# What a resumed run may change: the evaluation fields, how the simulation
+# runs and where the run lives (config fields and runtime flags), and
+# `rounds` (to extend or shorten it; the noise multiplier is compared as
+# resolved, so a DP run calibrated to a target epsilon for other rounds is
+# refused, while one with a given noise multiplier may be extended and is
+# accounted for all its rounds at that multiplier).
+RESUMABLE_FIELDS = EVALUATION_FIELDS + (
+    'simulation_shards', 'eval_every', 'checkpoint_every', 'resume', 'rounds',
+    'root_output_dir', 'experiment_name', 'use_gpu', 'workers',
+    'intra_op_threads', 'inter_op_threads')
 
 
 class ResumeError(training_loop.CheckpointError):
@@ -442,15 +447,6 @@ class EvaluationError(ValueError):
   """A run cannot be re-evaluated as asked (names the file and why)."""
 
 
-EVALUATIONS_DIRNAME = 'evaluations'
-# Config fields that only shape evaluation (or how the simulation runs):
-# re-evaluating a run may change them; every other field must be the run's.
-EVALUATION_FIELDS = ('eval_clients', 'eval_chunk', 'eval_fine_tune',
-                     'test_fine_tune', 'cold_start_epochs',
-                     'simulation_shards', 'eval_every', 'checkpoint_every',
-                     'resume')
-
-
 def evaluation_path(config: ExperimentConfig, eval_name: str) -> str:
   return os.path.join(config.experiment_dir, EVALUATIONS_DIRNAME,
                       f'{eval_name}.json')
@@ -470,11 +466,14 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
   e.g. `eval_fine_tune`, `eval_clients`). The result goes to
   `<experiment_dir>/evaluations/<eval_name>.json` (refused if it exists,
   unless `overwrite`); the checkpoints, the client-state store and
-  summary.json are only read. Checking that the other fields are the run's
-  is the caller's (`binaries.evaluate` compares the flags with summary.json).
+  summary.json are only read. The config's other fields must be those the
+  run recorded when it started (`run_config.json`; `rounds` is taken from
+  the run); `binaries.evaluate` also compares its flags (the task's too)
+  with summary.json.
 
   Raises:
-    EvaluationError: the run has not finished, or the output exists.
+    EvaluationError: the run has not finished, was trained under another
+      config, or the output exists.
     training_loop.CheckpointError: the last round's checkpoint is missing or
       unreadable.
     client_state_lib.ClientStateStoreError: the stored states do not match
@@ -540,8 +539,7 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
       'round': rounds,
       **result,
       'seconds': time.perf_counter() - t_start,
-      'evaluation': {k: getattr(config, k) for k in EVALUATION_FIELDS
-                     if k not in ('resume', 'checkpoint_every', 'eval_every')},
+      'evaluation': {k: getattr(config, k) for k in EVALUATION_FIELDS},
       # The shared model's guarantee is the run's; evaluation metrics, like
       # training's, are simulation diagnostics.
       'privacy': run_summary.get('privacy'),
