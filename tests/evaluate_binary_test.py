@@ -129,3 +129,21 @@ def test_library_call_checks_the_recorded_config(finished_run, mnist_dir):
                      match='client_learning_rate: 0.003 when the run started'):
     experiment.evaluate_experiment(task, other, 'library')
   assert not os.path.exists(root / 'run' / 'evaluations' / 'library.json')
+
+
+def test_sqlite_store_run_is_reevaluated_too(tmp_path, mnist_dir):
+  """The on-disk store is read at its committed round, not rolled back."""
+  _parse_flags()
+  sqlite = dict(client_state_backend='sqlite', eval_clients=10)
+  with flagsaver.flagsaver(**_run_flags(tmp_path, mnist_dir, **sqlite)):
+    assert train.main(['train']) == 0
+  with open(tmp_path / 'run' / 'summary.json') as f:
+    summary = json.load(f)
+  before = files.tree_digest(tmp_path / 'run')
+  assert _evaluate(tmp_path, mnist_dir, eval_name='sqlite', **sqlite) == 0
+  record = _read(tmp_path, 'sqlite')
+  np.testing.assert_allclose(record['eval']['auc'], summary['eval']['auc'],
+                             rtol=1e-6)
+  after = files.tree_digest(tmp_path / 'run')
+  assert {k: v for k, v in after.items()
+          if not k.startswith('evaluations')} == before
