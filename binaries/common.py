@@ -297,21 +297,6 @@ EVALUATION_FLAGS = tuple(name for name in experiment.RESUMABLE_FIELDS
                          if name != 'rounds')
 
 
-def flag_differences(recorded: dict, current: dict,
-                     ignore=EVALUATION_FLAGS) -> list[str]:
-  """`--name: run's value, now value` for grouped flag dicts (summary.json).
-
-  Flags one side lacks (added to the binaries later) are not compared.
-  """
-  def flat(grouped):
-    return {name: value for group in grouped.values() if isinstance(
-        group, dict) for name, value in group.items()}
-  old, new = flat(recorded), flat(current)
-  return [f'--{n}: {old[n]!r} in the run, {new[n]!r} now'
-          for n in sorted(set(old) & set(new))
-          if n not in ignore and old[n] != new[n]]
-
-
 def run_evaluation(config, task_kwargs, f, eval_name: str,
                    overwrite: bool = False) -> int:
   """Re-evaluates the finished run of `f`'s flags (binaries.evaluate)."""
@@ -323,7 +308,8 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   if os.path.exists(summary_path):
     with open(summary_path, encoding='utf-8') as fh:
       recorded = json.load(fh).get('flags') or {}
-    differences = flag_differences(recorded, flag_values(f))
+    differences = experiment.flag_differences(
+        recorded, flag_values(f), ignore=EVALUATION_FLAGS)
     if differences:
       print(f'error: {summary_path} was trained with other flags:\n  ' +
             '\n  '.join(differences) + '\nPass the run\'s flags; only the '

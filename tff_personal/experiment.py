@@ -381,30 +381,49 @@ class ResumeError(training_loop.CheckpointError):
   """A run would resume under another configuration than it started with."""
 
 
+def _as_json(value):
+  """`value` as it reads back from JSON (tuples as lists, numpy as Python)."""
+  return json.loads(json.dumps(value, default=training_loop._json_default))  # pylint: disable=protected-access
+
+
+def _flat_flags(grouped: Optional[dict[str, Any]]) -> dict[str, Any]:
+  """Flag name -> value from summary.json's grouped flags."""
+  flat = {}
+  for group in (grouped or {}).values():
+    if isinstance(group, dict):
+      flat.update(group)
+  return flat
+
+
 def _run_record(config: ExperimentConfig, dp: privacy.DPConfig,
                 flag_values: Optional[dict[str, Any]]) -> dict:
   record = dataclasses.asdict(config)
   record['dp'] = {k: v for k, v in dataclasses.asdict(dp).items()
                   if k != 'rounds'}
-  flat = {}
-  for group in (flag_values or {}).values():
-    if isinstance(group, dict):
-      flat.update(group)
-  return {'config': record, 'flags': flat}
+  return _as_json({'config': record, 'flags': _flat_flags(flag_values)})
 
 
-def _differences(old: dict, new: dict, prefix: str = '') -> list[str]:
+def _differences(old: dict, new: dict, prefix: str = '',
+                 ignore=RESUMABLE_FIELDS) -> list[str]:
   lines = []
   for name in sorted(set(old) & set(new)):
-    if name in RESUMABLE_FIELDS:
+    if name in ignore:
       continue
     a, b = old[name], new[name]
     if isinstance(a, dict) and isinstance(b, dict):
-      lines += _differences(a, b, f'{prefix}{name}.')
+      lines += _differences(a, b, f'{prefix}{name}.', ignore)
     elif json.dumps(a, sort_keys=True, default=str) != json.dumps(
         b, sort_keys=True, default=str):
       lines.append(f'{prefix}{name}: {a!r} when the run started, {b!r} now')
   return lines
+
+
+def flag_differences(recorded: dict[str, Any], current: dict[str, Any],
+                     ignore) -> list[str]:
+  """`--name: ...` lines for grouped flags (summary.json's) that differ,
+  but those in `ignore`; flags one side lacks are not compared."""
+  return _differences(_flat_flags(recorded), _flat_flags(_as_json(current)),
+                      '--', ignore)
 
 
 def check_or_record_run_config(config: ExperimentConfig,
@@ -433,9 +452,8 @@ def check_or_record_run_config(config: ExperimentConfig,
     return  # The loop refuses a rerun without resume; old runs: unchecked.
   with open(path, encoding='utf-8') as f:
     old = json.load(f)
-  new = json.loads(json.dumps(record, default=training_loop._json_default))  # pylint: disable=protected-access
-  lines = (_differences(old.get('config', {}), new['config']) +
-           _differences(old.get('flags', {}), new['flags'], '--'))
+  lines = (_differences(old.get('config', {}), record['config']) +
+           _differences(old.get('flags', {}), record['flags'], '--'))
   if lines:
     raise ResumeError(
         f'{config.experiment_dir} started with another configuration ({path}):'
@@ -503,9 +521,7 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
   if os.path.exists(record_path):
     with open(record_path, encoding='utf-8') as f:
       started = json.load(f).get('config', {})
-    current = json.loads(json.dumps(_run_record(config, dp, None)['config'],
-                                    default=training_loop._json_default))  # pylint: disable=protected-access
-    lines = _differences(started, current)
+    lines = _differences(started, _run_record(config, dp, None)['config'])
     if lines:
       raise EvaluationError(
           f'{config.experiment_dir} was trained with another configuration '
