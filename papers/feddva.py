@@ -10,6 +10,13 @@
   `chance_client` is the majority-client fraction of the scored half;
   `digit_from_z_within_client` fits the digit probe within each client
   (private decoders may each read z in their own coordinates).
+  `mark_from_c` / `mark_from_z` (with `--feddva_marks=varied`, the default):
+  how much of each image's mark parameter (the sinusoid's phase, the
+  ellipse's rotation) a linear map reads from c / from z, as the R^2 of a
+  least-squares fit of (cos, sin) of the parameter, fitted within each
+  marked client (the parameter means another thing per mark type) and
+  averaged over them; the paper's Figure 3b claims the marks vary with c and
+  not with z.
 * `fedavg`, `fedavg_ft`, `ditto`, `feddva` on `marked_mnist` and
   `label_skew_mnist` (setting task, rounds = classification rounds):
   accuracy of each client's model on its own test images after every round;
@@ -67,7 +74,8 @@ from tff_personal.models import feddva_training
 PAPER = 'feddva'
 TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
 # Flags that the cells' settings carry (reporting.run_config leaves them out).
-SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule')
+SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule',
+                 'feddva_marks')
 METHODS = ('fedavg', 'fedavg_ft', 'ditto', 'feddva')
 DEFAULT_CLASS_ROUNDS = 20
 DEFAULT_VAE_ROUNDS = 30
@@ -85,21 +93,38 @@ def variant_label(variant: dict) -> str:
   return f" ({', '.join(parts)})" if parts else ''
 
 
-def _class_columns(rounds: int, variant: dict):
-  columns = [reporting.Column(t, {'task': t, 'rounds': rounds})
+def _task_label(task: str, marks: str) -> str:
+  return task if (task != 'marked_mnist' or marks == 'varied') else (
+      f'{task} (fixed marks)')
+
+
+def _class_columns(rounds: int, variant: dict, marks: str):
+  columns = [reporting.Column(_task_label(t, marks),
+                              {**task_setting(t, marks), 'rounds': rounds})
              for t in TASK_NAMES]
   if variant:  # Only feddva's row fills these.
-    columns += [reporting.Column(f'{t}{variant_label(variant)}',
-                                 {'task': t, 'rounds': rounds, **variant})
+    columns += [reporting.Column(
+        f'{_task_label(t, marks)}{variant_label(variant)}',
+        {**task_setting(t, marks), 'rounds': rounds, **variant})
                 for t in TASK_NAMES]
   return columns
 
 
+def task_setting(task: str, marks: str) -> dict:
+  """{'task': task}, plus {'marks': 'varied'} for marked_mnist with marks
+  varied per image (cells run with one fixed mark per client, before the
+  flag existed, carry no 'marks' key and keep their identity)."""
+  setting = {'task': task}
+  if task == 'marked_mnist' and marks == 'varied':
+    setting['marks'] = marks
+  return setting
+
+
 def _tables(class_rounds: int, vae_rounds: int,
-            variant: dict | None = None) -> dict:
+            variant: dict | None = None, marks: str = 'varied') -> dict:
   """The tables; `variant` (e.g. {'decoder': 'shared'}) adds its columns."""
   variant = dict(variant or {'decoder': 'shared'})
-  columns = _class_columns(class_rounds, variant)
+  columns = _class_columns(class_rounds, variant, marks)
   common = dict(paper=PAPER, methods=METHODS, columns=columns)
   note = ('The paper reports these as curves only (Figures 6, 7), so there '
           'are no paper numbers. feddva also ran pretrain_rounds rounds of '
@@ -120,14 +145,17 @@ def _tables(class_rounds: int, vae_rounds: int,
       'probes': reporting.Table(
           name='probes', paper=PAPER, metric='client_from_c',
           methods=('probe',),
-          columns=[reporting.Column('marked_mnist', {
-              'task': 'marked_mnist', 'rounds': vae_rounds}),
-                   reporting.Column(f'marked_mnist{variant_label(variant)}', {
-                       'task': 'marked_mnist', 'rounds': vae_rounds,
-                       **variant})],
+          columns=[reporting.Column(_task_label('marked_mnist', marks), {
+              **task_setting('marked_mnist', marks), 'rounds': vae_rounds}),
+                   reporting.Column(
+                       f'{_task_label("marked_mnist", marks)}'
+                       f'{variant_label(variant)}', {
+                           **task_setting('marked_mnist', marks),
+                           'rounds': vae_rounds, **variant})],
           title='Linear probe: client from c (accuracy); the other probes '
-                '(client_from_z, digit_from_z, digit_from_c, chance_client) '
-                'are in results.jsonl and docs', scale=1.0),
+                '(client_from_z, digit_from_z, digit_from_c, chance_client, '
+                'mark_from_c, mark_from_z) are in results.jsonl and docs',
+          scale=1.0),
   }
 
 
@@ -172,6 +200,13 @@ def define_flags():
          'FedDVA: local fine-tuning epochs of fedavg_ft.')
   define('integer', 'feddva_clients_per_round', 0,
          'FedDVA: cohort size (0: every client every round).')
+  if 'feddva_marks' not in flags.FLAGS:
+    flags.DEFINE_enum(
+        'feddva_marks', 'varied', list(feddva_tasks.MARK_MODES),
+        "marked_mnist: 'varied' (each image's mark drawn with its own phase "
+        "or rotation, as the authors' code does; cells get setting "
+        "marks=varied) or 'fixed' (one identical mark per client, the "
+        'earlier form of the task).')
   define('integer', 'feddva_marked_clients', 4, 'marked_mnist: clients.')
   define('integer', 'feddva_marked_train', 500,
          'marked_mnist: training images per client.')
@@ -206,7 +241,7 @@ def cells(table: str, f) -> list[reporting.Cell]:
                      f'{f.feddva_channels}')
   # The tables' columns carry the rounds run.
   TABLES.update(_tables(_class_rounds(f), f.feddva_vae_rounds,
-                        _variant_setting(f)))
+                        _variant_setting(f), _marks(f)))
   out = [reporting.Cell(PAPER, 'probe', probe_setting(f), s)
          for s in range(f.seeds)]
   for method in METHODS:
@@ -227,6 +262,11 @@ def _schedule(f) -> str:
   return getattr(f, 'feddva_schedule', 'paper')
 
 
+def _marks(f) -> str:
+  """--feddva_marks ('fixed' where the flags predate it)."""
+  return getattr(f, 'feddva_marks', 'fixed')
+
+
 def _variant_setting(f) -> dict:
   """The setting keys of a FedDVA variant: {'decoder': 'shared'} and / or
   {'schedule': 'reference'}; {} for the paper's FedDVA (so that cells run
@@ -240,12 +280,12 @@ def _variant_setting(f) -> dict:
 
 
 def probe_setting(f) -> dict:
-  return {'task': 'marked_mnist', 'rounds': f.feddva_vae_rounds,
-          **_variant_setting(f)}
+  return {**task_setting('marked_mnist', _marks(f)),
+          'rounds': f.feddva_vae_rounds, **_variant_setting(f)}
 
 
 def _class_setting(method: str, task: str, f) -> dict:
-  setting = {'task': task, 'rounds': _class_rounds(f)}
+  setting = {**task_setting(task, _marks(f)), 'rounds': _class_rounds(f)}
   if method == 'feddva':  # Only FedDVA's classifier depends on the decoder.
     setting.update(_variant_setting(f))
   return setting
@@ -268,7 +308,8 @@ def _task(name: str, f, seed: int) -> feddva_tasks.FeddvaTask:
   if name == 'marked_mnist':
     kwargs = dict(num_clients=f.feddva_marked_clients,
                   train_per_client=f.feddva_marked_train,
-                  test_per_client=f.feddva_marked_test, seed=seed)
+                  test_per_client=f.feddva_marked_test, seed=seed,
+                  marks=_marks(f))
   elif name == 'label_skew_mnist':
     kwargs = dict(num_clients=f.feddva_skew_clients,
                   train_per_client=f.feddva_skew_train,
@@ -336,7 +377,9 @@ def pretrain_key(task_name: str, num_clients: int, f, dim: int,
   """The cache directory name of a FedDVA pre-training: everything it
   depends on (task and its training data, sizes, loss weights, optimizer,
   cohort, decoder mode, schedule, seed)."""
-  train = (f.feddva_marked_train if task_name == 'marked_mnist'
+  train = (f'{f.feddva_marked_train}'
+           + ('' if _marks(f) == 'fixed' else f'_{_marks(f)}marks')
+           if task_name == 'marked_mnist'
            else f'{f.feddva_skew_train}_da{f.feddva_dirichlet_alpha}')
   return (f'{task_name}_dim{dim}_r{f.feddva_vae_rounds}'
           f'_e{f.feddva_local_epochs}_b{f.feddva_batch_size}'
@@ -432,15 +475,42 @@ def feddva_model(config, encoders, decoder=None) -> feddva_lib.FeddvaModel:
 
 def representations(model, task) -> dict:
   """Posterior means of z and c of every client's test images."""
-  zs, cs, digits, clients = [], [], [], []
+  zs, cs, digits, clients, marks = [], [], [], [], []
   for k, data in enumerate(task.clients):
     mu_z, _, mu_c, _ = model.encode(data.test_x)
     zs.append(mu_z.numpy())
     cs.append(mu_c.numpy())
     digits.append(data.test_y)
     clients.append(np.full(len(data.test_y), k))
+    marks.append(np.full(len(data.test_y), np.nan)
+                 if getattr(data, 'test_mark', None) is None
+                 else data.test_mark)
   return dict(z=np.concatenate(zs), c=np.concatenate(cs),
-              digit=np.concatenate(digits), client=np.concatenate(clients))
+              digit=np.concatenate(digits), client=np.concatenate(clients),
+              mark=np.concatenate(marks))
+
+
+def mark_r2(features, angles, fit, score) -> float | None:
+  """Held-out R^2 of a least-squares linear map (with intercept) from
+  `features` to (cos, sin) of `angles`, fitted on `fit`, scored on `score`
+  (both index arrays of images of one client). None where the angle does
+  not vary (fixed marks, plain digits) or there are too few images.
+
+  R^2 = 1 - sum of squared errors / total sum of squares about the scored
+  targets' mean, over both coordinates: 1 is a perfect read-out, 0 is no
+  better than the mean, and it is negative when worse.
+  """
+  target = np.stack([np.cos(angles), np.sin(angles)], axis=-1)
+  if (len(fit) <= features.shape[1] + 1 or len(score) < 2
+      or not np.all(np.isfinite(target[fit]))
+      or np.ptp(angles[fit]) < 1e-9):
+    return None
+  design = lambda idx: np.concatenate(
+      [features[idx], np.ones((len(idx), 1))], axis=1)
+  coef, *_ = np.linalg.lstsq(design(fit), target[fit], rcond=None)
+  residual = target[score] - design(score) @ coef
+  total = target[score] - target[score].mean(axis=0)
+  return float(1.0 - np.sum(residual ** 2) / np.sum(total ** 2))
 
 
 def linear_probes(reps: dict, seed: int) -> dict:
@@ -468,7 +538,21 @@ def linear_probes(reps: dict, seed: int) -> dict:
     if len(score_k) and len(np.unique(reps['digit'][fit_k])) > 1:
       within.append(probe(reps['z'], reps['digit'], fit_k, score_k))
       weights.append(len(score_k))
-  return {'client_from_c': probe(reps['c'], reps['client']),
+  marks = {}
+  for name in ('c', 'z'):
+    scores, weights_k = [], []
+    for k in np.unique(reps['client']):
+      fit_k = fit[reps['client'][fit] == k]
+      score_k = score[reps['client'][score] == k]
+      if 'mark' in reps:
+        r2 = mark_r2(reps[name], reps['mark'], fit_k, score_k)
+        if r2 is not None:
+          scores.append(r2)
+          weights_k.append(len(score_k))
+    marks[f'mark_from_{name}'] = (float(np.average(scores, weights=weights_k))
+                                  if scores else None)
+  return {**marks,
+          'client_from_c': probe(reps['c'], reps['client']),
           'client_from_z': probe(reps['z'], reps['client']),
           'digit_from_z': probe(reps['z'], reps['digit']),
           'digit_from_c': probe(reps['c'], reps['digit']),
@@ -644,7 +728,8 @@ def make_figures(root: str, f, latent: bool = True,
   loaded = {}
   for t in TASK_NAMES if curves else ():
     for m, extra, label in lines_to_draw:
-      setting = {'task': t, 'rounds': _class_rounds(f), **extra}
+      setting = {**task_setting(t, _marks(f)), 'rounds': _class_rounds(f),
+                 **extra}
       path = _curve_path(root, m, setting, 0)
       if os.path.exists(path):
         with open(path) as fh:
@@ -682,13 +767,14 @@ def make_figures(root: str, f, latent: bool = True,
 
 
 def _figure_suffix(f) -> str:
-  """'' for the paper's FedDVA, '_shared_decoder' and / or
-  '_reference_schedule' for the variants."""
+  """'' for the paper's FedDVA, '_shared_decoder', '_reference_schedule'
+  and / or '_fixed_marks' for the variants."""
   variant = _variant_setting(f)
   return (('' if 'decoder' not in variant
            else f"_{variant['decoder']}_decoder")
           + ('' if 'schedule' not in variant
-             else f"_{variant['schedule']}_schedule"))
+             else f"_{variant['schedule']}_schedule")
+          + ('' if _marks(f) == 'varied' else f'_{_marks(f)}_marks'))
 
 
 def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:

@@ -5,12 +5,27 @@ seed; nothing is written to disk.
 
 * `marked_mnist` (paper section V.A, Figure 3a; "heterogeneous inputs"):
   MNIST images are allocated uniformly at random to clients and every image
-  of client k carries client k's mark, drawn over the digit as
-  max(digit, mark). Marks 0-3 are the paper's: a horizontal sinusoid, an
+  of client k carries a mark of client k's *type*, drawn over the digit as
+  max(digit, mark). Types 0-3 are the paper's: a horizontal sinusoid, an
   ellipse, a vertical sinusoid and none (plain digits). For more clients,
-  mark k >= 4 is a sinusoid at angle 37 k degrees with 1 + k mod 3 periods
-  across the image (so any number of clients has distinct marks). Lines are
+  type k >= 4 is a sinusoid at angle 37 k degrees with 1 + k mod 3 periods
+  across the image (so any number of clients has distinct types). Lines are
   anti-aliased, about 1.5 pixels wide, intensity 1.
+
+  `marks='varied'` (the default; our reading of the paper): each image's
+  mark is drawn with its own parameter, the sinusoids' phase uniform in
+  [0, 2 pi) and the ellipse's rotation uniform in [0, pi), seeded by (seed,
+  client, split). The paper says the marks are client-specific and that in
+  the reconstructions "client-specific marks will vary along with the
+  changes in c" (Figure 3b / 10), which needs marks that vary within a
+  client; the authors' public code (pysleepy/FedDVA, read, not copied) draws
+  every image's sinusoid with a random phase and its ellipse with a random
+  rotation. `marks='fixed'` draws one identical mark on every image of a
+  client (what this task did before; a private decoder can then draw the
+  mark by itself and no latent needs it). The per-image parameter is kept
+  as an angle on the circle (`ClientData.train_mark` / `test_mark`: the
+  phase, or twice the rotation, since an ellipse turned by pi is itself;
+  NaN for plain digits), so probes can ask which latent carries it.
 * `label_skew_mnist` (appendix F; "heterogeneous outputs"): after Hsu et al.
   (2019), client k's class proportions are q_k ~ Dirichlet(alpha * 1_10)
   (alpha = 0.5 by default); its training examples are drawn by those
@@ -34,14 +49,20 @@ import tensorflow as tf
 from tasks import mnist_io
 
 BASE_MARKS = ('horizontal_sinusoid', 'ellipse', 'vertical_sinusoid', 'none')
+MARK_MODES = ('varied', 'fixed')
 
 
 @dataclasses.dataclass
 class ClientData:
+  """A client's arrays. `train_mark` / `test_mark`: each image's mark
+  parameter as an angle in [0, 2 pi) (NaN: no mark), or None where the task
+  has no marks."""
   train_x: np.ndarray
   train_y: np.ndarray
   test_x: np.ndarray
   test_y: np.ndarray
+  train_mark: np.ndarray | None = None
+  test_mark: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -80,10 +101,18 @@ def _line_intensity(distance: np.ndarray, width: float = 1.5) -> np.ndarray:
   return np.clip(1.0 - np.abs(distance) / width + 0.5, 0.0, 1.0)
 
 
-def render_mark(k: int, size: int = 28) -> np.ndarray:
-  """Client k's mark, float32 [size, size] in [0, 1] (0 everywhere for 'none')."""
+def render_mark(k: int, size: int = 28, angle: float = 0.0) -> np.ndarray:
+  """A mark of type k, float32 [size, size] in [0, 1] (0 everywhere for
+  'none').
+
+  `angle` (radians) is the mark's parameter: the sinusoids' phase, or twice
+  the ellipse's rotation (so that every angle in [0, 2 pi) is a distinct
+  ellipse). angle 0 is the fixed mark of `marks='fixed'`.
+  """
   if k < 0:
     raise ValueError(f'mark index must be >= 0, got {k}')
+  if not np.isfinite(angle):
+    raise ValueError(f'mark angle must be finite, got {angle}')
   yy, xx = np.mgrid[0:size, 0:size].astype(np.float64)
   center, amplitude = (size - 1) / 2.0, size / 7.0
   omega = 2 * np.pi * 2 / size  # Two periods across the image.
@@ -92,7 +121,12 @@ def render_mark(k: int, size: int = 28) -> np.ndarray:
     return np.zeros((size, size), np.float32)
   if name == 'ellipse':
     a, b = size * 0.42, size * 0.30
-    r = np.sqrt(((xx - center) / a) ** 2 + ((yy - center) / b) ** 2)
+    dx, dy = xx - center, yy - center
+    if angle:
+      rot = angle / 2.0
+      dx, dy = (dx * np.cos(rot) + dy * np.sin(rot),
+                -dx * np.sin(rot) + dy * np.cos(rot))
+    r = np.sqrt((dx / a) ** 2 + (dy / b) ** 2)
     # Distance to the outline, approximately, in pixels.
     return _line_intensity((r - 1.0) * min(a, b)).astype(np.float32)
   if name == 'horizontal_sinusoid':
@@ -100,12 +134,12 @@ def render_mark(k: int, size: int = 28) -> np.ndarray:
   elif name == 'vertical_sinusoid':
     u, v = yy, xx
   else:
-    angle = np.deg2rad((37 * k) % 180)
+    tilt = np.deg2rad((37 * k) % 180)
     omega = 2 * np.pi * (1 + k % 3) / size
-    u = (xx - center) * np.cos(angle) + (yy - center) * np.sin(angle) + center
-    v = -(xx - center) * np.sin(angle) + (yy - center) * np.cos(angle) + center
-  curve = center + amplitude * np.sin(omega * u)
-  slope = amplitude * omega * np.cos(omega * u)
+    u = (xx - center) * np.cos(tilt) + (yy - center) * np.sin(tilt) + center
+    v = -(xx - center) * np.sin(tilt) + (yy - center) * np.cos(tilt) + center
+  curve = center + amplitude * np.sin(omega * u + angle)
+  slope = amplitude * omega * np.cos(omega * u + angle)
   distance = (v - curve) / np.sqrt(1.0 + slope ** 2)
   return _line_intensity(distance).astype(np.float32)
 
@@ -120,12 +154,35 @@ def _check_positive(**values):
       raise ValueError(f'{name} must be a positive integer, got {value!r}')
 
 
+def mark_angles(k: int, n: int, marks: str, rng: np.random.Generator
+                ) -> np.ndarray:
+  """The mark parameters of n images of client k (see the module doc)."""
+  if mark_name(k) == 'none':
+    return np.full(n, np.nan)
+  if marks == 'fixed':
+    return np.zeros(n)
+  return rng.uniform(0.0, 2 * np.pi, size=n)
+
+
+def _marked(images: np.ndarray, k: int, angles: np.ndarray) -> np.ndarray:
+  x = _as_float(images)
+  if mark_name(k) == 'none':
+    return x
+  if np.all(angles == angles[0]):  # One mark for all (marks='fixed').
+    return np.maximum(x, render_mark(k, x.shape[1], angles[0])[..., None])
+  marks = np.stack([render_mark(k, x.shape[1], a) for a in angles])
+  return np.maximum(x, marks[..., None])
+
+
 def marked_mnist(data_dir: str | None, *, num_clients: int = 4,
                  train_per_client: int = 500, test_per_client: int = 200,
-                 seed: int = 0) -> FeddvaTask:
-  """MNIST clients whose images carry a client-specific mark."""
+                 seed: int = 0, marks: str = 'varied') -> FeddvaTask:
+  """MNIST clients whose images carry marks of a client-specific type."""
   _check_positive(num_clients=num_clients, train_per_client=train_per_client,
                   test_per_client=test_per_client)
+  if marks not in MARK_MODES:
+    raise ValueError(f'marked_mnist: marks must be one of {MARK_MODES}, got '
+                     f'{marks!r}')
   train_x, train_y = mnist_io.load_mnist(data_dir, 'train')
   test_x, test_y = mnist_io.load_mnist(data_dir, 'test')
   for split, n_total, per in (('train', len(train_y), train_per_client),
@@ -139,14 +196,18 @@ def marked_mnist(data_dir: str | None, *, num_clients: int = 4,
   test_order = rng.permutation(len(test_y))
   clients = []
   for k in range(num_clients):
-    mark = render_mark(k)[..., None]
     tr = train_order[k * train_per_client:(k + 1) * train_per_client]
     te = test_order[k * test_per_client:(k + 1) * test_per_client]
+    tr_angle = mark_angles(k, len(tr), marks,
+                           np.random.default_rng([seed, 17, k, 0]))
+    te_angle = mark_angles(k, len(te), marks,
+                           np.random.default_rng([seed, 17, k, 1]))
     clients.append(ClientData(
-        train_x=np.maximum(_as_float(train_x[tr]), mark),
+        train_x=_marked(train_x[tr], k, tr_angle),
         train_y=train_y[tr].astype(np.int32),
-        test_x=np.maximum(_as_float(test_x[te]), mark),
-        test_y=test_y[te].astype(np.int32)))
+        test_x=_marked(test_x[te], k, te_angle),
+        test_y=test_y[te].astype(np.int32),
+        train_mark=tr_angle, test_mark=te_angle))
   return FeddvaTask('marked_mnist', clients,
                     [mark_name(k) for k in range(num_clients)])
 

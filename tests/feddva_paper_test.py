@@ -91,6 +91,73 @@ def test_within_client_probe_reads_client_specific_digit_codes():
   assert out['digit_from_z_within_client'] > 0.9
 
 
+def test_mark_probe_reads_the_mark_angle_where_it_is_and_not_elsewhere():
+  """c holds each image's mark angle (on a circle, scaled per client), z
+  does not: mark_from_c near 1, mark_from_z near 0; a client without marks
+  (NaN) is left out, and with no varying marks the probe is None."""
+  rng = np.random.default_rng(2)
+  n, clients = 1200, 4
+  client = rng.integers(0, clients, n)
+  angle = rng.uniform(0, 2 * np.pi, n)
+  angle[client == 3] = np.nan  # Plain digits.
+  circle = np.stack([np.cos(angle), np.sin(angle)], -1)
+  circle[client == 3] = 0.0
+  scale = rng.uniform(1, 3, size=(clients, 1, 1))[client, 0]
+  c = np.concatenate([circle * scale, rng.normal(size=(n, 2))], axis=1)
+  reps = {'client': client, 'digit': rng.integers(0, 10, n),
+          'mark': angle, 'c': c + rng.normal(size=c.shape) * 0.05,
+          'z': rng.normal(size=(n, 6))}
+  out = paper.linear_probes(reps, seed=0)
+  assert out['mark_from_c'] > 0.95
+  assert out['mark_from_z'] < 0.05
+  # Fixed marks: every angle 0 (or NaN), nothing to read.
+  fixed = dict(reps, mark=np.where(client == 3, np.nan, 0.0))
+  out = paper.linear_probes(fixed, seed=0)
+  assert out['mark_from_c'] is None and out['mark_from_z'] is None
+  # Representations of tasks without marks leave the probe out as well.
+  out = paper.linear_probes({k: v for k, v in reps.items() if k != 'mark'},
+                            seed=0)
+  assert out['mark_from_c'] is None
+
+
+def test_mark_r2_is_one_for_an_exact_map_and_negative_when_worse():
+  rng = np.random.default_rng(3)
+  angle = rng.uniform(0, 2 * np.pi, 200)
+  exact = np.stack([np.cos(angle), np.sin(angle)], -1) @ [[2.0, 1.0],
+                                                         [0.0, 3.0]]
+  fit, score = np.arange(100), np.arange(100, 200)
+  assert paper.mark_r2(exact, angle, fit, score) == pytest.approx(1.0)
+  noise = rng.normal(size=(200, 8))
+  assert paper.mark_r2(noise, angle, fit, score) < 0.1
+  # Too few images to fit 8 weights and an intercept.
+  assert paper.mark_r2(noise, angle, fit[:9], score) is None
+
+
+def test_varied_marks_mark_every_marked_mnist_cell_and_have_columns():
+  varied = paper.cells('classification',
+                       _flags(rounds=5, feddva_marks='varied'))
+  for c in varied:
+    assert (c.setting.get('marks') == 'varied') == (
+        c.setting['task'] == 'marked_mnist'), c
+  # The baselines' data change with the marks too, so their cells carry it.
+  assert {c.method for c in varied if 'marks' in c.setting} == {
+      'probe', *paper.METHODS}
+  for table in ('classification', 'probes'):
+    assert paper.TABLES[table].column_for(varied[0].setting if table ==
+                                          'probes' else varied[1].setting)
+  column = paper.TABLES['classification'].column_for(
+      {'task': 'marked_mnist', 'rounds': 5, 'marks': 'varied'})
+  assert column is not None and column.name == 'marked_mnist'
+  # One fixed mark per client (the earlier task): no key, so the cells of
+  # earlier runs keep their identity; the column says so.
+  fixed = paper.cells('classification', _flags(rounds=5, feddva_marks='fixed'))
+  assert all('marks' not in c.setting for c in fixed)
+  assert paper.TABLES['probes'].column_for(fixed[0].setting).name == (
+      'marked_mnist (fixed marks)')
+  assert [c.setting for c in fixed] == [
+      c.setting for c in paper.cells('classification', _flags(rounds=5))]
+
+
 def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
   default = paper.cells('classification', _flags(rounds=5))
   assert all('decoder' not in c.setting for c in default)
@@ -139,7 +206,8 @@ def test_pretrain_key_changes_with_everything_training_depends_on():
                  feddva_batch_size=21, feddva_channels=['2', '2', '2', '3'],
                  feddva_hidden=9, feddva_xi=1.0, feddva_alpha=0.5,
                  feddva_beta=0.5, feddva_vae_rounds=3,
-                 feddva_decoder='shared', feddva_schedule='paper')
+                 feddva_decoder='shared', feddva_schedule='paper',
+                 feddva_marks='varied')
   for name, value in changed.items():
     other = _run_flags('/unused', '/unused', **{name: value})
     assert paper.pretrain_key('marked_mnist', 4, other, 8, 0) != base, name
@@ -166,6 +234,7 @@ def test_define_flags_defines_every_flag_the_cells_read():
     assert name in flags.FLAGS
   assert flags.FLAGS['feddva_decoder'].default == 'private'
   assert flags.FLAGS['feddva_schedule'].default == 'paper'
+  assert flags.FLAGS['feddva_marks'].default == 'varied'
 
 
 def _run_flags(root, mnist_dir, **overrides):
@@ -188,25 +257,33 @@ def _run_flags(root, mnist_dir, **overrides):
 
 def test_probe_cell_end_to_end_records_probes_and_config(tmp_path, mnist_dir,
                                                          capsys):
-  """The reference schedule through TFF, the probes, the recorded config,
-  and a rerun under another paper flag refused before any work."""
-  assert reproduce.run(_run_flags(tmp_path, mnist_dir)) == 0
+  """The reference schedule through TFF on varied marks, the probes, the
+  recorded config, and a rerun under another paper flag refused before any
+  work."""
+  assert reproduce.run(_run_flags(tmp_path, mnist_dir,
+                                  feddva_marks='varied')) == 0
   assert 'FedDVA round 2/2' in capsys.readouterr().out
   records = reporting.ResultsFile(
       str(tmp_path / 'results.jsonl')).records()
   assert len(records) == 1
   record = records[0]
-  assert record['setting'] == {'task': 'marked_mnist', 'rounds': 2,
-                               'schedule': 'reference'}
+  assert record['setting'] == {'task': 'marked_mnist', 'marks': 'varied',
+                               'rounds': 2, 'schedule': 'reference'}
   metrics = record['metrics']
   for name in ('client_from_c', 'client_from_z', 'digit_from_z',
                'digit_from_c', 'chance_client'):
     assert 0.0 <= metrics[name] <= 1.0, name
+  # Three of the four clients carry varying marks: both probes are numbers.
+  for name in ('mark_from_c', 'mark_from_z'):
+    assert isinstance(metrics[name], float) and metrics[name] <= 1.0, name
   assert record['config']['feddva_local_epochs'] == 1
-  assert 'feddva_schedule' not in record['config']  # In the setting.
+  # In the setting, not the config.
+  assert 'feddva_schedule' not in record['config']
+  assert 'feddva_marks' not in record['config']
   before = (tmp_path / 'results.jsonl').read_bytes()
   capsys.readouterr()
   assert reproduce.run(_run_flags(tmp_path, mnist_dir, seeds=2,
+                                  feddva_marks='varied',
                                   feddva_local_epochs=3)) == 2
   assert '--feddva_local_epochs: 1 in the recorded cell probe' in (
       capsys.readouterr().err)

@@ -20,22 +20,81 @@ def test_marks_are_distinct_and_the_fourth_is_none():
 
 
 def test_marked_mnist_is_deterministic_and_marks_each_client(mnist_dir):
-  a = feddva_tasks.marked_mnist(mnist_dir, num_clients=5,
-                                train_per_client=30, test_per_client=10)
-  b = feddva_tasks.marked_mnist(mnist_dir, num_clients=5,
-                                train_per_client=30, test_per_client=10)
-  assert a.num_clients == 5 and len(a.client_names) == 5
-  for ca, cb, k in zip(a.clients, b.clients, range(5)):
-    np.testing.assert_array_equal(ca.train_x, cb.train_x)
-    assert ca.train_x.shape == (30, 28, 28, 1) and ca.test_y.shape == (10,)
-    mark = feddva_tasks.render_mark(k)[..., None]
-    # Every image is at least as bright as its client's mark.
-    assert np.all(ca.train_x >= mark - 1e-6)
+  for marks in feddva_tasks.MARK_MODES:
+    a = feddva_tasks.marked_mnist(mnist_dir, num_clients=5, marks=marks,
+                                  train_per_client=30, test_per_client=10)
+    b = feddva_tasks.marked_mnist(mnist_dir, num_clients=5, marks=marks,
+                                  train_per_client=30, test_per_client=10)
+    assert a.num_clients == 5 and len(a.client_names) == 5
+    for ca, cb, k in zip(a.clients, b.clients, range(5)):
+      np.testing.assert_array_equal(ca.train_x, cb.train_x)
+      np.testing.assert_array_equal(ca.test_mark, cb.test_mark)
+      assert ca.train_x.shape == (30, 28, 28, 1) and ca.test_y.shape == (10,)
+      # Every image is at least as bright as its own mark.
+      for x, angle in zip(ca.train_x, ca.train_mark):
+        if feddva_tasks.mark_name(k) == 'none':
+          assert np.isnan(angle)
+        else:
+          assert np.all(x >= feddva_tasks.render_mark(k, angle=angle)[..., None]
+                        - 1e-6)
   with pytest.raises(ValueError, match='exceed'):
     feddva_tasks.marked_mnist(mnist_dir, num_clients=4,
                               train_per_client=20000)
   with pytest.raises(ValueError, match='positive'):
     feddva_tasks.marked_mnist(mnist_dir, num_clients=0)
+  with pytest.raises(ValueError, match="marks must be one of .*'wavy'"):
+    feddva_tasks.marked_mnist(mnist_dir, marks='wavy')
+
+
+def test_varied_marks_vary_within_a_client_and_fixed_marks_do_not(mnist_dir):
+  kw = dict(num_clients=5, train_per_client=40, test_per_client=10)
+  varied = feddva_tasks.marked_mnist(mnist_dir, marks='varied', **kw)
+  fixed = feddva_tasks.marked_mnist(mnist_dir, marks='fixed', **kw)
+  for k in range(5):
+    v, f = varied.clients[k], fixed.clients[k]
+    # The same digits in both modes; only the marks differ.
+    np.testing.assert_array_equal(v.train_y, f.train_y)
+    if feddva_tasks.mark_name(k) == 'none':
+      np.testing.assert_array_equal(v.train_x, f.train_x)
+      assert np.all(np.isnan(v.train_mark))
+      continue
+    assert np.all(f.train_mark == 0)
+    angles = v.train_mark
+    assert np.all((angles >= 0) & (angles < 2 * np.pi))
+    assert len(np.unique(np.round(angles, 6))) == len(angles)
+    # Spread over the circle, not clumped (40 uniform draws).
+    assert np.abs(np.mean(np.exp(1j * angles))) < 0.5
+    # The drawn marks differ image to image: the mean of the varied
+    # images' pixelwise spread is far above the fixed ones' (where only the
+    # digit varies under the mark).
+    marks_v = np.stack([feddva_tasks.render_mark(k, angle=a) for a in angles])
+    assert marks_v.std(axis=0).mean() > 0.1
+  # Train and test draws, clients and seeds are independent streams.
+  assert not np.allclose(varied.clients[0].train_mark[:10],
+                         varied.clients[0].test_mark)
+  assert not np.allclose(varied.clients[0].train_mark,
+                         varied.clients[1].train_mark)
+  other = feddva_tasks.marked_mnist(mnist_dir, marks='varied', seed=1, **kw)
+  assert not np.allclose(other.clients[0].test_mark,
+                         varied.clients[0].test_mark)
+
+
+def test_render_mark_angle_is_the_phase_or_twice_the_rotation():
+  for k in range(6):
+    base = feddva_tasks.render_mark(k)
+    np.testing.assert_array_equal(feddva_tasks.render_mark(k, angle=0.0), base)
+    # Every mark is periodic in its angle with period 2 pi ...
+    np.testing.assert_allclose(
+        feddva_tasks.render_mark(k, angle=2 * np.pi), base, atol=1e-5)
+    if feddva_tasks.mark_name(k) == 'none':
+      continue
+    # ... and another angle draws another mark.
+    assert np.abs(feddva_tasks.render_mark(k, angle=np.pi) - base).sum() > 20
+  # The ellipse at angle pi is the ellipse turned by 90 degrees.
+  turned = feddva_tasks.render_mark(1, angle=np.pi)
+  np.testing.assert_allclose(turned, feddva_tasks.render_mark(1).T, atol=1e-5)
+  with pytest.raises(ValueError, match='finite'):
+    feddva_tasks.render_mark(0, angle=float('nan'))
 
 
 def test_label_skew_follows_dirichlet_proportions(mnist_dir):
