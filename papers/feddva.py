@@ -43,7 +43,10 @@ spread across clients vs round, both tasks; Figures 6, 7). With
 `--feddva_decoder=shared` the two latent figures are
 `*_shared_decoder.png` (one decoder for every client); with
 `--feddva_schedule=reference` (the authors' code's three-pass round,
-`models/feddva_training.py`) they get `_reference_schedule`.
+`models/feddva_training.py`) they get `_reference_schedule`; with
+`--feddva_mixture_kl=sampled` (Eq. 7's mixture KL estimated from the
+sample instead of Eq. 26's bound; ours) `_sampled_mixture_kl`; with
+`--feddva_marks=fixed` `_fixed_marks`.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ PAPER = 'feddva'
 TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
 # Flags that the cells' settings carry (reporting.run_config leaves them out).
 SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule',
-                 'feddva_marks')
+                 'feddva_marks', 'feddva_mixture_kl')
 METHODS = ('fedavg', 'fedavg_ft', 'ditto', 'feddva')
 DEFAULT_CLASS_ROUNDS = 20
 DEFAULT_VAE_ROUNDS = 30
@@ -90,6 +93,8 @@ def variant_label(variant: dict) -> str:
     parts.append(f"{variant['decoder']} decoder")
   if 'schedule' in variant:
     parts.append(f"{variant['schedule']} schedule")
+  if 'mixture_kl' in variant:
+    parts.append(f"{variant['mixture_kl']} mixture KL")
   return f" ({', '.join(parts)})" if parts else ''
 
 
@@ -196,6 +201,12 @@ def define_flags():
         "encoders pass) or 'reference' (the authors' public code: decoder; "
         'z-encoder with c drawn from the prior; c-encoder and decoder with z '
         'fixed; cells get setting schedule=reference).')
+  if 'feddva_mixture_kl' not in flags.FLAGS:
+    flags.DEFINE_enum(
+        'feddva_mixture_kl', 'bound', list(feddva_losses.MIXTURE_KL),
+        "FedDVA: KL(q(c|x,z) || p_bar_k) in Eq. 7 as the paper's Eq. 26 "
+        "bound ('bound') or our unbiased one-sample estimate ('sampled'; "
+        'cells get setting mixture_kl=sampled).')
   define('integer', 'feddva_ft_epochs', 1,
          'FedDVA: local fine-tuning epochs of fedavg_ft.')
   define('integer', 'feddva_clients_per_round', 0,
@@ -262,20 +273,28 @@ def _schedule(f) -> str:
   return getattr(f, 'feddva_schedule', 'paper')
 
 
+def _mixture_kl(f) -> str:
+  """--feddva_mixture_kl ('bound' where the flags predate it)."""
+  return getattr(f, 'feddva_mixture_kl', 'bound')
+
+
 def _marks(f) -> str:
   """--feddva_marks ('fixed' where the flags predate it)."""
   return getattr(f, 'feddva_marks', 'fixed')
 
 
 def _variant_setting(f) -> dict:
-  """The setting keys of a FedDVA variant: {'decoder': 'shared'} and / or
-  {'schedule': 'reference'}; {} for the paper's FedDVA (so that cells run
-  before these flags existed keep their identity)."""
+  """The setting keys of a FedDVA variant: any of {'decoder': 'shared'},
+  {'schedule': 'reference'}, {'mixture_kl': 'sampled'}; {} for the paper's
+  FedDVA (so that cells run before these flags existed keep their
+  identity)."""
   variant = {}
   if _decoder(f) != 'private':
     variant['decoder'] = _decoder(f)
   if _schedule(f) != 'paper':
     variant['schedule'] = _schedule(f)
+  if _mixture_kl(f) != 'bound':
+    variant['mixture_kl'] = _mixture_kl(f)
   return variant
 
 
@@ -388,7 +407,8 @@ def pretrain_key(task_name: str, num_clients: int, f, dim: int,
           f'_n{num_clients}_seed{seed}_tr{train}'
           f'_lr{f.feddva_learning_rate}_cpr{f.feddva_clients_per_round}'
           + ('' if _decoder(f) == 'private' else f'_{_decoder(f)}dec')
-          + ('' if _schedule(f) == 'paper' else f'_{_schedule(f)}sched'))
+          + ('' if _schedule(f) == 'paper' else f'_{_schedule(f)}sched')
+          + ('' if _mixture_kl(f) == 'bound' else f'_{_mixture_kl(f)}mix'))
 
 
 def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
@@ -413,7 +433,8 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
     return dict(encoders=encoders, decoders=decoders, **meta)
   config = _config(f, dim)
   loss_config = feddva_losses.LossConfig(
-      alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi)
+      alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi,
+      mixture_kl=_mixture_kl(f))
   process = feddva.build_feddva(
       config, loss_config, decoder_optimizer=_adam(f),
       encoder_optimizer=_adam(f), seed=seed, decoder=decoder,
@@ -767,13 +788,15 @@ def make_figures(root: str, f, latent: bool = True,
 
 
 def _figure_suffix(f) -> str:
-  """'' for the paper's FedDVA, '_shared_decoder', '_reference_schedule'
-  and / or '_fixed_marks' for the variants."""
+  """'' for the paper's FedDVA; '_shared_decoder', '_reference_schedule',
+  '_sampled_mixture_kl' and / or '_fixed_marks' for the variants."""
   variant = _variant_setting(f)
   return (('' if 'decoder' not in variant
            else f"_{variant['decoder']}_decoder")
           + ('' if 'schedule' not in variant
              else f"_{variant['schedule']}_schedule")
+          + ('' if 'mixture_kl' not in variant
+             else f"_{variant['mixture_kl']}_mixture_kl")
           + ('' if _marks(f) == 'varied' else f'_{_marks(f)}_marks'))
 
 

@@ -205,3 +205,55 @@ def test_eq26_bound_charges_precise_codes_far_more_than_the_prior_kl():
   print('sigma 0.3 / 0.1 / 0.03: Eq. 26 bound', np.round(bounds, 2),
         'prior KL', np.round(priors, 2), 'mixture KL (MC)',
         np.round(mixtures, 2))
+
+
+def test_sampled_mixture_kl_averages_to_the_monte_carlo_kl_and_is_bounded():
+  rng = np.random.default_rng(5)
+  k, d, draws = 6, 3, 20_000
+  mu = rng.normal(size=(k, d)).astype(np.float32)
+  logvar = rng.normal(scale=0.3, size=(k, d)).astype(np.float32)
+  # Each draw: one c_i ~ q_i per sample; average the estimates over draws.
+  eps = rng.normal(size=(draws, k, d)).astype(np.float32)
+  c = mu + np.exp(0.5 * logvar) * eps
+  est = np.stack([losses.mixture_kl_sampled(
+      tf.constant(c[t]), tf.constant(mu), tf.constant(logvar)).numpy()
+                  for t in range(0, draws, 100)])
+  assert np.all(est <= np.log(k) + 1e-5)
+  bound = losses.mixture_kl_upper_bound(tf.constant(mu),
+                                        tf.constant(logvar)).numpy()
+  for i in range(k):
+    x = c[:, i, :].astype(np.float64)
+    log_mix = np.logaddexp.reduce(
+        np.stack([_log_normal(x, mu[j], logvar[j]) for j in range(k)]),
+        axis=0) - np.log(k)
+    mc = np.mean(_log_normal(x, mu[i], logvar[i]) - log_mix)
+    se = est[:, i].std() / np.sqrt(len(est))
+    assert abs(est[:, i].mean() - mc) < 4 * se + 1e-3, (i, est[:, i].mean(),
+                                                       mc)
+    assert mc < bound[i]  # The bound sits above what is estimated.
+  # Identical posteriors: the mixture is each of them, the estimate is 0.
+  same = losses.mixture_kl_sampled(
+      tf.constant(c[0]), tf.constant(np.repeat(mu[:1], k, 0)),
+      tf.constant(np.repeat(logvar[:1], k, 0))).numpy()
+  np.testing.assert_allclose(same, 0.0, atol=1e-5)
+
+
+def test_sampled_mixture_kl_loss_reaches_the_c_encoder_and_names_bad_modes():
+  model = feddva_lib.FeddvaModel(feddva_lib.FeddvaConfig(
+      z_dim=2, c_dim=2, channels=(2, 2, 2, 2), hidden=8))
+  x = tf.constant(np.random.default_rng(6).uniform(size=(8, 28, 28, 1)),
+                  tf.float32)
+  seed = tf.constant([1, 2])
+  values = {}
+  for mode in losses.MIXTURE_KL:
+    config = losses.LossConfig(mixture_kl=mode)
+    with tf.GradientTape() as tape:
+      out = model.loss(x, config, seed=seed)
+    grads = tape.gradient(out['loss'], model.encoder_c.trainable_variables)
+    assert all(g is not None for g in grads)
+    values[mode] = float(out['kl_c_mixture'])
+  # Same draw, other estimate of the same KL: the bound is the larger.
+  assert values['bound'] > values['sampled']
+  assert values['sampled'] <= np.log(8) + 1e-5
+  with pytest.raises(ValueError, match="mixture_kl must be one of .*'exact'"):
+    losses.LossConfig(mixture_kl='exact')

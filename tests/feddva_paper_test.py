@@ -176,6 +176,7 @@ def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
 
 @pytest.mark.parametrize('variant', [
     {'schedule': 'reference'},
+    {'mixture_kl': 'sampled'},
     {'decoder': 'shared', 'schedule': 'reference'}])
 def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
   cells = paper.cells('classification', _flags(
@@ -188,13 +189,17 @@ def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
   assert all(not set(variant) & set(c.setting) for c in cells
              if c.method not in ('probe', 'feddva'))
   column = paper.TABLES['probes'].column_for(cells[0].setting)
-  assert column is not None and 'reference schedule' in column.name
+  words = {'decoder': 'decoder', 'schedule': 'schedule',
+           'mixture_kl': 'mixture KL'}
+  assert column is not None and all(
+      f'{v} {words[k]}' in column.name for k, v in variant.items()), column
   assert paper.TABLES['classification'].column_for(
       {'task': 'marked_mnist', 'rounds': 5, **variant}) is not None
   # The paper's FedDVA cells carry neither key.
   plain = paper.cells('classification', _flags(
-      rounds=5, feddva_decoder='private', feddva_schedule='paper'))
-  assert all('schedule' not in c.setting and 'decoder' not in c.setting
+      rounds=5, feddva_decoder='private', feddva_schedule='paper',
+      feddva_mixture_kl='bound'))
+  assert all(not {'schedule', 'decoder', 'mixture_kl'} & set(c.setting)
              for c in plain)
 
 
@@ -207,7 +212,7 @@ def test_pretrain_key_changes_with_everything_training_depends_on():
                  feddva_hidden=9, feddva_xi=1.0, feddva_alpha=0.5,
                  feddva_beta=0.5, feddva_vae_rounds=3,
                  feddva_decoder='shared', feddva_schedule='paper',
-                 feddva_marks='varied')
+                 feddva_marks='varied', feddva_mixture_kl='sampled')
   for name, value in changed.items():
     other = _run_flags('/unused', '/unused', **{name: value})
     assert paper.pretrain_key('marked_mnist', 4, other, 8, 0) != base, name
@@ -235,6 +240,7 @@ def test_define_flags_defines_every_flag_the_cells_read():
   assert flags.FLAGS['feddva_decoder'].default == 'private'
   assert flags.FLAGS['feddva_schedule'].default == 'paper'
   assert flags.FLAGS['feddva_marks'].default == 'varied'
+  assert flags.FLAGS['feddva_mixture_kl'].default == 'bound'
 
 
 def _run_flags(root, mnist_dir, **overrides):
