@@ -172,6 +172,11 @@ def define_flags():
   def define(kind, name, default, help_text):
     if name not in flags.FLAGS:
       getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
+
+  def define_enum(name, default, values, help_text):
+    if name not in flags.FLAGS:
+      flags.DEFINE_enum(name, default, list(values), help_text)
+
   define('integer', 'feddva_vae_rounds', DEFAULT_VAE_ROUNDS,
          'FedDVA: rounds of FedDVA (dual-VAE) training.')
   define('integer', 'feddva_local_epochs', 1, 'FedDVA: local epochs.')
@@ -188,36 +193,32 @@ def define_flags():
   define('float', 'feddva_beta', 0.75, 'FedDVA: beta (weight of R_c).')
   define('float', 'feddva_learning_rate', 1e-3, 'FedDVA: local Adam lr.')
   define('float', 'feddva_ditto_lambda', 0.1, 'FedDVA: Ditto lambda.')
-  if 'feddva_decoder' not in flags.FLAGS:
-    flags.DEFINE_enum(
-        'feddva_decoder', 'private', list(feddva.DECODERS),
-        "FedDVA: 'private' (the paper's p_k, client state) or 'shared' "
-        '(ablation: the decoder is averaged with the encoders; cells get '
-        'setting decoder=shared).')
-  if 'feddva_schedule' not in flags.FLAGS:
-    flags.DEFINE_enum(
-        'feddva_schedule', 'paper', list(feddva_training.SCHEDULES),
-        "FedDVA's client round: 'paper' (Algorithm 1: decoder pass, then "
-        "encoders pass) or 'reference' (the authors' public code: decoder; "
-        'z-encoder with c drawn from the prior; c-encoder and decoder with z '
-        'fixed; cells get setting schedule=reference).')
-  if 'feddva_mixture_kl' not in flags.FLAGS:
-    flags.DEFINE_enum(
-        'feddva_mixture_kl', 'bound', list(feddva_losses.MIXTURE_KL),
-        "FedDVA: KL(q(c|x,z) || p_bar_k) in Eq. 7 as the paper's Eq. 26 "
-        "bound ('bound') or our unbiased one-sample estimate ('sampled'; "
-        'cells get setting mixture_kl=sampled).')
+  define_enum(
+      'feddva_decoder', 'private', feddva.DECODERS,
+      "FedDVA: 'private' (the paper's p_k, client state) or 'shared' "
+      '(ablation: the decoder is averaged with the encoders; cells get '
+      'setting decoder=shared).')
+  define_enum(
+      'feddva_schedule', 'paper', feddva_training.SCHEDULES,
+      "FedDVA's client round: 'paper' (Algorithm 1: decoder pass, then "
+      "encoders pass) or 'reference' (the authors' public code: decoder; "
+      'z-encoder with c drawn from the prior; c-encoder and decoder with z '
+      'fixed; cells get setting schedule=reference).')
+  define_enum(
+      'feddva_mixture_kl', 'bound', feddva_losses.MIXTURE_KL,
+      "FedDVA: KL(q(c|x,z) || p_bar_k) in Eq. 7 as the paper's Eq. 26 "
+      "bound ('bound') or our unbiased one-sample estimate ('sampled'; "
+      'cells get setting mixture_kl=sampled).')
   define('integer', 'feddva_ft_epochs', 1,
          'FedDVA: local fine-tuning epochs of fedavg_ft.')
   define('integer', 'feddva_clients_per_round', 0,
          'FedDVA: cohort size (0: every client every round).')
-  if 'feddva_marks' not in flags.FLAGS:
-    flags.DEFINE_enum(
-        'feddva_marks', 'varied', list(feddva_tasks.MARK_MODES),
-        "marked_mnist: 'varied' (each image's mark drawn with its own phase "
-        "or rotation, as the authors' code does; cells get setting "
-        "marks=varied) or 'fixed' (one identical mark per client, the "
-        'earlier form of the task).')
+  define_enum(
+      'feddva_marks', 'varied', feddva_tasks.MARK_MODES,
+      "marked_mnist: 'varied' (each image's mark drawn with its own phase "
+      "or rotation, as the authors' code does; cells get setting "
+      "marks=varied) or 'fixed' (one identical mark per client, the "
+      'earlier form of the task).')
   define('integer', 'feddva_marked_clients', 4, 'marked_mnist: clients.')
   define('integer', 'feddva_marked_train', 500,
          'marked_mnist: training images per client.')
