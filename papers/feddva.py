@@ -505,8 +505,7 @@ def representations(model, task) -> dict:
     digits.append(data.test_y)
     clients.append(np.full(len(data.test_y), k))
     marks.append(np.full(len(data.test_y), np.nan)
-                 if getattr(data, 'test_mark', None) is None
-                 else data.test_mark)
+                 if data.test_mark is None else data.test_mark)
   return dict(z=np.concatenate(zs), c=np.concatenate(cs),
               digit=np.concatenate(digits), client=np.concatenate(clients),
               mark=np.concatenate(marks))
@@ -550,37 +549,36 @@ def linear_probes(reps: dict, seed: int) -> dict:
     return float(clf.score(scaler.transform(features[score]), target[score]))
 
   counts = np.bincount(reps['client'][score])
-  # The digit from z by a probe fitted within each client, averaged over
-  # clients weighted by their scored images: private decoders may each read
-  # z in their own coordinates, which one map for all clients cannot follow.
-  within, weights = [], []
-  for k in np.unique(reps['client']):
-    fit_k = fit[reps['client'][fit] == k]
-    score_k = score[reps['client'][score] == k]
-    if len(score_k) and len(np.unique(reps['digit'][fit_k])) > 1:
-      within.append(probe(reps['z'], reps['digit'], fit_k, score_k))
-      weights.append(len(score_k))
-  marks = {}
-  for name in ('c', 'z'):
-    scores, weights_k = [], []
-    for k in np.unique(reps['client']):
-      fit_k = fit[reps['client'][fit] == k]
-      score_k = score[reps['client'][score] == k]
-      if 'mark' in reps:
-        r2 = mark_r2(reps[name], reps['mark'], fit_k, score_k)
-        if r2 is not None:
-          scores.append(r2)
-          weights_k.append(len(score_k))
-    marks[f'mark_from_{name}'] = (float(np.average(scores, weights=weights_k))
-                                  if scores else None)
+  # Each client's own fit and score images, for the within-client probes.
+  splits = [(fit[reps['client'][fit] == k], score[reps['client'][score] == k])
+            for k in np.unique(reps['client'])]
+
+  def mean_over_clients(per_client):
+    """Mean of the clients' values weighted by their scored images; None if
+    no client has one (a value of None leaves the client out)."""
+    kept = [(v, len(score_k)) for v, (_, score_k) in zip(per_client, splits)
+            if v is not None]
+    return (float(np.average([v for v, _ in kept],
+                             weights=[w for _, w in kept])) if kept
+            else None)
+
+  # The digit from z by a probe fitted within each client: private decoders
+  # may each read z in their own coordinates, which one map for all clients
+  # cannot follow.
+  within = mean_over_clients([
+      probe(reps['z'], reps['digit'], fit_k, score_k)
+      if len(score_k) and len(np.unique(reps['digit'][fit_k])) > 1 else None
+      for fit_k, score_k in splits])
+  marks = {f'mark_from_{name}': mean_over_clients([
+      mark_r2(reps[name], reps['mark'], fit_k, score_k)
+      for fit_k, score_k in splits]) if 'mark' in reps else None
+           for name in ('c', 'z')}
   return {**marks,
           'client_from_c': probe(reps['c'], reps['client']),
           'client_from_z': probe(reps['z'], reps['client']),
           'digit_from_z': probe(reps['z'], reps['digit']),
           'digit_from_c': probe(reps['c'], reps['digit']),
-          'digit_from_z_within_client': (
-              float(np.average(within, weights=weights)) if within
-              else None),
+          'digit_from_z_within_client': within,
           'chance_client': float(counts.max() / counts.sum())}
 
 
