@@ -51,14 +51,17 @@ sample instead of Eq. 26's bound; ours) `_sampled_mixture_kl`; with
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
+import shutil
 import time
 from typing import Any
 
 from absl import flags
 import numpy as np
+import tensorflow as tf
 import tensorflow_federated as tff
 
 from tasks import feddva_tasks
@@ -79,10 +82,14 @@ TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
 # Flags that the cells' settings carry (reporting.run_config leaves them out).
 SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule',
                  'feddva_marks', 'feddva_mixture_kl')
+# Flags that change how a run is carried out, not what it computes
+# (reporting.run_config leaves them out, so changing one is not a conflict).
+OPERATIONAL_FLAGS = ('feddva_checkpoint_every',)
 METHODS = ('fedavg', 'fedavg_ft', 'ditto', 'feddva')
 DEFAULT_CLASS_ROUNDS = 20
 DEFAULT_VAE_ROUNDS = 30
 _PRETRAIN_DIRNAME = '_feddva_pretrain'
+_PROGRESS_DIRNAME = 'progress'
 
 
 def variant_label(variant: dict) -> str:
@@ -209,6 +216,10 @@ def define_flags():
       "FedDVA: KL(q(c|x,z) || p_bar_k) in Eq. 7 as the paper's Eq. 26 "
       "bound ('bound') or our unbiased one-sample estimate ('sampled'; "
       'cells get setting mixture_kl=sampled).')
+  define('integer', 'feddva_checkpoint_every', 10,
+         'FedDVA: checkpoint the FedDVA pre-training every this many rounds '
+         '(0: never), so that a killed run resumes from its last checkpoint; '
+         'a resumed run computes what an uninterrupted one does.')
   define('integer', 'feddva_ft_epochs', 1,
          'FedDVA: local fine-tuning epochs of fedavg_ft.')
   define('integer', 'feddva_clients_per_round', 0,
@@ -248,6 +259,9 @@ def cells(table: str, f) -> list[reporting.Cell]:
     raise ValueError(f'--rounds must be >= 1, got {f.rounds}')
   if f.feddva_clients_per_round < 0:
     raise ValueError('--feddva_clients_per_round must be >= 0')
+  if getattr(f, 'feddva_checkpoint_every', 0) < 0:
+    raise ValueError('--feddva_checkpoint_every must be >= 0, got '
+                     f'{f.feddva_checkpoint_every}')
   if len(f.feddva_channels) != 4:
     raise ValueError(f'--feddva_channels needs 4 values, got '
                      f'{f.feddva_channels}')
@@ -392,6 +406,74 @@ def _per_client_accuracy(outputs) -> list[float]:
 # ------------------------------------------------------------ FedDVA (VAE)
 
 
+class _PretrainProgress:
+  """Round checkpoints of one FedDVA pre-training, so that a killed run
+  resumes where it stopped instead of from round 0.
+
+  The server state, every client's state (private decoders and rounds
+  participated) and the round are saved with TFF's
+  `tff.program.FileProgramStateManager` (an atomic directory rename per
+  version; the last two kept); the per-round training curve goes to a JSON
+  file written *before* the state, so it always has at least as many rounds
+  as the newest state and is cut back to it on restore. The data order, the
+  cohorts and the sampling noise depend only on the round, the client's
+  rounds participated and the seed, so a resumed run computes exactly what
+  an uninterrupted one does (tested). The directory lives inside the
+  pre-training's cache directory, whose name holds everything training
+  depends on, so a checkpoint is only ever resumed by the same training.
+  """
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    self._manager = tff.program.FileProgramStateManager(
+        directory, keep_total=2, keep_first=False)
+    self._curve_path = os.path.join(directory, 'curve.json')
+
+  def restore(self, initial_state, initial_client_states):
+    """(rounds done, server state, client states, curve, seconds spent)."""
+    if not os.path.isdir(self.directory):
+      return 0, initial_state, initial_client_states, [], 0.0
+    versions = asyncio.run(self._manager.get_versions()) or []
+    if not versions:
+      return 0, initial_state, initial_client_states, [], 0.0
+    done = max(versions)
+    try:
+      saved = asyncio.run(self._manager.load(done, {
+          'server_state': initial_state, 'round_num': 0,
+          'client_states': list(initial_client_states), 'seconds': 0.0}))
+      with open(self._curve_path) as fh:
+        curve = json.load(fh)
+    except Exception as e:  # pylint: disable=broad-except
+      raise RuntimeError(
+          f'FedDVA pre-training checkpoint of round {done} in '
+          f'{self.directory} cannot be read ({type(e).__name__}: {e}). '
+          'Nothing was changed; remove that directory to train from round '
+          '0.') from e
+    if int(saved['round_num']) != done or len(curve) < done:
+      raise RuntimeError(
+          f'FedDVA pre-training checkpoint in {self.directory} is '
+          f'inconsistent (version {done} holds round {saved["round_num"]}, '
+          f'curve has {len(curve)} rounds). Nothing was changed; remove '
+          'that directory to train from round 0.')
+    return (done, saved['server_state'], list(saved['client_states']),
+            curve[:done], float(saved['seconds']))
+
+  def save(self, rounds_done: int, state, client_states, curve,
+           seconds: float) -> None:
+    os.makedirs(self.directory, exist_ok=True)
+    _write_json(self._curve_path, curve)  # First: never shorter than state.
+    asyncio.run(self._manager.save({
+        'server_state': tf.nest.map_structure(np.asarray, state),
+        'round_num': rounds_done,
+        'client_states': [tf.nest.map_structure(np.asarray, s)
+                          for s in client_states],
+        'seconds': float(seconds)}, rounds_done))
+
+  def remove(self) -> None:
+    if os.path.isdir(self.directory):
+      shutil.rmtree(self.directory)
+
+
 def pretrain_key(task_name: str, num_clients: int, f, dim: int,
                  seed: int) -> str:
   """The cache directory name of a FedDVA pre-training: everything it
@@ -445,22 +527,35 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
       decoder0 if decoder == 'private' else ())
             for _ in range(task.num_clients)]
   state = process.initialize()
-  curve, start = [], time.perf_counter()
+  every = int(getattr(f, 'feddva_checkpoint_every', 0) or 0)
+  progress = _PretrainProgress(os.path.join(cache, _PROGRESS_DIRNAME))
+  done, state, states, curve, seconds_before = progress.restore(
+      state, states)
+  if done:
+    print(f'feddva {task.name} dim {dim} seed {seed}: resuming the FedDVA '
+          f'training after round {done} from {progress.directory}',
+          flush=True)
+  start = time.perf_counter()
   for r, cohort in enumerate(_cohorts(task.num_clients, f.feddva_vae_rounds,
                                       f.feddva_clients_per_round, seed)):
+    if r < done:  # Trained before the restart; cohorts are drawn per round.
+      continue
     state, new_states, metrics = process.next(
         state, [states[k] for k in cohort], _train_data(task, cohort, f, r,
                                                         seed))
     for k, s in zip(cohort, new_states):
       states[k] = s
     curve.append({k: float(v) for k, v in metrics['train'].items()})
+    elapsed = seconds_before + time.perf_counter() - start
+    if every and (r + 1) % every == 0 and r + 1 < f.feddva_vae_rounds:
+      progress.save(r + 1, state, states, curve, elapsed)
     if (r + 1) % 10 == 0 or r + 1 == f.feddva_vae_rounds:
-      elapsed = time.perf_counter() - start
       print(f'feddva {task.name} dim {dim} seed {seed}: FedDVA round '
             f'{r + 1}/{f.feddva_vae_rounds}, loss '
             f'{curve[-1].get("loss", float("nan")):.1f}, '
             f'{elapsed / (r + 1):.1f} s/round', flush=True)
-  seconds = (time.perf_counter() - start) / max(f.feddva_vae_rounds, 1)
+  seconds = ((seconds_before + time.perf_counter() - start)
+             / max(f.feddva_vae_rounds, 1))
   encoders, shared_decoder = feddva.split_shared_weights(
       config, [np.asarray(w)
                for w in process.get_model_weights(state).trainable])
@@ -481,6 +576,7 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
           'client_names': task.client_names}
   _write_json(os.path.join(cache, 'curve.json'), meta)
   os.replace(weights_path + '.pending', weights_path)  # Last: marks done.
+  progress.remove()
   return dict(encoders=encoders, decoders=decoders, **meta)
 
 

@@ -1,5 +1,6 @@
 """The FedDVA paper module: cells, records' settings, probes, speed metric."""
 
+import os
 import types
 
 import numpy as np
@@ -294,3 +295,67 @@ def test_probe_cell_end_to_end_records_probes_and_config(tmp_path, mnist_dir,
   assert '--feddva_local_epochs: 1 in the recorded cell probe' in (
       capsys.readouterr().err)
   assert (tmp_path / 'results.jsonl').read_bytes() == before
+
+
+class _Killed(Exception):
+  pass
+
+
+def test_pretraining_killed_mid_run_resumes_to_the_uninterrupted_result(
+    tmp_path, mnist_dir, monkeypatch, capsys):
+  """Round checkpoints: a run killed after round 2 of 3 resumes from its
+  checkpoint and ends with exactly the encoders, decoders and curve of a run
+  that was never interrupted; the checkpoints are removed once the weights
+  are written. Fails if any part of the state (server state, a client's
+  decoder or its rounds participated, the curve) is not restored."""
+  f = _run_flags(tmp_path, mnist_dir, feddva_vae_rounds=3,
+                 feddva_schedule='paper', feddva_marks='varied',
+                 feddva_checkpoint_every=1)
+  task = paper._task('marked_mnist', f, 0)
+  whole = paper.pretrain_feddva(task, f, 2, 0, str(tmp_path / 'whole'))
+
+  real_train_data = paper._train_data
+
+  def killed_at_round_2(task_, cohort, f_, round_num, seed):
+    if round_num == 2:
+      raise _Killed()
+    return real_train_data(task_, cohort, f_, round_num, seed)
+
+  root = str(tmp_path / 'killed')
+  monkeypatch.setattr(paper, '_train_data', killed_at_round_2)
+  with pytest.raises(_Killed):
+    paper.pretrain_feddva(task, f, 2, 0, root)
+  cache = os.path.join(root, reporting.RUNS_DIRNAME, paper._PRETRAIN_DIRNAME,
+                       paper.pretrain_key('marked_mnist', 4, f, 2, 0))
+  progress = os.path.join(cache, paper._PROGRESS_DIRNAME)
+  assert os.path.isdir(progress)
+  assert not os.path.exists(os.path.join(cache, 'weights.npz'))
+  monkeypatch.setattr(paper, '_train_data', real_train_data)
+  capsys.readouterr()
+  resumed = paper.pretrain_feddva(task, f, 2, 0, root)
+  assert 'resuming the FedDVA training after round 2' in (
+      capsys.readouterr().out)
+  assert not os.path.exists(progress)
+  for a, b in zip(whole['encoders'], resumed['encoders'], strict=True):
+    np.testing.assert_array_equal(a, b)
+  for dec_a, dec_b in zip(whole['decoders'], resumed['decoders'],
+                          strict=True):
+    for a, b in zip(dec_a, dec_b, strict=True):
+      np.testing.assert_array_equal(a, b)
+  assert resumed['curve'] == whole['curve']
+  assert len(resumed['curve']) == 3
+  # The three rounds did train: the encoders moved from their start.
+  start, _ = paper.feddva.initial_weights(paper._config(f, 2), 0)
+  assert any(not np.array_equal(a, b)
+             for a, b in zip(start, resumed['encoders']))
+
+
+def test_checkpoint_interval_is_not_a_config_change(tmp_path):
+  config = reporting.run_config(
+      'feddva', paper, _run_flags(tmp_path, '/unused',
+                                  feddva_checkpoint_every=5))
+  assert 'feddva_checkpoint_every' not in config
+  assert config['feddva_local_epochs'] == 1
+  with pytest.raises(ValueError, match='feddva_checkpoint_every'):
+    paper.cells('probes', _run_flags(tmp_path, '/unused',
+                                     feddva_checkpoint_every=-1))

@@ -521,10 +521,13 @@ def run_config(paper: str, module: Any, flag_values: Any) -> dict[str, Any]:
   """The flags that shape `paper`'s results beyond its cells' settings.
 
   Every flag named `<paper>_*` and the `COMMON_CONFIG_FLAGS`, less the
-  module's `SETTING_FLAGS`; paths that exist are resolved, so the same data
-  reached by another relative path is the same configuration.
+  module's `SETTING_FLAGS` (in the cells' settings) and `OPERATIONAL_FLAGS`
+  (how a run is carried out, e.g. its checkpoint interval, not what it
+  computes); paths that exist are resolved, so the same data reached by
+  another relative path is the same configuration.
   """
-  skip = set(getattr(module, 'SETTING_FLAGS', ()))
+  skip = (set(getattr(module, 'SETTING_FLAGS', ()))
+          | set(getattr(module, 'OPERATIONAL_FLAGS', ())))
   names = [n for n in _flag_names(flag_values)
            if (n.startswith(f'{paper}_') or n in COMMON_CONFIG_FLAGS)
            and n not in skip]
