@@ -497,6 +497,10 @@ def pretrain_key(task_name: str, num_clients: int, f, dim: int,
 def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
   """FedDVA on `task`, cached under <root>/runs/_feddva_pretrain/...
 
+  With `--feddva_checkpoint_every` > 0 the training saves a round checkpoint
+  in the cache directory (`_PretrainProgress`) and, if killed, the next call
+  resumes from it.
+
   Returns {'encoders': tuple of arrays, 'decoders': [tuple per client],
   'curve': per-round training metrics, 'seconds_per_round'}.
   """
