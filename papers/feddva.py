@@ -46,6 +46,8 @@ spread across clients vs round, both tasks; Figures 6, 7). With
 `models/feddva_training.py`) they get `_reference_schedule`; with
 `--feddva_mixture_kl=sampled` (Eq. 7's mixture KL estimated from the
 sample instead of Eq. 26's bound; ours) `_sampled_mixture_kl`; with
+`--feddva_constraint_weight=rho` (Eq. 7 read as a penalty, rho != 1;
+`models/feddva_losses.py`) `_constraint_weight<rho>`; with
 `--feddva_marks=fixed` `_fixed_marks`.
 """
 
@@ -81,7 +83,8 @@ PAPER = 'feddva'
 TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
 # Flags that the cells' settings carry (reporting.run_config leaves them out).
 SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule',
-                 'feddva_marks', 'feddva_mixture_kl')
+                 'feddva_marks', 'feddva_mixture_kl',
+                 'feddva_constraint_weight')
 # Flags that change how a run is carried out, not what it computes
 # (reporting.run_config leaves them out, so changing one is not a conflict).
 OPERATIONAL_FLAGS = ('feddva_checkpoint_every',)
@@ -102,6 +105,8 @@ def variant_label(variant: dict) -> str:
     parts.append(f"{variant['schedule']} schedule")
   if 'mixture_kl' in variant:
     parts.append(f"{variant['mixture_kl']} mixture KL")
+  if 'constraint_weight' in variant:
+    parts.append(f"constraint weight {variant['constraint_weight']:g}")
   return f" ({', '.join(parts)})" if parts else ''
 
 
@@ -216,6 +221,11 @@ def define_flags():
       "FedDVA: KL(q(c|x,z) || p_bar_k) in Eq. 7 as the paper's Eq. 26 "
       "bound ('bound') or our unbiased one-sample estimate ('sampled'; "
       'cells get setting mixture_kl=sampled).')
+  define('float', 'feddva_constraint_weight', 1.0,
+         "FedDVA: weight rho of Eq. 7's hinge against its slack regularizer, "
+         'R_c = KL(q||q(c)) + rho relu(xi + KL(q||p_bar_k) - KL(q||q(c))); '
+         "1 is the paper's max form; rho > 1 enforces Inequation 5 as the "
+         "authors' code does (cells get setting constraint_weight=rho).")
   define('integer', 'feddva_checkpoint_every', 10,
          'FedDVA: checkpoint the FedDVA pre-training every this many rounds '
          '(0: never), so that a killed run resumes from its last checkpoint; '
@@ -259,6 +269,9 @@ def cells(table: str, f) -> list[reporting.Cell]:
     raise ValueError(f'--rounds must be >= 1, got {f.rounds}')
   if f.feddva_clients_per_round < 0:
     raise ValueError('--feddva_clients_per_round must be >= 0')
+  if not _constraint_weight(f) >= 0:
+    raise ValueError('--feddva_constraint_weight must be >= 0, got '
+                     f'{_constraint_weight(f)}')
   if getattr(f, 'feddva_checkpoint_every', 0) < 0:
     raise ValueError('--feddva_checkpoint_every must be >= 0, got '
                      f'{f.feddva_checkpoint_every}')
@@ -293,6 +306,12 @@ def _mixture_kl(f) -> str:
   return getattr(f, 'feddva_mixture_kl', 'bound')
 
 
+def _constraint_weight(f) -> float:
+  """--feddva_constraint_weight (1, the paper's Eq. 7, where the flags
+  predate it)."""
+  return float(getattr(f, 'feddva_constraint_weight', 1.0))
+
+
 def _marks(f) -> str:
   """--feddva_marks ('fixed' where the flags predate it)."""
   return getattr(f, 'feddva_marks', 'fixed')
@@ -300,7 +319,8 @@ def _marks(f) -> str:
 
 def _variant_setting(f) -> dict:
   """The setting keys of a FedDVA variant: any of {'decoder': 'shared'},
-  {'schedule': 'reference'}, {'mixture_kl': 'sampled'}; {} for the paper's
+  {'schedule': 'reference'}, {'mixture_kl': 'sampled'},
+  {'constraint_weight': rho}; {} for the paper's
   FedDVA (so that cells run before these flags existed keep their
   identity)."""
   variant = {}
@@ -310,6 +330,8 @@ def _variant_setting(f) -> dict:
     variant['schedule'] = _schedule(f)
   if _mixture_kl(f) != 'bound':
     variant['mixture_kl'] = _mixture_kl(f)
+  if _constraint_weight(f) != 1.0:
+    variant['constraint_weight'] = _constraint_weight(f)
   return variant
 
 
@@ -491,7 +513,9 @@ def pretrain_key(task_name: str, num_clients: int, f, dim: int,
           f'_lr{f.feddva_learning_rate}_cpr{f.feddva_clients_per_round}'
           + ('' if _decoder(f) == 'private' else f'_{_decoder(f)}dec')
           + ('' if _schedule(f) == 'paper' else f'_{_schedule(f)}sched')
-          + ('' if _mixture_kl(f) == 'bound' else f'_{_mixture_kl(f)}mix'))
+          + ('' if _mixture_kl(f) == 'bound' else f'_{_mixture_kl(f)}mix')
+          + ('' if _constraint_weight(f) == 1.0
+             else f'_cw{_constraint_weight(f):g}'))
 
 
 def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
@@ -521,7 +545,7 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
   config = _config(f, dim)
   loss_config = feddva_losses.LossConfig(
       alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi,
-      mixture_kl=_mixture_kl(f))
+      mixture_kl=_mixture_kl(f), constraint_weight=_constraint_weight(f))
   process = feddva.build_feddva(
       config, loss_config, decoder_optimizer=_adam(f),
       encoder_optimizer=_adam(f), seed=seed, decoder=decoder,
@@ -888,7 +912,8 @@ def make_figures(root: str, f, latent: bool = True,
 
 def _figure_suffix(f) -> str:
   """'' for the paper's FedDVA; '_shared_decoder', '_reference_schedule',
-  '_sampled_mixture_kl' and / or '_fixed_marks' for the variants."""
+  '_sampled_mixture_kl', '_constraint_weight<rho>' and / or '_fixed_marks'
+  for the variants."""
   variant = _variant_setting(f)
   return (('' if 'decoder' not in variant
            else f"_{variant['decoder']}_decoder")
@@ -896,6 +921,8 @@ def _figure_suffix(f) -> str:
              else f"_{variant['schedule']}_schedule")
           + ('' if 'mixture_kl' not in variant
              else f"_{variant['mixture_kl']}_mixture_kl")
+          + ('' if 'constraint_weight' not in variant
+             else f"_constraint_weight{variant['constraint_weight']:g}")
           + ('' if _marks(f) == 'varied' else f'_{_marks(f)}_marks'))
 
 

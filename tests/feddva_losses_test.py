@@ -95,6 +95,58 @@ def test_hinge_switches_just_across_the_boundary():
     assert tuple(grads) == expect, delta
 
 
+@pytest.mark.parametrize('kl_prior', [2.5, 3.0, 5.0])
+def test_constraint_weight_one_is_the_papers_max_form(kl_prior):
+  # max(a, b) = b + relu(a - b): the penalty reading at rho = 1 is Eq. 7.
+  xi, mix = 2.0, 1.0
+  value = float(losses.slack_regularizer(kl_prior, mix, xi))
+  assert value == max(xi + mix, kl_prior)
+  p, m = tf.constant(kl_prior), tf.constant(mix)
+  assert float(p + tf.nn.relu(xi + m - p)) == pytest.approx(value)
+  assert float(losses.slack_regularizer(p, m, xi, 1.0)) == value
+
+
+@pytest.mark.parametrize('rho', [0.0, 0.5, 2.0, 10.0])
+def test_constraint_weight_pushes_the_prior_kl_up_while_violated(rho):
+  xi = 2.0
+  # Violated (2.5 < xi + 1): d/dP = 1 - rho, d/dKL_mix = rho.
+  p, m = tf.Variable(2.5), tf.Variable(1.0)
+  with tf.GradientTape() as tape:
+    r = losses.slack_regularizer(p, m, xi, rho)
+  g_p, g_m = tape.gradient(r, [p, m])
+  assert float(r) == pytest.approx(2.5 + rho * (xi + 1.0 - 2.5))
+  assert float(g_p) == pytest.approx(1.0 - rho)
+  assert float(g_m) == pytest.approx(rho)
+  # Met (5 > xi + 1): only the slack regularizer, whatever rho.
+  p, m = tf.Variable(5.0), tf.Variable(1.0)
+  with tf.GradientTape() as tape:
+    r = losses.slack_regularizer(p, m, xi, rho)
+  g_p, g_m = tape.gradient(r, [p, m])
+  assert float(r) == 5.0
+  assert float(g_p) == 1.0
+  assert float(0.0 if g_m is None else g_m) == 0.0
+
+
+def test_constraint_weight_reaches_the_loss_and_bad_weights_are_refused():
+  config = feddva_lib.FeddvaConfig(z_dim=2, c_dim=3, channels=(2, 2, 2, 2),
+                                   hidden=8)
+  model, x, eps_z, eps_c = _model_and_noise(config)
+  out = model.forward(x, eps_z, eps_c)
+  parts = {rho: losses.feddva_loss(
+      x, out, losses.LossConfig(constraint_weight=rho), config.c_dim)
+           for rho in (1.0, 3.0)}
+  # xi = 24 nats against a fresh encoder's posteriors: violated everywhere,
+  # so R_c grows by (rho - 1) x the mean hinge.
+  assert float(parts[1.0]['constraint_met']) == 0.0
+  hinge = (24.0 + parts[1.0]['kl_c_mixture'] - parts[1.0]['kl_c_prior'])
+  np.testing.assert_allclose(
+      float(parts[3.0]['r_c'] - parts[1.0]['r_c']), 2.0 * float(hinge),
+      rtol=1e-5)
+  for bad in (-1.0, float('nan')):
+    with pytest.raises(ValueError, match='constraint_weight'):
+      losses.LossConfig(constraint_weight=bad)
+
+
 def _model_and_noise(config):
   tf.keras.utils.set_random_seed(3)
   model = feddva_lib.FeddvaModel(config)

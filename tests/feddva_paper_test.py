@@ -178,6 +178,7 @@ def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
 @pytest.mark.parametrize('variant', [
     {'schedule': 'reference'},
     {'mixture_kl': 'sampled'},
+    {'constraint_weight': 10.0},
     {'decoder': 'shared', 'schedule': 'reference'}])
 def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
   cells = paper.cells('classification', _flags(
@@ -190,18 +191,19 @@ def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
   assert all(not set(variant) & set(c.setting) for c in cells
              if c.method not in ('probe', 'feddva'))
   column = paper.TABLES['probes'].column_for(cells[0].setting)
-  words = {'decoder': 'decoder', 'schedule': 'schedule',
-           'mixture_kl': 'mixture KL'}
+  words = {'decoder': '{} decoder', 'schedule': '{} schedule',
+           'mixture_kl': '{} mixture KL',
+           'constraint_weight': 'constraint weight {:g}'}
   assert column is not None and all(
-      f'{v} {words[k]}' in column.name for k, v in variant.items()), column
+      words[k].format(v) in column.name for k, v in variant.items()), column
   assert paper.TABLES['classification'].column_for(
       {'task': 'marked_mnist', 'rounds': 5, **variant}) is not None
   # The paper's FedDVA cells carry neither key.
   plain = paper.cells('classification', _flags(
       rounds=5, feddva_decoder='private', feddva_schedule='paper',
-      feddva_mixture_kl='bound'))
-  assert all(not {'schedule', 'decoder', 'mixture_kl'} & set(c.setting)
-             for c in plain)
+      feddva_mixture_kl='bound', feddva_constraint_weight=1.0))
+  assert all(not {'schedule', 'decoder', 'mixture_kl', 'constraint_weight'}
+             & set(c.setting) for c in plain)
 
 
 def test_pretrain_key_changes_with_everything_training_depends_on():
@@ -213,7 +215,8 @@ def test_pretrain_key_changes_with_everything_training_depends_on():
                  feddva_hidden=9, feddva_xi=1.0, feddva_alpha=0.5,
                  feddva_beta=0.5, feddva_vae_rounds=3,
                  feddva_decoder='shared', feddva_schedule='paper',
-                 feddva_marks='varied', feddva_mixture_kl='sampled')
+                 feddva_marks='varied', feddva_mixture_kl='sampled',
+                 feddva_constraint_weight=10.0)
   for name, value in changed.items():
     other = _run_flags('/unused', '/unused', **{name: value})
     assert paper.pretrain_key('marked_mnist', 4, other, 8, 0) != base, name
@@ -242,6 +245,7 @@ def test_define_flags_defines_every_flag_the_cells_read():
   assert flags.FLAGS['feddva_schedule'].default == 'paper'
   assert flags.FLAGS['feddva_marks'].default == 'varied'
   assert flags.FLAGS['feddva_mixture_kl'].default == 'bound'
+  assert flags.FLAGS['feddva_constraint_weight'].default == 1.0
 
 
 def _run_flags(root, mnist_dir, **overrides):
@@ -359,3 +363,31 @@ def test_checkpoint_interval_is_not_a_config_change(tmp_path):
   with pytest.raises(ValueError, match='feddva_checkpoint_every'):
     paper.cells('probes', _run_flags(tmp_path, '/unused',
                                      feddva_checkpoint_every=-1))
+
+
+@pytest.mark.parametrize('overrides, expect', [
+    ({}, ('bound', 1.0)),
+    ({'feddva_mixture_kl': 'sampled'}, ('sampled', 1.0)),
+    ({'feddva_constraint_weight': 10.0}, ('bound', 10.0))])
+def test_pretraining_builds_the_loss_its_flags_ask_for(tmp_path, monkeypatch,
+                                                       overrides, expect):
+  seen = []
+
+  def build(config, loss_config, **kwargs):
+    del config, kwargs
+    seen.append((loss_config.mixture_kl, loss_config.constraint_weight))
+    raise _Killed()
+
+  monkeypatch.setattr(paper.feddva, 'build_feddva', build)
+  task = types.SimpleNamespace(name='marked_mnist', num_clients=4)
+  f = _run_flags(tmp_path, '/unused', **{
+      'feddva_schedule': 'paper', 'feddva_mixture_kl': 'bound',
+      'feddva_marks': 'varied', **overrides})
+  with pytest.raises(_Killed):
+    paper.pretrain_feddva(task, f, 2, 0, str(tmp_path))
+  assert seen == [expect]
+
+
+def test_negative_constraint_weight_is_refused_before_any_cell():
+  with pytest.raises(ValueError, match='feddva_constraint_weight'):
+    paper.cells('classification', _flags(feddva_constraint_weight=-1.0))
