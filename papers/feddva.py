@@ -45,7 +45,9 @@ spread across clients vs round, both tasks; Figures 6, 7). With
 `--feddva_schedule=reference` (the authors' code's three-pass round,
 `models/feddva_training.py`) they get `_reference_schedule`; with
 `--feddva_mixture_kl=sampled` (Eq. 7's mixture KL estimated from the
-sample instead of Eq. 26's bound; ours) `_sampled_mixture_kl`; with
+sample instead of Eq. 26's bound; ours) `_sampled_mixture_kl`, with
+`--feddva_mixture_kl=moment` (the KL to the moment-matched Gaussian; ours)
+`_moment_mixture_kl`; with
 `--feddva_constraint_weight=rho` (Eq. 7 read as a penalty, rho != 1;
 `models/feddva_losses.py`) `_constraint_weight<rho>`; with
 `--feddva_marks=fixed` `_fixed_marks`.
@@ -75,6 +77,7 @@ from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
+from tff_personal.core import training_loop
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
 from tff_personal.models import feddva_training
@@ -219,8 +222,9 @@ def define_flags():
   define_enum(
       'feddva_mixture_kl', 'bound', feddva_losses.MIXTURE_KL,
       "FedDVA: KL(q(c|x,z) || p_bar_k) in Eq. 7 as the paper's Eq. 26 "
-      "bound ('bound') or our unbiased one-sample estimate ('sampled'; "
-      'cells get setting mixture_kl=sampled).')
+      "bound ('bound'), our unbiased one-sample estimate ('sampled') or "
+      "the KL to the Gaussian moment-matched to the client's batch mixture "
+      "('moment', ours); cells get setting mixture_kl=<mode>.")
   define('float', 'feddva_constraint_weight', 1.0,
          "FedDVA: weight rho of Eq. 7's hinge against its slack regularizer, "
          'R_c = KL(q||q(c)) + rho relu(xi + KL(q||p_bar_k) - KL(q||q(c))); '
@@ -466,13 +470,13 @@ class _PretrainProgress:
       with open(self._curve_path) as fh:
         curve = json.load(fh)
     except Exception as e:  # pylint: disable=broad-except
-      raise RuntimeError(
+      raise training_loop.CheckpointError(
           f'FedDVA pre-training checkpoint of round {done} in '
           f'{self.directory} cannot be read ({type(e).__name__}: {e}). '
           'Nothing was changed; remove that directory to train from round '
           '0.') from e
     if int(saved['round_num']) != done or len(curve) < done:
-      raise RuntimeError(
+      raise training_loop.CheckpointError(
           f'FedDVA pre-training checkpoint in {self.directory} is '
           f'inconsistent (version {done} holds round {saved["round_num"]}, '
           f'curve has {len(curve)} rounds). Nothing was changed; remove '

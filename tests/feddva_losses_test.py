@@ -290,6 +290,44 @@ def test_sampled_mixture_kl_averages_to_the_monte_carlo_kl_and_is_bounded():
   np.testing.assert_allclose(same, 0.0, atol=1e-5)
 
 
+def test_moment_mixture_kl_prices_a_within_client_code_at_its_information():
+  """The moment-matched KL's batch mean is 0.5 log(1 + Var(mu) / sigma^2)
+  for a Gaussian code, close to the Monte-Carlo KL to the mixture where the
+  bound charges Var / sigma^2 (the case of the test above)."""
+  n = 64
+  mu = np.linspace(-1.0, 1.0, n)[:, None]
+  var = float(np.var(mu))
+  for sigma in (0.3, 0.1, 0.03):
+    logvar = np.full_like(mu, 2 * np.log(sigma))
+    moment = losses.mixture_kl_moment(tf.constant(mu, tf.float32),
+                                      tf.constant(logvar, tf.float32)).numpy()
+    assert np.all(moment >= 0)
+    np.testing.assert_allclose(moment.mean(),
+                               0.5 * np.log1p(var / sigma ** 2), rtol=1e-4)
+  # Against the Monte-Carlo KL to the mixture (1.7 nats at sigma 0.1, 1.77
+  # here; the bound is 34.4) for a posterior drawn at random.
+  rng = np.random.default_rng(7)
+  k, d, draws = 48, 2, 20_000
+  mu = rng.normal(size=(k, d))
+  logvar = np.full((k, d), 2 * np.log(0.5))
+  moment = losses.mixture_kl_moment(tf.constant(mu, tf.float32),
+                                    tf.constant(logvar, tf.float32)).numpy()
+  mc = []
+  for i in range(0, k, 6):
+    x = mu[i] + 0.5 * rng.normal(size=(draws, d))
+    log_mix = np.logaddexp.reduce(
+        np.stack([_log_normal(x, mu[j], logvar[j]) for j in range(k)]),
+        axis=0) - np.log(k)
+    mc.append(np.mean(_log_normal(x, mu[i], logvar[i]) - log_mix))
+  assert abs(np.mean(moment[::6]) - np.mean(mc)) < 0.1 * np.mean(mc), (
+      np.mean(moment[::6]), np.mean(mc))
+  # Identical posteriors: the mixture is each of them, the KL is 0.
+  same = losses.mixture_kl_moment(
+      tf.constant(np.repeat(mu[:1], k, 0), tf.float32),
+      tf.constant(logvar, tf.float32)).numpy()
+  np.testing.assert_allclose(same, 0.0, atol=1e-5)
+
+
 def test_sampled_mixture_kl_loss_reaches_the_c_encoder_and_names_bad_modes():
   model = feddva_lib.FeddvaModel(feddva_lib.FeddvaConfig(
       z_dim=2, c_dim=2, channels=(2, 2, 2, 2), hidden=8))
@@ -306,6 +344,7 @@ def test_sampled_mixture_kl_loss_reaches_the_c_encoder_and_names_bad_modes():
     values[mode] = float(out['kl_c_mixture'])
   # Same draw, other estimate of the same KL: the bound is the larger.
   assert values['bound'] > values['sampled']
+  assert values['bound'] > values['moment'] > 0
   assert values['sampled'] <= np.log(8) + 1e-5
   with pytest.raises(ValueError, match="mixture_kl must be one of .*'exact'"):
     losses.LossConfig(mixture_kl='exact')

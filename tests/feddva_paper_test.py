@@ -9,6 +9,7 @@ import pytest
 from binaries import reproduce
 from papers import feddva as paper
 from tff_personal import reporting
+from tff_personal.core import training_loop
 
 
 def _flags(**overrides):
@@ -178,6 +179,7 @@ def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
 @pytest.mark.parametrize('variant', [
     {'schedule': 'reference'},
     {'mixture_kl': 'sampled'},
+    {'mixture_kl': 'moment', 'constraint_weight': 10.0},
     {'constraint_weight': 10.0},
     {'decoder': 'shared', 'schedule': 'reference'}])
 def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
@@ -335,6 +337,18 @@ def test_pretraining_killed_mid_run_resumes_to_the_uninterrupted_result(
   assert os.path.isdir(progress)
   assert not os.path.exists(os.path.join(cache, 'weights.npz'))
   monkeypatch.setattr(paper, '_train_data', real_train_data)
+  # A checkpoint that cannot be read is refused, naming it, and left as is.
+  curve_path = os.path.join(progress, 'curve.json')
+  with open(curve_path) as fh:
+    curve_text = fh.read()
+  with open(curve_path, 'w') as fh:
+    fh.write('{not json')
+  with pytest.raises(training_loop.CheckpointError, match=progress):
+    paper.pretrain_feddva(task, f, 2, 0, root)
+  with open(curve_path) as fh:
+    assert fh.read() == '{not json'
+  with open(curve_path, 'w') as fh:
+    fh.write(curve_text)
   capsys.readouterr()
   resumed = paper.pretrain_feddva(task, f, 2, 0, root)
   assert 'resuming the FedDVA training after round 2' in (
@@ -368,7 +382,8 @@ def test_checkpoint_interval_is_not_a_config_change(tmp_path):
 @pytest.mark.parametrize('overrides, expect', [
     ({}, ('bound', 1.0)),
     ({'feddva_mixture_kl': 'sampled'}, ('sampled', 1.0)),
-    ({'feddva_constraint_weight': 10.0}, ('bound', 10.0))])
+    ({'feddva_constraint_weight': 10.0}, ('bound', 10.0)),
+    ({'feddva_mixture_kl': 'moment'}, ('moment', 1.0))])
 def test_pretraining_builds_the_loss_its_flags_ask_for(tmp_path, monkeypatch,
                                                        overrides, expect):
   seen = []
