@@ -537,6 +537,9 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
                        pretrain_key(task.name, task.num_clients, f, dim, seed))
   weights_path = os.path.join(cache, 'weights.npz')
   if os.path.exists(weights_path):
+    # A kill between writing the weights and removing the checkpoints
+    # leaves them behind; the weights are final, so they are garbage.
+    shutil.rmtree(os.path.join(cache, _PROGRESS_DIRNAME), ignore_errors=True)
     with np.load(weights_path) as data:
       n_enc = int(data['num_encoders'])
       n_dec = int(data['num_decoder'])

@@ -362,6 +362,12 @@ def test_pretraining_killed_mid_run_resumes_to_the_uninterrupted_result(
       np.testing.assert_array_equal(a, b)
   assert resumed['curve'] == whole['curve']
   assert len(resumed['curve']) == 3
+  # Checkpoints left by a kill after the weights were written are removed
+  # by the next call, which returns the final weights.
+  os.makedirs(progress)
+  again = paper.pretrain_feddva(task, f, 2, 0, root)
+  assert not os.path.exists(progress)
+  assert again['curve'] == resumed['curve']
   # The three rounds did train: the encoders moved from their start.
   start, _ = paper.feddva.initial_weights(paper._config(f, 2), 0)
   assert any(not np.array_equal(a, b)
