@@ -323,7 +323,7 @@ def _marks(f) -> str:
 
 def _variant_setting(f) -> dict:
   """The setting keys of a FedDVA variant: any of {'decoder': 'shared'},
-  {'schedule': 'reference'}, {'mixture_kl': 'sampled'},
+  {'schedule': 'reference'}, {'mixture_kl': 'sampled' or 'moment'},
   {'constraint_weight': rho}; {} for the paper's
   FedDVA (so that cells run before these flags existed keep their
   identity)."""
@@ -919,8 +919,8 @@ def make_figures(root: str, f, latent: bool = True,
 
 def _figure_suffix(f) -> str:
   """'' for the paper's FedDVA; '_shared_decoder', '_reference_schedule',
-  '_sampled_mixture_kl', '_constraint_weight<rho>' and / or '_fixed_marks'
-  for the variants."""
+  '_sampled_mixture_kl' (or '_moment_mixture_kl'), '_constraint_weight<rho>'
+  and / or '_fixed_marks' for the variants."""
   variant = _variant_setting(f)
   return (('' if 'decoder' not in variant
            else f"_{variant['decoder']}_decoder")
