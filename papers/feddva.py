@@ -98,18 +98,30 @@ _PRETRAIN_DIRNAME = '_feddva_pretrain'
 _PROGRESS_DIRNAME = 'progress'
 
 
+# A FedDVA variant's setting keys, in order, with how each value is named in
+# table columns, figure file names and the pre-training cache directory
+# (the last two must not change: existing roots are found by them).
+_VARIANT_NAMES = (
+    # key, column label, figure suffix, cache suffix
+    ('decoder', '{} decoder', '_{}_decoder', '_{}dec'),
+    ('schedule', '{} schedule', '_{}_schedule', '_{}sched'),
+    ('mixture_kl', '{} mixture KL', '_{}_mixture_kl', '_{}mix'),
+    ('constraint_weight', 'constraint weight {:g}', '_constraint_weight{:g}',
+     '_cw{:g}'),
+)
+_LABEL, _FIGURE, _CACHE = 1, 2, 3
+
+
+def _variant_names(variant: dict, which: int) -> list[str]:
+  """The names of `variant`'s values in `_VARIANT_NAMES` column `which`."""
+  return [names[which].format(variant[names[0]])
+          for names in _VARIANT_NAMES if names[0] in variant]
+
+
 def variant_label(variant: dict) -> str:
   """' (shared decoder, reference schedule)' for a variant setting; '' for
   the paper's FedDVA."""
-  parts = []
-  if 'decoder' in variant:
-    parts.append(f"{variant['decoder']} decoder")
-  if 'schedule' in variant:
-    parts.append(f"{variant['schedule']} schedule")
-  if 'mixture_kl' in variant:
-    parts.append(f"{variant['mixture_kl']} mixture KL")
-  if 'constraint_weight' in variant:
-    parts.append(f"constraint weight {variant['constraint_weight']:g}")
+  parts = _variant_names(variant, _LABEL)
   return f" ({', '.join(parts)})" if parts else ''
 
 
@@ -515,11 +527,7 @@ def pretrain_key(task_name: str, num_clients: int, f, dim: int,
           f'_xi{f.feddva_xi}_a{f.feddva_alpha}_b{f.feddva_beta}'
           f'_n{num_clients}_seed{seed}_tr{train}'
           f'_lr{f.feddva_learning_rate}_cpr{f.feddva_clients_per_round}'
-          + ('' if _decoder(f) == 'private' else f'_{_decoder(f)}dec')
-          + ('' if _schedule(f) == 'paper' else f'_{_schedule(f)}sched')
-          + ('' if _mixture_kl(f) == 'bound' else f'_{_mixture_kl(f)}mix')
-          + ('' if _constraint_weight(f) == 1.0
-             else f'_cw{_constraint_weight(f):g}'))
+          + ''.join(_variant_names(_variant_setting(f), _CACHE)))
 
 
 def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
@@ -921,15 +929,7 @@ def _figure_suffix(f) -> str:
   """'' for the paper's FedDVA; '_shared_decoder', '_reference_schedule',
   '_sampled_mixture_kl' (or '_moment_mixture_kl'), '_constraint_weight<rho>'
   and / or '_fixed_marks' for the variants."""
-  variant = _variant_setting(f)
-  return (('' if 'decoder' not in variant
-           else f"_{variant['decoder']}_decoder")
-          + ('' if 'schedule' not in variant
-             else f"_{variant['schedule']}_schedule")
-          + ('' if 'mixture_kl' not in variant
-             else f"_{variant['mixture_kl']}_mixture_kl")
-          + ('' if 'constraint_weight' not in variant
-             else f"_constraint_weight{variant['constraint_weight']:g}")
+  return (''.join(_variant_names(_variant_setting(f), _FIGURE))
           + ('' if _marks(f) == 'varied' else f'_{_marks(f)}_marks'))
 
 
