@@ -81,6 +81,7 @@ from tff_personal.core import training_loop
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
 from tff_personal.models import feddva_training
+from tff_personal.models import pooled_vae
 
 PAPER = 'feddva'
 TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
@@ -92,6 +93,10 @@ SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule',
 # (reporting.run_config leaves them out, so changing one is not a conflict).
 OPERATIONAL_FLAGS = ('feddva_checkpoint_every',)
 METHODS = ('fedavg', 'fedavg_ft', 'ditto', 'feddva')
+# The probes of FedDVA's latents, and of a plain VAE's z trained on the
+# pooled images (`models/pooled_vae`: the reference that gives the probes a
+# scale; not federated).
+PROBE_METHODS = ('probe', 'probe_vae')
 DEFAULT_CLASS_ROUNDS = 20
 DEFAULT_VAE_ROUNDS = 30
 _PRETRAIN_DIRNAME = '_feddva_pretrain'
@@ -126,8 +131,9 @@ def variant_label(variant: dict) -> str:
 
 
 def _task_label(task: str, marks: str) -> str:
-  return task if (task != 'marked_mnist' or marks == 'varied') else (
-      f'{task} (fixed marks)')
+  if task != 'marked_mnist' or marks == 'varied':
+    return task
+  return f'{task} ({"no" if marks == "none" else marks} marks)'
 
 
 def _class_columns(rounds: int, variant: dict, marks: str):
@@ -144,10 +150,11 @@ def _class_columns(rounds: int, variant: dict, marks: str):
 
 def task_setting(task: str, marks: str) -> dict:
   """{'task': task}, plus {'marks': 'varied'} for marked_mnist with marks
-  varied per image (cells run with one fixed mark per client, before the
-  flag existed, carry no 'marks' key and keep their identity)."""
+  varied per image, or {'marks': 'none'} for its unmarked control (cells
+  run with one fixed mark per client, before the flag existed, carry no
+  'marks' key and keep their identity)."""
   setting = {'task': task}
-  if task == 'marked_mnist' and marks == 'varied':
+  if task == 'marked_mnist' and marks != 'fixed':
     setting['marks'] = marks
   return setting
 
@@ -157,6 +164,13 @@ def _tables(class_rounds: int, vae_rounds: int,
   """The tables; `variant` (e.g. {'decoder': 'shared'}) adds its columns."""
   variant = dict(variant or {'decoder': 'shared'})
   columns = _class_columns(class_rounds, variant, marks)
+  probe_columns = [
+      reporting.Column(_task_label('marked_mnist', marks), {
+          **task_setting('marked_mnist', marks), 'rounds': vae_rounds}),
+      reporting.Column(
+          f'{_task_label("marked_mnist", marks)}{variant_label(variant)}', {
+              **task_setting('marked_mnist', marks), 'rounds': vae_rounds,
+              **variant})]
   common = dict(paper=PAPER, methods=METHODS, columns=columns)
   note = ('The paper reports these as curves only (Figures 6, 7), so there '
           'are no paper numbers. feddva also ran pretrain_rounds rounds of '
@@ -176,17 +190,18 @@ def _tables(class_rounds: int, vae_rounds: int,
           **common),
       'probes': reporting.Table(
           name='probes', paper=PAPER, metric='client_from_c',
-          methods=('probe',),
-          columns=[reporting.Column(_task_label('marked_mnist', marks), {
-              **task_setting('marked_mnist', marks), 'rounds': vae_rounds}),
-                   reporting.Column(
-                       f'{_task_label("marked_mnist", marks)}'
-                       f'{variant_label(variant)}', {
-                           **task_setting('marked_mnist', marks),
-                           'rounds': vae_rounds, **variant})],
+          methods=('probe',), columns=probe_columns,
           title='Linear probe: client from c (accuracy); the other probes '
                 '(client_from_z, digit_from_z, digit_from_c, chance_client, '
                 'mark_from_c, mark_from_z) are in results.jsonl and docs',
+          scale=1.0),
+      'probes_z': reporting.Table(
+          name='probes_z', paper=PAPER, metric='digit_from_z',
+          methods=PROBE_METHODS, columns=probe_columns,
+          title='Linear probe: digit from z (accuracy), FedDVA (probe) '
+                'against a plain VAE trained on the pooled images '
+                '(probe_vae, the reference; not federated, no c); '
+                'client_from_z and mark_from_z are in results.jsonl',
           scale=1.0),
   }
 
@@ -275,7 +290,8 @@ def _class_rounds(f) -> int:
 
 
 def cells(table: str, f) -> list[reporting.Cell]:
-  """Every table runs the same cells: probe first, then methods x tasks."""
+  """Every table runs the same cells: probe and probe_vae first, then
+  methods x tasks."""
   del table
   for name in ('feddva_vae_rounds', 'feddva_local_epochs', 'feddva_batch_size',
                'feddva_probe_dim', 'feddva_class_dim', 'feddva_hidden'):
@@ -299,6 +315,8 @@ def cells(table: str, f) -> list[reporting.Cell]:
                         _variant_setting(f), _marks(f)))
   out = [reporting.Cell(PAPER, 'probe', probe_setting(f), s)
          for s in range(f.seeds)]
+  out += [reporting.Cell(PAPER, 'probe_vae', vae_probe_setting(f), s)
+          for s in range(f.seeds)]
   for method in METHODS:
     for task in TASK_NAMES:
       for s in range(f.seeds):
@@ -354,6 +372,13 @@ def _variant_setting(f) -> dict:
 def probe_setting(f) -> dict:
   return {**task_setting('marked_mnist', _marks(f)),
           'rounds': f.feddva_vae_rounds, **_variant_setting(f)}
+
+
+def vae_probe_setting(f) -> dict:
+  """The plain VAE's cell: the data and the rounds, none of FedDVA's
+  variant keys (it has no c, no decoder split and no schedule)."""
+  return {**task_setting('marked_mnist', _marks(f)),
+          'rounds': f.feddva_vae_rounds}
 
 
 def _class_setting(method: str, task: str, f) -> dict:
@@ -674,7 +699,10 @@ def mark_r2(features, angles, fit, score) -> float | None:
 
 
 def linear_probes(reps: dict, seed: int) -> dict:
-  """Held-out accuracy of logistic-regression probes (half fit, half score)."""
+  """Held-out accuracy of logistic-regression probes (half fit, half score).
+
+  Without `reps['c']` (a model with no c) the c-probes are left out.
+  """
   from sklearn.linear_model import LogisticRegression  # pylint: disable=g-import-not-at-top
   from sklearn.preprocessing import StandardScaler  # pylint: disable=g-import-not-at-top
   n = len(reps['digit'])
@@ -708,17 +736,17 @@ def linear_probes(reps: dict, seed: int) -> dict:
       probe(reps['z'], reps['digit'], fit_k, score_k)
       if len(score_k) and len(np.unique(reps['digit'][fit_k])) > 1 else None
       for fit_k, score_k in splits])
-  marks = {f'mark_from_{name}': mean_over_clients([
+  latents = [name for name in ('c', 'z') if name in reps]
+  out = {f'mark_from_{name}': mean_over_clients([
       mark_r2(reps[name], reps['mark'], fit_k, score_k)
       for fit_k, score_k in splits]) if 'mark' in reps else None
-           for name in ('c', 'z')}
-  return {**marks,
-          'client_from_c': probe(reps['c'], reps['client']),
-          'client_from_z': probe(reps['z'], reps['client']),
-          'digit_from_z': probe(reps['z'], reps['digit']),
-          'digit_from_c': probe(reps['c'], reps['digit']),
-          'digit_from_z_within_client': within,
-          'chance_client': float(counts.max() / counts.sum())}
+         for name in latents}
+  for name in latents:
+    out[f'client_from_{name}'] = probe(reps[name], reps['client'])
+    out[f'digit_from_{name}'] = probe(reps[name], reps['digit'])
+  out['digit_from_z_within_client'] = within
+  out['chance_client'] = float(counts.max() / counts.sum())
+  return out
 
 
 def _run_probe(cell, f, out_dir) -> dict:
@@ -735,6 +763,30 @@ def _run_probe(cell, f, out_dir) -> dict:
             'constraint_met'):
     if k in last:
       metrics[f'final_{k}'] = last[k]
+  return metrics
+
+
+def _run_vae_probe(cell, f, out_dir) -> dict:
+  """The reference for the probes: a plain VAE (`models/pooled_vae`) on the
+  training images of every client pooled, for as many epochs as FedDVA's
+  encoders make when every client takes part (rounds x local epochs), at
+  FedDVA's batch size, learning rate, alpha, networks and dim(z); then the
+  probes of z. The c-probes are left out: this model has no c."""
+  task = _task(cell.setting['task'], f, cell.seed)
+  images = np.concatenate([c.train_x for c in task.clients])
+  epochs = f.feddva_vae_rounds * f.feddva_local_epochs
+  start = time.perf_counter()
+  model, curve = pooled_vae.train(
+      _config(f, f.feddva_probe_dim), images, epochs=epochs,
+      batch_size=f.feddva_batch_size, learning_rate=f.feddva_learning_rate,
+      alpha=f.feddva_alpha, seed=cell.seed, log_every=10)
+  seconds = time.perf_counter() - start
+  reps = {k: v for k, v in representations(model, task).items() if k != 'c'}
+  np.savez(os.path.join(out_dir, 'representations.npz'), **reps)
+  metrics = linear_probes(reps, cell.seed)
+  metrics.update(epochs=epochs, seconds_per_epoch=seconds / epochs,
+                 final_reconstruction=curve[-1]['reconstruction'],
+                 final_kl_z=curve[-1]['kl_z'])
   return metrics
 
 
@@ -847,6 +899,8 @@ def _run_classification(cell, f, out_dir) -> dict:
 
 
 def run_cell(cell: reporting.Cell, f, out_dir: str) -> dict:
+  if cell.method == 'probe_vae':  # Plain TensorFlow; no TFF runtime.
+    return _run_vae_probe(cell, f, out_dir)
   with runtime.local_runtime(
       log_path=os.path.join(out_dir, 'worker_binary.log')):
     if cell.method == 'probe':

@@ -26,6 +26,8 @@ seed; nothing is written to disk.
   as an angle on the circle (`ClientData.train_mark` / `test_mark`: the
   phase, or twice the rotation, since an ellipse turned by pi is itself;
   NaN for plain digits), so probes can ask which latent carries it.
+  `marks='none'` is the control: the same clients and digits with no mark
+  on any image (every angle NaN), for calibrating the probes.
 * `label_skew_mnist` (appendix F; "heterogeneous outputs"): after Hsu et al.
   (2019), client k's class proportions are q_k ~ Dirichlet(alpha * 1_10)
   (alpha = 0.5 by default); its training examples are drawn by those
@@ -49,7 +51,7 @@ import tensorflow as tf
 from tasks import mnist_io
 
 BASE_MARKS = ('horizontal_sinusoid', 'ellipse', 'vertical_sinusoid', 'none')
-MARK_MODES = ('varied', 'fixed')
+MARK_MODES = ('varied', 'fixed', 'none')
 
 
 @dataclasses.dataclass
@@ -157,7 +159,7 @@ def _check_positive(**values):
 def mark_angles(k: int, n: int, marks: str, rng: np.random.Generator
                 ) -> np.ndarray:
   """The mark parameters of n images of client k (see the module doc)."""
-  if mark_name(k) == 'none':
+  if marks == 'none' or mark_name(k) == 'none':
     return np.full(n, np.nan)
   if marks == 'fixed':
     return np.zeros(n)
@@ -166,7 +168,7 @@ def mark_angles(k: int, n: int, marks: str, rng: np.random.Generator
 
 def _marked(images: np.ndarray, k: int, angles: np.ndarray) -> np.ndarray:
   x = _as_float(images)
-  if mark_name(k) == 'none':
+  if mark_name(k) == 'none' or np.all(np.isnan(angles)):
     return x
   if np.all(angles == angles[0]):  # One mark for all (marks='fixed').
     return np.maximum(x, render_mark(k, x.shape[1], angles[0])[..., None])
@@ -208,8 +210,9 @@ def marked_mnist(data_dir: str | None, *, num_clients: int = 4,
         test_x=_marked(test_x[te], k, te_angle),
         test_y=test_y[te].astype(np.int32),
         train_mark=tr_angle, test_mark=te_angle))
-  return FeddvaTask('marked_mnist', clients,
-                    [mark_name(k) for k in range(num_clients)])
+  names = ([mark_name(k) for k in range(num_clients)] if marks != 'none'
+           else [f'client {k} (no mark)' for k in range(num_clients)])
+  return FeddvaTask('marked_mnist', clients, names)
 
 
 def dirichlet_proportions(num_clients: int, alpha: float, seed: int,

@@ -22,15 +22,16 @@ def _flags(**overrides):
   return types.SimpleNamespace(**values)
 
 
-def test_cells_carry_task_and_rounds_and_probe_comes_first():
+def test_cells_carry_task_and_rounds_and_probes_come_first():
   cells = paper.cells('classification', _flags(rounds=5))
-  assert cells[0].method == 'probe'
+  assert [c.method for c in cells[:2]] == ['probe', 'probe_vae']
   assert cells[0].setting == {'task': 'marked_mnist', 'rounds': 7}
-  methods = [c.method for c in cells[1:]]
+  assert cells[1].setting == cells[0].setting
+  methods = [c.method for c in cells[2:]]
   assert methods.index('fedavg') < methods.index('feddva')
-  assert {(c.method, c.setting['task']) for c in cells[1:]} == {
+  assert {(c.method, c.setting['task']) for c in cells[2:]} == {
       (m, t) for m in paper.METHODS for t in paper.TASK_NAMES}
-  assert all(c.setting['rounds'] == 5 for c in cells[1:])
+  assert all(c.setting['rounds'] == 5 for c in cells[2:])
   # The tables' columns follow the rounds run.
   assert paper.TABLES['classification'].column_for(
       {'task': 'label_skew_mnist', 'rounds': 5}) is not None
@@ -72,6 +73,22 @@ def test_linear_probes_find_what_is_there_and_not_what_is_not():
   assert out['digit_from_c'] < 0.25
   assert 0.2 < out['chance_client'] < 0.35
   assert out['digit_from_z_within_client'] > 0.9
+
+
+def test_linear_probes_without_c_leave_the_c_probes_out():
+  rng = np.random.default_rng(1)
+  n = 400
+  digit = rng.integers(0, 10, n)
+  reps = {'client': rng.integers(0, 4, n), 'digit': digit,
+          'z': rng.normal(scale=4.0, size=(10, 5))[digit]
+               + rng.normal(size=(n, 5)) * 0.3}
+  with_c = paper.linear_probes({**reps, 'c': reps['z']}, seed=0)
+  out = paper.linear_probes(reps, seed=0)
+  assert not any(k.endswith('_from_c') for k in out)
+  assert {k for k in with_c if not k.endswith('_from_c')} == set(out)
+  # The z probes do not depend on whether c is there.
+  assert all(out[k] == with_c[k] for k in out)
+  assert out['digit_from_z'] > 0.95
 
 
 def test_within_client_probe_reads_client_specific_digit_codes():
@@ -143,10 +160,10 @@ def test_varied_marks_mark_every_marked_mnist_cell_and_have_columns():
         c.setting['task'] == 'marked_mnist'), c
   # The baselines' data change with the marks too, so their cells carry it.
   assert {c.method for c in varied if 'marks' in c.setting} == {
-      'probe', *paper.METHODS}
+      *paper.PROBE_METHODS, *paper.METHODS}
   for table in ('classification', 'probes'):
     assert paper.TABLES[table].column_for(varied[0].setting if table ==
-                                          'probes' else varied[1].setting)
+                                          'probes' else varied[2].setting)
   column = paper.TABLES['classification'].column_for(
       {'task': 'marked_mnist', 'rounds': 5, 'marks': 'varied'})
   assert column is not None and column.name == 'marked_mnist'
@@ -158,6 +175,12 @@ def test_varied_marks_mark_every_marked_mnist_cell_and_have_columns():
       'marked_mnist (fixed marks)')
   assert [c.setting for c in fixed] == [
       c.setting for c in paper.cells('classification', _flags(rounds=5))]
+  # The unmarked control: its own key and column.
+  plain = paper.cells('classification', _flags(rounds=5, feddva_marks='none'))
+  assert plain[0].setting == {'task': 'marked_mnist', 'marks': 'none',
+                              'rounds': 7}
+  assert paper.TABLES['probes_z'].column_for(plain[1].setting).name == (
+      'marked_mnist (no marks)')
 
 
 def test_shared_decoder_cells_are_marked_and_default_cells_are_not():
@@ -200,6 +223,12 @@ def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
       words[k].format(v) in column.name for k, v in variant.items()), column
   assert paper.TABLES['classification'].column_for(
       {'task': 'marked_mnist', 'rounds': 5, **variant}) is not None
+  # The plain VAE has no c, decoder split or schedule: no variant key; the
+  # digit-from-z table puts it beside the paper's FedDVA, not the variant.
+  vae = [c for c in cells if c.method == 'probe_vae']
+  assert len(vae) == 1 and not set(variant) & set(vae[0].setting)
+  column = paper.TABLES['probes_z'].column_for(vae[0].setting)
+  assert column is not None and column.setting == vae[0].setting
   # The paper's FedDVA cells carry neither key.
   plain = paper.cells('classification', _flags(
       rounds=5, feddva_decoder='private', feddva_schedule='paper',
@@ -300,6 +329,34 @@ def test_probe_cell_end_to_end_records_probes_and_config(tmp_path, mnist_dir,
                                   feddva_local_epochs=3)) == 2
   assert '--feddva_local_epochs: 1 in the recorded cell probe' in (
       capsys.readouterr().err)
+  assert (tmp_path / 'results.jsonl').read_bytes() == before
+
+
+def test_vae_probe_cell_trains_a_plain_vae_and_probes_its_z(tmp_path,
+                                                           mnist_dir, capsys):
+  """probe_vae: no TFF, rounds x local epochs of the pooled VAE, z probes
+  only; its digit-from-z table renders; a rerun is skipped."""
+  flags_ = _run_flags(tmp_path, mnist_dir, methods=['probe_vae'],
+                      table='probes_z', feddva_marks='varied',
+                      feddva_vae_rounds=2, feddva_local_epochs=2)
+  assert reproduce.run(flags_) == 0
+  out = capsys.readouterr().out
+  assert 'pooled VAE epoch 4/4' in out and 'FedDVA round' not in out
+  records = reporting.ResultsFile(str(tmp_path / 'results.jsonl')).records()
+  assert [r['method'] for r in records] == ['probe_vae']
+  record = records[0]
+  assert record['setting'] == {'task': 'marked_mnist', 'marks': 'varied',
+                               'rounds': 2}
+  metrics = record['metrics']
+  assert metrics['epochs'] == 4
+  assert not any(k.endswith('_from_c') for k in metrics)
+  for name in ('client_from_z', 'digit_from_z', 'chance_client'):
+    assert 0.0 <= metrics[name] <= 1.0, name
+  assert metrics['mark_from_z'] <= 1.0
+  assert metrics['final_reconstruction'] > 0 and metrics['final_kl_z'] >= 0
+  assert 'probe_vae' in out and 'digit from z' in out
+  before = (tmp_path / 'results.jsonl').read_bytes()
+  assert reproduce.run(flags_) == 0
   assert (tmp_path / 'results.jsonl').read_bytes() == before
 
 

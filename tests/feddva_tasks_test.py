@@ -32,7 +32,7 @@ def test_marked_mnist_is_deterministic_and_marks_each_client(mnist_dir):
       assert ca.train_x.shape == (30, 28, 28, 1) and ca.test_y.shape == (10,)
       # Every image is at least as bright as its own mark.
       for x, angle in zip(ca.train_x, ca.train_mark):
-        if feddva_tasks.mark_name(k) == 'none':
+        if feddva_tasks.mark_name(k) == 'none' or marks == 'none':
           assert np.isnan(angle)
         else:
           assert np.all(x >= feddva_tasks.render_mark(k, angle=angle)[..., None]
@@ -77,6 +77,26 @@ def test_varied_marks_vary_within_a_client_and_fixed_marks_do_not(mnist_dir):
   other = feddva_tasks.marked_mnist(mnist_dir, marks='varied', seed=1, **kw)
   assert not np.allclose(other.clients[0].test_mark,
                          varied.clients[0].test_mark)
+
+
+def test_no_marks_is_the_same_digits_unmarked(mnist_dir):
+  """The control: the marked task's clients and digits, with no mark."""
+  kw = dict(num_clients=5, train_per_client=30, test_per_client=10)
+  plain = feddva_tasks.marked_mnist(mnist_dir, marks='none', **kw)
+  varied = feddva_tasks.marked_mnist(mnist_dir, marks='varied', **kw)
+  raw, _ = feddva_tasks.mnist_io.load_mnist(mnist_dir, 'train')
+  order = np.random.default_rng([0, 7]).permutation(len(raw))
+  for k, (p, v) in enumerate(zip(plain.clients, varied.clients)):
+    np.testing.assert_array_equal(p.train_y, v.train_y)
+    np.testing.assert_array_equal(p.test_y, v.test_y)
+    np.testing.assert_array_equal(
+        p.train_x, raw[order[k * 30:(k + 1) * 30]][..., None].astype(
+            np.float32) / np.float32(255.0))
+    assert np.all(np.isnan(p.train_mark)) and np.all(np.isnan(p.test_mark))
+    # The marked task's images are brighter wherever a mark is drawn.
+    assert (feddva_tasks.mark_name(k) == 'none') == np.array_equal(
+        p.train_x, v.train_x)
+  assert plain.client_names[0] == 'client 0 (no mark)'
 
 
 def test_render_mark_angle_is_the_phase_or_twice_the_rotation():
