@@ -269,8 +269,9 @@ def define_flags():
       'feddva_marks', 'varied', feddva_tasks.MARK_MODES,
       "marked_mnist: 'varied' (each image's mark drawn with its own phase "
       "or rotation, as the authors' code does; cells get setting "
-      "marks=varied) or 'fixed' (one identical mark per client, the "
-      'earlier form of the task).')
+      "marks=varied), 'fixed' (one identical mark per client, the "
+      "earlier form of the task) or 'none' (the same digits unmarked: the "
+      'control for the probes; cells get setting marks=none).')
   define('integer', 'feddva_marked_clients', 4, 'marked_mnist: clients.')
   define('integer', 'feddva_marked_train', 500,
          'marked_mnist: training images per client.')
