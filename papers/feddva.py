@@ -370,16 +370,16 @@ def _variant_setting(f) -> dict:
   return variant
 
 
-def probe_setting(f) -> dict:
-  return {**task_setting('marked_mnist', _marks(f)),
-          'rounds': f.feddva_vae_rounds, **_variant_setting(f)}
-
-
 def vae_probe_setting(f) -> dict:
   """The plain VAE's cell: the data and the rounds, none of FedDVA's
   variant keys (it has no c, no decoder split and no schedule)."""
   return {**task_setting('marked_mnist', _marks(f)),
           'rounds': f.feddva_vae_rounds}
+
+
+def probe_setting(f) -> dict:
+  """FedDVA's probe cell: the plain VAE's setting and the variant's keys."""
+  return {**vae_probe_setting(f), **_variant_setting(f)}
 
 
 def _class_setting(method: str, task: str, f) -> dict:

@@ -168,7 +168,7 @@ def mark_angles(k: int, n: int, marks: str, rng: np.random.Generator
 
 def _marked(images: np.ndarray, k: int, angles: np.ndarray) -> np.ndarray:
   x = _as_float(images)
-  if mark_name(k) == 'none' or np.all(np.isnan(angles)):
+  if np.all(np.isnan(angles)):  # Type 'none', or marks='none'.
     return x
   if np.all(angles == angles[0]):  # One mark for all (marks='fixed').
     return np.maximum(x, render_mark(k, x.shape[1], angles[0])[..., None])
