@@ -1049,7 +1049,8 @@ def _tsne(plt, reps_path, task, fig_dir, suffix='', max_points=800) -> str:
                perplexity=30).fit_transform(reps[key][idx])
     for k in range(task.num_clients):
       sel = reps['client'][idx] == k
-      ax.scatter(emb[sel, 0], emb[sel, 1], s=5, label=task.client_names[k])
+      ax.scatter(emb[sel, 0], emb[sel, 1], s=5,
+                 label=f'client {k} ({task.client_names[k]})')
     ax.set_title(f't-SNE of {key} (posterior means), coloured by client')
     ax.set_xticks([])
     ax.set_yticks([])

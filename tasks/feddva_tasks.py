@@ -210,8 +210,8 @@ def marked_mnist(data_dir: str | None, *, num_clients: int = 4,
         test_x=_marked(test_x[te], k, te_angle),
         test_y=test_y[te].astype(np.int32),
         train_mark=tr_angle, test_mark=te_angle))
-  names = ([mark_name(k) for k in range(num_clients)] if marks != 'none'
-           else [f'client {k} (no mark)' for k in range(num_clients)])
+  names = [mark_name(k) if marks != 'none' else 'no mark'
+           for k in range(num_clients)]
   return FeddvaTask('marked_mnist', clients, names)
 
 

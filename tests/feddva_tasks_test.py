@@ -96,7 +96,7 @@ def test_no_marks_is_the_same_digits_unmarked(mnist_dir):
     # The marked task's images are brighter wherever a mark is drawn.
     assert (feddva_tasks.mark_name(k) == 'none') == np.array_equal(
         p.train_x, v.train_x)
-  assert plain.client_names[0] == 'client 0 (no mark)'
+  assert plain.client_names == ['no mark'] * plain.num_clients
 
 
 def test_render_mark_angle_is_the_phase_or_twice_the_rotation():
