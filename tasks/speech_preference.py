@@ -66,15 +66,8 @@ class SpeechPreferenceData:
   def user_arrays(self, user: int, split: str = 'train'
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One user's `(x float32 (n, 200, 375, 1), y, type)` for `split`."""
-    if split not in SPLITS:
-      raise ValueError(f'split must be one of {SPLITS}, got {split!r}.')
-    if not 0 <= user < self.num_users:
-      raise ValueError(f'user must be in [0, {self.num_users}), got {user}.')
-    u = self.users
-    idx, y, types = ((u.train_idx, u.train_y, u.train_type) if split == 'train'
-                     else (u.test_idx, u.test_y, u.test_type))
-    x = speech_spectrogram.to_unit(self.spectrograms[idx[user]])
-    return x[..., np.newaxis], y[user], types[user]
+    spectrograms, y, types = self.user_spectrograms(user, split)
+    return speech_spectrogram.to_unit(spectrograms)[..., np.newaxis], y, types
 
   def user_spectrograms(self, user: int, split: str = 'train'
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
