@@ -13,7 +13,8 @@ Tables (method rows, the paper's numbers next to ours):
   paper, method, setting and seed), so running either table fills both.
 * `3`, `5` (and `5_20`, `5_8`): the same for the speech task
   (`speech_preference`, 20 voices; prevalences 20%, 8%, 4%). Its cells have
-  `task` in their setting.
+  `task` in their setting. Table 3 has an extra row `local_spectrum` (ours,
+  no federation: `_run_local`).
 * `3_public`: Table 3 with the speech encoder pre-trained on public
   speakers and frozen (our addition, not the paper's: see
   `tff_personal/models/speech_encoder_pretraining.py`); its cells have
@@ -24,7 +25,11 @@ Tables (method rows, the paper's numbers next to ours):
   records the file's path and its public speaker accuracy in its metrics, and
   a re-trained encoder needs a new `--root_output_dir` (or its cells removed
   from results.jsonl) to be run again. FedRep is left out (see
-  `PUBLIC_ENCODER_METHODS`).
+  `PUBLIC_ENCODER_METHODS`). Its extra row `local` (ours, no federation:
+  `_run_local`) is every user's own logistic-regression head on the frozen
+  encoder's features of its 20 training samples
+  (`tff_personal/models/local_head.py`): nothing is shared, so it costs no
+  privacy and its DP columns equal its no-DP ones; it runs without TFF.
 * `fig4`: FedEmbed-Type with and without the k-way type head (balanced, no
   DP), whose personal embeddings make Figure 4.
 
@@ -71,20 +76,24 @@ import glob
 import json
 import logging
 import os
+import time
 from typing import Any, Optional
 
 from absl import flags
 import numpy as np
 
 from tasks import registry as task_registry
+from tasks import speech_spectrogram
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.core import evaluation
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_speech
+from tff_personal.models import local_head
 
 PAPER = 'fedembed'
 MNIST = 'mnist_preference'
@@ -96,7 +105,15 @@ METHODS = ('fedrep', 'pfedme', 'pfedkm', 'global', 'global_plus',
            'fedembed_type')
 # Table 3_public freezes the encoder, FedRep's whole shared part (its head is
 # personal), so FedRep would federate nothing there (`personal_head` refuses).
-PUBLIC_ENCODER_METHODS = tuple(m for m in METHODS if m != 'fedrep')
+# Rows that are no federated method (models/local_head.py): every user's own
+# logistic regression on fixed features of its samples alone, the reference a
+# federated method must beat. `local`: the frozen public encoder's features
+# (table 3_public); `local_spectrum`: each utterance's mean log-spectrum over
+# its louder frames, no learned features at all (table 3).
+LOCAL = 'local'
+LOCAL_SPECTRUM = 'local_spectrum'
+LOCAL_METHODS = (LOCAL, LOCAL_SPECTRUM)
+PUBLIC_ENCODER_METHODS = tuple(m for m in METHODS if m != 'fedrep') + (LOCAL,)
 
 # Sub-population -> prevalence (percent) of the imbalanced populations.
 MNIST_PREVALENCE = (25, 15, 10, 10, 10, 10, 5, 5, 5, 5)
@@ -247,11 +264,15 @@ TABLES: dict[str, reporting.Table] = {
         columns=_columns(None), paper_values=_paper(_TABLE2, _columns(None)),
         title='FedEmbed Table 2 (MNIST preferences): mean F1', notes=_NOTES),
     '3': reporting.Table(
-        name='3', paper=PAPER, metric='f1', methods=METHODS,
+        name='3', paper=PAPER, metric='f1',
+        methods=METHODS + (LOCAL_SPECTRUM,),
         columns=_columns(SPEECH),
         paper_values=_paper(_TABLE3, _columns(SPEECH)),
         title='FedEmbed Table 3 (speaker preferences): mean F1',
-        notes=_NOTES),
+        notes=_NOTES + ' local_spectrum (ours, not federated): every user\'s '
+              'own logistic regression on its 20 training utterances\' mean '
+              'log-spectra over their louder frames (nothing shared: no '
+              'privacy spent, its Gaussian columns equal its None ones).'),
     '3_public': reporting.Table(
         name='3_public', paper=PAPER, metric='f1',
         methods=PUBLIC_ENCODER_METHODS,
@@ -262,7 +283,10 @@ TABLES: dict[str, reporting.Table] = {
         title='FedEmbed Table 3 (speaker preferences) with the encoder '
               'pre-trained on public speakers and frozen (our variant; the '
               'paper column is its Table 3, trained from scratch): mean F1',
-        notes=_NOTES),
+        notes=_NOTES + ' local: no federation; every user\'s own logistic '
+              'regression on the frozen features of its 20 training samples '
+              '(nothing shared: no privacy spent, its Gaussian columns equal '
+              'its None ones).'),
     **_prevalence_tables('4', None, (25, 15, 10, 5), _TABLE4, 'MNIST', 5),
     **_prevalence_tables('5', SPEECH, (20, 8, 4), _TABLE5, 'speech', 4),
     'fig4': reporting.Table(
@@ -313,15 +337,15 @@ def _task_name(setting) -> str:
 def cells(table: str, flag_values) -> list[reporting.Cell]:
   """The table's cells whose method is registered; says which are skipped."""
   out = TABLES[table].cells(flag_values.seeds)
-  missing = sorted({c.method for c in out} - set(algorithm_registry.ALGORITHMS),
-                   key=METHODS.index)
+  known = set(algorithm_registry.ALGORITHMS) | set(LOCAL_METHODS)
+  missing = sorted({c.method for c in out} - known, key=METHODS.index)
   if missing:
     message = (f'fedembed table {table}: skipping {", ".join(missing)}: not '
                'registered in tff_personal/algorithms/registry.py yet (their '
                'rows stay empty).')
     logging.warning(message)
     print(message, flush=True)
-  return [c for c in out if c.method in algorithm_registry.ALGORITHMS]
+  return [c for c in out if c.method in known]
 
 
 def cell_settings(cell: reporting.Cell, flag_values) -> dict[str, Any]:
@@ -474,6 +498,8 @@ def cell_metrics(summary: dict, prevalence) -> dict:
 
 
 def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
+  if cell.method in LOCAL_METHODS:
+    return _run_local(cell, flag_values, out_dir)
   task_name = _task_name(cell.setting)
   if cell.method not in algorithm_registry.ALGORITHMS:
     raise ValueError(f'{cell.method!r} is not registered in '
@@ -490,10 +516,8 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
     summary = experiment.run_experiment(
         task, config, export_private_states=True,
         log_fn=lambda line: print(f'  {cell.method}: {line}', flush=True))
-  prevalence = (MNIST_PREVALENCE if task_name == MNIST else SPEECH_PREVALENCE)
-  if cell.setting['population'] == 'balanced':
-    prevalence = (100 // len(prevalence),) * len(prevalence)
-  metrics = cell_metrics(summary, prevalence)
+  metrics = cell_metrics(
+      summary, _prevalence(task_name, cell.setting['population']))
   if encoder_weights:  # which encoder, and how well it told public voices
     meta = fedembed_speech.load_encoder_weights(encoder_weights)[1]
     metrics['encoder_weights'] = os.path.abspath(encoder_weights)
@@ -510,6 +534,93 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
         'seed': cell.seed, 'metrics': metrics}])
     make_figures(root)
   return metrics
+
+
+# Inverse L2 strengths of the local heads recorded besides the headline
+# `local_head.DEFAULT_C` (how much the choice matters; never picked from).
+LOCAL_C_SWEEP = (0.01, 0.1, 10.0)
+
+
+def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
+  """A `LOCAL_METHODS` row: each user's own logistic regression on fixed
+  features of its samples, fitted and tested on them alone (`local_head`):
+  the frozen public encoder's 256 features (`local`, encoder=public cells)
+  or each utterance's mean log-spectrum over its louder frames
+  (`local_spectrum`, `speech_spectrogram.mean_loud_spectrum`).
+
+  The users, their samples and the evaluated users are those of the
+  table's federated cells with the same setting and seed; no TFF runtime is
+  started. DP does not apply (nothing leaves a device): the DP columns
+  compute the same as the no-DP ones, and the cell records
+  `shared_parameters` 0 and no epsilon.
+  """
+  start = time.perf_counter()
+  task_name = _task_name(cell.setting)
+  if task_name != SPEECH:
+    raise ValueError(f'{cell.method} is defined for {SPEECH} only, got '
+                     f'{task_name!r}')
+  encoder_path = _encoder_weights(cell, flag_values)
+  if (cell.method == LOCAL) != (encoder_path is not None):
+    raise ValueError(
+        f'{LOCAL} needs the frozen public encoder (setting encoder=public, '
+        f'table 3_public) and {LOCAL_SPECTRUM} runs without one (table 3); '
+        f'got {cell.method} with setting {dict(cell.setting)}')
+  # Every method shares the population settings; 'global' has defaults.
+  s = cell_settings(dataclasses.replace(cell, method='global'), flag_values)
+  task = _build_task(task_name, _data_dir(flag_values, task_name), s,
+                     cell.setting['population'], cell.seed, encoder_path)
+  if encoder_path:
+    weights, meta = fedembed_speech.load_encoder_weights(encoder_path)
+    encoder = fedembed_speech.build_encoder(channels=1, weights=weights,
+                                            trainable=False)
+    features = lambda q: local_head.encode(
+        encoder, speech_spectrogram.to_unit(q)[..., np.newaxis])
+  else:
+    features = speech_spectrogram.mean_loud_spectrum
+  ids = experiment.eval_client_ids(task.population, s['eval_clients'],
+                                   cell.seed)
+  data = task.data
+  train, test = [], []
+  for n, user in enumerate(ids):
+    for split, out in (('train', train), ('test', test)):
+      q, y, _ = data.user_spectrograms(user, split)
+      out.append((features(q), y))
+    if (n + 1) % 300 == 0 or n + 1 == len(ids):
+      print(f'  {cell.method}: features of {n + 1}/{len(ids)} users',
+            flush=True)
+  groups = [int(data.subpopulation[u]) for u in ids]
+  prevalence = _prevalence(task_name, cell.setting['population'])
+  metrics = None
+  for c in (local_head.DEFAULT_C,) + LOCAL_C_SWEEP:
+    ev = evaluation.preference_metrics(
+        local_head.local_outputs(train, test, c=c, seed=cell.seed), groups)
+    if metrics is None:
+      metrics = cell_metrics({'eval': ev, 'rounds_completed': 0,
+                              'seconds_per_round': 0.0,
+                              'population': task.population}, prevalence)
+    else:
+      metrics[f'f1_c_{c:g}'] = ev['f1']
+      metrics[f'accuracy_c_{c:g}'] = ev['accuracy']
+  metrics.update(c=local_head.DEFAULT_C, shared_parameters=0,
+                 seconds=time.perf_counter() - start)
+  if encoder_path:
+    metrics.update(
+        encoder_weights=os.path.abspath(encoder_path),
+        encoder_public_accuracy=meta.get('val_accuracy', [None])[-1])
+  root = _root_of(out_dir)
+  if root:
+    write_extra_tables(root, extra_records=[{
+        'paper': cell.paper, 'method': cell.method, 'setting': cell.setting,
+        'seed': cell.seed, 'metrics': metrics}])
+  return metrics
+
+
+def _prevalence(task_name: str, population: str) -> tuple[int, ...]:
+  """Each sub-population's share (percent) of the population."""
+  prevalence = (MNIST_PREVALENCE if task_name == MNIST else SPEECH_PREVALENCE)
+  if population == 'balanced':
+    prevalence = (100 // len(prevalence),) * len(prevalence)
+  return prevalence
 
 
 def _root_of(out_dir: str) -> Optional[str]:

@@ -102,3 +102,25 @@ def spectrograms(waveforms: list[np.ndarray]) -> np.ndarray:
   for i, w in enumerate(waveforms):
     q[i, :, num_frames(w.shape[0]):] = 0  # Frames past the end: silence.
   return np.ascontiguousarray(q)
+
+
+def mean_loud_spectrum(q: np.ndarray) -> np.ndarray:
+  """[n, 200, 375] uint8 spectrograms -> [n, 200] float32 in [0, 1].
+
+  Each utterance's mean log-spectrum over its louder frames: those whose
+  mean level over the bins is strictly above the utterance's median frame
+  level (about the louder half; padding is silence at `DB_MIN`, so it is
+  never counted). A fixed, hand-made feature with no learned parameter, on
+  the model's input scale (`to_unit`); an utterance whose frames are all
+  equally loud keeps all of them.
+  """
+  x = to_unit(q)
+  if x.ndim != 3 or x.shape[1:] != SHAPE:
+    raise ValueError(f'spectrograms must be [n, {NUM_BINS}, {NUM_FRAMES}], '
+                     f'got {x.shape}')
+  level = x.mean(axis=1)  # [n, frames]
+  loud = level > np.median(level, axis=1, keepdims=True)
+  loud[~loud.any(axis=1)] = True
+  return (np.einsum('nbf,nf->nb', x, loud.astype(np.float32))
+          / loud.sum(axis=1, keepdims=True)).astype(np.float32)
+

@@ -242,11 +242,20 @@ def test_public_encoder_cells_are_their_own_and_need_the_encoder(tmp_path):
   public = fedembed.TABLES['3_public'].cells(1)
   scratch = {c.key() for c in fedembed.TABLES['3'].cells(1)}
   assert not {c.key() for c in public} & scratch
-  # Every cell of Table 3 but FedRep's (frozen encoder: nothing to federate).
-  assert {(c.method, tuple(sorted((k, v) for k, v in c.setting.items()
-                                   if k != 'encoder'))) for c in public} == {
-      (c.method, tuple(sorted(c.setting.items())))
-      for c in fedembed.TABLES['3'].cells(1) if c.method != 'fedrep'}
+  # Every federated cell of Table 3 but FedRep's (frozen encoder: nothing
+  # to federate); each table has its own local row, in every column.
+  table3 = fedembed.TABLES['3'].cells(1)
+  def federated(cells):
+    return {(c.method, tuple(sorted((k, v) for k, v in c.setting.items()
+                                    if k != 'encoder')))
+            for c in cells if c.method not in fedembed.LOCAL_METHODS}
+  assert federated(public) == federated(
+      c for c in table3 if c.method != 'fedrep')
+  for cells, local in ((public, fedembed.LOCAL),
+                       (table3, fedembed.LOCAL_SPECTRUM)):
+    assert len([c for c in cells if c.method == local]) == 4
+    assert not [c for c in cells if c.method in fedembed.LOCAL_METHODS
+                and c.method != local]
   assert all(c.setting['encoder'] == 'public' for c in public)
   cell = [c for c in public if c.method == 'fedembed_prototype'][0]
   with pytest.raises(ValueError, match='--fedembed_speech_encoder'):

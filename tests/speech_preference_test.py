@@ -318,3 +318,59 @@ def test_frozen_public_encoder_is_never_trained_sent_or_noised(
     np.testing.assert_array_equal(old, new)
   assert any(not np.allclose(a, b) for a, b in
              zip(before.trainable, after.trainable))
+
+
+def test_local_rows_fit_every_user_alone_and_ignore_dp(
+    tiny_task, tmp_path, monkeypatch):
+  # The `local_spectrum` / `local` rows of tables 3 / 3_public, through
+  # papers.fedembed.run_cell on the tiny task: no federation, so the DP
+  # column computes exactly the no-DP one, and no epsilon is claimed.
+  import types  # pylint: disable=g-import-not-at-top
+  from papers import fedembed as paper  # pylint: disable=g-import-not-at-top
+  from tff_personal import reporting  # pylint: disable=g-import-not-at-top
+  from tff_personal.core import evaluation  # pylint: disable=g-import-not-at-top
+  from tff_personal.models import local_head  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(paper, '_build_task', lambda *a, **k: tiny_task)
+  f = types.SimpleNamespace(
+      seeds=1, data_dir='unused', rounds=None, clients_per_round=None,
+      num_users=20, fedembed_local_epochs=None, fedembed_eval_clients=None,
+      fedembed_eval_every=None, fedembed_target_epsilon=10.0,
+      fedembed_clip_norm=None, fedembed_speech_encoder=None)
+  def cell(method, dp, **extra):
+    return reporting.Cell('fedembed', method, {
+        'task': paper.SPEECH, 'population': 'balanced', 'dp': dp, **extra}, 0)
+  none = paper.run_cell(cell(paper.LOCAL_SPECTRUM, 'none'), f, str(tmp_path))
+  dp = paper.run_cell(cell(paper.LOCAL_SPECTRUM, 'gaussian_fixed'), f,
+                      str(tmp_path))
+  for m in (none, dp):
+    m.pop('seconds')
+  assert none == dp
+  assert none['shared_parameters'] == 0 and 'epsilon' not in none
+  assert none['eval_clients'] == 20 and none['rounds'] == 0
+  # The cell's F1 is the users' own heads on their own spectra.
+  data = tiny_task.data
+  def split(user, name):
+    q, y, _ = data.user_spectrograms(user, name)
+    return speech_spectrogram.mean_loud_spectrum(q), y
+  want = evaluation.preference_metrics(
+      local_head.local_outputs([split(u, 'train') for u in range(20)],
+                               [split(u, 'test') for u in range(20)]),
+      list(data.subpopulation))
+  assert none['f1'] == pytest.approx(want['f1'])
+  assert none['accuracy'] == pytest.approx(want['accuracy'])
+  assert {'f1_c_0.01', 'f1_c_0.1', 'f1_c_10'} <= set(none)
+  # `local` reads the frozen public encoder; the rows refuse the wrong one.
+  enc = fedembed_speech.build_encoder(channels=1)
+  path = str(tmp_path / 'encoder.npz')
+  fedembed_speech.save_encoder_weights(path, enc, {'val_accuracy': [0.5]})
+  public = paper.run_cell(cell(paper.LOCAL, 'none', encoder='public'),
+                          types.SimpleNamespace(**{
+                              **vars(f), 'fedembed_speech_encoder': path}),
+                          str(tmp_path))
+  assert public['encoder_public_accuracy'] == 0.5
+  assert 0.0 <= public['f1'] <= 1.0 and public['eval_clients'] == 20
+  with pytest.raises(ValueError, match='local needs the frozen public'):
+    paper.run_cell(cell(paper.LOCAL, 'none'), f, str(tmp_path))
+  with pytest.raises(ValueError, match='--fedembed_speech_encoder'):
+    paper.run_cell(cell(paper.LOCAL, 'none', encoder='public'), f,
+                   str(tmp_path))

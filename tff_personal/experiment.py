@@ -240,12 +240,8 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
         evaluation.build_cold_start_eval(
             proc.model_fn, weights_type, proc.client_state_type,
             fine_tune_optimizer) if fine_tune_optimizer is not None else None)
-  if config.eval_clients:
-    rng = np.random.default_rng([config.seed, 0xE7A1])
-    eval_ids = np.sort(rng.choice(task.population, config.eval_clients,
-                                  replace=False)).tolist()
-  else:
-    eval_ids = list(range(task.population))
+  eval_ids = eval_client_ids(task.population, config.eval_clients,
+                             config.seed)
 
   def evaluate(state, datasets_fn, ids=eval_ids,
                fine_tune=config.eval_fine_tune, test=False):
@@ -264,6 +260,20 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
     return task.evaluate(outputs, ids)
 
   return evaluate, eval_ids, eval_data_fn
+
+
+def eval_client_ids(population: int, eval_clients: int, seed: int
+                    ) -> list[int]:
+  """The users a run evaluates: `eval_clients` of them drawn by `seed`
+  (sorted), or all of them when `eval_clients` is 0."""
+  if not 0 <= eval_clients <= population:
+    raise ValueError(f'eval_clients must be in [0, population={population}], '
+                     f'got {eval_clients}')
+  if not eval_clients:
+    return list(range(population))
+  rng = np.random.default_rng([seed, 0xE7A1])
+  return np.sort(rng.choice(population, eval_clients,
+                            replace=False)).tolist()
 
 
 def run_experiment(task, config: ExperimentConfig,
