@@ -590,17 +590,16 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
             flush=True)
   groups = [int(data.subpopulation[u]) for u in ids]
   prevalence = _prevalence(task_name, cell.setting['population'])
-  metrics = None
-  for c in (local_head.DEFAULT_C,) + LOCAL_C_SWEEP:
-    ev = evaluation.preference_metrics(
+  def evaluate(c):
+    return evaluation.preference_metrics(
         local_head.local_outputs(train, test, c=c, seed=cell.seed), groups)
-    if metrics is None:
-      metrics = cell_metrics({'eval': ev, 'rounds_completed': 0,
-                              'seconds_per_round': 0.0,
-                              'population': task.population}, prevalence)
-    else:
-      metrics[f'f1_c_{c:g}'] = ev['f1']
-      metrics[f'accuracy_c_{c:g}'] = ev['accuracy']
+  metrics = cell_metrics({'eval': evaluate(local_head.DEFAULT_C),
+                          'rounds_completed': 0, 'seconds_per_round': 0.0,
+                          'population': task.population}, prevalence)
+  for c in LOCAL_C_SWEEP:
+    ev = evaluate(c)
+    metrics[f'f1_c_{c:g}'] = ev['f1']
+    metrics[f'accuracy_c_{c:g}'] = ev['accuracy']
   metrics.update(c=local_head.DEFAULT_C, shared_parameters=0,
                  seconds=time.perf_counter() - start)
   if encoder_path:

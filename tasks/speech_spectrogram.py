@@ -123,4 +123,3 @@ def mean_loud_spectrum(q: np.ndarray) -> np.ndarray:
   loud[~loud.any(axis=1)] = True
   return (np.einsum('nbf,nf->nb', x, loud.astype(np.float32))
           / loud.sum(axis=1, keepdims=True)).astype(np.float32)
-
