@@ -61,6 +61,25 @@ def test_binary_metrics_against_sklearn():
   assert evaluation.binary_f1([0, 0], [0, 0]) == 0.0
 
 
+def test_macro_f1_matches_sklearn_and_prices_constant_answers_at_a_third():
+  from sklearn import metrics  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  for _ in range(20):
+    labels = rng.integers(0, 2, size=10)
+    preds = rng.integers(0, 2, size=10)
+    assert evaluation.macro_f1(labels, preds) == pytest.approx(
+        metrics.f1_score(labels, preds, average='macro', labels=[0, 1],
+                         zero_division=0))
+  labels = np.array([1] * 5 + [0] * 5)
+  # Either constant answer: 1/3 averaged over labels; F1 of "like" 2/3 or 0.
+  for constant, like_f1 in ((1, 2 / 3), (0, 0.0)):
+    preds = np.full(10, constant)
+    assert evaluation.macro_f1(labels, preds) == pytest.approx(1 / 3)
+    assert evaluation.binary_f1(labels, preds) == pytest.approx(like_f1)
+  assert evaluation.macro_f1(labels, labels) == 1.0
+  assert evaluation.macro_f1(labels, 1 - labels) == 0.0
+
+
 def test_preference_metrics_average_users_then_groups():
   # Group 0: users with F1 1.0 and 0.0; group 1: one user with F1 0.5.
   def client(labels, preds):
@@ -73,5 +92,9 @@ def test_preference_metrics_average_users_then_groups():
   assert m['f1'] == pytest.approx((0.5 + 2 / 3) / 2)
   assert m['f1_user_mean'] == pytest.approx((1 + 0 + 2 / 3) / 3)
   assert m['accuracy'] == pytest.approx(5 / 8)
+  # Macro F1 per user: 1.0, 0.0, (2/3 + 0.8) / 2; then groups, then mean.
+  assert m['f1_macro_per_group'] == {0: 0.5,
+                                     1: pytest.approx((2 / 3 + 0.8) / 2)}
+  assert m['f1_macro'] == pytest.approx((0.5 + (2 / 3 + 0.8) / 2) / 2)
   with pytest.raises(ValueError, match='differ in length'):
     evaluation.preference_metrics(per_client, [0])

@@ -61,6 +61,33 @@ def test_table4_shares_the_imbalanced_cells_of_table2():
   assert not speech & {c.key() for c in fedembed.TABLES['2'].cells(1)}
 
 
+def test_macro_tables_show_the_same_cells_by_macro_f1():
+  for name in ('2', '3', '3_public'):
+    macro = fedembed.TABLES[f'{name}_macro']
+    assert macro.metric == 'f1_macro' and fedembed.TABLES[name].metric == 'f1'
+    assert ({c.key() for c in macro.cells(2)}
+            == {c.key() for c in fedembed.TABLES[name].cells(2)})
+    assert macro.paper_values == fedembed.TABLES[name].paper_values
+
+
+def test_cell_metrics_record_macro_f1_by_prevalence_when_evaluated():
+  per_group = {k: 0.05 * k for k in range(20)}
+  summary = {'eval': {'f1': 0.5, 'accuracy': 0.6, 'auc': 0.7,
+                      'f1_user_mean': 0.5, 'num_clients': 20,
+                      'f1_per_group': per_group},
+             'rounds_completed': 3, 'seconds_per_round': 1.0,
+             'population': 100}
+  old = fedembed.cell_metrics(summary, fedembed.SPEECH_PREVALENCE)
+  assert 'f1_macro' not in old and 'f1_prev_20' in old  # older summaries
+  summary['eval'].update(
+      f1_macro=0.4, f1_macro_per_group={k: 1 - v for k, v in per_group.items()})
+  m = fedembed.cell_metrics(summary, fedembed.SPEECH_PREVALENCE)
+  assert m['f1_macro'] == 0.4
+  assert m['f1_macro_prev_20'] == pytest.approx(1.0)
+  assert m['f1_macro_prev_8'] == pytest.approx(1 - 0.25)
+  assert m['f1_prev_8'] == pytest.approx(0.25)
+
+
 def test_prevalence_f1_averages_the_right_groups():
   per_group = {str(k): 0.1 * k for k in range(10)}
   out = fedembed.prevalence_f1(per_group, fedembed.MNIST_PREVALENCE)
@@ -298,6 +325,8 @@ def test_one_tiny_dp_cell_end_to_end(tmp_path):
   groups = [m[f'f1_group_{k}'] for k in range(10) if f'f1_group_{k}' in m]
   assert m['f1'] == pytest.approx(np.mean(groups))
   assert {'f1_prev_25', 'f1_prev_15'} <= set(m)
+  macro_groups = [m[f'f1_macro_prev_{p}'] for p in (25, 15, 10, 5)]
+  assert 0.0 <= m['f1_macro'] <= 1.0 and all(0 <= v <= 1 for v in macro_groups)
   assert m['epsilon'] <= 10.0 and m['delta'] == pytest.approx(1 / 41)
   assert m['rounds'] == 2 and m['population'] == 40
   out = cell.out_dir(str(tmp_path))

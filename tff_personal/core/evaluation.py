@@ -131,6 +131,20 @@ def binary_f1(labels: np.ndarray, predictions: np.ndarray) -> float:
   return float(2 * tp / denom) if denom else 0.0
 
 
+def macro_f1(labels: np.ndarray, predictions: np.ndarray) -> float:
+  """Mean of the F1 of "like" (1) and the F1 of "dislike" (0).
+
+  scikit-learn's `f1_score(average='macro')` over both labels (a class with
+  no true positives scores 0, as in `binary_f1`). A constant answer scores
+  1/3 on a user with both labels in the test set, whichever it is; chance
+  guessing about 1/2.
+  """
+  labels = np.asarray(labels).astype(bool)
+  predictions = np.asarray(predictions).astype(bool)
+  return 0.5 * (binary_f1(labels, predictions)
+                + binary_f1(~labels, ~predictions))
+
+
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
   """Area under the ROC curve (Mann-Whitney U with tie correction)."""
   labels = np.asarray(labels).astype(bool)
@@ -161,13 +175,17 @@ def preference_metrics(per_client: Sequence[Mapping[str, Any]],
     groups: each client's sub-population.
 
   Returns:
-    `f1`: mean over sub-populations of the mean per-user F1 (FedEmbed's "mean
-    F1 across all K sub-populations"); `f1_per_group`; `f1_user_mean`;
+    `f1`: mean over sub-populations of the mean per-user F1 of "like"
+    (FedEmbed's "mean F1 across all K sub-populations"); `f1_per_group`;
+    `f1_user_mean`; `f1_macro` and `f1_macro_per_group`: the same means of
+    each user's F1 averaged over both labels (`macro_f1`; the reading of
+    FedEmbed's F1 that its tables support, see docs/fedembed.md);
     `accuracy` over all examples; `auc` pooled over all examples.
   """
   if len(per_client) != len(groups):
     raise ValueError('per_client and groups differ in length')
   by_group = collections.defaultdict(list)
+  macro_by_group = collections.defaultdict(list)
   all_labels, all_scores, all_preds = [], [], []
   for out, group in zip(per_client, groups):
     logits = np.asarray(out['outputs'], dtype=np.float64)
@@ -175,17 +193,22 @@ def preference_metrics(per_client: Sequence[Mapping[str, Any]],
     preds = logits.argmax(axis=-1)
     scores = logits[:, 1] - logits[:, 0]  # monotone in P(y = 1)
     by_group[int(group)].append(binary_f1(labels, preds))
+    macro_by_group[int(group)].append(macro_f1(labels, preds))
     all_labels.append(labels)
     all_scores.append(scores)
     all_preds.append(preds)
   labels = np.concatenate(all_labels)
   preds = np.concatenate(all_preds)
   f1_per_group = {g: float(np.mean(v)) for g, v in sorted(by_group.items())}
+  macro_per_group = {g: float(np.mean(v))
+                     for g, v in sorted(macro_by_group.items())}
   return {
       'f1': float(np.mean(list(f1_per_group.values()))),
       'f1_per_group': f1_per_group,
       'f1_user_mean': float(np.mean(
           [f for v in by_group.values() for f in v])),
+      'f1_macro': float(np.mean(list(macro_per_group.values()))),
+      'f1_macro_per_group': macro_per_group,
       'accuracy': float(np.mean(labels == preds)),
       'auc': roc_auc(labels, np.concatenate(all_scores)),
       'num_clients': len(per_client),
