@@ -41,8 +41,9 @@ A cell's setting is `{'population', 'dp'}` (MNIST) or `{'task',
 sub-populations of the mean per-user F1 of "like"), `f1_group_<k>` for
 every sub-population k, `f1_prev_<p>` (mean of the sub-populations of
 prevalence p%), `f1_macro` and `f1_macro_prev_<p>` (the same with each
-user's F1 averaged over "like" and "dislike"), `accuracy`, `auc`, and for DP cells the exact `epsilon`, `delta`,
-`noise_multiplier` and `clip_norm`, plus the run's size and speed.
+user's F1 averaged over "like" and "dislike"), `accuracy`, `auc`, and for
+DP cells the exact `epsilon`, `delta`, `noise_multiplier` and `clip_norm`,
+plus the run's size and speed.
 
 Settings of a cell: the per-(task, algorithm) defaults of
 `tff_personal/algorithms/defaults.py`, which `binaries.train` uses too, so
@@ -307,8 +308,9 @@ TABLES: dict[str, reporting.Table] = {
 # (`evaluation.macro_f1`). The paper's F1 is not defined in its text; its
 # tables read as this one: Global+ with DP is 0.33 +- 0.00 over five seeds
 # (speech, both populations), which is what a constant answer scores here and
-# which no constant answer scores by the F1 of "like" (0 or 0.67); and "all
-# baselines drop below 0.5" with DP, the level of guessing (docs/fedembed.md).
+# which no constant answer scores by the F1 of "like" (0 or 0.67); our Global
+# and Global+ with DP, constant answers, score 0.333 to 0.338 this way
+# (README, "Which F1 the paper reports").
 _MACRO_NOTES = (
     ' F1 (macro): each user\'s F1 averaged over both labels ("like", '
     '"dislike"): a constant answer scores 0.33 and guessing about 0.5; the '

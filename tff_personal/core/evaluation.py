@@ -179,7 +179,8 @@ def preference_metrics(per_client: Sequence[Mapping[str, Any]],
     (FedEmbed's "mean F1 across all K sub-populations"); `f1_per_group`;
     `f1_user_mean`; `f1_macro` and `f1_macro_per_group`: the same means of
     each user's F1 averaged over both labels (`macro_f1`; the reading of
-    FedEmbed's F1 that its tables support, see docs/fedembed.md);
+    FedEmbed's F1 that its tables support: README, "Which F1 the paper
+    reports");
     `accuracy` over all examples; `auc` pooled over all examples.
   """
   if len(per_client) != len(groups):
