@@ -309,7 +309,7 @@ TABLES: dict[str, reporting.Table] = {
 # tables read as this one: Global+ with DP is 0.33 +- 0.00 over five seeds
 # (speech, both populations), which is what a constant answer scores here and
 # which no constant answer scores by the F1 of "like" (0 or 0.67); our Global
-# and Global+ with DP, constant answers, score 0.333 to 0.338 this way
+# and Global+ with DP, (nearly) constant answers, score 0.333 to 0.338 this way
 # (README, "Which F1 the paper reports").
 _MACRO_NOTES = (
     ' F1 (macro): each user\'s F1 averaged over both labels ("like", '
