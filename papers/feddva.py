@@ -193,7 +193,8 @@ def _tables(class_rounds: int, vae_rounds: int,
           methods=('probe',), columns=probe_columns,
           title='Linear probe: client from c (accuracy); the other probes '
                 '(client_from_z, digit_from_z, digit_from_c, chance_client, '
-                'mark_from_c, mark_from_z) are in results.jsonl and docs',
+                'mark_from_c, mark_from_z, decoder_c_effect, decoder_z_effect) '
+                'are in results.jsonl and docs',
           scale=1.0),
       'probes_z': reporting.Table(
           name='probes_z', paper=PAPER, metric='digit_from_z',
@@ -699,6 +700,40 @@ def mark_r2(features, angles, fit, score) -> float | None:
   return float(1.0 - np.sum(residual ** 2) / np.sum(total ** 2))
 
 
+def decoder_effects(decode, z, c, seed: int,
+                    max_images: int = 500) -> dict:
+  """How far a client's decoder output moves with c and with z: Figure 3b's
+  claim (c varies the client's marks, z the digit) as two numbers. Ours,
+  not the paper's.
+
+  `decode(z, c)` gives pixel means in [0, 1] (one client's decoder); `z`,
+  `c` are the posterior means of that client's images, one row each. Each
+  image i is paired with another image pi(i) of the same client (a seeded
+  permutation with no fixed point, over the first `max_images` rows), and
+  the result is the mean absolute change of the decoded pixels when c_i is
+  replaced by c_pi(i) (`c`) and when z_i is replaced by z_pi(i) (`z`),
+  the other code kept, and `images`, the number of images used. A decoder
+  that ignores c gives `c` = 0; in the paper's Figure 3b both are visibly
+  above 0 (columns change the mark, rows the digit).
+  """
+  z = np.asarray(z, np.float32)[:max_images]
+  c = np.asarray(c, np.float32)[:max_images]
+  if z.ndim != 2 or c.ndim != 2 or len(z) != len(c):
+    raise ValueError(f'decoder_effects needs z and c of shape (n, dim) '
+                     f'with the same n; got {z.shape} and {c.shape}')
+  if len(z) < 2:
+    raise ValueError(f'decoder_effects needs at least 2 images to swap '
+                     f'codes between; got {len(z)}')
+  order = np.random.default_rng([seed, 11]).permutation(len(z))
+  partner = np.empty_like(order)
+  partner[order] = np.roll(order, -1)  # A cycle: no image is its own.
+  base = np.asarray(decode(z, c), np.float64)
+  swap_c = np.asarray(decode(z, c[partner]), np.float64)
+  swap_z = np.asarray(decode(z[partner], c), np.float64)
+  return {'c': float(np.mean(np.abs(swap_c - base))),
+          'z': float(np.mean(np.abs(swap_z - base))), 'images': len(z)}
+
+
 def linear_probes(reps: dict, seed: int) -> dict:
   """Held-out accuracy of logistic-regression probes (half fit, half score).
 
@@ -754,10 +789,25 @@ def _run_probe(cell, f, out_dir) -> dict:
   task = _task(cell.setting['task'], f, cell.seed)
   root = _root_of(out_dir)
   pre = pretrain_feddva(task, f, f.feddva_probe_dim, cell.seed, root)
-  model = feddva_model(_config(f, f.feddva_probe_dim), pre['encoders'])
+  config = _config(f, f.feddva_probe_dim)
+  model = feddva_model(config, pre['encoders'])
   reps = representations(model, task)
   np.savez(os.path.join(out_dir, 'representations.npz'), **reps)
   metrics = linear_probes(reps, cell.seed)
+  # Each client's decoder on its own held-out images, weighted by them.
+  effects = []
+  for k in range(task.num_clients):
+    mine = reps['client'] == k
+    if mine.sum() < 2:
+      continue
+    decoder_k = feddva_model(config, pre['encoders'], pre['decoders'][k])
+    effects.append(decoder_effects(decoder_k.decode_mean, reps['z'][mine],
+                                   reps['c'][mine], cell.seed))
+  for name in ('c', 'z'):
+    metrics[f'decoder_{name}_effect'] = (
+        float(np.average([e[name] for e in effects],
+                         weights=[e['images'] for e in effects]))
+        if effects else None)
   metrics['seconds_per_round'] = pre['seconds_per_round']
   last = pre['curve'][-1] if pre['curve'] else {}
   for k in ('reconstruction', 'kl_z', 'kl_c_prior', 'kl_c_mixture',

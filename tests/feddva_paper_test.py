@@ -152,6 +152,73 @@ def test_mark_r2_is_one_for_an_exact_map_and_negative_when_worse():
   assert paper.mark_r2(noise, angle, fit[:9], score) is None
 
 
+def test_decoder_effects_swap_each_code_with_another_image_of_the_client():
+  """The pairing is a permutation with no fixed point, and each effect is
+  the mean absolute change of the decoded pixels under that swap."""
+  rng = np.random.default_rng(4)
+  z, c = rng.normal(size=(37, 3)), rng.normal(size=(37, 2))
+  a, b = rng.normal(size=(3, 5)), rng.normal(size=(2, 5))
+  calls = []
+
+  def decode(zz, cc):
+    calls.append((np.array(zz), np.array(cc)))
+    return np.tanh(zz @ a) + np.tanh(cc @ b)
+
+  out = paper.decoder_effects(decode, z, c, seed=0)
+  (z0, c0), (z1, c1), (z2, c2) = calls
+  np.testing.assert_allclose(z0, z)
+  np.testing.assert_allclose(c0, c)
+  # The swapped codes: each row another image's, every image used once.
+  partner_c = [int(np.argmin(np.abs(c - row).sum(1))) for row in c1]
+  partner_z = [int(np.argmin(np.abs(z - row).sum(1))) for row in z2]
+  assert partner_c == partner_z
+  assert sorted(partner_c) == list(range(37))
+  assert all(p != i for i, p in enumerate(partner_c))
+  np.testing.assert_allclose(z1, z, rtol=1e-6)
+  np.testing.assert_allclose(c2, c, rtol=1e-6)
+  base = np.tanh(z @ a) + np.tanh(c @ b)
+  expect_c = np.mean(np.abs(np.tanh(z @ a) + np.tanh(c[partner_c] @ b)
+                            - base))
+  expect_z = np.mean(np.abs(np.tanh(z[partner_z] @ a) + np.tanh(c @ b)
+                            - base))
+  assert out['c'] == pytest.approx(expect_c, rel=1e-5)
+  assert out['z'] == pytest.approx(expect_z, rel=1e-5)
+  assert out['images'] == 37
+  # Only the first max_images rows are used.
+  assert paper.decoder_effects(decode, z, c, seed=0, max_images=5)[
+      'images'] == 5
+
+
+def test_decoder_effects_are_zero_for_a_code_the_decoder_cannot_read():
+  """FedDVA's own decoder with the weights that read c (then z) zeroed."""
+  from tff_personal.models import feddva as feddva_lib  # pylint: disable=g-import-not-at-top
+  config = feddva_lib.FeddvaConfig(z_dim=3, c_dim=2, channels=(4, 4, 4, 4),
+                                   hidden=16)
+  rng = np.random.default_rng(5)
+  z = rng.normal(size=(20, 3)).astype(np.float32)
+  c = rng.normal(size=(20, 2)).astype(np.float32)
+  for blind, rows in (('c', slice(3, 5)), ('z', slice(0, 3))):
+    model = feddva_lib.FeddvaModel(config)
+    kernel = model.decoder.get_layer('g_fc1').kernel
+    value = kernel.numpy()
+    value[rows] = 0.0
+    kernel.assign(value)
+    out = paper.decoder_effects(model.decode_mean, z, c, seed=1)
+    seen = 'z' if blind == 'c' else 'c'
+    assert out[blind] == 0.0, blind
+    assert out[seen] > 1e-4, seen
+
+
+def test_decoder_effects_name_bad_input():
+  decode = lambda zz, cc: zz
+  with pytest.raises(ValueError, match='same n'):
+    paper.decoder_effects(decode, np.zeros((4, 2)), np.zeros((3, 2)), 0)
+  with pytest.raises(ValueError, match='shape'):
+    paper.decoder_effects(decode, np.zeros(4), np.zeros((4, 2)), 0)
+  with pytest.raises(ValueError, match='at least 2'):
+    paper.decoder_effects(decode, np.zeros((1, 2)), np.zeros((1, 2)), 0)
+
+
 def test_varied_marks_mark_every_marked_mnist_cell_and_have_columns():
   varied = paper.cells('classification',
                        _flags(rounds=5, feddva_marks='varied'))
@@ -318,6 +385,10 @@ def test_probe_cell_end_to_end_records_probes_and_config(tmp_path, mnist_dir,
   # Three of the four clients carry varying marks: both probes are numbers.
   for name in ('mark_from_c', 'mark_from_z'):
     assert isinstance(metrics[name], float) and metrics[name] <= 1.0, name
+  # Pixel means in [0, 1]: a swapped code moves each by at most 1.
+  for name in ('decoder_c_effect', 'decoder_z_effect'):
+    assert isinstance(metrics[name], float), name
+    assert 0.0 <= metrics[name] <= 1.0, name
   assert record['config']['feddva_local_epochs'] == 1
   # In the setting, not the config.
   assert 'feddva_schedule' not in record['config']
