@@ -10,6 +10,7 @@ from binaries import reproduce
 from papers import feddva as paper
 from tff_personal import reporting
 from tff_personal.core import training_loop
+from tff_personal.models import feddva as feddva_lib
 
 
 def _flags(**overrides):
@@ -191,7 +192,6 @@ def test_decoder_effects_swap_each_code_with_another_image_of_the_client():
 
 def test_decoder_effects_are_zero_for_a_code_the_decoder_cannot_read():
   """FedDVA's own decoder with the weights that read c (then z) zeroed."""
-  from tff_personal.models import feddva as feddva_lib  # pylint: disable=g-import-not-at-top
   config = feddva_lib.FeddvaConfig(z_dim=3, c_dim=2, channels=(4, 4, 4, 4),
                                    hidden=16)
   rng = np.random.default_rng(5)
