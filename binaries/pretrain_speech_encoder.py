@@ -30,7 +30,9 @@ def define_flags():
                       '--voice_set=public).')
   flags.DEFINE_string('output', None, 'Where to write the encoder (.npz).')
   defaults = pretraining.PretrainConfig()
-  flags.DEFINE_integer('epochs', defaults.epochs, 'Passes over the set.')
+  flags.DEFINE_integer('epochs', defaults.epochs,
+                       'Passes over the set (0: write the seeded, untrained '
+                       'encoder, a control).')
   flags.DEFINE_integer('batch_size', defaults.batch_size, 'Batch size.')
   flags.DEFINE_float('learning_rate', defaults.learning_rate, 'Adam rate.')
   flags.DEFINE_float('validation_fraction', defaults.validation_fraction,
@@ -68,7 +70,7 @@ def main(argv):
   metrics['data_sha256'] = data.manifest['sha256']
   fedembed_speech.save_encoder_weights(FLAGS.output, encoder, metrics)
   print(json.dumps({k: metrics[k] for k in (
-      'val_accuracy', 'chance', 'seconds')}, indent=1))
+      'val_accuracy', 'chance', 'untrained', 'seconds')}, indent=1))
   print(f'wrote {FLAGS.output}')
 
 

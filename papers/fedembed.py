@@ -291,7 +291,10 @@ TABLES: dict[str, reporting.Table] = {
         notes=_NOTES + ' local: no federation; every user\'s own logistic '
               'regression on the frozen features of its 20 training samples '
               '(nothing shared: no privacy spent, its Gaussian columns equal '
-              'its None ones).'),
+              'its None ones). The encoder is the --fedembed_speech_encoder '
+              'file; each cell records it and its public held-out accuracy '
+              '(None: an untrained encoder, `pretrain_speech_encoder '
+              '--epochs=0`, a control).'),
     **_prevalence_tables('4', None, (25, 15, 10, 5), _TABLE4, 'MNIST', 5),
     **_prevalence_tables('5', SPEECH, (20, 8, 4), _TABLE5, 'speech', 4),
     'fig4': reporting.Table(
@@ -552,7 +555,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   if encoder_weights:  # which encoder, and how well it told public voices
     meta = fedembed_speech.load_encoder_weights(encoder_weights)[1]
     metrics['encoder_weights'] = os.path.abspath(encoder_weights)
-    metrics['encoder_public_accuracy'] = meta.get('val_accuracy', [None])[-1]
+    metrics['encoder_public_accuracy'] = (meta.get('val_accuracy') or [None])[-1]
   _save_analysis(task, cell, config.experiment_dir, out_dir,
                  config.embedding_dim)
   # Every method's F1 curve (the figures draw them all).
@@ -636,7 +639,7 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   if encoder_path:
     metrics.update(
         encoder_weights=os.path.abspath(encoder_path),
-        encoder_public_accuracy=meta.get('val_accuracy', [None])[-1])
+        encoder_public_accuracy=(meta.get('val_accuracy') or [None])[-1])
   root = _root_of(out_dir)
   if root:
     write_extra_tables(root, extra_records=[{

@@ -98,6 +98,26 @@ def test_pretraining_learns_to_tell_the_voices_apart():
   assert between > within
 
 
+def test_zero_epochs_gives_the_seeded_untrained_encoder():
+  """The control: no step taken, the encoder is the seed's initialisation."""
+  x, voices = _voice_bands(4, 2, seed=2)
+  logs = []
+  encoder, metrics = pretraining.pretrain(
+      x, voices, 2, pretraining.PretrainConfig(epochs=0, seed=3),
+      log_fn=logs.append)
+  assert not logs and metrics['untrained'] is True
+  assert metrics['val_accuracy'] == [] == metrics['train_accuracy']
+  _, fresh = pretraining.build_classifier(2, seed=3)
+  for a, b in zip(encoder.get_weights(), fresh.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  _, other = pretraining.build_classifier(2, seed=4)
+  assert not np.array_equal(encoder.get_weights()[0], other.get_weights()[0])
+  json.dumps(metrics)
+  trained = pretraining.pretrain(x, voices, 2, pretraining.PretrainConfig(
+      epochs=1, seed=3), log_fn=logs.append)[1]
+  assert trained['untrained'] is False and len(trained['val_accuracy']) == 1
+
+
 def test_pretraining_refuses_bad_input():
   x, voices = _voice_bands(2, 2, seed=1)
   with pytest.raises(ValueError, match=r'in \[0, 1\)'):
@@ -107,6 +127,8 @@ def test_pretraining_refuses_bad_input():
   with pytest.raises(ValueError, match='validation_fraction'):
     pretraining.pretrain(x, voices, 2, pretraining.PretrainConfig(
         validation_fraction=1.0))
+  with pytest.raises(ValueError, match='epochs must be >= 0'):
+    pretraining.pretrain(x, voices, 2, pretraining.PretrainConfig(epochs=-1))
 
 
 def test_binary_refuses_to_overwrite_an_encoder(tmp_path):

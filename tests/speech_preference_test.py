@@ -368,6 +368,16 @@ def test_local_rows_fit_every_user_alone_and_ignore_dp(
                               **vars(f), 'fedembed_speech_encoder': path}),
                           str(tmp_path))
   assert public['encoder_public_accuracy'] == 0.5
+  # An untrained encoder (`pretrain_speech_encoder --epochs=0`, the control)
+  # has no held-out accuracy: recorded as None, not an error.
+  fedembed_speech.save_encoder_weights(path, enc, {'val_accuracy': [],
+                                                   'untrained': True})
+  control = paper.run_cell(cell(paper.LOCAL, 'none', encoder='public'),
+                           types.SimpleNamespace(**{
+                               **vars(f), 'fedembed_speech_encoder': path}),
+                           str(tmp_path))
+  assert control['encoder_public_accuracy'] is None
+  assert control['f1'] == pytest.approx(public['f1'])  # same weights
   assert 0.0 <= public['f1'] <= 1.0 and public['eval_clients'] == 20
   with pytest.raises(ValueError, match='local needs the frozen public'):
     paper.run_cell(cell(paper.LOCAL, 'none'), f, str(tmp_path))

@@ -43,8 +43,8 @@ class PretrainConfig:
   seed: int = 0
 
   def validate(self):
-    if self.epochs < 1 or self.batch_size < 1:
-      raise ValueError(f'epochs and batch_size must be >= 1, got '
+    if self.epochs < 0 or self.batch_size < 1:
+      raise ValueError(f'epochs must be >= 0 and batch_size >= 1, got '
                        f'{self.epochs}, {self.batch_size}')
     if self.learning_rate <= 0:
       raise ValueError(f'learning_rate must be > 0, got {self.learning_rate}')
@@ -84,12 +84,15 @@ def pretrain(spectrograms: np.ndarray, voices: np.ndarray, num_voices: int,
     spectrograms: uint8 [N, 200, 375] (a public set, `speech_data.load`).
     voices: int [N] the voice of each utterance, in [0, num_voices).
     num_voices: Classes of the pretext task.
-    config: The training settings.
+    config: The training settings. `epochs=0` trains nothing: the encoder
+      is the seeded initialisation, a control that separates what the
+      pre-trained features give from what freezing (fewer noised
+      parameters under DP) gives; its accuracy lists are empty.
     log_fn: Receives a line per epoch.
 
   Returns:
     The encoder and a dict: train and held-out accuracy per epoch, chance,
-    seconds, sizes.
+    seconds, sizes, `untrained` (epochs == 0).
   """
   config.validate()
   voices = np.asarray(voices, np.int32)
@@ -125,4 +128,4 @@ def pretrain(spectrograms: np.ndarray, voices: np.ndarray, num_voices: int,
   return encoder, dict(
       history, chance=1.0 / num_voices, num_voices=num_voices,
       train_utterances=len(train_idx), val_utterances=len(val_idx),
-      seconds=time.time() - start, config=dataclasses.asdict(config))
+      untrained=config.epochs == 0, seconds=time.time() - start, config=dataclasses.asdict(config))
