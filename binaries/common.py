@@ -229,8 +229,9 @@ def configs_from_flags(f):
     raise ValueError('--encoder_weights/--freeze_encoder apply to '
                      f'--task=speech_preference only, not {f.task!r}')
   if f.freeze_encoder and not f.encoder_weights:
-    raise ValueError('--freeze_encoder needs --encoder_weights (a frozen '
-                     'random encoder learns nothing)')
+    raise ValueError('--freeze_encoder needs --encoder_weights (for an '
+                     'encoder frozen at random initialisation, write one '
+                     'with `pretrain_speech_encoder --epochs=0`)')
   if population_from_flags:
     task_kwargs.update(num_users=f.num_users, population=f.population)
   else:

@@ -555,7 +555,8 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   if encoder_weights:  # which encoder, and how well it told public voices
     meta = fedembed_speech.load_encoder_weights(encoder_weights)[1]
     metrics['encoder_weights'] = os.path.abspath(encoder_weights)
-    metrics['encoder_public_accuracy'] = (meta.get('val_accuracy') or [None])[-1]
+    metrics['encoder_public_accuracy'] = (
+        meta.get('val_accuracy') or [None])[-1]
   _save_analysis(task, cell, config.experiment_dir, out_dir,
                  config.embedding_dim)
   # Every method's F1 curve (the figures draw them all).

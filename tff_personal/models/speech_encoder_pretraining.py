@@ -128,4 +128,5 @@ def pretrain(spectrograms: np.ndarray, voices: np.ndarray, num_voices: int,
   return encoder, dict(
       history, chance=1.0 / num_voices, num_voices=num_voices,
       train_utterances=len(train_idx), val_utterances=len(val_idx),
-      untrained=config.epochs == 0, seconds=time.time() - start, config=dataclasses.asdict(config))
+      untrained=config.epochs == 0, seconds=time.time() - start,
+      config=dataclasses.asdict(config))
