@@ -61,9 +61,15 @@ def define_flags():
                     'speech_preference: keep the encoder at '
                     '--encoder_weights; only heads, prototypes and private '
                     'state train (and only they are noised under DP).')
+  flags.DEFINE_enum('speech_encoder', 'b2', ['b2', 'spectral'],
+                    'speech_preference: b2, the Appendix B.2 convolutions (the '
+                    'paper); spectral, ours: each utterance\'s mean '
+                    'log-spectrum over its louder frames (no weights) and one '
+                    'Dense layer of 64, a from-scratch model with 5% of '
+                    'B.2\'s encoder parameters (README, "A spectral encoder").')
   _group('task', ['task', 'data_dir', 'num_users', 'population', 'batch_size',
                   'local_epochs', 'max_chars', 'lstm_units', 'cold_fraction',
-                  'encoder_weights', 'freeze_encoder'])
+                  'encoder_weights', 'freeze_encoder', 'speech_encoder'])
   # Algorithm.
   flags.DEFINE_string('algorithm', 'global_plus',
                       f'One of {sorted(algorithm_registry.ALGORITHMS)}.')
@@ -228,6 +234,12 @@ def configs_from_flags(f):
   if (f.encoder_weights or f.freeze_encoder) and f.task != 'speech_preference':
     raise ValueError('--encoder_weights/--freeze_encoder apply to '
                      f'--task=speech_preference only, not {f.task!r}')
+  if f.speech_encoder != 'b2' and f.task != 'speech_preference':
+    raise ValueError('--speech_encoder applies to --task=speech_preference '
+                     f'only, not {f.task!r}')
+  if f.speech_encoder == 'spectral' and f.encoder_weights:
+    raise ValueError('--encoder_weights are Appendix B.2 convolutions; '
+                     '--speech_encoder=spectral has none to load')
   if f.freeze_encoder and not f.encoder_weights:
     raise ValueError('--freeze_encoder needs --encoder_weights (for an '
                      'encoder frozen at random initialisation, write one '
@@ -239,7 +251,8 @@ def configs_from_flags(f):
                        cold_fraction=f.cold_fraction)
   if f.task == 'speech_preference':
     task_kwargs.update(encoder_weights=f.encoder_weights,
-                       freeze_encoder=f.freeze_encoder)
+                       freeze_encoder=f.freeze_encoder,
+                       encoder=f.speech_encoder)
   return config, task_kwargs
 
 

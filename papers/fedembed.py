@@ -103,6 +103,11 @@ from tff_personal.models import local_head
 PAPER = 'fedembed'
 MNIST = 'mnist_preference'
 SPEECH = 'speech_preference'
+# The `encoder` setting of speech cells: absent (the paper's B.2 encoder,
+# trained), 'public' (B.2 pre-trained on public speakers and frozen: table
+# 3_public) or 'spectral' (the spectral encoder, trained: table 3_spectral).
+PUBLIC = 'public'
+SPECTRAL = 'spectral'
 
 # The rows of the paper's Tables 2 and 3, in its order (--algorithm values).
 METHODS = ('fedrep', 'pfedme', 'pfedkm', 'global', 'global_plus',
@@ -134,9 +139,13 @@ def _columns(task: Optional[str]) -> list[reporting.Column]:
           for pop in ('balanced', 'imbalanced') for dp in _DP_NAMES]
 
 
-def _public_encoder_columns() -> list[reporting.Column]:
-  return [reporting.Column(c.name, {**c.setting, 'encoder': 'public'})
+def _encoder_columns(encoder: str) -> list[reporting.Column]:
+  return [reporting.Column(c.name, {**c.setting, 'encoder': encoder})
           for c in _columns(SPEECH)]
+
+
+def _public_encoder_columns() -> list[reporting.Column]:
+  return _encoder_columns('public')
 
 
 def _imbalanced_columns(task: Optional[str]) -> list[reporting.Column]:
@@ -295,6 +304,20 @@ TABLES: dict[str, reporting.Table] = {
               'file; each cell records it and its public held-out accuracy '
               '(None: an untrained encoder, `pretrain_speech_encoder '
               '--epochs=0`, a control).'),
+    '3_spectral': reporting.Table(
+        name='3_spectral', paper=PAPER, metric='f1',
+        methods=METHODS + (LOCAL_SPECTRUM,),
+        columns=_encoder_columns(SPECTRAL),
+        paper_values=_paper(_TABLE3, _columns(SPEECH)),
+        title='FedEmbed Table 3 (speaker preferences) with the spectral '
+              'encoder, trained from scratch (our variant: a fixed '
+              'mean-spectrum front end and one Dense layer instead of the '
+              'Appendix B.2 convolutions; the paper column is its Table 3): '
+              'mean F1',
+        notes=_NOTES + ' Spectral encoder: '
+              '`fedembed_speech.build_spectral_encoder` (12,992 weights '
+              'against B.2\'s 243,344); no public data. local_spectrum: as '
+              'in table 3 (the same front end, fitted by each user alone).'),
     **_prevalence_tables('4', None, (25, 15, 10, 5), _TABLE4, 'MNIST', 5),
     **_prevalence_tables('5', SPEECH, (20, 8, 4), _TABLE5, 'speech', 4),
     'fig4': reporting.Table(
@@ -318,7 +341,7 @@ _MACRO_NOTES = (
     ' F1 (macro): each user\'s F1 averaged over both labels ("like", '
     '"dislike"): a constant answer scores 0.33 and guessing about 0.5; the '
     'paper column is the paper\'s table, which we read as this F1.')
-for _name in ('2', '3', '3_public'):
+for _name in ('2', '3', '3_public', '3_spectral'):
   TABLES[f'{_name}_macro'] = dataclasses.replace(
       TABLES[_name], name=f'{_name}_macro', metric='f1_macro',
       title=TABLES[_name].title.replace(': mean F1',
@@ -415,17 +438,21 @@ _TASKS: dict[tuple, Any] = {}
 
 
 def _build_task(name: str, data_dir: Optional[str], s: dict, population: str,
-                seed: int, encoder_weights: Optional[str] = None):
-  """The cell's task (cached); `encoder_weights`: a frozen public encoder."""
+                seed: int, encoder_weights: Optional[str] = None,
+                encoder: Optional[str] = None):
+  """The cell's task (cached); `encoder_weights`: a frozen public encoder;
+  `encoder`: the speech encoder kind (None: the task's default, B.2)."""
   if name not in task_registry.TASKS:
     raise ValueError(
         f'task {name!r} is not registered in tasks/registry.py yet; the '
         f'FedEmbed tables that need it (3 and 5) cannot run. Registered: '
         f'{task_registry.TASKS}')
   key = (name, data_dir, s['num_users'], population, seed, s['batch_size'],
-         s['local_epochs'], encoder_weights)
+         s['local_epochs'], encoder_weights, encoder)
   extra = ({} if encoder_weights is None else
            dict(encoder_weights=encoder_weights, freeze_encoder=True))
+  if encoder is not None:
+    extra['encoder'] = encoder
   if key not in _TASKS:
     _TASKS.clear()  # one task in memory at a time
     _TASKS[key] = task_registry.build_task(
@@ -435,14 +462,23 @@ def _build_task(name: str, data_dir: Optional[str], s: dict, population: str,
   return _TASKS[key]
 
 
-def _encoder_weights(cell: reporting.Cell, flag_values) -> Optional[str]:
-  """The public encoder of an `encoder='public'` cell (None otherwise)."""
+def _encoder_kind(cell: reporting.Cell) -> Optional[str]:
+  """The task's `encoder` for a cell: 'spectral' for `encoder='spectral'`
+  cells, None (the task's B.2 default) otherwise."""
   encoder = cell.setting.get('encoder')
   if encoder is None:
     return None
-  if encoder != 'public' or _task_name(cell.setting) != SPEECH:
+  if encoder not in (PUBLIC, SPECTRAL) or _task_name(cell.setting) != SPEECH:
     raise ValueError(f'unknown encoder setting {encoder!r} for task '
                      f'{_task_name(cell.setting)!r}')
+  return fedembed_speech.SPECTRAL if encoder == SPECTRAL else None
+
+
+def _encoder_weights(cell: reporting.Cell, flag_values) -> Optional[str]:
+  """The public encoder of an `encoder='public'` cell (None otherwise)."""
+  _encoder_kind(cell)  # a bad setting is named
+  if cell.setting.get('encoder') != PUBLIC:
+    return None
   path = getattr(flag_values, 'fedembed_speech_encoder', None)
   if not path:
     raise ValueError(
@@ -541,7 +577,8 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   s = cell_settings(cell, flag_values)
   encoder_weights = _encoder_weights(cell, flag_values)
   task = _build_task(task_name, _data_dir(flag_values, task_name), s,
-                     cell.setting['population'], cell.seed, encoder_weights)
+                     cell.setting['population'], cell.seed, encoder_weights,
+                     _encoder_kind(cell))
   if cell.setting.get('type_head') is False:
     task = _WithoutTypeHead(task)
   config = experiment_config(cell, flag_values, out_dir, task.population)
@@ -581,7 +618,8 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   features of its samples, fitted and tested on them alone (`local_head`):
   the frozen public encoder's 256 features (`local`, encoder=public cells)
   or each utterance's mean log-spectrum over its louder frames
-  (`local_spectrum`, `speech_spectrogram.mean_loud_spectrum`).
+  (`local_spectrum`, `speech_spectrogram.mean_loud_spectrum`; tables 3 and
+  3_spectral, whose spectral encoder starts from the same feature).
 
   The users, their samples and the evaluated users are those of the
   table's federated cells with the same setting and seed; no TFF runtime is
@@ -603,7 +641,8 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   # Every method shares the population settings; 'global' has defaults.
   s = cell_settings(dataclasses.replace(cell, method='global'), flag_values)
   task = _build_task(task_name, _data_dir(flag_values, task_name), s,
-                     cell.setting['population'], cell.seed, encoder_path)
+                     cell.setting['population'], cell.seed, encoder_path,
+                     _encoder_kind(cell))
   if encoder_path:
     weights, meta = fedembed_speech.load_encoder_weights(encoder_path)
     encoder = fedembed_speech.build_encoder(channels=1, weights=weights,

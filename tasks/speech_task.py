@@ -32,6 +32,9 @@ class SpeechPreferenceTask(preference_task.PreferenceTask):
   # and whether the encoder trains; None / True: the paper's setting.
   encoder_weights: list | None = None
   train_encoder: bool = True
+  # The encoder kind (`fedembed_speech.ENCODERS`): the paper's B.2
+  # convolutions, or the spectral front end (ours).
+  encoder: str = fedembed_speech.B2
 
   @property
   def element_spec(self):
@@ -74,7 +77,7 @@ class SpeechPreferenceTask(preference_task.PreferenceTask):
     spec = self.element_spec
     kwargs = fedembed_speech.fedembed_model_kwargs(
         self.activation, encoder_weights=self.encoder_weights,
-        train_encoder=self.train_encoder)
+        train_encoder=self.train_encoder, encoder=self.encoder)
 
     def model_fn():
       try:
@@ -99,7 +102,8 @@ def speech_preference_task(data_dir: str, *,
                            train_per_user: int = 20,
                            test_per_user: int = 10,
                            encoder_weights: str | None = None,
-                           freeze_encoder: bool = False
+                           freeze_encoder: bool = False,
+                           encoder: str = fedembed_speech.B2
                            ) -> SpeechPreferenceTask:
   """FedEmbed section 4.3: users who each prefer one synthetic voice.
 
@@ -119,6 +123,10 @@ def speech_preference_task(data_dir: str, *,
     freeze_encoder: Keep the encoder at its initial weights (needs
       `encoder_weights`): only heads, prototypes and private state train,
       so DP noise falls on those alone.
+    encoder: 'b2' (Appendix B.2, the paper) or 'spectral' (ours: a fixed
+      mean-spectrum front end and one Dense layer, trained from scratch;
+      `fedembed_speech.build_spectral_encoder`). No `encoder_weights` with
+      'spectral'.
 
   Returns:
     The task.
@@ -130,8 +138,11 @@ def speech_preference_task(data_dir: str, *,
     raise ValueError('speech_preference needs --data_dir: a directory made '
                      'by `python -m binaries.make_speech_data --data_dir=...`')
   if freeze_encoder and not encoder_weights:
-    raise ValueError('freeze_encoder needs encoder_weights (a frozen random '
-                     'encoder learns nothing); pass --encoder_weights=PATH')
+    raise ValueError('freeze_encoder needs encoder_weights (for an encoder '
+                     'frozen at random initialisation, write one with '
+                     '`pretrain_speech_encoder --epochs=0`); pass '
+                     '--encoder_weights=PATH')
+  fedembed_speech.check_encoder(encoder, encoder_weights)
   weights = (fedembed_speech.load_encoder_weights(encoder_weights)[0]
              if encoder_weights else None)
   data = speech_preference.load_task_data(
@@ -139,9 +150,10 @@ def speech_preference_task(data_dir: str, *,
       train_per_user=train_per_user, test_per_user=test_per_user)
   builder = lambda dim, input_spec: fedembed_speech.build_preference_model(
       dim, activation=activation, input_spec=input_spec,
-      encoder_weights=weights, train_encoder=not freeze_encoder)
+      encoder_weights=weights, train_encoder=not freeze_encoder,
+      encoder=encoder)
   return SpeechPreferenceTask(
       name='speech_preference', data=data, model_builder=builder,
       batch_size=batch_size, local_epochs=local_epochs, seed=seed,
       activation=activation, encoder_weights=weights,
-      train_encoder=not freeze_encoder)
+      train_encoder=not freeze_encoder, encoder=encoder)

@@ -62,7 +62,7 @@ def test_table4_shares_the_imbalanced_cells_of_table2():
 
 
 def test_macro_tables_show_the_same_cells_by_macro_f1():
-  for name in ('2', '3', '3_public'):
+  for name in ('2', '3', '3_public', '3_spectral'):
     macro = fedembed.TABLES[f'{name}_macro']
     assert macro.metric == 'f1_macro' and fedembed.TABLES[name].metric == 'f1'
     assert ({c.key() for c in macro.cells(2)}
@@ -294,6 +294,34 @@ def test_public_encoder_cells_are_their_own_and_need_the_encoder(tmp_path):
   with pytest.raises(ValueError, match="unknown encoder setting 'public'"):
     fedembed.run_cell(mnist, _flags(fedembed_speech_encoder='x.npz'),
                       str(tmp_path))
+
+
+def test_spectral_encoder_cells_build_the_spectral_task(tmp_path,
+                                                      monkeypatch):
+  spectral = fedembed.TABLES['3_spectral'].cells(1)
+  table3 = fedembed.TABLES['3'].cells(1)
+  assert not {c.key() for c in spectral} & {c.key() for c in table3}
+  strip = lambda cells: {(c.method, tuple(sorted(
+      (k, v) for k, v in c.setting.items() if k != 'encoder'))) for c in cells}
+  assert strip(spectral) == strip(table3)  # every row, FedRep included
+  assert all(c.setting['encoder'] == 'spectral' for c in spectral)
+  built = []
+  def fake_build(*args):
+    built.append(args)
+    raise RuntimeError('stop here')
+  monkeypatch.setattr(fedembed, '_build_task', fake_build)
+  cell = [c for c in spectral if c.method == 'fedembed_prototype'][0]
+  with pytest.raises(RuntimeError, match='stop here'):
+    fedembed.run_cell(cell, _flags(fedembed_speech_encoder='ignored.npz'),
+                      str(tmp_path))
+  *_, weights, encoder = built[-1]
+  assert weights is None and encoder == 'spectral'
+  with pytest.raises(RuntimeError, match='stop here'):  # B.2: the default
+    fedembed.run_cell([c for c in table3 if c.method == cell.method
+                       and c.setting == {k: v for k, v in cell.setting.items()
+                                         if k != 'encoder'}][0],
+                      _flags(), str(tmp_path))
+  assert built[-1][-1] is None
 
 
 @pytest.mark.skipif(not os.path.isdir(MNIST), reason='MNIST not found')

@@ -128,6 +128,66 @@ def test_preference_models():
     fedembed_speech.build_preference_model(28)
 
 
+def _loud_mean_reference(x):
+  """np.median-gated frame mean of [n, bins, frames] floats (any count)."""
+  level = x.mean(axis=1)
+  loud = level > np.median(level, axis=1, keepdims=True)
+  loud[~loud.any(axis=1)] = True
+  return np.stack([x[i][:, loud[i]].mean(axis=1) for i in range(len(x))])
+
+
+def test_mean_loud_spectrum_layer_equals_the_numpy_feature():
+  # The spectral encoder's front end computes, in the model, exactly the
+  # feature of the local_spectrum row (speech_spectrogram.mean_loud_spectrum).
+  rng = np.random.default_rng(3)
+  # Frames of distinct loudness (as in speech), so that no frame's level is
+  # within float round-off of the median (summation order may differ).
+  gain = np.stack([rng.permutation(375) * 0.6 for _ in range(4)])
+  q = (rng.integers(0, 10, (4, 200, 375)) + gain[:, None, :]).astype(np.uint8)
+  q[1, :, 200:] = 0      # padded with silence: never counted as loud
+  q[2] = 77              # every frame equally loud: all of them kept
+  x = speech_spectrogram.to_unit(q)[..., np.newaxis]
+  layer = fedembed_speech.MeanLoudSpectrum()
+  got = layer(tf.constant(x)).numpy()
+  want = speech_spectrogram.mean_loud_spectrum(q)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got[2], np.full(200, 77 / 255), rtol=1e-5)
+  assert not np.allclose(got[0], x[0, :, :, 0].mean(axis=1))  # gated
+  # The embedding channel is ignored; an even frame count takes the mean of
+  # the two middle levels as its median, as np.median does.
+  with_channel = np.concatenate([x, rng.normal(size=x.shape)], axis=-1)
+  np.testing.assert_array_equal(layer(tf.constant(with_channel)).numpy(), got)
+  even = rng.random((3, 5, 6)).astype(np.float32)
+  even[0, :, :2] = 0.5   # two middle levels differ from every level
+  np.testing.assert_allclose(layer(tf.constant(even[..., None])).numpy(),
+                             _loud_mean_reference(even), rtol=1e-6)
+
+
+def test_spectral_encoder_is_small_and_the_embedding_reaches_the_heads():
+  encoder = fedembed_speech.build_spectral_encoder(channels=2)
+  assert not [l for l in encoder.layers
+              if isinstance(l, tf.keras.layers.Conv2D)]
+  assert encoder.output_shape == (None, fedembed_speech.SPECTRAL_FEATURES)
+  assert encoder.count_params() == 200 * 64 + 64 + 2 * 64  # 12,992
+  b2 = fedembed_speech.build_encoder(channels=2).count_params()
+  assert encoder.count_params() < 0.06 * b2
+  plus = fedembed_speech.build_preference_model(200, encoder='spectral')
+  x = tf.random.uniform([3, 200, 375, 1])
+  with tf.GradientTape() as tape:
+    logits = plus.model(x)
+    first = logits[:, 0]
+  grads = tape.gradient(first, [plus.private_variables[0]] +
+                        plus.model.trainable_variables)
+  assert logits.shape == (3, 2)
+  assert np.count_nonzero(grads[0].numpy()) == 200  # through the concat
+  assert all(g is not None and np.any(g.numpy()) for g in grads[1:])
+  with pytest.raises(ValueError, match="must be one of .'b2', 'spectral'."):
+    fedembed_speech.build_preference_model(200, encoder='mel')
+  with pytest.raises(ValueError, match='spectral encoder has none to load'):
+    fedembed_speech.fedembed_model_kwargs(
+        encoder='spectral', encoder_weights=[np.zeros(1)])
+
+
 @pytest.fixture(scope='module')
 def tiny_task(tmp_path_factory):
   if shutil.which('espeak-ng') is None:
@@ -384,3 +444,45 @@ def test_local_rows_fit_every_user_alone_and_ignore_dp(
   with pytest.raises(ValueError, match='--fedembed_speech_encoder'):
     paper.run_cell(cell(paper.LOCAL, 'none', encoder='public'), f,
                    str(tmp_path))
+
+
+def test_spectral_encoder_trains_from_scratch_under_dp(tiny_task):
+  # --speech_encoder=spectral: no pre-trained weights, every shared weight
+  # trains and is noised; the update holds no convolution and 5% of B.2's
+  # weights; weights for it are refused by name.
+  from tff_personal.core import privacy  # pylint: disable=g-import-not-at-top
+  data_dir = os.path.dirname(tiny_task.data.spectrograms.filename)
+  kwargs = dict(data_dir=data_dir, num_users=20, population='balanced',
+                seed=0, batch_size=3, local_epochs=1, train_per_user=4,
+                test_per_user=2)
+  with pytest.raises(ValueError, match='spectral encoder has none to load'):
+    registry.build_task('speech_preference', encoder='spectral',
+                        encoder_weights='enc.npz', **kwargs)
+  task = registry.build_task('speech_preference', encoder='spectral',
+                             **kwargs)
+  def build(t):
+    return algorithms.build(
+        'fedembed_prototype', algorithms.model_factory('fedembed_prototype',
+                                                       t),
+        client_optimizer=fedavg.adam(1e-2),
+        server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+        aggregator_factory=privacy.build_aggregator(privacy.DPConfig(
+            mechanism='gaussian_fixed', noise_multiplier=1.0, clip_norm=1.0,
+            clients_per_round=2, population=20, rounds=1)),
+        metrics_fn=t.metrics_fn, seed=0, embedding_dim=200)
+  proc = build(task)
+  shapes = [tuple(t.shape) for t in proc.model_weights_type.trainable]
+  assert (200, 64) in shapes and (20, 264, 2) in shapes
+  assert not [s for s in shapes if len(s) == 4]  # no convolution kernel
+  assert not list(proc.model_weights_type.non_trainable)
+  size = lambda p: sum(int(np.prod(t.shape))
+                       for t in p.model_weights_type.trainable)
+  assert size(proc) < 0.2 * size(build(tiny_task))
+  state = proc.initialize()
+  before = proc.get_model_weights(state).trainable
+  state, _, _ = proc.next(state, _client_states(proc, 2, seed=1),
+                          task.train_datasets([0, 1], round_num=0))
+  after = proc.get_model_weights(state).trainable
+  changed = {tuple(np.shape(a)) for a, b in zip(before, after)
+             if not np.allclose(a, b)}
+  assert (200, 64) in changed  # the encoder itself learns (and is noised)

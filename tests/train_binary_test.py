@@ -46,6 +46,10 @@ def _base(tmp_path, mnist_dir, **overrides):
     (dict(encoder_weights='enc.npz'), 'apply to --task=speech_preference'),
     (dict(task='speech_preference', algorithm='fedembed_prototype',
           freeze_encoder=True), '--freeze_encoder needs --encoder_weights'),
+    (dict(speech_encoder='spectral'), '--speech_encoder applies to'),
+    (dict(task='speech_preference', algorithm='fedembed_prototype',
+          speech_encoder='spectral', encoder_weights='enc.npz'),
+     '--speech_encoder=spectral has none to load'),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, mnist_dir, capsys,
                                         overrides, message):
