@@ -61,12 +61,13 @@ def define_flags():
                     'speech_preference: keep the encoder at '
                     '--encoder_weights; only heads, prototypes and private '
                     'state train (and only they are noised under DP).')
-  flags.DEFINE_enum('speech_encoder', 'b2', ['b2', 'spectral'],
+  flags.DEFINE_enum('speech_encoder', 'b2', ['b2', 'spectral', 'spectrum'],
                     'speech_preference: b2, the Appendix B.2 convolutions (the '
-                    'paper); spectral, ours: each utterance\'s mean '
+                    'paper); ours: spectral, each utterance\'s mean '
                     'log-spectrum over its louder frames (no weights) and one '
-                    'Dense layer of 64, a from-scratch model with 5% of '
-                    'B.2\'s encoder parameters (README, "A spectral encoder").')
+                    'Dense layer of 64 (5% of B.2\'s encoder weights); '
+                    'spectrum, that spectrum standardised, no weights at all '
+                    '(models/fedembed_speech.build_spectral_encoder).')
   _group('task', ['task', 'data_dir', 'num_users', 'population', 'batch_size',
                   'local_epochs', 'max_chars', 'lstm_units', 'cold_fraction',
                   'encoder_weights', 'freeze_encoder', 'speech_encoder'])
@@ -237,9 +238,9 @@ def configs_from_flags(f):
   if f.speech_encoder != 'b2' and f.task != 'speech_preference':
     raise ValueError('--speech_encoder applies to --task=speech_preference '
                      f'only, not {f.task!r}')
-  if f.speech_encoder == 'spectral' and f.encoder_weights:
+  if f.speech_encoder != 'b2' and f.encoder_weights:
     raise ValueError('--encoder_weights are Appendix B.2 convolutions; '
-                     '--speech_encoder=spectral has none to load')
+                     f'--speech_encoder={f.speech_encoder} has none to load')
   if f.freeze_encoder and not f.encoder_weights:
     raise ValueError('--freeze_encoder needs --encoder_weights (for an '
                      'encoder frozen at random initialisation, write one '

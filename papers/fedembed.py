@@ -105,9 +105,11 @@ MNIST = 'mnist_preference'
 SPEECH = 'speech_preference'
 # The `encoder` setting of speech cells: absent (the paper's B.2 encoder,
 # trained), 'public' (B.2 pre-trained on public speakers and frozen: table
-# 3_public) or 'spectral' (the spectral encoder, trained: table 3_spectral).
+# 3_public), 'spectral' (the spectral encoder, trained: table 3_spectral) or
+# 'spectrum' (the standardised spectrum, no encoder weights: 3_spectrum).
 PUBLIC = 'public'
 SPECTRAL = 'spectral'
+SPECTRUM = 'spectrum'
 
 # The rows of the paper's Tables 2 and 3, in its order (--algorithm values).
 METHODS = ('fedrep', 'pfedme', 'pfedkm', 'global', 'global_plus',
@@ -124,6 +126,9 @@ LOCAL = 'local'
 LOCAL_SPECTRUM = 'local_spectrum'
 LOCAL_METHODS = (LOCAL, LOCAL_SPECTRUM)
 PUBLIC_ENCODER_METHODS = tuple(m for m in METHODS if m != 'fedrep') + (LOCAL,)
+# Likewise with the weightless spectrum encoder (nothing shared for FedRep).
+SPECTRUM_ENCODER_METHODS = (tuple(m for m in METHODS if m != 'fedrep')
+                            + (LOCAL_SPECTRUM,))
 
 # Sub-population -> prevalence (percent) of the imbalanced populations.
 MNIST_PREVALENCE = (25, 15, 10, 10, 10, 10, 5, 5, 5, 5)
@@ -318,6 +323,23 @@ TABLES: dict[str, reporting.Table] = {
               '`fedembed_speech.build_spectral_encoder` (12,992 weights '
               'against B.2\'s 243,344); no public data. local_spectrum: as '
               'in table 3 (the same front end, fitted by each user alone).'),
+    '3_spectrum': reporting.Table(
+        name='3_spectrum', paper=PAPER, metric='f1',
+        methods=SPECTRUM_ENCODER_METHODS,
+        columns=_encoder_columns(SPECTRUM),
+        paper_values=_paper({m: v for m, v in _TABLE3.items()
+                             if m in SPECTRUM_ENCODER_METHODS},
+                            _columns(SPEECH)),
+        title='FedEmbed Table 3 (speaker preferences) on the standardised '
+              'mean spectrum, no encoder weights (our variant; the paper '
+              'column is its Table 3): mean F1',
+        notes=_NOTES + ' Spectrum encoder: '
+              '`fedembed_speech.build_spectral_encoder(features=None)`, each '
+              'utterance\'s mean log-spectrum over its louder frames, '
+              'standardised; only heads, prototypes and the k-way '
+              'classifier are shared; no public data. FedRep is left out '
+              '(its shared part would be empty). local_spectrum: as in table '
+              '3.'),
     **_prevalence_tables('4', None, (25, 15, 10, 5), _TABLE4, 'MNIST', 5),
     **_prevalence_tables('5', SPEECH, (20, 8, 4), _TABLE5, 'speech', 4),
     'fig4': reporting.Table(
@@ -341,7 +363,7 @@ _MACRO_NOTES = (
     ' F1 (macro): each user\'s F1 averaged over both labels ("like", '
     '"dislike"): a constant answer scores 0.33 and guessing about 0.5; the '
     'paper column is the paper\'s table, which we read as this F1.')
-for _name in ('2', '3', '3_public', '3_spectral'):
+for _name in ('2', '3', '3_public', '3_spectral', '3_spectrum'):
   TABLES[f'{_name}_macro'] = dataclasses.replace(
       TABLES[_name], name=f'{_name}_macro', metric='f1_macro',
       title=TABLES[_name].title.replace(': mean F1',
@@ -463,15 +485,17 @@ def _build_task(name: str, data_dir: Optional[str], s: dict, population: str,
 
 
 def _encoder_kind(cell: reporting.Cell) -> Optional[str]:
-  """The task's `encoder` for a cell: 'spectral' for `encoder='spectral'`
-  cells, None (the task's B.2 default) otherwise."""
+  """The task's `encoder` for a cell: 'spectral' / 'spectrum' for those
+  `encoder` settings, None (the task's B.2 default) otherwise."""
   encoder = cell.setting.get('encoder')
   if encoder is None:
     return None
-  if encoder not in (PUBLIC, SPECTRAL) or _task_name(cell.setting) != SPEECH:
+  if (encoder not in (PUBLIC, SPECTRAL, SPECTRUM)
+      or _task_name(cell.setting) != SPEECH):
     raise ValueError(f'unknown encoder setting {encoder!r} for task '
                      f'{_task_name(cell.setting)!r}')
-  return fedembed_speech.SPECTRAL if encoder == SPECTRAL else None
+  return {SPECTRAL: fedembed_speech.SPECTRAL,
+          SPECTRUM: fedembed_speech.SPECTRUM}.get(encoder)
 
 
 def _encoder_weights(cell: reporting.Cell, flag_values) -> Optional[str]:

@@ -322,6 +322,13 @@ def test_spectral_encoder_cells_build_the_spectral_task(tmp_path,
                                          if k != 'encoder'}][0],
                       _flags(), str(tmp_path))
   assert built[-1][-1] is None
+  # 3_spectrum: the weightless encoder; FedRep left out (nothing to share).
+  spectrum = fedembed.TABLES['3_spectrum'].cells(1)
+  assert strip(spectrum) == strip(c for c in table3 if c.method != 'fedrep')
+  with pytest.raises(RuntimeError, match='stop here'):
+    fedembed.run_cell([c for c in spectrum if c.method == 'pfedme'][0],
+                      _flags(), str(tmp_path))
+  assert built[-1][-2:] == (None, 'spectrum')
 
 
 @pytest.mark.skipif(not os.path.isdir(MNIST), reason='MNIST not found')

@@ -181,7 +181,20 @@ def test_spectral_encoder_is_small_and_the_embedding_reaches_the_heads():
   assert logits.shape == (3, 2)
   assert np.count_nonzero(grads[0].numpy()) == 200  # through the concat
   assert all(g is not None and np.any(g.numpy()) for g in grads[1:])
-  with pytest.raises(ValueError, match="must be one of .'b2', 'spectral'."):
+  # 'spectrum': no weights; the standardised feature itself.
+  spectrum = fedembed_speech.build_spectral_encoder(channels=2, features=None)
+  assert spectrum.count_params() == 0
+  xx = tf.concat([x, tf.zeros_like(x)], axis=-1)
+  feature = fedembed_speech.MeanLoudSpectrum()(xx).numpy()
+  want = ((feature - feature.mean(1, keepdims=True))
+          / np.sqrt(feature.var(1, keepdims=True) + 1e-3))
+  np.testing.assert_allclose(spectrum(xx).numpy(), want, rtol=1e-4,
+                             atol=1e-4)
+  only_heads = fedembed_speech.build_preference_model(200, encoder='spectrum')
+  assert [tuple(v.shape) for v in only_heads.model.trainable_variables] == [
+      (200,), (400, 2), (2,)]  # the embedding and the head
+  with pytest.raises(ValueError, match="must be one of .'b2', 'spectral', "
+                     "'spectrum'."):
     fedembed_speech.build_preference_model(200, encoder='mel')
   with pytest.raises(ValueError, match='spectral encoder has none to load'):
     fedembed_speech.fedembed_model_kwargs(

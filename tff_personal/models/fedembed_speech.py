@@ -39,8 +39,11 @@ Readings (where the appendix is silent or inconsistent):
 
 `encoder='spectral'` (ours, not the paper's) swaps the B.2 convolutions for a
 parameter-free front end, each utterance's mean log-spectrum over its louder
-frames (`MeanLoudSpectrum`), and one Dense layer: a from-scratch model small
-enough for user-level DP on 900 users (see `build_spectral_encoder`).
+frames (`MeanLoudSpectrum`), and one Dense layer: a from-scratch model with
+5% of B.2's encoder weights (see `build_spectral_encoder`).
+`encoder='spectrum'` (ours) keeps the front end alone, standardised per
+utterance and with no weights at all: the heads, prototypes and k-way
+classifier are all that is shared (and noised under DP).
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ SPECTRAL_FEATURES = 64
 # Encoder kinds: the Appendix B.2 convolutions, or the spectral front end.
 B2 = 'b2'
 SPECTRAL = 'spectral'
-ENCODERS = (B2, SPECTRAL)
+SPECTRUM = 'spectrum'
+ENCODERS = (B2, SPECTRAL, SPECTRUM)
 
 
 # Layers of the encoder with weights, in `build_encoder` order: each has a
@@ -164,7 +168,7 @@ class MeanLoudSpectrum(tf.keras.layers.Layer):
 
 
 def build_spectral_encoder(channels: int = 1, name: str = 'encoder',
-                           features: int = SPECTRAL_FEATURES,
+                           features: int | None = SPECTRAL_FEATURES,
                            trainable: bool = True) -> tf.keras.Sequential:
   """A small from-scratch encoder (ours): mean loud spectrum -> Dense -> LN.
 
@@ -180,23 +184,33 @@ def build_spectral_encoder(channels: int = 1, name: str = 'encoder',
   (the embedding channel is ignored). `features` defaults to the MNIST
   encoder's 64 outputs, so a head sees 64 + 200 inputs.
 
+  With `features=None` (encoder 'spectrum') there is no Dense layer: the
+  200-bin spectrum, standardised per utterance (a LayerNorm without scale
+  or offset), is the feature vector, and the encoder has no weights, so
+  nothing about the features is learned or noised; the heads see 200 + 200
+  inputs.
+
   Args:
     channels: Input channels (1, or 2 with the embedding channel).
     name: The Keras name.
-    features: Output width.
+    features: Output width, or None for the standardised spectrum itself.
     trainable: False freezes it (only the Dense and LayerNorm have weights).
 
   Returns:
     The encoder (a `tf.keras.Sequential`).
   """
-  if features <= 0:
-    raise ValueError(f'features must be positive, got {features}')
-  encoder = tf.keras.Sequential([
-      tf.keras.layers.InputLayer(input_shape=(*INPUT_SHAPE[:2], channels)),
-      MeanLoudSpectrum(name='mean_loud_spectrum'),
-      tf.keras.layers.Dense(features, name='dense'),
-      tf.keras.layers.LayerNormalization(name='ln'),
-  ], name=name)
+  if features is not None and features <= 0:
+    raise ValueError(f'features must be positive or None, got {features}')
+  layers = [tf.keras.layers.InputLayer(input_shape=(*INPUT_SHAPE[:2],
+                                                    channels)),
+            MeanLoudSpectrum(name='mean_loud_spectrum')]
+  if features is None:
+    layers.append(tf.keras.layers.LayerNormalization(center=False,
+                                                     scale=False, name='ln'))
+  else:
+    layers += [tf.keras.layers.Dense(features, name='dense'),
+               tf.keras.layers.LayerNormalization(name='ln')]
+  encoder = tf.keras.Sequential(layers, name=name)
   encoder.trainable = trainable
   return encoder
 
@@ -207,9 +221,9 @@ def check_encoder(encoder: str, encoder_weights=None) -> None:
   if encoder not in ENCODERS:
     raise ValueError(f'speech encoder must be one of {ENCODERS}, got '
                      f'{encoder!r}')
-  if encoder == SPECTRAL and encoder_weights is not None:
+  if encoder != B2 and encoder_weights is not None:
     raise ValueError('pre-trained encoder weights are Appendix B.2 '
-                     'convolutions; the spectral encoder has none to load '
+                     f'convolutions; the {encoder} encoder has none to load '
                      '(drop --encoder_weights or use --speech_encoder=b2)')
 
 
@@ -217,9 +231,10 @@ def _encoder_fn(encoder: str, activation: str, encoder_weights,
                 train_encoder: bool):
   """`channels -> Keras encoder` for `encoder` (checked)."""
   check_encoder(encoder, encoder_weights)
-  if encoder == SPECTRAL:
-    return lambda channels: build_spectral_encoder(channels,
-                                                   trainable=train_encoder)
+  if encoder in (SPECTRAL, SPECTRUM):
+    features = SPECTRAL_FEATURES if encoder == SPECTRAL else None
+    return lambda channels: build_spectral_encoder(
+        channels, features=features, trainable=train_encoder)
   return lambda channels: build_encoder(activation, channels=channels,
                                         weights=encoder_weights,
                                         trainable=train_encoder)
@@ -315,7 +330,8 @@ def build_preference_model(embedding_dim: int = EMBEDDING_DIM,
     encoder_weights: None or a pre-trained encoder's weights
       (`build_encoder`'s `weights`).
     train_encoder: False freezes the encoder (`build_encoder`'s `trainable`).
-    encoder: `B2` (the paper's) or `SPECTRAL` (`build_spectral_encoder`).
+    encoder: `B2` (the paper's), `SPECTRAL` or `SPECTRUM`
+      (`build_spectral_encoder` with 64 features or none).
 
   Returns:
     A `SplitModel` with [batch, 2] logits whose only private variable is the
