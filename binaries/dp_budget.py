@@ -16,7 +16,8 @@ flag applies; the computations are `tff_personal/core/dp_budget.py`'s):
   round's local training, `--local_epochs`) from the initial model;
   reported: their update norms, and the coherent norm of the clipped updates
   (`core/update_stats.coherent_norm`, the part a mean over many clients
-  keeps) against one round's noise norm at the flags' cohort.
+  keeps) against one round's noise norm at the flags' cohort, for the whole
+  update and for each of its tensors (`parts`: where the signal is).
 Prints a markdown table and one JSON line (also written to --output if set).
 """
 
@@ -64,7 +65,8 @@ def main(argv):
   ids = np.linspace(0, population - 1,
                     min(FLAGS.probe_users, population)).astype(int).tolist()
   with runtime.local_runtime():
-    updates = experiment.probe_client_updates(task, config, ids)
+    updates, shapes = experiment.probe_client_updates(task, config, ids,
+                                                      return_shapes=True)
   d = updates.shape[1]
   result = dict(task=FLAGS.task, algorithm=FLAGS.algorithm, d=d,
                 epsilon=FLAGS.target_epsilon, delta=dp.target_delta,
@@ -73,6 +75,7 @@ def main(argv):
                                            grid, d),
                 probed_users=len(ids))
   result.update(dp_budget.probe_summary(updates, dp))
+  result['parts'] = dp_budget.probe_parts(updates, shapes, dp)
   print(dp_budget.markdown(result))
   line = json.dumps(result, default=float)
   print(line)

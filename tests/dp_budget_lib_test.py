@@ -68,6 +68,37 @@ def test_probe_summary_of_known_updates():
   assert out['round_noise_at']['cohort'] == dp.clients_per_round
 
 
+def test_probe_parts_find_the_coherent_tensor_after_the_whole_clip():
+  dp = _dp(clip=1.0)
+  rng = np.random.default_rng(2)
+  n = 400
+  # Tensor A (3 x 2): a shared direction of norm 3 plus noise; tensor B
+  # (40,): noise of norm about 4 with no shared part. Each update (norm
+  # about 5) is clipped to 1 as a whole, so A keeps about 3 / 5 of the clip
+  # and B nothing.
+  a = np.zeros((n, 6))
+  a[:, 0] = 3.0
+  a += rng.normal(scale=0.1, size=a.shape)
+  b = rng.normal(scale=4.0 / np.sqrt(40), size=(n, 40))
+  updates = np.concatenate([a, b], axis=1)
+  parts = dp_budget.probe_parts(updates, [(3, 2), (40,)], dp)
+  assert [p['shape'] for p in parts] == [[3, 2], [40]]
+  assert [p['size'] for p in parts] == [6, 40]
+  assert parts[0]['coherent_clipped_norm'] == pytest.approx(0.6, abs=0.06)
+  assert parts[1]['coherent_clipped_norm'] < 0.06
+  whole = dp_budget.probe_summary(updates, dp)['round_noise_norm']
+  assert sum(p['round_noise_norm'] ** 2 for p in parts) == pytest.approx(
+      whole ** 2)
+  assert parts[0]['round_noise_norm'] == pytest.approx(
+      dp.noise_multiplier / dp.clients_per_round * np.sqrt(6))
+  with pytest.raises(ValueError, match='hold 45 values, the updates 46'):
+    dp_budget.probe_parts(updates, [(3, 2), (39,)], dp)
+  text = dp_budget.markdown(dict(
+      d=46, epsilon=10.0, delta=dp.target_delta, clip_norm=1.0, grid=[],
+      probed_users=n, parts=parts, **dp_budget.probe_summary(updates, dp)))
+  assert '| (3, 2) | 6 |' in text and '| (40,) | 40 |' in text
+
+
 def test_markdown_has_a_row_per_grid_entry():
   dp = _dp()
   updates = np.random.default_rng(1).normal(size=(5, 20))

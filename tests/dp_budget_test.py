@@ -54,6 +54,16 @@ def test_grid_and_probe(tmp_path, mnist_dir):
   # A clipped update's coherent part is at most the clip.
   assert 0 <= out['coherent_clipped_norm'] <= 0.05 + 1e-9
   assert out['round_noise_at']['cohort'] == 10
+  # The parts cut the same update: their sizes add up to d, their noise
+  # norms squared to the whole round's, and no part keeps more than the
+  # whole update's coherent norm (up to the estimator's spread).
+  parts = out['parts']
+  assert sum(p['size'] for p in parts) == out['d']
+  assert all(p['size'] == np.prod(p['shape']) for p in parts)
+  assert sum(p['round_noise_norm'] ** 2 for p in parts) == pytest.approx(
+      out['round_noise_norm'] ** 2)
+  assert sum(p['coherent_clipped_norm'] ** 2 for p in parts) == pytest.approx(
+      out['coherent_clipped_norm'] ** 2, rel=0.05, abs=1e-6)
 
 
 @pytest.mark.parametrize('overrides,message', [

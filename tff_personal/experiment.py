@@ -165,15 +165,17 @@ def initial_client_state_fn(proc, config: ExperimentConfig):
       template, config.seed, init='normal', stddev=config.personal_init_stddev)
 
 
-def probe_client_updates(task, config: ExperimentConfig,
-                         client_ids) -> np.ndarray:
+def probe_client_updates(task, config: ExperimentConfig, client_ids,
+                         return_shapes: bool = False):
   """The shared-model updates the clients would send from the initial model.
 
   Each of `client_ids` runs the algorithm's client step once (its local
   training from its initial private state) on the initial server model; the
   result is one flattened update per row, unclipped and un-noised. For DP
   diagnostics (`binaries.dp_budget`): this is what the DP aggregator clips.
-  Needs an algorithm whose process records its client step.
+  Needs an algorithm whose process records its client step. With
+  `return_shapes`, also the shapes of the update's tensors in row order
+  (`(rows, shapes)`), so a row can be cut back into them.
   """
   proc = build_process(task, config)
   composition = proc.composition
@@ -183,12 +185,14 @@ def probe_client_updates(task, config: ExperimentConfig,
   step = tf.function(composition.client_step())
   weights = proc.get_model_weights(proc.initialize())
   initial_state = initial_client_state_fn(proc, config)
-  rows = []
+  rows, shapes = [], None
   for cid, data in zip(client_ids, task.train_datasets(list(client_ids), 1)):
     out = step(weights, initial_state(cid), data)
-    rows.append(np.concatenate(
-        [np.ravel(np.asarray(x)) for x in tf.nest.flatten(out['update'])]))
-  return np.stack(rows)
+    tensors = [np.asarray(x) for x in tf.nest.flatten(out['update'])]
+    shapes = [tuple(x.shape) for x in tensors]
+    rows.append(np.concatenate([np.ravel(x) for x in tensors]))
+  rows = np.stack(rows)
+  return (rows, shapes) if return_shapes else rows
 
 
 def _personal_evaluator(task, proc, config: ExperimentConfig, store,

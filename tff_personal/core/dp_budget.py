@@ -12,6 +12,9 @@ For a resolved `privacy.DPConfig` (delta, clip, sampling) and an epsilon:
   norm, the clipped fraction, and the coherent norm of the clipped updates
   (`update_stats.coherent_norm`) against one round's noise norm at the
   config's cohort.
+* `probe_parts`: the same coherent norm and noise norm for each tensor of
+  the update (the rows cut by shape after the whole-update clip, as the DP
+  aggregator clips): which parameters carry the signal the noise must beat.
 """
 
 from __future__ import annotations
@@ -86,6 +89,37 @@ def probe_summary(updates: np.ndarray, dp: privacy.DPConfig) -> dict:
                           noise_multiplier=dp.noise_multiplier))
 
 
+def probe_parts(updates: np.ndarray, shapes: Sequence[Sequence[int]],
+                dp: privacy.DPConfig) -> list[dict]:
+  """Per tensor of the update: its size, the coherent norm of its block of
+  the clipped updates and one round's noise norm on the block.
+
+  The rows are clipped whole (the aggregator clips a client's whole
+  update), then cut into `shapes` in order. Noise is isotropic, so a
+  block of size d_i gets noise norm z * clip / cohort * sqrt(d_i); the
+  blocks' squared noise norms add up to the whole update's.
+
+  Raises:
+    ValueError: `shapes` do not add up to the rows' length (named).
+  """
+  updates = np.asarray(updates, np.float64)
+  sizes = [int(np.prod(s)) for s in shapes]
+  if sum(sizes) != updates.shape[1]:
+    raise ValueError(f'shapes {list(shapes)} hold {sum(sizes)} values, the '
+                     f'updates {updates.shape[1]}')
+  clipped = update_stats.clip_rows(updates, dp.clip_norm)
+  parts, start = [], 0
+  for shape, size in zip(shapes, sizes):
+    block = clipped[:, start:start + size]
+    start += size
+    parts.append(dict(
+        shape=list(shape), size=size,
+        coherent_clipped_norm=update_stats.coherent_norm(block),
+        round_noise_norm=update_stats.noise_norm(
+            dp.noise_multiplier, dp.clip_norm, dp.clients_per_round, size)))
+  return parts
+
+
 def markdown(result: dict) -> str:
   """The report of `binaries.dp_budget` from its result dict."""
   lines = [
@@ -106,4 +140,12 @@ def markdown(result: dict) -> str:
       f'{result["coherent_clipped_norm"]:.3f} vs one round\'s noise norm '
       f'{result["round_noise_norm"]:.3f} '
       f'(cohort {result["round_noise_at"]["cohort"]})')
+  if result.get('parts'):
+    lines += ['', '| update tensor | size | coherent clipped norm | one '
+              'round\'s noise norm | ratio |', '|---|---:|---:|---:|---:|']
+    for p in result['parts']:
+      lines.append(
+          f'| {tuple(p["shape"])} | {p["size"]} | '
+          f'{p["coherent_clipped_norm"]:.4f} | {p["round_noise_norm"]:.4f} | '
+          f'{p["coherent_clipped_norm"] / p["round_noise_norm"]:.3f} |')
   return '\n'.join(lines)
