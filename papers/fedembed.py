@@ -30,7 +30,15 @@ Tables (method rows, the paper's numbers next to ours):
   encoder's features of its 20 training samples
   (`tff_personal/models/local_head.py`): nothing is shared, so it costs no
   privacy and its DP columns equal its no-DP ones; it runs without TFF.
-* `2_macro`, `3_macro`, `3_public_macro`: the same cells, each user's F1
+* `3_spectral`, `3_spectrum`: Table 3 trained from scratch on smaller
+  encoders (our variants, no public data): `encoder='spectral'` (a fixed
+  mean-loud-spectrum front end and one trained Dense layer of 64) and
+  `encoder='spectrum'` (the standardised spectrum itself, no encoder weights;
+  FedRep left out, its shared part would be empty); see
+  `models/fedembed_speech.build_spectral_encoder`. Each has the
+  `local_spectrum` row.
+* `2_macro`, `3_macro`, `3_public_macro`, `3_spectral_macro`,
+  `3_spectrum_macro`: the same cells, each user's F1
   averaged over both labels (metric `f1_macro`; see `_MACRO_NOTES`); cells
   recorded before the metric existed show as not run.
 * `fig4`: FedEmbed-Type with and without the k-way type head (balanced, no
