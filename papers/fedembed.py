@@ -650,8 +650,8 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   features of its samples, fitted and tested on them alone (`local_head`):
   the frozen public encoder's 256 features (`local`, encoder=public cells)
   or each utterance's mean log-spectrum over its louder frames
-  (`local_spectrum`, `speech_spectrogram.mean_loud_spectrum`; tables 3 and
-  3_spectral, whose spectral encoder starts from the same feature).
+  (`local_spectrum`, `speech_spectrogram.mean_loud_spectrum`; tables 3,
+  3_spectral and 3_spectrum, whose encoders start from the same feature).
 
   The users, their samples and the evaluated users are those of the
   table's federated cells with the same setting and seed; no TFF runtime is

@@ -33,7 +33,7 @@ class SpeechPreferenceTask(preference_task.PreferenceTask):
   encoder_weights: list | None = None
   train_encoder: bool = True
   # The encoder kind (`fedembed_speech.ENCODERS`): the paper's B.2
-  # convolutions, or the spectral front end (ours).
+  # convolutions, or the spectral front end with or without a Dense (ours).
   encoder: str = fedembed_speech.B2
 
   @property
@@ -123,10 +123,11 @@ def speech_preference_task(data_dir: str, *,
     freeze_encoder: Keep the encoder at its initial weights (needs
       `encoder_weights`): only heads, prototypes and private state train,
       so DP noise falls on those alone.
-    encoder: 'b2' (Appendix B.2, the paper) or 'spectral' (ours: a fixed
-      mean-spectrum front end and one Dense layer, trained from scratch;
-      `fedembed_speech.build_spectral_encoder`). No `encoder_weights` with
-      'spectral'.
+    encoder: 'b2' (Appendix B.2, the paper), or ours: 'spectral' (a fixed
+      mean-spectrum front end and one Dense layer, trained from scratch) or
+      'spectrum' (the standardised mean spectrum, no encoder weights);
+      `fedembed_speech.build_spectral_encoder`. No `encoder_weights` with
+      either of ours.
 
   Returns:
     The task.
