@@ -157,10 +157,6 @@ def _encoder_columns(encoder: str) -> list[reporting.Column]:
           for c in _columns(SPEECH)]
 
 
-def _public_encoder_columns() -> list[reporting.Column]:
-  return _encoder_columns('public')
-
-
 def _imbalanced_columns(task: Optional[str]) -> list[reporting.Column]:
   return [c for c in _columns(task) if c.setting['population'] == 'imbalanced']
 
@@ -285,6 +281,20 @@ def _prevalence_tables(prefix: str, task: Optional[str], prevalences,
   return tables
 
 
+def _encoder_table(encoder: str, methods: tuple[str, ...], variant: str,
+                   notes: str) -> dict[str, reporting.Table]:
+  """Table `3_<encoder>`: Table 3's cells with the speech `encoder` setting
+  (our variants), next to the paper's Table 3 numbers of `methods`."""
+  name = f'3_{encoder}'
+  return {name: reporting.Table(
+      name=name, paper=PAPER, metric='f1', methods=methods,
+      columns=_encoder_columns(encoder),
+      paper_values=_paper({m: v for m, v in _TABLE3.items() if m in methods},
+                          _columns(SPEECH)),
+      title=f'FedEmbed Table 3 (speaker preferences) {variant}: mean F1',
+      notes=_NOTES + notes)}
+
+
 TABLES: dict[str, reporting.Table] = {
     '2': reporting.Table(
         name='2', paper=PAPER, metric='f1', methods=METHODS,
@@ -300,54 +310,33 @@ TABLES: dict[str, reporting.Table] = {
               'own logistic regression on its 20 training utterances\' mean '
               'log-spectra over their louder frames (nothing shared: no '
               'privacy spent, its Gaussian columns equal its None ones).'),
-    '3_public': reporting.Table(
-        name='3_public', paper=PAPER, metric='f1',
-        methods=PUBLIC_ENCODER_METHODS,
-        columns=_public_encoder_columns(),
-        paper_values=_paper({m: v for m, v in _TABLE3.items()
-                             if m in PUBLIC_ENCODER_METHODS},
-                            _columns(SPEECH)),
-        title='FedEmbed Table 3 (speaker preferences) with the encoder '
-              'pre-trained on public speakers and frozen (our variant; the '
-              'paper column is its Table 3, trained from scratch): mean F1',
-        notes=_NOTES + ' local: no federation; every user\'s own logistic '
-              'regression on the frozen features of its 20 training samples '
-              '(nothing shared: no privacy spent, its Gaussian columns equal '
-              'its None ones). The encoder is the --fedembed_speech_encoder '
-              'file; each cell records it and its public held-out accuracy '
-              '(None: an untrained encoder, `pretrain_speech_encoder '
-              '--epochs=0`, a control).'),
-    '3_spectral': reporting.Table(
-        name='3_spectral', paper=PAPER, metric='f1',
-        methods=METHODS + (LOCAL_SPECTRUM,),
-        columns=_encoder_columns(SPECTRAL),
-        paper_values=_paper(_TABLE3, _columns(SPEECH)),
-        title='FedEmbed Table 3 (speaker preferences) with the spectral '
-              'encoder, trained from scratch (our variant: a fixed '
-              'mean-spectrum front end and one Dense layer instead of the '
-              'Appendix B.2 convolutions; the paper column is its Table 3): '
-              'mean F1',
-        notes=_NOTES + ' Spectral encoder: '
-              '`fedembed_speech.build_spectral_encoder` (12,992 weights '
-              'against B.2\'s 243,344); no public data. local_spectrum: as '
-              'in table 3 (the same front end, fitted by each user alone).'),
-    '3_spectrum': reporting.Table(
-        name='3_spectrum', paper=PAPER, metric='f1',
-        methods=SPECTRUM_ENCODER_METHODS,
-        columns=_encoder_columns(SPECTRUM),
-        paper_values=_paper({m: v for m, v in _TABLE3.items()
-                             if m in SPECTRUM_ENCODER_METHODS},
-                            _columns(SPEECH)),
-        title='FedEmbed Table 3 (speaker preferences) on the standardised '
-              'mean spectrum, no encoder weights (our variant; the paper '
-              'column is its Table 3): mean F1',
-        notes=_NOTES + ' Spectrum encoder: '
-              '`fedembed_speech.build_spectral_encoder(features=None)`, each '
-              'utterance\'s mean log-spectrum over its louder frames, '
-              'standardised; only heads, prototypes and the k-way '
-              'classifier are shared; no public data. FedRep is left out '
-              '(its shared part would be empty). local_spectrum: as in table '
-              '3.'),
+    **_encoder_table(
+        PUBLIC, PUBLIC_ENCODER_METHODS,
+        'with the encoder pre-trained on public speakers and frozen (our '
+        'variant; the paper column is its Table 3, trained from scratch)',
+        ' local: no federation; every user\'s own logistic regression on the '
+        'frozen features of its 20 training samples (nothing shared: no '
+        'privacy spent, its Gaussian columns equal its None ones). The '
+        'encoder is the --fedembed_speech_encoder file; each cell records it '
+        'and its public held-out accuracy (None: an untrained encoder, '
+        '`pretrain_speech_encoder --epochs=0`, a control).'),
+    **_encoder_table(
+        SPECTRAL, METHODS + (LOCAL_SPECTRUM,),
+        'with the spectral encoder, trained from scratch (our variant: a '
+        'fixed mean-spectrum front end and one Dense layer instead of the '
+        'Appendix B.2 convolutions; the paper column is its Table 3)',
+        ' Spectral encoder: `fedembed_speech.build_spectral_encoder` (12,992 '
+        'weights against B.2\'s 243,344); no public data. local_spectrum: as '
+        'in table 3 (the same front end, fitted by each user alone).'),
+    **_encoder_table(
+        SPECTRUM, SPECTRUM_ENCODER_METHODS,
+        'on the standardised mean spectrum, no encoder weights (our variant; '
+        'the paper column is its Table 3)',
+        ' Spectrum encoder: `fedembed_speech.build_spectral_encoder('
+        'features=None)`, each utterance\'s mean log-spectrum over its louder '
+        'frames, standardised; only heads, prototypes and the k-way '
+        'classifier are shared; no public data. FedRep is left out (its '
+        'shared part would be empty). local_spectrum: as in table 3.'),
     **_prevalence_tables('4', None, (25, 15, 10, 5), _TABLE4, 'MNIST', 5),
     **_prevalence_tables('5', SPEECH, (20, 8, 4), _TABLE5, 'speech', 4),
     'fig4': reporting.Table(
