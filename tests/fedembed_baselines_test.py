@@ -9,6 +9,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import fedembed_testdata
+from tff_personal import experiment
 from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import pfedkm
 from tff_personal.algorithms import pfedme
@@ -215,6 +216,99 @@ def test_pfedme_personal_head_solves_the_moreau_inner_problem():
                              .trainable[-2], atol=5e-3)
 
 
+def _with_rounds(states, rounds):
+  return [collections.OrderedDict(private=s['private'],
+                                  rounds_participated=np.int32(rounds))
+          for s in states]
+
+
+def test_pfedme_restart_starts_theta_from_the_global_head_every_round():
+  """The authors' form: a returning client's stored theta is ignored (its
+  round equals a first participation's); the default form uses it."""
+  data = [datasets(1, seed=5)[0]]
+  outputs = {}
+  for restart in (False, True):
+    proc = _pfedme(1.0, inner_lr=0.05, restart_personal_head=restart)
+    state = proc.initialize()
+    new = {}
+    for seed, rounds in ((0, 0), (0, 3), (1, 3)):
+      states = _with_rounds(initial_states(proc, 1, seed=seed), rounds)
+      after, client_states, _ = proc.next(state, states, data)
+      new[seed, rounds] = (after.global_model_weights.trainable,
+                           client_states[0]['private'])
+    outputs[restart] = new
+  for restart, new in outputs.items():
+    first = new[0, 0]
+    for key in ((0, 3), (1, 3)):
+      same = all(np.allclose(a, b, atol=1e-6) for part in (0, 1)
+                 for a, b in zip(first[part], new[key][part]))
+      # Restarting: every round is a first round. Kept: the stored (random)
+      # theta is where the inner solver starts, so the result moves.
+      assert same == restart, (restart, key)
+  # At a first participation the two forms are the same algorithm.
+  for a, b in zip(outputs[False][0, 0][1], outputs[True][0, 0][1]):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+class _Store:
+  """A client-state store serving fixed states (experiment's `load`)."""
+
+  def __init__(self, states):
+    self._states = states
+
+  def load(self, ids):
+    return [self._states[i] for i in ids]
+
+
+class _Task:
+  population = 3
+
+  def eval_datasets(self, ids):
+    return [datasets(3, seed=9)[i] for i in ids]
+
+  train_datasets = eval_datasets  # (read only with a fine-tuning pass)
+
+  def evaluate(self, outputs, ids):
+    del ids
+    return outputs
+
+
+def _personal_outputs(proc, states):
+  config = experiment.ExperimentConfig(
+      algorithm='pfedme', rounds=1, clients_per_round=1,
+      root_output_dir='unused', experiment_name='unused')
+  # pylint: disable-next=protected-access
+  evaluate, _, data_fn = experiment._personal_evaluator(
+      _Task(), proc, config, _Store(states), num_shards=0)
+  return [np.asarray(o['outputs'])
+          for o in evaluate(proc.initialize(), data_fn)]
+
+
+def test_pfedme_restart_evaluates_from_the_current_global_head():
+  """Evaluation of the authors' form ignores stored personal heads: it
+  starts theta from the broadcast global head (so the outputs are the
+  global model's); the default form evaluates each stored head."""
+  keep = _pfedme(1.0)
+  restart = _pfedme(1.0, restart_personal_head=True)
+  w = restart.initialize().global_model_weights
+  head = restart.eval_private_fn(w)
+  for a, b in zip(head, w.trainable[-2:]):
+    np.testing.assert_array_equal(a, b)
+  one = _with_rounds(initial_states(restart, 3, seed=1), 4)
+  two = _with_rounds(initial_states(restart, 3, seed=2), 4)
+  as_global = [collections.OrderedDict(private=head,
+                                       rounds_participated=np.int32(4))] * 3
+  global_outputs = _personal_outputs(keep, as_global)
+  for states in (one, two):
+    for a, b in zip(_personal_outputs(restart, states), global_outputs):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+  kept = _personal_outputs(keep, one)
+  assert max(float(np.max(np.abs(a - b)))
+             for a, b in zip(kept, global_outputs)) > 1e-3
+  assert keep.eval_private_fn is None
+  assert process.eval_client_states(keep, w, one) is one
+
+
 # --- PFedKM -------------------------------------------------------------------
 
 def test_pfedkm_with_one_cluster_is_fedavg():
@@ -253,7 +347,8 @@ def test_pfedkm_clusters_users_with_opposite_preferences():
 
 # --- DP and privacy -------------------------------------------------------------
 
-@pytest.mark.parametrize('name', ['fedrep', 'pfedme', 'pfedkm'])
+@pytest.mark.parametrize('name', ['fedrep', 'pfedme', 'pfedme_restart',
+                                  'pfedkm'])
 def test_private_state_stays_on_clients_and_dp_covers_the_shared_update(name):
   dp = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0,
                         clip_norm=1.0, clients_per_round=2, population=10)
@@ -270,7 +365,7 @@ def test_private_state_stays_on_clients_and_dp_covers_the_shared_update(name):
   value = proc.aggregation_value_type
   model_part = list(value.model) if name == 'pfedkm' else list(value)
   assert model_part == shared  # every shared parameter goes through DP
-  if name in ('fedrep', 'pfedme'):
+  if name in ('fedrep', 'pfedme', 'pfedme_restart'):
     # The personal head is client state; for pFedMe its global twin (the
     # same type) is shared, so the check is on the client-state type.
     assert tff.TensorType(np.float32, [64, 2]) in list(

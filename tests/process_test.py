@@ -100,7 +100,7 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
       fedembed_model_fn_factory=lambda config: lambda: (
           fedembed_model.build_fedembed_model(config, input_spec=typed_spec)))
   # pFedMe's personal part is a head, not an embedding.
-  dim = 0 if name == 'pfedme' else 28
+  dim = 0 if name.startswith('pfedme') else 28
   proc = registry.build(
       name, registry.model_factory(name, task),
       client_optimizer=tff.learning.optimizers.build_sgdm(0.1),

@@ -23,6 +23,7 @@ from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
 from tff_personal.core import privacy
+from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
 from tff_personal.core import training_loop
 
@@ -255,12 +256,14 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
     outputs = []
     for i in range(0, len(ids), config.eval_chunk):
       chunk = ids[i:i + config.eval_chunk]
+      states = process_lib.eval_client_states(proc, weights,
+                                              store.load(chunk))
       if not fine_tune:
-        outputs.extend(plain(weights, store.load(chunk), datasets_fn(chunk)))
+        outputs.extend(plain(weights, states, datasets_fn(chunk)))
       else:  # The same fixed local pass at every evaluation.
         outputs.extend(tuned(
-            weights, store.load(chunk),
-            fine_tune_train_fn(chunk, config.rounds), datasets_fn(chunk)))
+            weights, states, fine_tune_train_fn(chunk, config.rounds),
+            datasets_fn(chunk)))
     return task.evaluate(outputs, ids)
 
   return evaluate, eval_ids, eval_data_fn

@@ -78,6 +78,7 @@ _MNIST_METHODS: dict[str, dict[str, Any]] = {
     # private rate is given (a rate switches it to Adam, not measured).
     'fedrep': {'private_learning_rate': 0.01},
     'pfedme': {'private_learning_rate': None},
+    'pfedme_restart': {'private_learning_rate': None},
     'pfedkm': {'private_learning_rate': None},
 }
 

@@ -22,6 +22,16 @@ then kept, warm-starting the inner solver; the inner solver is plain gradient
 descent with `inner_learning_rate` (pFedMe's "personal learning rate"), or
 `private_optimizer` when given (its state restarts every batch).
 
+`restart_personal_head=True` (`pfedme_restart`, `build_pfedme_restart`) runs
+it as the authors' code does (CharlieDinh/pFedMe, `userbase.set_parameters`:
+each round sets the personal model to the new global model): theta starts
+from the broadcast global head every round, warm-starting only across one
+round's batches, and evaluation starts theta from the current global head
+(`StatefulClientProcess.eval_private_fn`), so a user's personal head never
+outlives a round. FedEmbed does not say which form it ran; under DP the two
+differ (a kept theta is trained on the user's data alone across rounds and
+never noised; a restarted one starts from the noised global head).
+
 Limits (tested): as lambda -> infinity with inner steps at rate 1/lambda,
 theta -> w and the envelope gradient -> the plain gradient, so pFedMe tends
 to FedAvg of the task model.
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -43,8 +54,11 @@ from tff_personal.models import split_model as split_model_lib
 def pfedme_client_step_factory(model_fn: split_model_lib.SplitModelFn,
                                optimizer, inner_optimizer, *, lam: float,
                                inner_steps: int, head_layer: str,
-                               metrics_fn=None):
-  """`core.process.ClientStepFactory` of pFedMe's local update."""
+                               metrics_fn=None,
+                               restart_personal_head: bool = False):
+  """`core.process.ClientStepFactory` of pFedMe's local update (theta from
+  the global head at a client's first round, or every round with
+  `restart_personal_head`)."""
 
   def make_step():
     model = model_fn()
@@ -54,7 +68,9 @@ def pfedme_client_step_factory(model_fn: split_model_lib.SplitModelFn,
       w = {v.ref(): i for i, v in enumerate(model.shared_trainable_variables)}
       w_values = tuple(weights.trainable[w[v.ref()]] for v in global_head)
       stored = tuple(client_state[process_lib.CLIENT_STATE_PRIVATE])
-      first = tf.equal(client_state[process_lib.CLIENT_STATE_ROUNDS], 0)
+      first = tf.logical_or(
+          tf.constant(restart_personal_head),
+          tf.equal(client_state[process_lib.CLIENT_STATE_ROUNDS], 0))
       theta = tuple(tf.where(first, g, t) for g, t in zip(w_values, stored))
       update, weight, new_private, metrics = (
           personal_head_training.pfedme_local_train(
@@ -78,6 +94,7 @@ def build_pfedme(model_fn_factory, *,
                  lam: float = 1.0, inner_steps: int = 5,
                  inner_learning_rate: float = 0.05,
                  beta: Optional[float] = None, head_layer: str = 'head',
+                 restart_personal_head: bool = False,
                  ) -> process_lib.StatefulClientProcess:
   """Builds pFedMe (module docstring).
 
@@ -100,6 +117,9 @@ def build_pfedme(model_fn_factory, *,
     inner_learning_rate: the inner SGD's learning rate.
     beta: pFedMe's server mixing; sets the server optimizer to SGD(beta).
     head_layer: the task model's head layer.
+    restart_personal_head: theta restarts from the global head every round
+      and at evaluation (the authors' code; module docstring); default: kept
+      between rounds.
   """
   if embedding_dim:
     raise ValueError(f'pfedme has no personal embedding; embedding_dim must '
@@ -119,8 +139,38 @@ def build_pfedme(model_fn_factory, *,
       learning_rate=inner_learning_rate)
   make_step = pfedme_client_step_factory(
       model_fn, client_optimizer, inner, lam=lam, inner_steps=inner_steps,
-      head_layer=head_layer, metrics_fn=metrics_fn)
+      head_layer=head_layer, metrics_fn=metrics_fn,
+      restart_personal_head=restart_personal_head)
   return process_lib.build_split_step_process(
       model_fn, make_step, server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
-      seed=seed)
+      seed=seed, eval_private_fn=(_global_head_fn(model_fn, head_layer)
+                                  if restart_personal_head else None))
+
+
+def build_pfedme_restart(model_fn_factory, **kwargs
+                         ) -> process_lib.StatefulClientProcess:
+  """pFedMe whose personal head restarts from the global head every round
+  (the authors' code; module docstring). Arguments as `build_pfedme`."""
+  return build_pfedme(model_fn_factory, restart_personal_head=True, **kwargs)
+
+
+def _global_head_fn(model_fn, head_layer: str):
+  """Shared weights -> the global head w, in theta's order."""
+  with tf.Graph().as_default():
+    model = model_fn()
+    index = {v.ref(): i
+             for i, v in enumerate(model.shared_trainable_variables)}
+    positions = [index[v.ref()] for v in
+                 model.model.get_layer(head_layer).trainable_weights]
+    private_shapes = [tuple(v.shape) for v in
+                      model.private_trainable_variables]
+
+  def global_head(weights):
+    head = tuple(np.asarray(weights.trainable[i]) for i in positions)
+    if [h.shape for h in head] != private_shapes:
+      raise ValueError(f'global head shapes {[h.shape for h in head]} differ '
+                       f'from the personal head\'s {private_shapes}')
+    return head
+
+  return global_head

@@ -28,6 +28,7 @@ ALGORITHMS = {
     'fedembed_som': fedembed_som.build_fedembed_som,
     'fedrep': fedrep.build_fedrep,
     'pfedme': pfedme.build_pfedme,
+    'pfedme_restart': pfedme.build_pfedme_restart,
     'pfedkm': pfedkm.build_pfedkm,
 }
 

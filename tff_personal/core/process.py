@@ -78,6 +78,10 @@ class Composition:
   selection_factory: Any = None
 
 
+# Shared `ModelWeights` (numpy) -> a client's private tuple.
+EvalPrivateFn = Callable[[ModelWeights], tuple]
+
+
 class StatefulClientProcess(tff.templates.IterativeProcess):
   """An `IterativeProcess` whose clients keep private state between rounds.
 
@@ -93,17 +97,31 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
                *, client_state_type: tff.Type,
                aggregation_value_type: tff.Type,
                model_fn: split_model_lib.SplitModelFn | None = None,
-               composition: Composition | None = None):
+               composition: Composition | None = None,
+               eval_private_fn: EvalPrivateFn | None = None):
     super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
     self._client_state_type = client_state_type
     self._aggregation_value_type = aggregation_value_type
     self._model_fn = model_fn
     self._composition = composition
+    self._eval_private_fn = eval_private_fn
 
   @property
   def composition(self) -> Composition | None:
     """The parts this process was composed from (None if not recorded)."""
     return self._composition
+
+  @property
+  def eval_private_fn(self) -> EvalPrivateFn | None:
+    """None, or the private state a client evaluates from, as a function of
+    the shared weights (numpy `ModelWeights` -> the private tuple).
+
+    Set by processes whose private state restarts from the shared model
+    every round (pFedMe as its authors' code runs it): a stored private
+    state is then stale at evaluation, and evaluation starts from this one
+    instead (`eval_client_states`).
+    """
+    return self._eval_private_fn
 
   @property
   def model_fn(self) -> split_model_lib.SplitModelFn | None:
@@ -300,6 +318,7 @@ def compose_stateful_client_process(
     train_metrics: bool = True,
     model_fn: split_model_lib.SplitModelFn | None = None,
     client_step: ClientStepFactory | None = None,
+    eval_private_fn: EvalPrivateFn | None = None,
 ) -> StatefulClientProcess:
   """Wires a client work with client state into a `StatefulClientProcess`.
 
@@ -319,6 +338,7 @@ def compose_stateful_client_process(
       `ClientStepFactory`; `client_work_from_step` builds `client_work` from
       it). Recorded so that `core/sharded.py` can run many users inside one
       TFF client for fast simulation.
+    eval_private_fn: see `StatefulClientProcess.eval_private_fn`.
 
   Returns:
     A `StatefulClientProcess`.
@@ -351,7 +371,8 @@ def compose_stateful_client_process(
   return StatefulClientProcess(
       parts.initialize_fn, next_fn, client_state_type=client_state_type,
       aggregation_value_type=parts.result_type.update,
-      model_fn=model_fn, composition=composition)
+      model_fn=model_fn, composition=composition,
+      eval_private_fn=eval_private_fn)
 
 
 def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
@@ -380,6 +401,19 @@ def split_client_state_type(model_fn: split_model_lib.SplitModelFn) -> tff.Type:
        tuple(tff.TensorType(s.dtype.as_numpy_dtype, s.shape) for s in private)),
       (CLIENT_STATE_ROUNDS, np.int32),
   ]))
+
+
+def eval_client_states(proc: StatefulClientProcess, weights: ModelWeights,
+                       states: list) -> list:
+  """`states` as `proc` evaluates them: unchanged, or with the private part
+  replaced by `proc.eval_private_fn(weights)` where the process sets one
+  (the participation count is kept)."""
+  if proc.eval_private_fn is None:
+    return states
+  private = tuple(proc.eval_private_fn(weights))
+  return [collections.OrderedDict([
+      (CLIENT_STATE_PRIVATE, private),
+      (CLIENT_STATE_ROUNDS, s[CLIENT_STATE_ROUNDS])]) for s in states]
 
 
 def client_step_result(update, update_weight, new_private, client_state,
@@ -499,6 +533,7 @@ def build_split_step_process(
     aggregator_factory=None,
     train_metrics: bool = True,
     seed: Optional[int] = None,
+    eval_private_fn: EvalPrivateFn | None = None,
 ) -> StatefulClientProcess:
   """The process of a split model trained on clients by `make_step`.
 
@@ -519,4 +554,5 @@ def build_split_step_process(
       initial_model_weights=weights, client_state_type=client_state_type,
       client_work=client_work, aggregator_factory=aggregator_factory,
       server_optimizer=server_optimizer, train_metrics=train_metrics,
-      model_fn=model_fn, client_step=make_step)
+      model_fn=model_fn, client_step=make_step,
+      eval_private_fn=eval_private_fn)
