@@ -408,9 +408,10 @@ def eval_client_states(proc: StatefulClientProcess, weights: ModelWeights,
   """`states` as `proc` evaluates them: unchanged, or with the private part
   replaced by `proc.eval_private_fn(weights)` where the process sets one
   (the participation count is kept)."""
-  if proc.eval_private_fn is None:
+  eval_private_fn = getattr(proc, 'eval_private_fn', None)  # duck-typed too
+  if eval_private_fn is None:
     return states
-  private = tuple(proc.eval_private_fn(weights))
+  private = tuple(eval_private_fn(weights))
   return [collections.OrderedDict([
       (CLIENT_STATE_PRIVATE, private),
       (CLIENT_STATE_ROUNDS, s[CLIENT_STATE_ROUNDS])]) for s in states]
