@@ -63,15 +63,16 @@ def pfedme_client_step_factory(model_fn: split_model_lib.SplitModelFn,
   def make_step():
     model = model_fn()
     global_head = model.model.get_layer(head_layer).trainable_weights
+    positions = _global_head_positions(model, head_layer)
 
     def step(weights, client_state, dataset):
-      w = {v.ref(): i for i, v in enumerate(model.shared_trainable_variables)}
-      w_values = tuple(weights.trainable[w[v.ref()]] for v in global_head)
-      stored = tuple(client_state[process_lib.CLIENT_STATE_PRIVATE])
-      first = tf.logical_or(
-          tf.constant(restart_personal_head),
-          tf.equal(client_state[process_lib.CLIENT_STATE_ROUNDS], 0))
-      theta = tuple(tf.where(first, g, t) for g, t in zip(w_values, stored))
+      w_values = tuple(weights.trainable[i] for i in positions)
+      if restart_personal_head:
+        theta = w_values
+      else:
+        stored = tuple(client_state[process_lib.CLIENT_STATE_PRIVATE])
+        first = tf.equal(client_state[process_lib.CLIENT_STATE_ROUNDS], 0)
+        theta = tuple(tf.where(first, g, t) for g, t in zip(w_values, stored))
       update, weight, new_private, metrics = (
           personal_head_training.pfedme_local_train(
               model, optimizer, inner_optimizer, weights, theta, dataset,
@@ -155,14 +156,19 @@ def build_pfedme_restart(model_fn_factory, **kwargs
   return build_pfedme(model_fn_factory, restart_personal_head=True, **kwargs)
 
 
+def _global_head_positions(model, head_layer: str) -> list[int]:
+  """Where the global head w sits in the shared trainable weights, in
+  theta's order."""
+  index = {v.ref(): i for i, v in enumerate(model.shared_trainable_variables)}
+  return [index[v.ref()]
+          for v in model.model.get_layer(head_layer).trainable_weights]
+
+
 def _global_head_fn(model_fn, head_layer: str):
   """Shared weights -> the global head w, in theta's order."""
   with tf.Graph().as_default():
     model = model_fn()
-    index = {v.ref(): i
-             for i, v in enumerate(model.shared_trainable_variables)}
-    positions = [index[v.ref()] for v in
-                 model.model.get_layer(head_layer).trainable_weights]
+    positions = _global_head_positions(model, head_layer)
     private_shapes = [tuple(v.shape) for v in
                       model.private_trainable_variables]
 
