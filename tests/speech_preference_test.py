@@ -161,6 +161,14 @@ def test_mean_loud_spectrum_layer_equals_the_numpy_feature():
   even[0, :, :2] = 0.5   # two middle levels differ from every level
   np.testing.assert_allclose(layer(tf.constant(even[..., None])).numpy(),
                              _loud_mean_reference(even), rtol=1e-6)
+  # A frame count known only at run time (odd and even) computes the same.
+  dynamic = tf.function(layer, input_signature=[
+      tf.TensorSpec([None, None, None, None], tf.float32)])
+  for frames in (5, 6):
+    odd_or_even = even[..., :frames]
+    np.testing.assert_allclose(
+        dynamic(tf.constant(odd_or_even[..., None])).numpy(),
+        _loud_mean_reference(odd_or_even), rtol=1e-6)
 
 
 def test_spectral_encoder_is_small_and_the_embedding_reaches_the_heads():

@@ -193,8 +193,11 @@ def preference_metrics(per_client: Sequence[Mapping[str, Any]],
     labels = np.asarray(out['labels'])
     preds = logits.argmax(axis=-1)
     scores = logits[:, 1] - logits[:, 0]  # monotone in P(y = 1)
-    by_group[int(group)].append(binary_f1(labels, preds))
-    macro_by_group[int(group)].append(macro_f1(labels, preds))
+    like = binary_f1(labels, preds)
+    by_group[int(group)].append(like)
+    # macro_f1, with the F1 of "like" computed once.
+    dislike = binary_f1(~labels.astype(bool), ~preds.astype(bool))
+    macro_by_group[int(group)].append(0.5 * (like + dislike))
     all_labels.append(labels)
     all_scores.append(scores)
     all_preds.append(preds)

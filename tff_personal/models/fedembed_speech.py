@@ -154,12 +154,12 @@ class MeanLoudSpectrum(tf.keras.layers.Layer):
   def call(self, x):
     spectrum = x[..., 0]  # [b, bins, frames]
     level = tf.reduce_mean(spectrum, axis=1)  # [b, frames]
-    n = level.shape[-1]
+    # The frame count may be static or not; for an odd count both middle
+    # indices are the same frame and 0.5 * (a + a) is a exactly.
+    n = tf.shape(level)[-1]
     ordered = tf.sort(level, axis=-1)
-    if n % 2:
-      median = ordered[:, n // 2]
-    else:
-      median = 0.5 * (ordered[:, n // 2 - 1] + ordered[:, n // 2])
+    median = 0.5 * (tf.gather(ordered, (n - 1) // 2, axis=-1)
+                    + tf.gather(ordered, n // 2, axis=-1))
     loud = tf.cast(level > median[:, tf.newaxis], x.dtype)
     count = tf.reduce_sum(loud, axis=-1, keepdims=True)
     loud = tf.where(count > 0, loud, tf.ones_like(loud))
