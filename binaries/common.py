@@ -95,11 +95,18 @@ def define_flags():
   flags.DEFINE_float('server_momentum', 0.0,
                      'Heavy-ball momentum of --server_optimizer=sgd, in '
                      '[0, 1) (0: plain FedAvg server step).')
+  flags.DEFINE_list('algorithm_options', [],
+                    'The algorithm builder\'s own options as key=value '
+                    '(Python literals), e.g. lam=15,inner_steps=5 for pfedme, '
+                    'head_epochs=5 for fedrep; an unknown name is refused and '
+                    'the error lists the algorithm\'s options '
+                    '(tff_personal/algorithms/registry.py).')
   _group('algorithm', ['algorithm', 'embedding_dim', 'personal_init_stddev',
                        'client_learning_rate', 'client_optimizer',
                        'private_learning_rate',
                        'server_optimizer',
-                       'server_learning_rate', 'server_momentum'])
+                       'server_learning_rate', 'server_momentum',
+                       'algorithm_options'])
   # Training.
   flags.DEFINE_integer('rounds', 5, 'Training rounds.')
   flags.DEFINE_integer('clients_per_round', 20, 'Cohort size.')
@@ -220,6 +227,8 @@ def configs_from_flags(f):
       server_learning_rate=f.server_learning_rate,
       server_momentum=f.server_momentum,
       embedding_dim=f.embedding_dim,
+      algorithm_options=algorithm_registry.parse_algorithm_options(
+          f.algorithm, f.algorithm_options),
       personal_init_stddev=f.personal_init_stddev, sampling=f.sampling,
       seed=f.seed, checkpoint_every=f.checkpoint_every,
       eval_every=f.eval_every, eval_clients=f.eval_clients,

@@ -66,8 +66,8 @@ class PreferenceTask:
 
   def fedembed_model_fn_factory(
       self, config: fedembed.FedEmbedConfig) -> split_model.SplitModelFn:
-    config = dataclasses.replace(
-        config, num_subpopulations=self.data.num_subpopulations)
+    config = fedembed.with_task_subpopulations(
+        config, self.data.num_subpopulations)
     spec = self.element_spec
     return lambda: fedembed.build_fedembed_model(config, input_spec=spec)
 

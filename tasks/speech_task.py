@@ -72,8 +72,8 @@ class SpeechPreferenceTask(preference_task.PreferenceTask):
   def fedembed_model_fn_factory(
       self, config: fedembed.FedEmbedConfig) -> split_model.SplitModelFn:
     fedembed_speech.check_embedding_dim(config.embedding_dim)
-    config = dataclasses.replace(
-        config, num_subpopulations=self.data.num_subpopulations)
+    config = fedembed.with_task_subpopulations(
+        config, self.data.num_subpopulations)
     spec = self.element_spec
     kwargs = fedembed_speech.fedembed_model_kwargs(
         self.activation, encoder_weights=self.encoder_weights,

@@ -33,7 +33,8 @@ def model_fn_factory(dim):
 
 
 def fedembed_factory(config):
-  return lambda: fedembed_model.build_fedembed_model(config, input_spec=SPEC)
+  return lambda: fedembed_model.build_fedembed_model(
+      fedembed_testdata.with_k(config), input_spec=SPEC)
 
 
 def sgd(lr):

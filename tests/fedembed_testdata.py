@@ -1,6 +1,7 @@
 """Synthetic FedEmbed clients shared by the FedEmbed algorithm tests."""
 
 import collections
+import dataclasses
 
 import numpy as np
 import tensorflow as tf
@@ -14,8 +15,16 @@ SPEC = collections.OrderedDict(
     type=tf.TensorSpec([None], tf.int32))
 
 
+def with_k(config, k=10):
+  """`config` with K = `k` where the builder left it to the task (None)."""
+  if config.num_subpopulations is not None:
+    return config
+  return dataclasses.replace(config, num_subpopulations=k)
+
+
 def factory(config):
-  return lambda: fedembed_model.build_fedembed_model(config, input_spec=SPEC)
+  return lambda: fedembed_model.build_fedembed_model(with_k(config),
+                                                     input_spec=SPEC)
 
 
 def datasets(types_of_positives, seed=0, n=20, other=None):

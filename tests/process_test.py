@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.algorithms import registry
 from tff_personal.core import process
 from tff_personal.models import fedembed as fedembed_model
@@ -98,7 +99,8 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
   task = types.SimpleNamespace(
       model_fn_factory=model_fn,
       fedembed_model_fn_factory=lambda config: lambda: (
-          fedembed_model.build_fedembed_model(config, input_spec=typed_spec)))
+          fedembed_model.build_fedembed_model(fedembed_testdata.with_k(config),
+                                              input_spec=typed_spec)))
   # pFedMe's personal part is a head, not an embedding.
   dim = 0 if name.startswith('pfedme') else 28
   proc = registry.build(

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedembed as fedembed_algorithms
 from tff_personal.algorithms import fedembed_som
@@ -373,8 +374,8 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
 # --- processes with a server step (statistics_process): PFedKM, FedEmbed-SOM --
 
 def typed_fedembed_factory(config):
-  return lambda: fedembed_model.build_fedembed_model(config,
-                                                     input_spec=TYPED_SPEC)
+  return lambda: fedembed_model.build_fedembed_model(
+      fedembed_testdata.with_k(config), input_spec=TYPED_SPEC)
 
 
 def build_statistics_process(algorithm, som_update=None,

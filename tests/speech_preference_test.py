@@ -257,6 +257,18 @@ def test_fedembed_model_has_one_head_per_voice(tiny_task):
   assert model.model.get_layer('type_head').kernel.shape == (456, 20)
   with pytest.raises(ValueError, match='--embedding_dim=200'):
     tiny_task.fedembed_model_fn_factory(fedembed.FedEmbedConfig())
+  # K as Appendix B.2 writes it (21 heads for 20 voices) is kept; fewer
+  # heads than voices only where nothing is indexed by voice.
+  b2 = tiny_task.fedembed_model_fn_factory(
+      fedembed.FedEmbedConfig(embedding_dim=200, num_subpopulations=21))()
+  assert b2.model.get_layer('heads').kernel.shape == (21, 456, 2)
+  with pytest.raises(ValueError, match="smaller than the task's 20 types"):
+    tiny_task.fedembed_model_fn_factory(
+        fedembed.FedEmbedConfig(embedding_dim=200, num_subpopulations=5))
+  few = tiny_task.fedembed_model_fn_factory(fedembed.FedEmbedConfig(
+      embedding_dim=200, num_subpopulations=5, assignment='kmeans',
+      use_type_head=False, use_global_head=False))()  # PFedKM's clusters
+  assert few.model.get_layer('heads').kernel.shape == (5, 456, 2)
 
 
 def test_reproduction_names_the_speech_models_private_state(tiny_task):

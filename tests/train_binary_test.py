@@ -42,6 +42,7 @@ def _base(tmp_path, mnist_dir, **overrides):
     (dict(dp='gaussian_fixed'), 'needs --noise_multiplier or --target_epsilon'),
     (dict(rounds=0), 'rounds must be >= 1'),
     (dict(server_momentum=0.9), "applies to server_optimizer='sgd' only"),
+    (dict(algorithm_options=['lam=15']), "global_plus has no option 'lam'"),
     (dict(inter_op_threads=-3), '--inter_op_threads must be'),
     (dict(encoder_weights='enc.npz'), 'apply to --task=speech_preference'),
     (dict(task='speech_preference', algorithm='fedembed_prototype',

@@ -50,6 +50,9 @@ class ExperimentConfig:
   # ratio of the two is still the accounting's.
   server_momentum: float = 0.0
   embedding_dim: Optional[int] = None  # None: the algorithm's default
+  # The builder's own options, e.g. {'lam': 15.0} for pFedMe
+  # (`registry.algorithm_options`); checked in `validate`.
+  algorithm_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   personal_init_stddev: float = 0.1
   sampling: str = 'fixed_size'
   seed: int = 0
@@ -136,6 +139,7 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   make_server_optimizer(config.server_optimizer, config.server_learning_rate,
                         config.server_momentum)
   make_client_optimizer(config)
+  registry.check_algorithm_options(config.algorithm, config.algorithm_options)
   dp = dataclasses.replace(
       config.dp, clients_per_round=config.clients_per_round,
       population=population, rounds=config.rounds, sampling=config.sampling)
@@ -156,7 +160,9 @@ def build_process(task, config: ExperimentConfig, aggregator=None):
       train_metrics=config.train_metrics, seed=config.seed,
       private_optimizer=_private_optimizer(config),
       **({} if config.embedding_dim is None else
-         {'embedding_dim': config.embedding_dim}))
+         {'embedding_dim': config.embedding_dim}),
+      **registry.check_algorithm_options(config.algorithm,
+                                         config.algorithm_options))
 
 
 def initial_client_state_fn(proc, config: ExperimentConfig):

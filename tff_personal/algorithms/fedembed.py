@@ -17,7 +17,7 @@ mean over the cohort of the updates of its users, weighted by examples.
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 from typing import Callable, Optional
 
 import tensorflow_federated as tff
@@ -41,10 +41,9 @@ def build_fedembed(model_factory: FedEmbedModelFactory, *,
                    private_optimizer=None,
                    ) -> process_lib.StatefulClientProcess:
   """Builds a FedEmbed process with the given sub-population assignment."""
-  config = fedembed_model.FedEmbedConfig(assignment=assignment,
-                                         embedding_dim=embedding_dim)
-  if num_subpopulations is not None:
-    config = dataclasses.replace(config, num_subpopulations=num_subpopulations)
+  config = fedembed_model.FedEmbedConfig(
+      assignment=assignment, embedding_dim=embedding_dim,
+      num_subpopulations=num_subpopulations)  # None: the task's
   return process_lib.build_split_model_process(
       model_factory(config), client_optimizer=client_optimizer,
       server_optimizer=server_optimizer, aggregator_factory=aggregator_factory,
@@ -56,6 +55,10 @@ def _variant(assignment: str):
   def builder(model_factory, **kwargs):
     return build_fedembed(model_factory, assignment=assignment, **kwargs)
   builder.__doc__ = f'FedEmbed with {assignment} sub-population assignment.'
+  # What the variant accepts (read by `registry.algorithm_options`).
+  signature = inspect.signature(build_fedembed)
+  builder.__signature__ = signature.replace(parameters=[
+      p for p in signature.parameters.values() if p.name != 'assignment'])
   return builder
 
 

@@ -157,10 +157,9 @@ def build_fedembed_som(model_factory, *,
   if aggregator_factory is None:
     aggregator_factory = tff.aggregators.MeanFactory()
   cfg = som_config.resolve(aggregator_factory)
-  config = fedembed_model.FedEmbedConfig(assignment='som',
-                                         embedding_dim=embedding_dim)
-  if num_subpopulations is not None:
-    config = dataclasses.replace(config, num_subpopulations=num_subpopulations)
+  config = fedembed_model.FedEmbedConfig(
+      assignment='som', embedding_dim=embedding_dim,
+      num_subpopulations=num_subpopulations)  # None: the task's
   config.validate()
   model_fn = model_factory(config)
   index = lambda name, trainable: statistics_process.shared_variable_index(

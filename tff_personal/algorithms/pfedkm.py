@@ -45,7 +45,6 @@ sees the sum of probes per cluster of the cohort (not one user's).
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -96,9 +95,8 @@ def build_pfedkm(model_factory, *,
     aggregator_factory = tff.aggregators.MeanFactory()
   config = fedembed_model.FedEmbedConfig(
       assignment='kmeans', embedding_dim=embedding_dim, use_type_head=False,
-      use_global_head=False)
-  if num_subpopulations is not None:
-    config = dataclasses.replace(config, num_subpopulations=num_subpopulations)
+      use_global_head=False,
+      num_subpopulations=num_subpopulations)  # None: the task's
   config.validate()
   model_fn = model_factory(config)
   i_centroids = statistics_process.shared_variable_index(

@@ -39,6 +39,7 @@ to FedAvg of the task model.
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import numpy as np
@@ -154,6 +155,12 @@ def build_pfedme_restart(model_fn_factory, **kwargs
   """pFedMe whose personal head restarts from the global head every round
   (the authors' code; module docstring). Arguments as `build_pfedme`."""
   return build_pfedme(model_fn_factory, restart_personal_head=True, **kwargs)
+
+
+# What `build_pfedme_restart` accepts (read by `registry.algorithm_options`).
+build_pfedme_restart.__signature__ = inspect.signature(build_pfedme).replace(
+    parameters=[p for p in inspect.signature(build_pfedme).parameters.values()
+                if p.name != 'restart_personal_head'])
 
 
 def _global_head_positions(model, head_layer: str) -> list[int]:

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -84,7 +84,10 @@ ASSIGNMENTS = ('prototype', 'type', 'personal', 'som', 'kmeans')
 
 @dataclasses.dataclass(frozen=True)
 class FedEmbedConfig:
-  num_subpopulations: int = 10
+  # K, the number of sub-population heads. None: the task's number of types
+  # (`with_task_subpopulations`, called by the tasks' model factories); a
+  # model is never built with None.
+  num_subpopulations: Optional[int] = None
   embedding_dim: int = 28
   assignment: str = 'prototype'
   triplet_margin: float = 1.0
@@ -99,11 +102,11 @@ class FedEmbedConfig:
     if self.assignment not in ASSIGNMENTS:
       raise ValueError(f'assignment must be one of {ASSIGNMENTS}, got '
                        f'{self.assignment!r}')
-    if self.num_subpopulations < 1:
-      raise ValueError('num_subpopulations must be >= 1, got '
-                       f'{self.num_subpopulations}')
+    k = self.num_subpopulations
+    if k is not None and k < 1:
+      raise ValueError(f'num_subpopulations must be >= 1, got {k}')
     if (self.assignment == 'som' and self.embedding_dim == 0 and
-        self.num_subpopulations > 1):
+        (k is None or k > 1)):
       raise ValueError('som assignment with K > 1 needs a personal embedding '
                        '(embedding_dim > 0)')
     if self.embedding_dim < 0:
@@ -111,6 +114,37 @@ class FedEmbedConfig:
     if self.assignment == 'prototype' and self.embedding_dim == 0:
       raise ValueError(f'{self.assignment} assignment needs a personal '
                        'embedding (embedding_dim > 0)')
+
+
+def needs_every_type(config: FedEmbedConfig) -> bool:
+  """Whether the model indexes K-sized parts by a sample's or a client's
+  type (the type head's classes; the prototype or head of the client's
+  `positive_index`), so that K must cover every type."""
+  return config.use_type_head or config.assignment in ('prototype', 'type')
+
+
+def with_task_subpopulations(config: FedEmbedConfig, num_types: int
+                             ) -> FedEmbedConfig:
+  """`config` with K set for a task whose samples have `num_types` types.
+
+  K not given (None): `num_types`, one head per type. Given: kept, more
+  heads than types included (e.g. Appendix B.2's 21 heads for 20 voices);
+  fewer only where no part is indexed by type (`needs_every_type`).
+
+  Raises:
+    ValueError: K is smaller than `num_types` where types index K-sized
+      parts (naming both).
+  """
+  k = config.num_subpopulations
+  if k is None:
+    return dataclasses.replace(config, num_subpopulations=num_types)
+  if k < num_types and needs_every_type(config):
+    raise ValueError(
+        f'num_subpopulations={k} is smaller than the task\'s {num_types} '
+        f'types, which index the type head and the {config.assignment} '
+        'assignment\'s heads or prototypes; give at least '
+        f'{num_types} (or leave it unset for one per type)')
+  return config
 
 
 class SubpopulationHeads(tf.keras.layers.Layer):
@@ -344,6 +378,11 @@ def build_fedembed_model(
     assigned head index).
   """
   config.validate()
+  if config.num_subpopulations is None:
+    raise ValueError(
+        'FedEmbedConfig.num_subpopulations is None (the task\'s number of '
+        'types): a task\'s fedembed_model_fn_factory sets it '
+        '(with_task_subpopulations); give it to build a model directly')
   k, dim = config.num_subpopulations, config.embedding_dim
   x = tf.keras.Input(shape=input_shape, name='x')
   assignment = ClientAssignment(name='assignment')
