@@ -50,6 +50,11 @@ def test_parse_converts_by_the_option_type():
       'beta': None}
   with pytest.raises(ValueError, match='lam=None must be of type float'):
     registry.parse_algorithm_options('pfedme', ['lam=None'])
+  # FedRep's head_layer is Optional[str] (None: FedAvg); pFedMe's is not.
+  assert registry.parse_algorithm_options('fedrep', ['head_layer=None']) == {
+      'head_layer': None}
+  with pytest.raises(ValueError, match='head_layer=None must be of type str'):
+    registry.parse_algorithm_options('pfedme', ['head_layer=None'])
 
 
 @pytest.mark.parametrize('items,message', [

@@ -60,19 +60,33 @@ def _check_name(name: str) -> None:
     raise ValueError(f'unknown algorithm {name!r}; known: {sorted(ALGORITHMS)}')
 
 
+def _annotation(builder, parameter: inspect.Parameter):
+  hint = parameter.annotation
+  if isinstance(hint, str):  # postponed annotations: the builder's module's
+    try:
+      return eval(hint, getattr(builder, '__globals__', {}))  # pylint: disable=eval-used
+    except Exception:  # pylint: disable=broad-except
+      return None
+  return hint
+
+
 def _option_type(builder, parameter: inspect.Parameter):
   """bool, int, float or str for a settable option; None otherwise."""
   if parameter.default is not None:
     kind = type(parameter.default)
     return kind if kind in _OPTION_TYPES else None
-  hint = parameter.annotation  # a None default: Optional[X] says X
-  if isinstance(hint, str):  # postponed annotations: the builder's module's
-    try:
-      hint = eval(hint, getattr(builder, '__globals__', {}))  # pylint: disable=eval-used
-    except Exception:  # pylint: disable=broad-except
-      return None
-  kinds = [a for a in typing.get_args(hint) if a is not type(None)]
+  # A None default: Optional[X] says X.
+  kinds = [a for a in typing.get_args(_annotation(builder, parameter))
+           if a is not type(None)]
   return kinds[0] if len(kinds) == 1 and kinds[0] in _OPTION_TYPES else None
+
+
+def _accepts_none(name: str, option: str) -> bool:
+  """Whether the option's default is None or its annotation is Optional."""
+  builder = ALGORITHMS[name]
+  p = inspect.signature(builder).parameters[option]
+  return p.default is None or type(None) in typing.get_args(
+      _annotation(builder, p))
 
 
 def algorithm_options(name: str) -> dict[str, tuple[type, Any]]:
@@ -112,8 +126,8 @@ def check_algorithm_options(name: str, options: Mapping[str, Any]
     if key not in known:
       raise ValueError(f'{name} has no option {key!r}; its options: '
                        f'{_describe(known)}')
-    kind, default = known[key]
-    if value is None and default is None:  # Optional[X]: None, the default
+    kind = known[key][0]
+    if value is None and _accepts_none(name, key):  # Optional[X]
       out[key] = None
       continue
     if kind is float and type(value) is int:
@@ -141,7 +155,7 @@ def parse_algorithm_options(name: str, items: Sequence[str]) -> dict[str, Any]:
     except (ValueError, SyntaxError):
       value = text
     kind = algorithm_options(name).get(key, (None,))[0]
-    if kind is str and not isinstance(value, str):
+    if kind is str and value is not None and not isinstance(value, str):
       value = text  # e.g. head_layer=1 is the layer named '1'
     options[key] = value
   return check_algorithm_options(name, options)
