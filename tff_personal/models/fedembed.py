@@ -139,10 +139,13 @@ def with_task_subpopulations(config: FedEmbedConfig, num_types: int
   if k is None:
     return dataclasses.replace(config, num_subpopulations=num_types)
   if k < num_types and needs_every_type(config):
+    indexed = (['the type head\'s classes'] if config.use_type_head else []) + (
+        [f'the {config.assignment} assignment\'s '
+         + ('prototypes' if config.assignment == 'prototype' else 'heads')]
+        if config.assignment in ('prototype', 'type') else [])
     raise ValueError(
         f'num_subpopulations={k} is smaller than the task\'s {num_types} '
-        f'types, which index the type head and the {config.assignment} '
-        'assignment\'s heads or prototypes; give at least '
+        f'types, which index {" and ".join(indexed)}; give at least '
         f'{num_types} (or leave it unset for one per type)')
   return config
 
