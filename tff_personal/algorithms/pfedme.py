@@ -158,9 +158,10 @@ def build_pfedme_restart(model_fn_factory, **kwargs
 
 
 # What `build_pfedme_restart` accepts (read by `registry.algorithm_options`).
-build_pfedme_restart.__signature__ = inspect.signature(build_pfedme).replace(
-    parameters=[p for p in inspect.signature(build_pfedme).parameters.values()
-                if p.name != 'restart_personal_head'])
+_SIGNATURE = inspect.signature(build_pfedme)
+build_pfedme_restart.__signature__ = _SIGNATURE.replace(parameters=[
+    p for p in _SIGNATURE.parameters.values()
+    if p.name != 'restart_personal_head'])
 
 
 def _global_head_positions(model, head_layer: str) -> list[int]:

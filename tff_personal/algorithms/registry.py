@@ -70,27 +70,12 @@ def _annotation(builder, parameter: inspect.Parameter):
   return hint
 
 
-def _option_type(builder, parameter: inspect.Parameter):
-  """bool, int, float or str for a settable option; None otherwise."""
-  if parameter.default is not None:
-    kind = type(parameter.default)
-    return kind if kind in _OPTION_TYPES else None
-  # A None default: Optional[X] says X.
-  kinds = [a for a in typing.get_args(_annotation(builder, parameter))
-           if a is not type(None)]
-  return kinds[0] if len(kinds) == 1 and kinds[0] in _OPTION_TYPES else None
+def _option_specs(name: str) -> dict[str, tuple[type, Any, bool]]:
+  """The named algorithm's options: name -> (type, default, accepts None).
 
-
-def _accepts_none(name: str, option: str) -> bool:
-  """Whether the option's default is None or its annotation is Optional."""
-  builder = ALGORITHMS[name]
-  p = inspect.signature(builder).parameters[option]
-  return p.default is None or type(None) in typing.get_args(
-      _annotation(builder, p))
-
-
-def algorithm_options(name: str) -> dict[str, tuple[type, Any]]:
-  """The named algorithm's options: name -> (type, default)."""
+  The type is the default's, or X of an `Optional[X]` annotation when the
+  default is None; keyword arguments of other types are not options.
+  """
   _check_name(name)
   builder = ALGORITHMS[name]
   out = {}
@@ -98,10 +83,22 @@ def algorithm_options(name: str) -> dict[str, tuple[type, Any]]:
     if (p.default is inspect.Parameter.empty or p.name in EXPERIMENT_ARGUMENTS
         or p.kind not in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)):
       continue
-    kind = _option_type(builder, p)
-    if kind is not None:
-      out[p.name] = (kind, p.default)
+    args = typing.get_args(_annotation(builder, p))
+    if p.default is not None:
+      kind = type(p.default)
+    else:
+      kinds = [a for a in args if a is not type(None)]
+      kind = kinds[0] if len(kinds) == 1 else None
+    if kind in _OPTION_TYPES:
+      out[p.name] = (kind, p.default,
+                     p.default is None or type(None) in args)
   return out
+
+
+def algorithm_options(name: str) -> dict[str, tuple[type, Any]]:
+  """The named algorithm's options: name -> (type, default)."""
+  return {k: (kind, default)
+          for k, (kind, default, _) in _option_specs(name).items()}
 
 
 def _describe(options: Mapping[str, tuple[type, Any]]) -> str:
@@ -117,17 +114,17 @@ def check_algorithm_options(name: str, options: Mapping[str, Any]
     ValueError: naming an unknown option (and listing the known ones) or a
       value of the wrong type.
   """
-  known = algorithm_options(name)
+  specs = _option_specs(name)
   out = {}
   for key, value in options.items():
     if key in EXPERIMENT_ARGUMENTS:
       raise ValueError(f'algorithm option {key!r} is set by the experiment '
                        'itself (its own flag), not through algorithm options')
-    if key not in known:
+    if key not in specs:
       raise ValueError(f'{name} has no option {key!r}; its options: '
-                       f'{_describe(known)}')
-    kind = known[key][0]
-    if value is None and _accepts_none(name, key):  # Optional[X]
+                       f'{_describe(algorithm_options(name))}')
+    kind, _, accepts_none = specs[key]
+    if value is None and accepts_none:  # Optional[X]
       out[key] = None
       continue
     if kind is float and type(value) is int:
@@ -142,6 +139,7 @@ def check_algorithm_options(name: str, options: Mapping[str, Any]
 def parse_algorithm_options(name: str, items: Sequence[str]) -> dict[str, Any]:
   """`key=value` strings (values as Python literals; a bare word is a
   string) -> checked options. Raises ValueError naming a malformed item."""
+  specs = _option_specs(name)
   options = {}
   for item in items:
     key, sep, text = item.partition('=')
@@ -154,7 +152,7 @@ def parse_algorithm_options(name: str, items: Sequence[str]) -> dict[str, Any]:
       value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
       value = text
-    kind = algorithm_options(name).get(key, (None,))[0]
+    kind = specs.get(key, (None,))[0]
     if kind is str and value is not None and not isinstance(value, str):
       value = text  # e.g. head_layer=1 is the layer named '1'
     options[key] = value

@@ -139,10 +139,15 @@ def macro_f1(labels: np.ndarray, predictions: np.ndarray) -> float:
   1/3 on a user with both labels in the test set, whichever it is; chance
   guessing about 1/2.
   """
+  return _macro_from_like(binary_f1(labels, predictions), labels,
+                          predictions)
+
+
+def _macro_from_like(like: float, labels, predictions) -> float:
+  """`macro_f1` given the F1 of "like" (`binary_f1`) already computed."""
   labels = np.asarray(labels).astype(bool)
   predictions = np.asarray(predictions).astype(bool)
-  return 0.5 * (binary_f1(labels, predictions)
-                + binary_f1(~labels, ~predictions))
+  return 0.5 * (like + binary_f1(~labels, ~predictions))
 
 
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -195,9 +200,7 @@ def preference_metrics(per_client: Sequence[Mapping[str, Any]],
     scores = logits[:, 1] - logits[:, 0]  # monotone in P(y = 1)
     like = binary_f1(labels, preds)
     by_group[int(group)].append(like)
-    # macro_f1, with the F1 of "like" computed once.
-    dislike = binary_f1(~labels.astype(bool), ~preds.astype(bool))
-    macro_by_group[int(group)].append(0.5 * (like + dislike))
+    macro_by_group[int(group)].append(_macro_from_like(like, labels, preds))
     all_labels.append(labels)
     all_scores.append(scores)
     all_preds.append(preds)
