@@ -166,8 +166,16 @@ def define_flags():
   flags.DEFINE_float('target_delta', None, 'Delta (default < 1/population).')
   flags.DEFINE_float('target_epsilon', None,
                      'Calibrate the noise multiplier to this epsilon.')
+  flags.DEFINE_enum(
+      'dp_personal_heads', 'exempt', list(experiment.DP_PERSONAL_HEADS),
+      'exempt: private state is never noised (it never leaves the device). '
+      'noised: FedEmbed\'s Algorithm 1 as we read it: each local pass\'s '
+      'change of a personal head (FedRep, pFedMe, FedEmbed-Personal; not a '
+      'personal embedding) is clipped to --clip_norm and noised at the '
+      'shared noise multiplier; its epsilon is reported. Needs '
+      '--dp=gaussian_fixed (tff_personal/core/private_noise.py).')
   _group('privacy', ['dp', 'noise_multiplier', 'clip_norm', 'target_delta',
-                     'target_epsilon'])
+                     'target_epsilon', 'dp_personal_heads'])
   # Output.
   flags.DEFINE_string('root_output_dir', '/tmp/tff_personal',
                       'Root of experiment directories.')
@@ -236,7 +244,8 @@ def configs_from_flags(f):
       simulation_shards=f.simulation_shards,
       cold_start_epochs=f.cold_start_epochs,
       client_state_backend=f.client_state_backend,
-      train_metrics=f.train_metrics, dp=dp)
+      train_metrics=f.train_metrics, dp=dp,
+      dp_personal_heads=f.dp_personal_heads)
   if population_from_flags:  # else validated once the task is loaded
     experiment.validate(config, f.num_users)
   task_kwargs = dict(data_dir=f.data_dir, seed=f.seed, batch_size=f.batch_size,

@@ -47,6 +47,13 @@ Tables (method rows, the paper's numbers next to ours):
   recorded before the metric existed show as not run.
 * `fig4`: FedEmbed-Type with and without the k-way type head (balanced, no
   DP), whose personal embeddings make Figure 4.
+* `2_heads`, `3_heads` (and `_macro`): the methods with a personal head
+  (FedRep, pFedMe, FedEmbed-Personal; `pfedme_restart` on speech) with DP as
+  we read the paper's Algorithm 1: besides the shared update, each local
+  pass's change of a personal head is clipped and noised (setting
+  `dp='gaussian_heads'`; `tff_personal/core/private_noise.py`), next to the
+  paper's Gaussian columns. The other methods have no personal head to noise
+  and are the Gaussian cells of Tables 2 and 3.
 
 A cell's setting is `{'population', 'dp'}` (MNIST) or `{'task',
 'population', 'dp'}` (speech); its metrics are `f1` (mean over
@@ -152,6 +159,14 @@ MNIST_PREVALENCE = (25, 15, 10, 10, 10, 10, 5, 5, 5, 5)
 SPEECH_PREVALENCE = (20, 4, 4, 4, 4, 8) + (4,) * 14
 
 _DP_NAMES = {'none': 'None', 'gaussian_fixed': 'Gaussian'}
+# The `dp` setting of the tables `2_heads`, `3_heads`: 'gaussian_fixed' on the
+# shared update plus noise on each local pass's change of a personal head
+# (`experiment.ExperimentConfig.dp_personal_heads='noised'`,
+# core/private_noise.py): FedEmbed's Algorithm 1 as we read it. Only the
+# methods with a personal head change under it (`HEAD_METHODS`); the others'
+# cells would compute what their 'gaussian_fixed' cells do (tested).
+GAUSSIAN_HEADS = 'gaussian_heads'
+HEAD_METHODS = ('fedrep', 'pfedme', 'fedembed_personal')
 
 
 def _columns(task: Optional[str]) -> list[reporting.Column]:
@@ -385,6 +400,52 @@ for _name in ('2', '3', '3_public', '3_spectral', '3_spectrum'):
       notes=TABLES[_name].notes + _MACRO_NOTES)
 del _name
 
+
+def _heads_table(name: str, task: Optional[str], methods: tuple[str, ...],
+                 paper_rows: dict, label: str) -> reporting.Table:
+  """Table `<name>`: the methods with a personal head under
+  `GAUSSIAN_HEADS`, next to the paper's Gaussian columns."""
+  columns = [reporting.Column(f'{pop} Gaussian, heads noised',
+                              {**({} if task is None else {'task': task}),
+                               'population': pop, 'dp': GAUSSIAN_HEADS})
+             for pop in ('balanced', 'imbalanced')]
+  paper_columns = [c for c in _columns(task)
+                   if c.setting['dp'] == 'gaussian_fixed']
+  values = {}
+  for m in methods:
+    for col, paper_col in zip(columns, paper_columns):
+      if m in paper_rows:
+        values[(m, col.name)] = _paper(paper_rows, _columns(task))[
+            (m, paper_col.name)]
+  return reporting.Table(
+      name=name, paper=PAPER, metric='f1', methods=methods, columns=columns,
+      paper_values=values,
+      title=f'FedEmbed {label} with DP as we read Algorithm 1: personal '
+            'heads noised too: mean F1',
+      notes=_NOTES + ' Heads noised (the paper\'s DP as we read its '
+            'Algorithm 1, line 22, and section 4.2.1; ours otherwise leaves '
+            'private state un-noised): each local pass\'s change of a '
+            'personal head is clipped to the clip norm and gets Gaussian '
+            'noise at the shared noise multiplier '
+            '(tff_personal/core/private_noise.py); personal embeddings are '
+            'not noised (section 3.2), so the methods without a personal '
+            'head are as in the Gaussian columns of the main table. Each '
+            'cell\'s personal-head epsilon is in its summary.json.')
+
+
+TABLES['2_heads'] = _heads_table('2_heads', None, HEAD_METHODS, _TABLE2,
+                                 'Table 2 (MNIST preferences)')
+TABLES['3_heads'] = _heads_table('3_heads', SPEECH,
+                                 HEAD_METHODS + (PFEDME_RESTART,), _TABLE3,
+                                 'Table 3 (speaker preferences)')
+for _name in ('2_heads', '3_heads'):
+  TABLES[f'{_name}_macro'] = dataclasses.replace(
+      TABLES[_name], name=f'{_name}_macro', metric='f1_macro',
+      title=TABLES[_name].title.replace(': mean F1',
+                                        ': mean F1 averaged over both labels'),
+      notes=TABLES[_name].notes + _MACRO_NOTES)
+del _name
+
 # Which prevalence tables make one side-by-side file, and the prevalences.
 _BY_PREVALENCE = {'4': (MNIST, (25, 15, 10, 5)), '5': (SPEECH, (20, 8, 4))}
 
@@ -537,10 +598,11 @@ def _data_dir(flag_values, task: str) -> Optional[str]:
 
 def dp_config(cell: reporting.Cell, flag_values, population: int
               ) -> privacy.DPConfig:
-  """No DP, or the one DP setting every method shares."""
+  """No DP, or the one DP setting every method shares (`gaussian_heads`:
+  the same, plus noised personal heads, `experiment_config`)."""
   if cell.setting['dp'] == 'none':
     return privacy.DPConfig()
-  if cell.setting['dp'] != 'gaussian_fixed':
+  if cell.setting['dp'] not in ('gaussian_fixed', GAUSSIAN_HEADS):
     raise ValueError(f'unknown dp setting {cell.setting["dp"]!r}')
   return privacy.DPConfig(
       mechanism='gaussian_fixed',
@@ -565,7 +627,9 @@ def experiment_config(cell: reporting.Cell, flag_values, out_dir: str,
       eval_every=s['eval_every'], eval_clients=s['eval_clients'],
       eval_fine_tune=s['eval_fine_tune'],
       checkpoint_every=max(1, s['eval_every']), resume=True,
-      dp=dp_config(cell, flag_values, population))
+      dp=dp_config(cell, flag_values, population),
+      dp_personal_heads=('noised' if cell.setting['dp'] == GAUSSIAN_HEADS
+                         else 'exempt'))
 
 
 def prevalence_f1(f1_per_group: dict, prevalence,

@@ -201,6 +201,37 @@ def test_every_method_has_the_same_budget_and_dp():
   assert eps['delta'] <= 1 / 9000
 
 
+def test_heads_tables_noise_the_heads_at_the_gaussian_cells_dp(tmp_path):
+  """`2_heads` / `3_heads`: the personal-head methods, with the Gaussian
+  cells' DP plus noised heads, next to the paper's Gaussian columns."""
+  for name, methods, task in (
+      ('2_heads', fedembed.HEAD_METHODS, None),
+      ('3_heads', fedembed.HEAD_METHODS + (fedembed.PFEDME_RESTART,),
+       fedembed.SPEECH)):
+    table = fedembed.TABLES[name]
+    assert table.methods == methods
+    assert {c.setting['dp'] for c in table.columns} == {fedembed.GAUSSIAN_HEADS}
+    paper = fedembed.TABLES['2' if task is None else '3']
+    for col in table.columns:
+      assert col.setting.get('task') == task
+      main = next(c for c in paper.columns
+                  if c.setting['dp'] == 'gaussian_fixed' and
+                  c.setting['population'] == col.setting['population'])
+      for m in fedembed.HEAD_METHODS:
+        assert table.paper_values[(m, col.name)] == paper.paper_values[
+            (m, main.name)]
+  cell = reporting.Cell('fedembed', 'pfedme',
+                        {'population': 'balanced',
+                         'dp': fedembed.GAUSSIAN_HEADS}, 0)
+  plain = dataclasses.replace(cell, setting={'population': 'balanced',
+                                             'dp': 'gaussian_fixed'})
+  heads = fedembed.experiment_config(cell, _flags(), str(tmp_path), 9000)
+  base = fedembed.experiment_config(plain, _flags(), str(tmp_path), 9000)
+  assert heads.dp_personal_heads == 'noised'
+  assert base.dp_personal_heads == 'exempt'
+  assert dataclasses.replace(heads, dp_personal_heads='exempt') == base
+
+
 def test_confusion_and_assignment_accuracy():
   truth = np.array([0, 0, 1, 1, 2, 2])
   assigned = np.array([0, 0, 1, 2, 2, 2])

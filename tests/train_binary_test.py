@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from binaries import train
+from tff_personal.core import private_noise
 from tests import files
 from tests import process_utils
 
@@ -48,6 +49,7 @@ def _base(tmp_path, mnist_dir, **overrides):
     (dict(task='speech_preference', algorithm='fedembed_prototype',
           freeze_encoder=True), '--freeze_encoder needs --encoder_weights'),
     (dict(speech_encoder='spectral'), '--speech_encoder applies to'),
+    (dict(dp_personal_heads='noised'), "needs dp mechanism 'gaussian_fixed'"),
     (dict(task='speech_preference', algorithm='fedembed_prototype',
           speech_encoder='spectral', encoder_weights='enc.npz'),
      '--speech_encoder=spectral has none to load'),
@@ -98,6 +100,29 @@ def test_summary_and_dp_report(tmp_path, mnist_dir):
   with open(tmp_path / 'e2e' / 'train_metrics.csv') as f:
     rows = f.read().strip().splitlines()
   assert rows[0].startswith('round') and len(rows) == 3
+
+
+def test_noised_personal_heads_report_their_own_epsilon(tmp_path, mnist_dir):
+  _parse_flags()
+  with flagsaver.flagsaver(**_base(
+      tmp_path, mnist_dir, algorithm='pfedme', dp='gaussian_fixed',
+      noise_multiplier=1.3, clip_norm=0.5, dp_personal_heads='noised',
+      server_optimizer='sgd', server_learning_rate=1.0)):
+    assert train.main(['train']) == 0
+  with open(tmp_path / 'e2e' / 'summary.json') as f:
+    summary = json.load(f)
+  privacy = summary['privacy']
+  heads = privacy['personal_heads']
+  # Two rounds, no intermediate evaluation: at most 2 + 3 passes, accounted
+  # under the shared part's relation (replace-one for fixed-size sampling).
+  assert heads['passes'] == 5
+  assert heads['neighboring_relation'] == privacy['neighboring_relation']
+  assert heads['epsilon'] == pytest.approx(private_noise.personal_epsilon(
+      1.3, 5, privacy['delta'], 'replace_one'))
+  assert (heads['noise_multiplier'], heads['clip_norm']) == (1.3, 0.5)
+  assert summary['flags']['privacy']['dp_personal_heads'] == 'noised'
+  with open(tmp_path / 'e2e' / 'run_config.json') as f:
+    assert json.load(f)['config']['dp_personal_heads'] == 'noised'
 
 
 def _cmd(out_dir, name, extra=()):

@@ -22,6 +22,7 @@ from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
+from tff_personal.core import private_noise
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
@@ -81,10 +82,21 @@ class ExperimentConfig:
   client_state_backend: str = 'auto'
   train_metrics: bool = True
   dp: privacy.DPConfig = privacy.DPConfig()
+  # What DP does to private state (`DP_PERSONAL_HEADS`). 'exempt' (our
+  # contract): private state never leaves the device and is never noised.
+  # 'noised': FedEmbed's Algorithm 1 as we read it (core/private_noise.py):
+  # each local pass's change of a personal head (private trainable variables
+  # other than personal embeddings) is clipped to dp.clip_norm and noised at
+  # the shared aggregate's noise multiplier, and its own epsilon is reported.
+  # Needs dp.mechanism 'gaussian_fixed'.
+  dp_personal_heads: str = 'exempt'
 
   @property
   def experiment_dir(self) -> str:
     return os.path.join(self.root_output_dir, self.experiment_name)
+
+
+DP_PERSONAL_HEADS = ('exempt', 'noised')
 
 
 def make_server_optimizer(name: str, lr: float, momentum: float = 0.0):
@@ -140,6 +152,15 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
                         config.server_momentum)
   make_client_optimizer(config)
   registry.check_algorithm_options(config.algorithm, config.algorithm_options)
+  if config.dp_personal_heads not in DP_PERSONAL_HEADS:
+    raise ValueError(f'dp_personal_heads must be one of {DP_PERSONAL_HEADS}, '
+                     f'got {config.dp_personal_heads!r}')
+  if (config.dp_personal_heads == 'noised'
+      and config.dp.mechanism != 'gaussian_fixed'):
+    raise ValueError(
+        "dp_personal_heads='noised' noises personal heads at the shared "
+        "aggregate's noise multiplier, which needs dp mechanism "
+        f"'gaussian_fixed'; got {config.dp.mechanism!r}")
   dp = dataclasses.replace(
       config.dp, clients_per_round=config.clients_per_round,
       population=population, rounds=config.rounds, sampling=config.sampling)
@@ -148,10 +169,32 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   return privacy.resolve(dp)
 
 
-def build_process(task, config: ExperimentConfig, aggregator=None):
-  """The configured algorithm's process on `task` (None: weighted mean)."""
+def private_noise_of(config: ExperimentConfig, dp: privacy.DPConfig
+                     ) -> Optional[private_noise.PrivateNoise]:
+  """The personal heads' noise of a run (None unless 'noised'); `dp` is
+  `validate`'s resolved DP config."""
+  if config.dp_personal_heads != 'noised':
+    return None
+  return private_noise.PrivateNoise(clip_norm=dp.clip_norm,
+                                    noise_multiplier=dp.noise_multiplier)
+
+
+def build_process(task, config: ExperimentConfig, aggregator=None,
+                  dp: Optional[privacy.DPConfig] = None):
+  """The configured algorithm's process on `task` (None: weighted mean).
+
+  `dp`: the resolved DP config, needed when `config.dp_personal_heads` is
+  'noised' (the personal heads' noise takes its clip and multiplier).
+  """
+  model_factory = registry.model_factory(config.algorithm, task)
+  if config.dp_personal_heads == 'noised':
+    if dp is None:
+      raise ValueError("dp_personal_heads='noised' needs the resolved DP "
+                       'config (build_process(..., dp=validate(...)))')
+    model_factory = private_noise.with_private_noise(
+        model_factory, private_noise_of(config, dp))
   return registry.build(
-      config.algorithm, registry.model_factory(config.algorithm, task),
+      config.algorithm, model_factory,
       client_optimizer=make_client_optimizer(config),
       server_optimizer=make_server_optimizer(config.server_optimizer,
                                              config.server_learning_rate,
@@ -184,7 +227,10 @@ def probe_client_updates(task, config: ExperimentConfig, client_ids,
   `return_shapes`, also the shapes of the update's tensors in row order
   (`(rows, shapes)`), so a row can be cut back into them.
   """
-  proc = build_process(task, config)
+  # The shared update does not depend on noise on the personal heads, which
+  # is added after it is computed (tests/private_noise_test.py).
+  proc = build_process(task, dataclasses.replace(
+      config, dp_personal_heads='exempt'))
   composition = proc.composition
   if composition is None or composition.client_step is None:
     raise ValueError(f'{config.algorithm!r} records no per-user client step; '
@@ -306,7 +352,7 @@ def run_experiment(task, config: ExperimentConfig,
   check_or_record_run_config(config, dp, flag_values)
   t_start = time.perf_counter()
 
-  proc = build_process(task, config, privacy.build_aggregator(dp))
+  proc = build_process(task, config, privacy.build_aggregator(dp), dp)
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   # Tasks whose examples travel in a compact form (speech: uint8) say so.
   train_proc = sharded.maybe_shard(proc, num_shards, dp,
@@ -348,6 +394,11 @@ def run_experiment(task, config: ExperimentConfig,
 
   report = privacy.privacy_report(dp, result.rounds_completed)
   if report is not None:
+    noise = private_noise_of(config, dp)
+    if noise is not None:
+      report['personal_heads'] = private_noise.personal_report(
+          noise, _personal_passes(config, result.rounds_completed),
+          report['delta'], report['neighboring_relation'])
     report['train_metrics_released'] = config.train_metrics
     if config.train_metrics:
       report['notes'] = (report.get('notes', '') + ' Training-metric sums '
@@ -379,7 +430,22 @@ def run_experiment(task, config: ExperimentConfig,
     log_fn(f'privacy: epsilon={report["epsilon"]:.4g} delta={report["delta"]:.3g} '
            f'({report["accountant"]}, {report["sampling"]} sampling, '
            f'noise_multiplier={report["noise_multiplier"]:.4g})')
+    if 'personal_heads' in report:
+      heads = report['personal_heads']
+      log_fn(f'privacy of the personal heads: epsilon={heads["epsilon"]:.4g} '
+             f'delta={heads["delta"]:.3g} over at most {heads["passes"]} '
+             'noised local passes per user (rdp, no subsampling)')
   return summary
+
+
+def _personal_passes(config: ExperimentConfig, rounds: int) -> int:
+  """An upper bound on the noised local passes of one user's personal head:
+  one per round, one per intermediate evaluation (each fine-tunes from the
+  stored state), and the final evaluation's, the held-out test's and the
+  fine-tuned test's (a user who never trained has at most the evaluations').
+  """
+  intermediate = rounds // config.eval_every if config.eval_every else 0
+  return rounds + intermediate + 3
 
 
 RUN_CONFIG_FILENAME = 'run_config.json'
@@ -549,7 +615,7 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
       raise EvaluationError(
           f'{config.experiment_dir} was trained with another configuration '
           f'({record_path}):\n  ' + '\n  '.join(lines))
-  proc = build_process(task, config, privacy.build_aggregator(dp))
+  proc = build_process(task, config, privacy.build_aggregator(dp), dp)
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)
   store = client_state_lib.make_store(

@@ -26,6 +26,11 @@ the head (FedEmbed's description): for every batch,
      `lam (w - theta)` for the head and `grad_enc f(enc, theta)` for the
      encoder (envelope theorem); the client optimizer applies it.
 The metrics' `loss` is the Moreau objective at the end of the inner problem.
+
+With `model.private_noise` (the paper's DP reading, `core/private_noise.py`)
+both steps clip and noise the pass's change of the personal head at its end;
+the body / global-model update sent to the server is computed before and is
+unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import private_noise
 from tff_personal.core import split_training
 from tff_personal.models import split_model as split_model_lib
 
@@ -151,6 +157,7 @@ def fedrep_local_train(model: split_model_lib.SplitModel,
   split_training.assign_weights(model, initial_weights, private_weights)
   if model.prepare_fn is not None:
     model.prepare_fn(dataset)
+  noise_start = private_noise.start_values(model)
   head = model.private_trainable_variables
   # Passes one by one (client datasets may offer only `reduce` and
   # `element_spec`, see core/sharded.py); the head optimizer's state restarts
@@ -160,6 +167,7 @@ def fedrep_local_train(model: split_model_lib.SplitModel,
   num_examples, loss_sum, sums = train_pass(
       model, body_optimizer, model.shared_trainable_variables, dataset,
       metrics_fn)
+  private_noise.finish_pass(model, noise_start)
   return _result(model, initial_weights, private_weights, num_examples,
                  loss_sum, sums)
 
@@ -187,6 +195,7 @@ def pfedme_local_train(model: split_model_lib.SplitModel,
     metrics_fn: per-batch metric sums.
   """
   split_training.assign_weights(model, initial_weights, private_weights)
+  noise_start = private_noise.start_values(model)
   theta = list(model.private_trainable_variables)
   w = list(global_head)
   w_refs = {v.ref() for v in w}
@@ -218,5 +227,6 @@ def pfedme_local_train(model: split_model_lib.SplitModel,
 
   num_examples, loss_sum, sums = _reduce(model, dataset, metrics_fn,
                                          optimizer, outer, reduce_fn)
+  private_noise.finish_pass(model, noise_start)
   return _result(model, initial_weights, private_weights, num_examples,
                  loss_sum, sums)

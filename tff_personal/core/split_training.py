@@ -31,6 +31,7 @@ from typing import Any
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import private_noise
 from tff_personal.models import split_model as split_model_lib
 
 
@@ -82,6 +83,7 @@ def local_train(model: split_model_lib.SplitModel,
   _assign(private, private_weights)
   if model.prepare_fn is not None:
     model.prepare_fn(dataset)
+  noise_start = private_noise.start_values(model)
   private_trainable = model.private_trainable_variables
   # One optimizer over everything, or one per group.
   groups = ([(optimizer, shared + private_trainable)]
@@ -133,6 +135,7 @@ def local_train(model: split_model_lib.SplitModel,
                                               for v in variables))
                          for opt, variables in groups))
   num_examples, loss_sum, sums, _ = dataset.reduce(initial_state, reduce_fn)
+  private_noise.finish_pass(model, noise_start)
 
   update = tuple(tf.subtract(a, b.read_value())
                  for a, b in zip(initial_weights.trainable, shared))
@@ -170,10 +173,13 @@ def fine_tune_private(model: split_model_lib.SplitModel,
 
   Used for cold start and test-time personalization: a user who never took
   part in training adapts its own private state locally; nothing is sent.
+  With `model.private_noise`, the pass's change of a personal head is
+  clipped and noised as in training (`core/private_noise.py`).
   Returns the number of examples seen.
   """
   if model.prepare_fn is not None:
     model.prepare_fn(dataset)
+  noise_start = private_noise.start_values(model)
   private = model.private_trainable_variables
   specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in private)
 
@@ -191,4 +197,5 @@ def fine_tune_private(model: split_model_lib.SplitModel,
 
   num_examples, _ = dataset.reduce(
       (tf.constant(0, tf.int64), optimizer.initialize(specs)), reduce_fn)
+  private_noise.finish_pass(model, noise_start)
   return num_examples

@@ -489,5 +489,6 @@ def build_fedembed_model(
   result = split_model.SplitModel(
       model=model, private_variables=private, loss_fn=loss_fn,
       input_spec=input_spec, predict_fn=lambda out: out['logits'],
-      prepare_fn=prepare_fn)
+      prepare_fn=prepare_fn,
+      embedding_variables=[personal.embedding] if dim else [])
   return result

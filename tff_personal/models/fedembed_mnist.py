@@ -126,4 +126,4 @@ def build_preference_model(embedding_dim: int = DEFAULT_EMBEDDING_DIM,
     private = [personal.embedding]
   return split_model.SplitModel(
       model=model, private_variables=private, loss_fn=preference_loss,
-      input_spec=input_spec)
+      input_spec=input_spec, embedding_variables=private)

@@ -354,7 +354,7 @@ def build_preference_model(embedding_dim: int = EMBEDDING_DIM,
   return split_model.SplitModel(
       model=tf.keras.Model(inputs=x, outputs=logits),
       private_variables=private, loss_fn=fedembed_mnist.preference_loss,
-      input_spec=input_spec)
+      input_spec=input_spec, embedding_variables=private)
 
 
 def fedembed_model_kwargs(activation: str = 'relu', encoder_weights=None,

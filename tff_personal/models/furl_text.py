@@ -91,7 +91,8 @@ def build_federated_model(config: DocumentModelConfig,
     private = [personal.embedding]
   return split_model.SplitModel(model=model, private_variables=private,
                                 loss_fn=classification_loss,
-                                input_spec=input_spec)
+                                input_spec=input_spec,
+                                embedding_variables=private)
 
 
 def build_centralized_model(config: DocumentModelConfig,

@@ -20,6 +20,8 @@ known name (the task models of this project call it 'head', see
 
 from __future__ import annotations
 
+import dataclasses
+
 import tensorflow as tf
 
 from tff_personal.models import split_model
@@ -51,10 +53,8 @@ def personal_head_model_fn(model_fn: split_model.SplitModelFn,
     private = list(base.private_variables) + [
         v for v in head.trainable_weights
         if v.ref() not in {p.ref() for p in base.private_variables}]
-    split = split_model.SplitModel(
-        model=base.model, private_variables=private, loss_fn=base.loss_fn,
-        input_spec=base.input_spec, predict_fn=base.predict_fn,
-        prepare_fn=base.prepare_fn)
+    # Everything else (embeddings, private_noise) as the task model has it.
+    split = dataclasses.replace(base, private_variables=private)
     if not split.shared_trainable_variables:
       raise ValueError(
           f'with the {head_layer!r} layer personal, the task model has no '
@@ -103,6 +103,7 @@ def personal_copy_model_fn(model_fn: split_model.SplitModelFn,
     return split_model.SplitModel(
         model=model, private_variables=list(personal.trainable_weights),
         loss_fn=loss_fn, input_spec=base.input_spec,
-        predict_fn=lambda out: out['logits'])
+        predict_fn=lambda out: out['logits'],
+        private_noise=base.private_noise)
 
   return fn

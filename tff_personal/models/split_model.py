@@ -22,6 +22,29 @@ Batch = Mapping[str, tf.Tensor]
 LossFn = Callable[[Batch, Any], tf.Tensor]
 
 
+@dataclasses.dataclass(frozen=True)
+class PrivateNoise:
+  """Gaussian noise on each local pass's change of a personal head.
+
+  The change of the noised private variables (`SplitModel.
+  noised_private_variables`, jointly) is clipped to L2 norm `clip_norm` and
+  gets noise of standard deviation `noise_multiplier * clip_norm` per
+  coordinate: the Gaussian mechanism of a one-user aggregate. Used to read
+  FedEmbed's Algorithm 1 (line 22: every gradient a client computes is
+  noised, personal embeddings excepted); `core/private_noise.py`.
+  """
+  clip_norm: float
+  noise_multiplier: float
+
+  def __post_init__(self):
+    if not self.clip_norm > 0:
+      raise ValueError(f'PrivateNoise.clip_norm must be > 0, got '
+                       f'{self.clip_norm}')
+    if not self.noise_multiplier >= 0:
+      raise ValueError('PrivateNoise.noise_multiplier must be >= 0, got '
+                       f'{self.noise_multiplier}')
+
+
 @dataclasses.dataclass
 class SplitModel:
   """A Keras model plus the declaration of which variables are private.
@@ -42,6 +65,14 @@ class SplitModel:
     prepare_fn: optional `(dataset) -> None`, run on the client before local
       training with the client's weights loaded (e.g. FedEmbed's
       sub-population assignment from the client's own data).
+    embedding_variables: the private variables that are personal embeddings
+      (FedEmbed section 3.2: updated locally without noise, so exempt from
+      `private_noise`). A subset of `private_variables`.
+    private_noise: None (default: private state is never noised; it never
+      leaves the device), or a `PrivateNoise`: every local pass (training and
+      evaluation fine-tuning) clips the change of the private trainable
+      variables other than `embedding_variables` (a personal head) and adds
+      Gaussian noise to it (`core/private_noise.py`).
   """
   model: tf.keras.Model
   private_variables: Sequence[tf.Variable]
@@ -49,6 +80,8 @@ class SplitModel:
   input_spec: Any
   predict_fn: Optional[Callable[[Any], tf.Tensor]] = None
   prepare_fn: Optional[Callable[[tf.data.Dataset], Any]] = None
+  embedding_variables: Sequence[tf.Variable] = ()
+  private_noise: Optional['PrivateNoise'] = None
 
   def __post_init__(self):
     refs = {v.ref() for v in self.model.variables}
@@ -59,6 +92,11 @@ class SplitModel:
     if len({v.ref() for v in self.private_variables}) != len(
         self.private_variables):
       raise ValueError('A private variable is listed twice.')
+    private = self._private_refs
+    for v in self.embedding_variables:
+      if v.ref() not in private:
+        raise ValueError(f'Embedding variable {v.name!r} is not a private '
+                         'variable of the model.')
 
   @property
   def _private_refs(self):
@@ -79,6 +117,16 @@ class SplitModel:
   @property
   def private_trainable_variables(self) -> list[tf.Variable]:
     return [v for v in self.private_variables if v.trainable]
+
+  @property
+  def noised_private_variables(self) -> list[tf.Variable]:
+    """The private variables `private_noise` noises: the trainable ones
+    other than personal embeddings (none when `private_noise` is None)."""
+    if self.private_noise is None:
+      return []
+    embeddings = {v.ref() for v in self.embedding_variables}
+    return [v for v in self.private_trainable_variables
+            if v.ref() not in embeddings]
 
   def forward(self, batch: Batch, training: bool) -> Any:
     return self.model(batch['x'], training=training)
