@@ -21,7 +21,9 @@ embeddings) is clipped jointly to `clip_norm` and gets Gaussian noise of
 standard deviation `noise_multiplier * clip_norm` per coordinate: the Gaussian
 mechanism of a one-user aggregate, with the shared aggregate's multiplier.
 Noise per pass rather than per gradient step is our choice (the least noise
-that protects what a pass produces); the paper does not say.
+that protects what a pass produces); the paper does not say. The noise comes
+from TensorFlow's op-level generator, not from a per-client seed: like the DP
+aggregate's noise, it is not reproduced bit for bit by a second run.
 
 What it buys: the personal head itself becomes differentially private with
 respect to its user's data, so it could be released (published, or read off a
