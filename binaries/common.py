@@ -18,6 +18,7 @@ from tff_personal import experiment
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import options as options_lib
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
@@ -36,7 +37,18 @@ def define_flags():
     return
   # Task.
   flags.DEFINE_enum('task', 'mnist_preference', task_registry.TASKS,
-                    'The federated task.')
+                    'The federated task (tasks/registry.py; '
+                    '`binaries.train --list` shows which algorithms run on '
+                    'which task).')
+  flags.DEFINE_list('task_options', [],
+                    'The task builder\'s own settings as key=value (Python '
+                    'literals), e.g. alpha=0.1,num_clients=50 for '
+                    'label_skew_mnist; an unknown name is refused and the '
+                    'error lists the task\'s options (tasks/registry.py).')
+  flags.DEFINE_integer('data_seed', None,
+                       'Seed of the task\'s data (which examples each user '
+                       'holds, and their shuffling); default: --seed. Vary '
+                       '--seed with --data_seed fixed to vary training only.')
   flags.DEFINE_string('data_dir', None,
                       'Directory of the task data files (e.g. '
                       '../shared/data/mnist). None: download with '
@@ -68,7 +80,8 @@ def define_flags():
                     'Dense layer of 64 (5% of B.2\'s encoder weights); '
                     'spectrum, that spectrum standardised, no weights at all '
                     '(models/fedembed_speech.build_spectral_encoder).')
-  _group('task', ['task', 'data_dir', 'num_users', 'population', 'batch_size',
+  _group('task', ['task', 'task_options', 'data_seed', 'data_dir',
+                  'num_users', 'population', 'batch_size',
                   'local_epochs', 'max_chars', 'lstm_units', 'cold_fraction',
                   'encoder_weights', 'freeze_encoder', 'speech_encoder'])
   # Algorithm.
@@ -112,7 +125,9 @@ def define_flags():
   flags.DEFINE_integer('clients_per_round', 20, 'Cohort size.')
   flags.DEFINE_enum('sampling', 'fixed_size', list(training_loop.SAMPLING_SCHEMES),
                     'Cohort sampling scheme (also what DP accounting assumes).')
-  flags.DEFINE_integer('seed', 0, 'Seed of data, sampling and initialisation.')
+  flags.DEFINE_integer('seed', 0,
+                       'Seed of sampling, initialisation and the evaluated '
+                       'users (and of the data, unless --data_seed).')
   flags.DEFINE_integer('eval_every', 0, 'Evaluate every N rounds (0: at end).')
   flags.DEFINE_integer('eval_clients', 0,
                        'Clients evaluated (0: the whole population).')
@@ -200,6 +215,14 @@ def configs_from_flags(f):
   if f.algorithm not in algorithm_registry.ALGORITHMS:
     raise ValueError(f'unknown --algorithm={f.algorithm!r}; known: '
                      f'{sorted(algorithm_registry.ALGORITHMS)}')
+  missing = algorithm_registry.missing_for(
+      f.algorithm, task_registry.spec(f.task).capabilities,
+      algorithm_registry.parse_algorithm_options(f.algorithm,
+                                                 f.algorithm_options))
+  if missing:
+    raise ValueError(f'--algorithm={f.algorithm} cannot run on '
+                     f'--task={f.task}: it needs ' + '; '.join(missing) +
+                     ' (binaries.train --list shows every pair)')
   algorithm_defaults.apply_defaults(f, f.task, f.algorithm)
   if f.workers:
     runtime.parse_workers(f.workers)  # A bad address fails before any work.
@@ -248,8 +271,7 @@ def configs_from_flags(f):
       dp_personal_heads=f.dp_personal_heads)
   if population_from_flags:  # else validated once the task is loaded
     experiment.validate(config, f.num_users)
-  task_kwargs = dict(data_dir=f.data_dir, seed=f.seed, batch_size=f.batch_size,
-                     local_epochs=f.local_epochs)
+  task_kwargs = _task_kwargs(f)
   if (f.encoder_weights or f.freeze_encoder) and f.task != 'speech_preference':
     raise ValueError('--encoder_weights/--freeze_encoder apply to '
                      f'--task=speech_preference only, not {f.task!r}')
@@ -263,16 +285,55 @@ def configs_from_flags(f):
     raise ValueError('--freeze_encoder needs --encoder_weights (for an '
                      'encoder frozen at random initialisation, write one '
                      'with `pretrain_speech_encoder --epochs=0`)')
-  if population_from_flags:
-    task_kwargs.update(num_users=f.num_users, population=f.population)
-  else:
-    task_kwargs.update(max_chars=f.max_chars, lstm_units=f.lstm_units,
-                       cold_fraction=f.cold_fraction)
   if f.task == 'speech_preference':
     task_kwargs.update(encoder_weights=f.encoder_weights,
                        freeze_encoder=f.freeze_encoder,
                        encoder=f.speech_encoder)
   return config, task_kwargs
+
+
+# Shared task flags, passed to a task builder that takes them (always for the
+# tasks that list them in `TaskSpec.flags`, else only when given).
+_TASK_FLAGS = ('num_users', 'population', 'batch_size', 'local_epochs',
+               'max_chars', 'lstm_units', 'cold_fraction')
+
+
+def _task_kwargs(f) -> dict:
+  """The task builder's arguments: the data directory, the data seed, the
+  shared task flags it takes and `--task_options` (checked)."""
+  task_spec = task_registry.spec(f.task)
+  kwargs = dict(data_dir=f.data_dir,
+                seed=f.seed if f.data_seed is None else f.data_seed)
+  given = set()
+  for name in _TASK_FLAGS:
+    explicit = not f[name].using_default_value
+    if name in task_spec.flags or (
+        explicit and task_registry.accepts(f.task, name)):
+      kwargs[name] = f[name].value
+      if explicit:
+        given.add(name)
+  options = task_registry.parse_task_options(f.task, f.task_options)
+  both = sorted(given & set(options))
+  if both:
+    raise ValueError(f'{both} given both as flags and in --task_options; '
+                     'give each once')
+  kwargs.update(options)
+  return kwargs
+
+
+def listing() -> str:
+  """The algorithm x task matrix, then each algorithm's and task's options."""
+  lines = ['Algorithms x tasks (yes: runs; no: what the task lacks):', '',
+           task_registry.format_matrix(), '', 'Algorithms:']
+  for name, spec in algorithm_registry.SPECS.items():
+    lines.append(f'  {name} ({spec.family}): {spec.summary}; options: '
+                 + options_lib.describe(algorithm_registry._option_specs(name)))  # pylint: disable=protected-access
+  lines += ['', 'Tasks:']
+  for name, spec in task_registry.SPECS.items():
+    lines.append(f'  {name}: {spec.summary}; capabilities: '
+                 f'{", ".join(spec.capabilities)}; options: '
+                 + options_lib.describe(task_registry._option_specs(name)))  # pylint: disable=protected-access
+  return '\n'.join(lines)
 
 
 def main(argv, f, run_fn) -> int:
@@ -302,6 +363,8 @@ def run(config, task_kwargs, f) -> int:
     worker_threads.resolve(f.intra_op_threads, '--intra_op_threads')
     worker_threads.resolve(f.inter_op_threads, '--inter_op_threads')
     task = task_registry.build_task(f.task, **task_kwargs)
+    algorithm_registry.check_compatible(config.algorithm, task,
+                                        config.algorithm_options)
     experiment.validate(config, task.population)
   except ValueError as e:  # Data errors name the file and what is wrong.
     print(f'error: {e}', file=sys.stderr)

@@ -10,6 +10,11 @@ moment and rerun with --resume: it continues from the last checkpoint.
 
 With --workers=host:port,... (services started by `python -m binaries.worker
 --port=N`), each round's clients are split across those workers.
+
+  python -m binaries.train --list
+
+prints which algorithms run on which task (and, for the others, what the
+task lacks), each algorithm's options and each task's options.
 """
 
 from absl import app
@@ -19,9 +24,14 @@ from binaries import common
 
 FLAGS = flags.FLAGS
 common.define_flags()
+flags.DEFINE_bool('list', False, 'Print the algorithm x task matrix and '
+                  'every algorithm\'s and task\'s options, then exit.')
 
 
 def main(argv):
+  if FLAGS.list:
+    print(common.listing())
+    return 0
   return common.main(
       argv, FLAGS, lambda config, task_kwargs: common.run(
           config, task_kwargs, FLAGS))

@@ -72,6 +72,9 @@ class PreferenceTask:
     return lambda: fedembed.build_fedembed_model(config, input_spec=spec)
 
   metrics_fn = staticmethod(accuracy_sums)
+  # model_fn_factory(d > 0) adds a private personal embedding.
+  supports_personal_embedding = True
+  has_named_head = True  # the model's output layer is 'head'
 
   @property
   def wire_format(self) -> client_data.WireFormat | None:

@@ -1,21 +1,170 @@
-"""Task names (the `--task` flag values) and how to build them."""
+"""The task registry: names (the `--task` flag values), builders, capabilities.
+
+Every entry (`TaskSpec`) builds a task (`tff_personal/core/task.py`) from a
+data directory and keyword arguments. The builder's keyword arguments with a
+scalar default are the task's *options* (`--task_options=key=value`, typed
+and checked like `--algorithm_options`); `capabilities` are declared here so
+that the algorithm x task matrix (`matrix`, `binaries.train --list`) is known
+without loading data, and a test checks them against the built tasks.
+
+Example:
+
+  from tasks import registry
+  task = registry.build_task('label_skew_mnist', data_dir='../shared/data/mnist',
+                             alpha=0.1)
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping, Sequence
+
+from tasks import client_data_task
 from tasks import preference_task
 from tasks import speaker_task
 from tasks import speech_task
+from tff_personal.core import options as options_lib
+from tff_personal.core import task as task_lib
 
-TASKS = ['mnist_preference', 'speaker_context', 'speech_preference']
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+  """A registered task.
+
+  Attributes:
+    name: the `--task` value.
+    builder: `(data_dir, **kwargs) -> task`.
+    capabilities: what the built task provides (`core/task.CAPABILITIES`).
+    summary: one line: the data and the paper it comes from.
+    flags: shared binary flags (`--batch_size`, `--num_users`, ...) always
+      passed to the builder; other shared flags that the builder accepts are
+      passed only when given on the command line.
+  """
+  name: str
+  builder: Callable[..., Any]
+  capabilities: tuple[str, ...]
+  summary: str
+  flags: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    unknown = set(self.capabilities) - set(task_lib.CAPABILITIES)
+    if unknown:
+      raise ValueError(f'{self.name}: unknown capabilities {sorted(unknown)}')
+    object.__setattr__(self, 'capabilities',
+                       tuple(sorted(self.capabilities)))
+
+
+_PREFERENCE = ('personal_embedding', 'fedembed_model', 'batches', 'groups',
+               'named_head')
+_SPECS = (
+    TaskSpec('mnist_preference', preference_task.mnist_preference_task,
+             _PREFERENCE,
+             'FedEmbed 4.2: users who each like one MNIST digit',
+             flags=('num_users', 'population', 'batch_size', 'local_epochs')),
+    TaskSpec('speech_preference', speech_task.speech_preference_task,
+             _PREFERENCE,
+             'FedEmbed 4.3: users who each like one synthetic voice',
+             flags=('num_users', 'population', 'batch_size', 'local_epochs')),
+    TaskSpec('speaker_context', speaker_task.speaker_context_task,
+             ('personal_embedding', 'batches', 'test_split', 'cold_start'),
+             'FURL: who speaks a line of Friends, Game of Thrones, '
+             'Shakespeare',
+             flags=('batch_size', 'local_epochs', 'max_chars', 'lstm_units',
+                    'cold_fraction')),
+    TaskSpec('label_skew_mnist', client_data_task.label_skew_mnist_task,
+             ('batches', 'named_head'),
+             'FedDVA: MNIST with Dirichlet label skew, a CNN classifier'),
+    TaskSpec('marked_mnist', client_data_task.marked_mnist_task,
+             ('batches', 'named_head'),
+             'FedDVA: MNIST whose clients mark their images, a CNN '
+             'classifier'),
+    TaskSpec('mnist_client_data', client_data_task.mnist_client_data_task,
+             ('personal_embedding', 'fedembed_model', 'batches',
+              'named_head'),
+             'FedEmbed\'s MNIST users handed over as a TFF ClientData '
+             '(the generic task)'),
+)
+
+SPECS: dict[str, TaskSpec] = {s.name: s for s in _SPECS}
+TASKS = [s.name for s in _SPECS]
+
+# Builder arguments set by the run itself, not options.
+RUN_ARGUMENTS = ('data_dir', 'seed')
+
+
+def spec(name: str) -> TaskSpec:
+  if name not in SPECS:
+    raise ValueError(f'unknown task {name!r}; known: {TASKS}')
+  return SPECS[name]
+
+
+def _option_specs(name: str) -> options_lib.Specs:
+  return options_lib.option_specs(spec(name).builder, exclude=RUN_ARGUMENTS)
+
+
+def task_options(name: str) -> dict[str, tuple[type, Any]]:
+  """The named task's options: name -> (type, default)."""
+  return options_lib.listing(_option_specs(name))
+
+
+def accepts(name: str, argument: str) -> bool:
+  """Whether the named task's builder takes `argument`."""
+  return argument in inspect.signature(spec(name).builder).parameters
+
+
+def parse_task_options(name: str, items: Sequence[str]) -> dict[str, Any]:
+  """`key=value` strings -> the task's checked options."""
+  return options_lib.parse(_option_specs(name), items, name, 'task option',
+                           reserved=RUN_ARGUMENTS)
+
+
+def check_task_options(name: str, values: Mapping[str, Any]
+                       ) -> dict[str, Any]:
+  return options_lib.check(_option_specs(name), values, name, 'task option',
+                           reserved=RUN_ARGUMENTS)
 
 
 def build_task(name: str, **kwargs):
-  """Builds the named task; a clear error for unknown names."""
-  if name == 'mnist_preference':
-    return preference_task.mnist_preference_task(
-        kwargs.pop('data_dir'), **kwargs)
-  if name == 'speaker_context':
-    return speaker_task.speaker_context_task(kwargs.pop('data_dir'), **kwargs)
-  if name == 'speech_preference':
-    return speech_task.speech_preference_task(kwargs.pop('data_dir'), **kwargs)
-  raise ValueError(f'unknown task {name!r}; known: {TASKS}')
+  """Builds the named task; a clear error for unknown names.
+
+  `kwargs`: `data_dir`, `seed` and the builder's other arguments. Arguments
+  the builder does not take are refused, naming them.
+  """
+  task_spec = spec(name)
+  params = inspect.signature(task_spec.builder).parameters
+  if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+      raise ValueError(f'task {name!r} takes no {unknown}; its options: '
+                       f'{options_lib.describe(_option_specs(name))}')
+  return task_spec.builder(kwargs.pop('data_dir', None), **kwargs)
+
+
+def matrix() -> list[dict[str, Any]]:
+  """Every (algorithm, task) pair: whether it runs, and if not what the task
+  lacks. Rows in registry order."""
+  from tff_personal.algorithms import registry as algorithms  # pylint: disable=g-import-not-at-top
+  rows = []
+  for algorithm in algorithms.SPECS:
+    for task_spec in _SPECS:
+      missing = algorithms.missing_for(algorithm, task_spec.capabilities)
+      rows.append(dict(algorithm=algorithm, task=task_spec.name,
+                       runs=not missing, missing=missing))
+  return rows
+
+
+def format_matrix() -> str:
+  """The matrix as a Markdown table (+ runs; - what is missing)."""
+  from tff_personal.algorithms import registry as algorithms  # pylint: disable=g-import-not-at-top
+  cells = {(r['algorithm'], r['task']): r for r in matrix()}
+  lines = ['| algorithm | ' + ' | '.join(TASKS) + ' |',
+           '|---|' + '---|' * len(TASKS)]
+  for algorithm in algorithms.SPECS:
+    row = []
+    for task in TASKS:
+      cell = cells[(algorithm, task)]
+      row.append('yes' if cell['runs'] else
+                 'no: ' + ', '.join(m.split(' (')[0] for m in cell['missing']))
+    lines.append(f'| {algorithm} | ' + ' | '.join(row) + ' |')
+  return '\n'.join(lines)

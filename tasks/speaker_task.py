@@ -68,6 +68,8 @@ class SpeakerTask:
     return lambda: furl_text.build_federated_model(config, input_spec=spec)
 
   metrics_fn = staticmethod(furl_text.accuracy_sums)
+  # model_fn_factory(d > 0) adds a private personal embedding.
+  supports_personal_embedding = True
 
   def _dataset(self, cid: int, split: str, shuffle: int | None = None):
     return speaker_context.client_dataset(

@@ -186,7 +186,8 @@ def build_process(task, config: ExperimentConfig, aggregator=None,
   `dp`: the resolved DP config, needed when `config.dp_personal_heads` is
   'noised' (the personal heads' noise takes its clip and multiplier).
   """
-  model_factory = registry.model_factory(config.algorithm, task)
+  model_factory = registry.model_factory(config.algorithm, task,
+                                         config.algorithm_options)
   if config.dp_personal_heads == 'noised':
     if dp is None:
       raise ValueError("dp_personal_heads='noised' needs the resolved DP "
@@ -209,8 +210,14 @@ def build_process(task, config: ExperimentConfig, aggregator=None,
 
 
 def initial_client_state_fn(proc, config: ExperimentConfig):
-  """The documented seeded initial state of a client id (its private part)."""
+  """The documented initial state of a client id: the process's own
+  (`initial_private`, e.g. Ditto's initial global model) where it sets one,
+  else the seeded normal draw of `personal_init_stddev`."""
   template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  initial_private = getattr(proc, 'initial_private', None)
+  if initial_private is not None:
+    return client_state_lib.constant_initial_state_fn(template,
+                                                      initial_private)
   return client_state_lib.seeded_initial_state_fn(
       template, config.seed, init='normal', stddev=config.personal_init_stddev)
 
@@ -259,9 +266,14 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
   (`run_experiment`) and re-evaluation (`evaluate_experiment`).
   """
   weights_type = proc.model_weights_type
+  # The state evaluation sees (e.g. FedAvg+FT's: the global model to
+  # fine-tune) and whether the process always fine-tunes before testing.
+  state_type = getattr(proc, 'eval_client_state_type', proc.client_state_type)
+  always_fine_tune = getattr(proc, 'eval_fine_tune', False)
   fine_tune_optimizer = (_private_optimizer(config) or
                          make_client_optimizer(config)) if (
-          config.eval_fine_tune or config.test_fine_tune) else None
+          config.eval_fine_tune or config.test_fine_tune or
+          always_fine_tune) else None
   # Sharded evaluation reads the task's numpy batches where it has them
   # (examples in its wire form); otherwise its tf.data datasets.
   wire = getattr(task, 'wire_format', None)
@@ -272,36 +284,37 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
                         task.train_datasets)
   if num_shards:  # The same per-user outputs, users packed in shards.
     personal_eval = sharded.ShardedPersonalEval(
-        proc.model_fn, weights_type, proc.client_state_type, num_shards,
+        proc.model_fn, weights_type, state_type, num_shards,
         wire=wire if batches_eval else None)
     # Held-out test sets (test_datasets) are tf.data datasets.
     test_eval = (sharded.ShardedPersonalEval(
-        proc.model_fn, weights_type, proc.client_state_type, num_shards)
+        proc.model_fn, weights_type, state_type, num_shards)
                  if batches_eval else personal_eval)
     fine_tune_eval = test_fine_tune_eval = None
     if fine_tune_optimizer is not None:
       fine_tune_eval = sharded.ShardedPersonalEval(
-          proc.model_fn, weights_type, proc.client_state_type, num_shards,
+          proc.model_fn, weights_type, state_type, num_shards,
           fine_tune_optimizer=fine_tune_optimizer,
           wire=wire if batches_eval else None,
           train_wire=wire if batches_train else None)
       test_fine_tune_eval = (sharded.ShardedPersonalEval(
-          proc.model_fn, weights_type, proc.client_state_type, num_shards,
+          proc.model_fn, weights_type, state_type, num_shards,
           fine_tune_optimizer=fine_tune_optimizer,
           train_wire=wire if batches_train else None)
                              if batches_eval else fine_tune_eval)
   else:
     personal_eval = test_eval = evaluation.build_personal_eval(
-        proc.model_fn, weights_type, proc.client_state_type)
+        proc.model_fn, weights_type, state_type)
     fine_tune_eval = test_fine_tune_eval = (
         evaluation.build_cold_start_eval(
-            proc.model_fn, weights_type, proc.client_state_type,
+            proc.model_fn, weights_type, state_type,
             fine_tune_optimizer) if fine_tune_optimizer is not None else None)
   eval_ids = eval_client_ids(task.population, config.eval_clients,
                              config.seed)
 
   def evaluate(state, datasets_fn, ids=eval_ids,
                fine_tune=config.eval_fine_tune, test=False):
+    fine_tune = fine_tune or always_fine_tune
     weights = proc.get_model_weights(state)
     plain, tuned = ((test_eval, test_fine_tune_eval) if test else
                     (personal_eval, fine_tune_eval))
@@ -346,6 +359,7 @@ def run_experiment(task, config: ExperimentConfig,
   for analysis such as the t-SNE of user embeddings. This reads every
   client's state, which only a simulation can do; a deployment never would.
   """
+  registry.check_compatible(config.algorithm, task, config.algorithm_options)
   population = task.population
   dp = validate(config, population)
   os.makedirs(config.experiment_dir, exist_ok=True)
@@ -691,11 +705,13 @@ def _cold_start(task, proc, state, store, config: ExperimentConfig) -> dict:
   client.
   """
   cold_eval = evaluation.build_cold_start_eval(
-      proc.model_fn, proc.model_weights_type, proc.client_state_type,
+      proc.model_fn, proc.model_weights_type,
+      getattr(proc, 'eval_client_state_type', proc.client_state_type),
       _private_optimizer(config) or make_client_optimizer(config))
   ids = list(task.cold_client_ids)
   weights = proc.get_model_weights(state)
-  states = [store.initial_state(i) for i in ids]
+  states = process_lib.eval_client_states(
+      proc, weights, [store.initial_state(i) for i in ids])
   train, test = task.cold_start_datasets(ids, config.cold_start_epochs)
   outputs = []
   for i in range(0, len(ids), config.eval_chunk):

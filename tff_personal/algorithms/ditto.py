@@ -112,49 +112,28 @@ def initial_client_state(global_weights) -> collections.OrderedDict:
       (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))])
 
 
-def build_ditto(model_fn: split_model_lib.SplitModelFn, *,
-                lam: float = 0.1,
-                client_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
-                personal_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
-                server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
-                aggregator_factory=None, train_metrics: bool = True,
-                seed: Optional[int] = 0) -> process_lib.StatefulClientProcess:
-  """Ditto on a model without private variables (e.g. appendix G's CNN)."""
-  if lam < 0:
-    raise ValueError(f'Ditto lambda must be >= 0, got {lam}')
-  client_optimizer = (client_optimizer or
-                      tff.learning.optimizers.build_adam(1e-3))
-  personal_optimizer = personal_optimizer or client_optimizer
-  server_optimizer = (server_optimizer or
-                      tff.learning.optimizers.build_sgdm(1.0))
-  aggregator_factory = aggregator_factory or tff.aggregators.MeanFactory()
-  with tf.Graph().as_default():
-    probe = model_fn()
-    if probe.private_variables:
-      raise ValueError('ditto needs a model without private variables; the '
-                       'personal model is the whole model')
-    input_spec = probe.input_spec
-  weights = process_lib.initial_shared_weights(model_fn, seed)
-  if weights.non_trainable:
-    raise ValueError('ditto needs a model without non-trainable variables')
-  weights_type = process_lib.model_weights_type(weights)
-  state_type = personal_state_type(weights.trainable)
-  data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
+def ditto_client_step_factory(
+    model_fn: split_model_lib.SplitModelFn,
+    client_optimizer: tff.learning.optimizers.Optimizer,
+    personal_optimizer: tff.learning.optimizers.Optimizer, lam: float,
+    metrics_fn=None) -> process_lib.ClientStepFactory:
+  """Ditto's per-user step: FedAvg's local pass, then the personal pass.
 
-  @tff.tensorflow.computation(weights_type, state_type, data_type)
-  def client_work(global_weights, client_state, dataset):
+  The client state's private part is the personal model v_k (every
+  trainable variable of `model_fn()`'s model).
+  """
+
+  def make_step():
     global_model = model_fn()
     personal_model = model_fn()
 
-    @tf.function
-    def run(global_weights, personal, dataset):
+    def step(global_weights, client_state, dataset):
+      personal = tuple(client_state[process_lib.CLIENT_STATE_PRIVATE])
       update, weight, _, metrics = split_training.local_train(
-          global_model, client_optimizer, global_weights, (), dataset)
-      # The two passes touch different variables, so nothing orders them;
-      # but both iterate `dataset`, whose shuffle (reshuffled on each
-      # iteration) gives the first iteration one order and the second
-      # another: unordered, which pass got which order was a race, and two
-      # runs of one seed differed. The personal pass goes second.
+          global_model, client_optimizer, global_weights, (), dataset,
+          metrics_fn)
+      # The personal pass reads the data after the global one (with a
+      # reshuffling dataset, unordered passes would race for the orders).
       with tf.control_dependencies(tf.nest.flatten(update)):
         new_personal, personal_loss = personal_train(
             personal_model, personal_optimizer, global_weights.trainable,
@@ -164,19 +143,92 @@ def build_ditto(model_fn: split_model_lib.SplitModelFn, *,
       new_personal = tuple(tf.where(finite, n, o)
                            for n, o in zip(new_personal, personal))
       metrics['personal_loss_sum'] = tf.where(finite, personal_loss, 0.0)
-      return update, weight, new_personal, metrics
+      return process_lib.client_step_result(
+          update, weight, new_personal, client_state, metrics)
 
-    update, weight, new_personal, metrics = run(
-        global_weights, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
-        dataset)
-    return process_lib.client_step_result(
-        update, weight, new_personal, client_state, metrics)
+    return step
 
-  return process_lib.compose_stateful_client_process(
-      initial_model_weights=weights, client_state_type=state_type,
-      client_work=client_work, aggregator_factory=aggregator_factory,
-      server_optimizer=server_optimizer, train_metrics=train_metrics,
-      model_fn=model_fn)
+  return make_step
+
+
+def build_ditto(model_fn: split_model_lib.SplitModelFn, *,
+                lam: float = 0.1,
+                client_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+                personal_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+                server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+                aggregator_factory=None, train_metrics: bool = True,
+                metrics_fn=None,
+                seed: Optional[int] = 0) -> process_lib.StatefulClientProcess:
+  """Ditto on a model without private variables (e.g. appendix G's CNN).
+
+  Args:
+    model_fn: the model; every variable shared (the personal model is a
+      private copy of all of them).
+    lam: Ditto's lambda; 0 trains the personal model alone, and as lambda
+      grows it is held at the global model.
+    client_optimizer: the global model's local optimizer (Adam 1e-3).
+    personal_optimizer: the personal model's (default `client_optimizer`).
+    server_optimizer: applied to the mean update (SGD lr 1: FedAvg).
+    aggregator_factory: any `tff.aggregators` factory (DP included) for the
+      global update; the personal model is never aggregated.
+    train_metrics: release training-metric sums.
+    metrics_fn: optional per-batch metric sums of the global pass.
+    seed: initialisation seed.
+
+  Returns:
+    A `StatefulClientProcess` whose client state is the personal model and
+    whose `model_fn` evaluates it (every variable private, so the broadcast
+    weights load into none). A new client's personal model is the initial
+    global model (`initial_private`), as in Ditto's reference code.
+  """
+  if lam < 0:
+    raise ValueError(f'Ditto lambda must be >= 0, got {lam}')
+  client_optimizer = (client_optimizer or
+                      tff.learning.optimizers.build_adam(1e-3))
+  personal_optimizer = personal_optimizer or client_optimizer
+  server_optimizer = (server_optimizer or
+                      tff.learning.optimizers.build_sgdm(1.0))
+  with tf.Graph().as_default():
+    if model_fn().private_variables:
+      raise ValueError('ditto needs a model without private variables; the '
+                       'personal model is the whole model')
+  weights = process_lib.initial_shared_weights(model_fn, seed)
+  if weights.non_trainable:
+    raise ValueError('ditto needs a model without non-trainable variables')
+  return process_lib.build_step_process(
+      model_fn, ditto_client_step_factory(
+          model_fn, client_optimizer, personal_optimizer, lam, metrics_fn),
+      initial_weights=weights,
+      client_state_type=personal_state_type(weights.trainable),
+      server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+      eval_model_fn=all_private(model_fn),
+      initial_private=tuple(weights.trainable))
+
+
+def build_ditto_algorithm(model_fn_factory, *,
+                          client_optimizer: tff.learning.optimizers.Optimizer,
+                          server_optimizer: tff.learning.optimizers.Optimizer,
+                          aggregator_factory=None, metrics_fn=None,
+                          train_metrics: bool = True,
+                          seed: Optional[int] = None, embedding_dim: int = 0,
+                          private_optimizer=None, lam: float = 0.1
+                          ) -> process_lib.StatefulClientProcess:
+  """`build_ditto` on a task's model (`registry`'s uniform signature).
+
+  The task's model without a personal embedding is the global model;
+  `private_optimizer` (default `client_optimizer`) trains the personal one.
+  """
+  if embedding_dim:
+    raise ValueError('ditto\'s personal model is a whole copy of the model; '
+                     f'it takes no personal embedding (got {embedding_dim})')
+  return build_ditto(model_fn_factory(0), lam=lam,
+                     client_optimizer=client_optimizer,
+                     personal_optimizer=private_optimizer,
+                     server_optimizer=server_optimizer,
+                     aggregator_factory=aggregator_factory,
+                     train_metrics=train_metrics, metrics_fn=metrics_fn,
+                     seed=seed)
 
 
 def build_personal_model_eval(model_fn: split_model_lib.SplitModelFn,

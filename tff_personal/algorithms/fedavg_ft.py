@@ -1,23 +1,25 @@
 """`fedavg_ft`: FedAvg, then local fine-tuning on each client (Cheng et al.).
 
-Training is FedAvg (`fedavg.build_global`'s process: a split model without
-private variables, which equals TFF's `build_weighted_fed_avg`). Evaluation
-fine-tunes a copy of the current global model on each client's own training
-data (all weights, `epochs` passes, the given optimizer) and evaluates the
-fine-tuned copy on the client's test data; nothing leaves the client and the
-global model is unchanged. It reuses `core/evaluation.build_cold_start_eval`
-on the model with every variable private, the global weights passed as each
-client's "private state".
+Training is FedAvg (a split model without private variables, which equals
+TFF's `build_weighted_fed_avg`). Evaluation fine-tunes a copy of the current
+global model on each client's own training data (all weights, one local pass)
+and evaluates the fine-tuned copy on the client's test data; nothing leaves
+the client and the global model is unchanged. The process declares this
+(`eval_fine_tune`, `eval_private_fn`), so the one run path evaluates it so;
+`build_fine_tune_eval` is the same evaluation as a standalone computation
+(any number of passes): `core/evaluation.build_cold_start_eval` on the model
+with every variable private, the global weights as each client's "private
+state".
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.algorithms import ditto
-from tff_personal.algorithms import fedavg
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
 from tff_personal.models import split_model as split_model_lib
@@ -27,15 +29,60 @@ def build_fedavg_ft(model_fn: split_model_lib.SplitModelFn, *,
                     client_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
                     server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
                     aggregator_factory=None, seed: Optional[int] = 0,
+                    metrics_fn=None, train_metrics: bool = True,
                     ) -> process_lib.StatefulClientProcess:
-  """The training process of FedAvg+FT (plain FedAvg)."""
-  return fedavg.build_global(
-      lambda _: model_fn,
-      client_optimizer=(client_optimizer or
-                        tff.learning.optimizers.build_adam(1e-3)),
-      server_optimizer=(server_optimizer or
-                        tff.learning.optimizers.build_sgdm(1.0)),
-      aggregator_factory=aggregator_factory, seed=seed)
+  """FedAvg+FT: FedAvg's training process, fine-tuned at evaluation.
+
+  Trains exactly FedAvg (clients keep nothing between rounds). The process
+  declares its evaluation (`eval_fine_tune`): each evaluated client starts
+  from the global model (`eval_private_fn`), fine-tunes every weight of a
+  private copy for one local pass on its own training data, and tests the
+  copy; nothing leaves the client and the global model is unchanged.
+  """
+  client_optimizer = (client_optimizer or
+                      tff.learning.optimizers.build_adam(1e-3))
+  server_optimizer = (server_optimizer or
+                      tff.learning.optimizers.build_sgdm(1.0))
+  with tf.Graph().as_default():
+    if model_fn().private_variables:
+      raise ValueError('fedavg_ft needs a model without private variables; '
+                       'it fine-tunes a copy of the whole model')
+  weights = process_lib.initial_shared_weights(model_fn, seed)
+  return process_lib.build_step_process(
+      model_fn, process_lib.split_client_step_factory(
+          model_fn, client_optimizer, metrics_fn),
+      initial_weights=weights,
+      client_state_type=process_lib.split_client_state_type(model_fn),
+      server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+      eval_model_fn=ditto.all_private(model_fn),
+      eval_private_fn=lambda w: tuple(w.trainable),
+      eval_client_state_type=ditto.personal_state_type(weights.trainable),
+      eval_fine_tune=True)
+
+
+def build_fedavg_ft_algorithm(model_fn_factory, *,
+                              client_optimizer: tff.learning.optimizers.Optimizer,
+                              server_optimizer: tff.learning.optimizers.Optimizer,
+                              aggregator_factory=None, metrics_fn=None,
+                              train_metrics: bool = True,
+                              seed: Optional[int] = None,
+                              embedding_dim: int = 0, private_optimizer=None
+                              ) -> process_lib.StatefulClientProcess:
+  """`build_fedavg_ft` on a task's model (`registry`'s uniform signature).
+
+  The evaluation's fine-tuning uses `private_optimizer` (the experiment's
+  private learning rate) or else the client optimizer.
+  """
+  del private_optimizer  # The evaluation's optimizer is the experiment's.
+  if embedding_dim:
+    raise ValueError('fedavg_ft fine-tunes a copy of the whole model; it '
+                     f'takes no personal embedding (got {embedding_dim})')
+  return build_fedavg_ft(model_fn_factory(0),
+                         client_optimizer=client_optimizer,
+                         server_optimizer=server_optimizer,
+                         aggregator_factory=aggregator_factory, seed=seed,
+                         metrics_fn=metrics_fn, train_metrics=train_metrics)
 
 
 def build_fine_tune_eval(model_fn: split_model_lib.SplitModelFn,

@@ -418,6 +418,39 @@ def seeded_initial_state_fn(template: Structure, seed: int,
   return SeededInitialState(template, seed, init=init, stddev=stddev)
 
 
+class ConstantInitialState:
+  """Every never-saved client starts from the same `state` (checked against
+  `template` once); each call returns fresh copies of its arrays. Exposes
+  `.template`, like `SeededInitialState`."""
+
+  def __init__(self, template: Structure, state: Structure):
+    self._codec = StateCodec(template)
+    self.template = template
+    self._leaves = [np.array(leaf) for leaf in self._codec.flatten(state, 0)]
+
+  def __call__(self, client_id: int) -> Structure:
+    if int(client_id) < 0:
+      raise ValueError(f'client ids must be non-negative, got {client_id}.')
+    return self._codec.pack([leaf.copy() for leaf in self._leaves])
+
+
+def constant_initial_state_fn(template: Structure, private: Any
+                              ) -> ConstantInitialState:
+  """The initial-state function of a process whose new clients all start
+  from `private` (e.g. Ditto's personal model: the initial global model).
+
+  Args:
+    template: the client-state structure (a dict holding 'private' and,
+      optionally, integer counters that start at 0).
+    private: the private part every new client starts from.
+  """
+  codec = StateCodec(template)
+  state = codec.pack([np.zeros(shape, dtype) for dtype, shape in
+                      zip(codec.dtypes, codec.shapes)])
+  state['private'] = tuple(np.asarray(p) for p in private)
+  return ConstantInitialState(template, state)
+
+
 # ----------------------------------------------------------------------------
 # Stores.
 

@@ -98,13 +98,40 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
                aggregation_value_type: tff.Type,
                model_fn: split_model_lib.SplitModelFn | None = None,
                composition: Composition | None = None,
-               eval_private_fn: EvalPrivateFn | None = None):
+               eval_private_fn: EvalPrivateFn | None = None,
+               initial_private: tuple | None = None,
+               eval_client_state_type: tff.Type | None = None,
+               eval_fine_tune: bool = False):
     super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
     self._client_state_type = client_state_type
     self._aggregation_value_type = aggregation_value_type
     self._model_fn = model_fn
     self._composition = composition
     self._eval_private_fn = eval_private_fn
+    self._initial_private = initial_private
+    self._eval_client_state_type = eval_client_state_type
+    self._eval_fine_tune = eval_fine_tune
+
+  @property
+  def initial_private(self) -> tuple | None:
+    """None, or the private state (numpy tuple) every new client starts
+    from (e.g. Ditto's personal model starts as the initial global model).
+    None: the run's seeded draw per client id
+    (`client_state.seeded_initial_state_fn`)."""
+    return self._initial_private
+
+  @property
+  def eval_client_state_type(self) -> tff.Type:
+    """The client state `model_fn`'s evaluation takes: `client_state_type`,
+    unless `eval_private_fn` builds another (FedAvg+FT: the global model as
+    the start of each client's fine-tuning)."""
+    return self._eval_client_state_type or self._client_state_type
+
+  @property
+  def eval_fine_tune(self) -> bool:
+    """Whether evaluation always fine-tunes the private state first (one
+    local pass, shared weights frozen): FedAvg+FT's evaluation."""
+    return self._eval_fine_tune
 
   @property
   def composition(self) -> Composition | None:
@@ -125,7 +152,10 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
 
   @property
   def model_fn(self) -> split_model_lib.SplitModelFn | None:
-    """The split-model builder the process trains (for evaluation), if any."""
+    """The split model a client evaluates with, if any: its shared part
+    takes the broadcast weights, its private part the client's state (the
+    trained model, or e.g. Ditto's personal copy with every variable
+    private)."""
     return self._model_fn
 
   @property
@@ -319,6 +349,7 @@ def compose_stateful_client_process(
     model_fn: split_model_lib.SplitModelFn | None = None,
     client_step: ClientStepFactory | None = None,
     eval_private_fn: EvalPrivateFn | None = None,
+    **eval_options,
 ) -> StatefulClientProcess:
   """Wires a client work with client state into a `StatefulClientProcess`.
 
@@ -339,6 +370,8 @@ def compose_stateful_client_process(
       it). Recorded so that `core/sharded.py` can run many users inside one
       TFF client for fast simulation.
     eval_private_fn: see `StatefulClientProcess.eval_private_fn`.
+    **eval_options: `initial_private`, `eval_client_state_type`,
+      `eval_fine_tune` (see the `StatefulClientProcess` properties).
 
   Returns:
     A `StatefulClientProcess`.
@@ -372,7 +405,7 @@ def compose_stateful_client_process(
       parts.initialize_fn, next_fn, client_state_type=client_state_type,
       aggregation_value_type=parts.result_type.update,
       model_fn=model_fn, composition=composition,
-      eval_private_fn=eval_private_fn)
+      eval_private_fn=eval_private_fn, **eval_options)
 
 
 def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
@@ -544,16 +577,54 @@ def build_split_step_process(
   the shared update goes through `aggregator_factory` (default weighted
   mean) and `server_optimizer`. The algorithms differ only in `make_step`.
   """
+  return build_step_process(
+      model_fn, make_step, initial_weights=initial_shared_weights(
+          model_fn, seed),
+      client_state_type=split_client_state_type(model_fn),
+      server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+      eval_private_fn=eval_private_fn)
+
+
+def build_step_process(
+    model_fn: split_model_lib.SplitModelFn,
+    make_step: ClientStepFactory,
+    *,
+    initial_weights: ModelWeights,
+    client_state_type: tff.Type,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    aggregator_factory=None,
+    train_metrics: bool = True,
+    eval_model_fn: split_model_lib.SplitModelFn | None = None,
+    eval_private_fn: EvalPrivateFn | None = None,
+    **eval_options,
+) -> StatefulClientProcess:
+  """The process whose clients run `make_step` on `model_fn`'s input.
+
+  Like `build_split_step_process`, for client states other than the
+  model's private variables (e.g. Ditto's personal copy of the model).
+
+  Args:
+    model_fn: the model whose `input_spec` is the clients' data type.
+    make_step: the per-user client step (`ClientStepFactory`).
+    initial_weights: numpy `ModelWeights` of the shared model.
+    client_state_type: the unplaced type of one client's state.
+    server_optimizer, aggregator_factory, train_metrics: as in
+      `compose_stateful_client_process` (default aggregator: weighted mean).
+    eval_model_fn: the model clients evaluate with (default `model_fn`).
+    eval_private_fn, **eval_options: see the `StatefulClientProcess`
+      properties.
+  """
   if aggregator_factory is None:
     aggregator_factory = tff.aggregators.MeanFactory()
-  weights = initial_shared_weights(model_fn, seed)
-  weights_type = model_weights_type(weights)
-  client_state_type = split_client_state_type(model_fn)
   client_work = client_work_from_step(
-      make_step, weights_type, client_state_type, split_data_type(model_fn))
+      make_step, model_weights_type(
+          tf.nest.map_structure(np.asarray, initial_weights)),
+      client_state_type, split_data_type(model_fn))
   return compose_stateful_client_process(
-      initial_model_weights=weights, client_state_type=client_state_type,
-      client_work=client_work, aggregator_factory=aggregator_factory,
+      initial_model_weights=initial_weights,
+      client_state_type=client_state_type, client_work=client_work,
+      aggregator_factory=aggregator_factory,
       server_optimizer=server_optimizer, train_metrics=train_metrics,
-      model_fn=model_fn, client_step=make_step,
-      eval_private_fn=eval_private_fn)
+      model_fn=eval_model_fn or model_fn, client_step=make_step,
+      eval_private_fn=eval_private_fn, **eval_options)

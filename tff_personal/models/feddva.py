@@ -222,19 +222,26 @@ def _classification_loss(batch, logits):
       batch['y'], logits, from_logits=True))
 
 
-def _classification_head(features, hidden, num_classes):
+def _classification_head(features, hidden, num_classes,
+                         output_name='head_fc2'):
   h = tf.keras.layers.Dense(hidden, activation='relu', name='head_fc1')(
       features)
-  return tf.keras.layers.Dense(num_classes, name='head_fc2')(h)
+  return tf.keras.layers.Dense(num_classes, name=output_name)(h)
 
 
 def build_cnn_classifier(config: FeddvaConfig,
-                         num_classes: int = NUM_CLASSES
+                         num_classes: int = NUM_CLASSES,
+                         output_name: str = 'head_fc2'
                          ) -> split_model_lib.SplitModel:
-  """Appendix G's CNN: the 4-layer backbone and a 2-FC head; all shared."""
+  """Appendix G's CNN: the 4-layer backbone and a 2-FC head; all shared.
+
+  `output_name` names the last layer (e.g. 'head', the personal head that
+  FedRep and pFedMe look for).
+  """
   x = tf.keras.Input(IMAGE_SHAPE, name='x')
   features = _apply(_backbone(config.channels, 'cnn'), x)
-  logits = _classification_head(features, config.hidden, num_classes)
+  logits = _classification_head(features, config.hidden, num_classes,
+                                output_name)
   model = tf.keras.Model(x, logits, name='cnn_classifier')
   return split_model_lib.SplitModel(
       model=model, private_variables=[], loss_fn=_classification_loss,

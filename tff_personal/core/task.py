@@ -1,0 +1,159 @@
+"""The Task interface: what a federated task gives the one run path.
+
+A task is federated data plus model factories plus metrics. It builds
+`tf.data` datasets (or numpy `ClientBatches`) and Keras-backed `SplitModel`
+builders; it never builds TFF computations. `experiment.run_experiment`
+drives any object that satisfies `Task`; an algorithm spec
+(`algorithms/registry.py`) names the capabilities it needs beyond it, and
+`missing_capabilities` says which of them a task lacks.
+
+Required (`Task`):
+
+* `name`, `population` (client ids are `0 .. population - 1`);
+* `model_fn_factory(embedding_dim) -> SplitModelFn`: the task's model; with
+  `embedding_dim > 0` a private personal embedding per user, with 0 an
+  ordinary federated model (no private variables);
+* `metrics_fn(batch, outputs) -> OrderedDict` of training-metric sums;
+* `train_datasets(ids, round_num)`: each client's local-training data of a
+  round (every local epoch included), a pure function of (seed, round, id);
+* `eval_datasets(ids)`; `evaluate(per_client_outputs, ids) -> dict`.
+
+Optional capabilities (`CAPABILITIES`; `capabilities(task)` lists those a
+task has):
+
+* `personal_embedding`: `model_fn_factory(d)` with `d > 0` gives a personal
+  embedding (declared by `supports_personal_embedding = True`);
+* `fedembed_model`: `fedembed_model_fn_factory(FedEmbedConfig)`, FedEmbed's
+  model with one head per type of sample (`num_types`);
+* `batches`: `train_batches` (numpy `ClientBatches`, with an optional
+  `wire_format`; `eval_batches` too where it has them) for the sharded
+  simulation; without them sharded runs read the `tf.data` datasets;
+* `test_split`: `test_datasets(ids)`, a held-out split tested after training;
+* `cold_start`: `cold_client_ids` and `cold_start_datasets(ids, epochs)`,
+  users withheld from training;
+* `groups`: `groups(ids)`, a group (sub-population) per client;
+* `named_head`: the model's output layer is named 'head' (declared by
+  `has_named_head = True`), FedRep's and pFedMe's personal head.
+
+Example:
+
+  from tff_personal.core import task as task_lib
+  task = my_task()            # any object with the members above
+  task_lib.check_task(task)   # raises, naming what is missing
+  task_lib.capabilities(task) # e.g. ('batches', 'personal_embedding')
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import tensorflow as tf
+
+from tff_personal.models import split_model
+
+
+@runtime_checkable
+class Task(Protocol):
+  """What every task gives (see the module docstring)."""
+
+  name: str
+
+  @property
+  def population(self) -> int:
+    ...
+
+  def model_fn_factory(self, embedding_dim: int) -> split_model.SplitModelFn:
+    ...
+
+  def metrics_fn(self, batch, outputs) -> Any:
+    ...
+
+  def train_datasets(self, client_ids: Sequence[int],
+                     round_num: int) -> list[tf.data.Dataset]:
+    ...
+
+  def eval_datasets(self, client_ids: Sequence[int]
+                    ) -> list[tf.data.Dataset]:
+    ...
+
+  def evaluate(self, per_client_outputs, client_ids) -> dict:
+    ...
+
+
+REQUIRED = ('name', 'population', 'model_fn_factory', 'metrics_fn',
+            'train_datasets', 'eval_datasets', 'evaluate')
+
+# Capability -> (members that provide it, what it is for).
+CAPABILITIES: dict[str, tuple[tuple[str, ...], str]] = {
+    'personal_embedding': (
+        ('supports_personal_embedding',),
+        'model_fn_factory(embedding_dim > 0) gives a private personal '
+        'embedding'),
+    'fedembed_model': (
+        ('fedembed_model_fn_factory',),
+        "FedEmbed's model: one head per type of sample"),
+    'batches': (
+        ('train_batches',),
+        'numpy ClientBatches for the sharded simulation'),
+    'test_split': (('test_datasets',), 'a held-out test split'),
+    'cold_start': (
+        ('cold_client_ids', 'cold_start_datasets'),
+        'users withheld from training, evaluated after local steps'),
+    'groups': (('groups',), 'a group (sub-population) per client'),
+    'named_head': (
+        ('has_named_head',),
+        "the model's output layer is named 'head' (the personal head of "
+        'FedRep and pFedMe; their head_layer option names another)'),
+}
+
+
+def _has(task, member: str) -> bool:
+  value = getattr(task, member, None)
+  if member.startswith(('supports_', 'has_')):
+    return value is True
+  return value is not None
+
+
+def capabilities(task) -> tuple[str, ...]:
+  """The optional capabilities `task` provides, sorted."""
+  return tuple(sorted(name for name, (members, _) in CAPABILITIES.items()
+                      if all(_has(task, m) for m in members)))
+
+
+def missing_capabilities(task, needs: Sequence[str]) -> list[str]:
+  """Those of `needs` that `task` lacks, each as 'name (what it is)'.
+
+  Raises:
+    ValueError: `needs` names an unknown capability.
+  """
+  unknown = sorted(set(needs) - set(CAPABILITIES))
+  if unknown:
+    raise ValueError(f'unknown task capabilities {unknown}; known: '
+                     f'{sorted(CAPABILITIES)}')
+  have = set(capabilities(task))
+  return [f'{n} ({CAPABILITIES[n][1]})' for n in needs if n not in have]
+
+
+def check_task(task) -> None:
+  """Raises TypeError naming each required member `task` lacks."""
+  missing = [m for m in REQUIRED if not hasattr(task, m)]
+  not_callable = [m for m in REQUIRED[2:]
+                  if hasattr(task, m) and not callable(getattr(task, m))]
+  if missing or not_callable:
+    raise TypeError(
+        f'{type(task).__name__} is not a Task: '
+        + '; '.join(([f'missing {missing}'] if missing else []) +
+                    ([f'not callable {not_callable}'] if not_callable
+                     else []))
+        + ' (tff_personal/core/task.py says what a task gives)')
+
+
+def task_name(task) -> str:
+  return getattr(task, 'name', type(task).__name__)
+
+
+def describe(task) -> str:
+  """One line: the task's name, population and capabilities."""
+  caps = ', '.join(capabilities(task)) or 'none'
+  return f'{task_name(task)}: {task.population} clients; capabilities: {caps}'
+
