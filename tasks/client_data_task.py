@@ -48,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tasks import preference_task
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.models import fedembed
 from tff_personal.models import split_model
@@ -241,13 +242,15 @@ class ClientDataTask:
   def train_batches(self, client_ids: Sequence[int], round_num: int
                     ) -> list[client_data_lib.ClientBatches]:
     """Each client's local epochs of a round, fresh permutations seeded by
-    (seed, round, client)."""
+    (seed, round, client) as the preference tasks draw them (so the same
+    users give the same batches through either task)."""
     self._check_ids(client_ids)
     out = []
     for c in client_ids:
       examples = self._arrays(int(c), 'train')
       n = len(examples['y'])
-      rng = np.random.default_rng([self.seed, round_num, int(c), 0xDA7A])
+      rng = np.random.default_rng(
+          preference_task.shuffle_seed(self.seed, round_num, int(c)))
       orders = [rng.permutation(n) for _ in range(self.local_epochs)]
       out.append(client_data_lib.ClientBatches.from_arrays(
           examples, self.batch_size, orders, self._spec))

@@ -24,6 +24,7 @@ from tasks import client_data_task
 from tasks import preference_task
 from tasks import speaker_task
 from tasks import speech_task
+from tff_personal.algorithms import registry as algorithms
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
 
@@ -144,7 +145,6 @@ def build_task(name: str, **kwargs):
 def matrix() -> list[dict[str, Any]]:
   """Every (algorithm, task) pair: whether it runs, and if not what the task
   lacks. Rows in registry order."""
-  from tff_personal.algorithms import registry as algorithms  # pylint: disable=g-import-not-at-top
   rows = []
   for algorithm in algorithms.SPECS:
     for task_spec in _SPECS:
@@ -156,7 +156,6 @@ def matrix() -> list[dict[str, Any]]:
 
 def format_matrix() -> str:
   """The matrix as a Markdown table (+ runs; - what is missing)."""
-  from tff_personal.algorithms import registry as algorithms  # pylint: disable=g-import-not-at-top
   cells = {(r['algorithm'], r['task']): r for r in matrix()}
   lines = ['| algorithm | ' + ' | '.join(TASKS) + ' |',
            '|---|' + '---|' * len(TASKS)]

@@ -19,7 +19,6 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import fedembed_testdata
-from tff_personal.algorithms import ditto
 from tff_personal.algorithms import feddva
 from tff_personal.algorithms import registry
 from tff_personal.core import sharded
@@ -54,8 +53,6 @@ def _build(name):
   optimizers = dict(
       client_optimizer=tff.learning.optimizers.build_adam(1e-2),
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=2)
-  if name == 'ditto':  # Not in the registry (FedDVA's baseline).
-    return ditto.build_ditto(_split_factory(0), lam=0.1, **optimizers)
   fedembed_like = name.startswith('fedembed_') or name == 'pfedkm'
   kwargs = {'num_subpopulations': 3} if name in ('pfedkm',
                                                   'fedembed_som') else {}
@@ -68,7 +65,7 @@ def _build(name):
 
 @pytest.mark.parametrize('name, shards', [
     (name, shards) for name in sorted(registry.ALGORITHMS)
-    for shards in (0, 2)] + [('ditto', 0)])
+    for shards in (0, 2)])
 def test_one_round_twice_is_bit_identical(name, shards):
   proc = _build(name)
   if shards:  # The simulation's default form (core/sharded.py).

@@ -100,9 +100,11 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
       model_fn_factory=model_fn,
       fedembed_model_fn_factory=lambda config: lambda: (
           fedembed_model.build_fedembed_model(fedembed_testdata.with_k(config),
-                                              input_spec=typed_spec)))
-  # pFedMe's personal part is a head, not an embedding.
-  dim = 0 if name.startswith('pfedme') else 28
+                                              input_spec=typed_spec)),
+      supports_personal_embedding=True, has_named_head=True)
+  # pFedMe's personal part is a head, Ditto's and FedAvg+FT's a copy of the
+  # whole model: no embedding.
+  dim = 0 if name.startswith('pfedme') or name in ('ditto', 'fedavg_ft') else 28
   proc = registry.build(
       name, registry.model_factory(name, task),
       client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
@@ -127,8 +129,10 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
                    for t in statistics for s in flat(t))
     aggregated = model_update
   assert list(aggregated) == list(server_weights)
-  # The aggregated value is exactly the model's shared trainable variables;
-  # every private variable is in the client state instead.
+  # The aggregated value is exactly the trained model's shared trainable
+  # variables; every private variable is in the client state instead (the
+  # evaluated model's private part is the state evaluation reads: Ditto's
+  # personal copy, FedAvg+FT's fine-tuned copy).
   with tf.Graph().as_default():
     model = proc.model_fn()
     shared = [tuple(v.shape) for v in model.shared_trainable_variables]
@@ -136,8 +140,12 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
     private_refs = {v.ref() for v in model.private_variables}
     assert not any(v.ref() in private_refs
                    for v in model.shared_trainable_variables)
+    evaluated = [tuple(v.shape) for v in proc.eval_model_fn().private_variables]
   assert [tuple(t.shape) for t in aggregated] == shared
-  assert [tuple(t.shape) for t in proc.client_state_type.private] == private
+  if proc.eval_model_fn is proc.model_fn:
+    assert [tuple(t.shape) for t in proc.client_state_type.private] == private
+  assert [tuple(t.shape) for t in
+          proc.eval_client_state_type.private] == evaluated
 
 
 def test_private_state_is_trained_and_only_for_participants():

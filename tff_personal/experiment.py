@@ -266,6 +266,7 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
   (`run_experiment`) and re-evaluation (`evaluate_experiment`).
   """
   weights_type = proc.model_weights_type
+  model_fn = getattr(proc, 'eval_model_fn', proc.model_fn)
   # The state evaluation sees (e.g. FedAvg+FT's: the global model to
   # fine-tune) and whether the process always fine-tunes before testing.
   state_type = getattr(proc, 'eval_client_state_type', proc.client_state_type)
@@ -284,30 +285,30 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
                         task.train_datasets)
   if num_shards:  # The same per-user outputs, users packed in shards.
     personal_eval = sharded.ShardedPersonalEval(
-        proc.model_fn, weights_type, state_type, num_shards,
+        model_fn, weights_type, state_type, num_shards,
         wire=wire if batches_eval else None)
     # Held-out test sets (test_datasets) are tf.data datasets.
     test_eval = (sharded.ShardedPersonalEval(
-        proc.model_fn, weights_type, state_type, num_shards)
+        model_fn, weights_type, state_type, num_shards)
                  if batches_eval else personal_eval)
     fine_tune_eval = test_fine_tune_eval = None
     if fine_tune_optimizer is not None:
       fine_tune_eval = sharded.ShardedPersonalEval(
-          proc.model_fn, weights_type, state_type, num_shards,
+          model_fn, weights_type, state_type, num_shards,
           fine_tune_optimizer=fine_tune_optimizer,
           wire=wire if batches_eval else None,
           train_wire=wire if batches_train else None)
       test_fine_tune_eval = (sharded.ShardedPersonalEval(
-          proc.model_fn, weights_type, state_type, num_shards,
+          model_fn, weights_type, state_type, num_shards,
           fine_tune_optimizer=fine_tune_optimizer,
           train_wire=wire if batches_train else None)
                              if batches_eval else fine_tune_eval)
   else:
     personal_eval = test_eval = evaluation.build_personal_eval(
-        proc.model_fn, weights_type, state_type)
+        model_fn, weights_type, state_type)
     fine_tune_eval = test_fine_tune_eval = (
         evaluation.build_cold_start_eval(
-            proc.model_fn, weights_type, state_type,
+            model_fn, weights_type, state_type,
             fine_tune_optimizer) if fine_tune_optimizer is not None else None)
   eval_ids = eval_client_ids(task.population, config.eval_clients,
                              config.seed)
@@ -705,7 +706,7 @@ def _cold_start(task, proc, state, store, config: ExperimentConfig) -> dict:
   client.
   """
   cold_eval = evaluation.build_cold_start_eval(
-      proc.model_fn, proc.model_weights_type,
+      getattr(proc, 'eval_model_fn', proc.model_fn), proc.model_weights_type,
       getattr(proc, 'eval_client_state_type', proc.client_state_type),
       _private_optimizer(config) or make_client_optimizer(config))
   ids = list(task.cold_client_ids)

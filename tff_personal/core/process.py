@@ -99,6 +99,7 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
                model_fn: split_model_lib.SplitModelFn | None = None,
                composition: Composition | None = None,
                eval_private_fn: EvalPrivateFn | None = None,
+               eval_model_fn: split_model_lib.SplitModelFn | None = None,
                initial_private: tuple | None = None,
                eval_client_state_type: tff.Type | None = None,
                eval_fine_tune: bool = False):
@@ -108,6 +109,7 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     self._model_fn = model_fn
     self._composition = composition
     self._eval_private_fn = eval_private_fn
+    self._eval_model_fn = eval_model_fn
     self._initial_private = initial_private
     self._eval_client_state_type = eval_client_state_type
     self._eval_fine_tune = eval_fine_tune
@@ -152,11 +154,17 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
 
   @property
   def model_fn(self) -> split_model_lib.SplitModelFn | None:
-    """The split model a client evaluates with, if any: its shared part
-    takes the broadcast weights, its private part the client's state (the
-    trained model, or e.g. Ditto's personal copy with every variable
-    private)."""
+    """The split-model builder the process trains, if any: its shared part
+    is aggregated, its private part (if any) is the client state."""
     return self._model_fn
+
+  @property
+  def eval_model_fn(self) -> split_model_lib.SplitModelFn | None:
+    """The split model a client evaluates with: its shared part takes the
+    broadcast weights, its private part the client's state. `model_fn`,
+    unless the process sets another (Ditto's personal copy: every variable
+    private, so the broadcast weights load into none)."""
+    return self._eval_model_fn or self._model_fn
 
   @property
   def model_weights_type(self) -> tff.Type:
@@ -370,8 +378,9 @@ def compose_stateful_client_process(
       it). Recorded so that `core/sharded.py` can run many users inside one
       TFF client for fast simulation.
     eval_private_fn: see `StatefulClientProcess.eval_private_fn`.
-    **eval_options: `initial_private`, `eval_client_state_type`,
-      `eval_fine_tune` (see the `StatefulClientProcess` properties).
+    **eval_options: `eval_model_fn`, `initial_private`,
+      `eval_client_state_type`, `eval_fine_tune` (see the
+      `StatefulClientProcess` properties).
 
   Returns:
     A `StatefulClientProcess`.
@@ -595,7 +604,6 @@ def build_step_process(
     server_optimizer: tff.learning.optimizers.Optimizer,
     aggregator_factory=None,
     train_metrics: bool = True,
-    eval_model_fn: split_model_lib.SplitModelFn | None = None,
     eval_private_fn: EvalPrivateFn | None = None,
     **eval_options,
 ) -> StatefulClientProcess:
@@ -611,9 +619,8 @@ def build_step_process(
     client_state_type: the unplaced type of one client's state.
     server_optimizer, aggregator_factory, train_metrics: as in
       `compose_stateful_client_process` (default aggregator: weighted mean).
-    eval_model_fn: the model clients evaluate with (default `model_fn`).
     eval_private_fn, **eval_options: see the `StatefulClientProcess`
-      properties.
+      properties (`eval_model_fn`, `initial_private`, ...).
   """
   if aggregator_factory is None:
     aggregator_factory = tff.aggregators.MeanFactory()
@@ -626,5 +633,5 @@ def build_step_process(
       client_state_type=client_state_type, client_work=client_work,
       aggregator_factory=aggregator_factory,
       server_optimizer=server_optimizer, train_metrics=train_metrics,
-      model_fn=eval_model_fn or model_fn, client_step=make_step,
+      model_fn=model_fn, client_step=make_step,
       eval_private_fn=eval_private_fn, **eval_options)
