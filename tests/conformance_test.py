@@ -1,0 +1,153 @@
+"""Conformance of every registered algorithm (parametrized over the registry).
+
+For every `registry.SPECS` entry, on tiny synthetic clients:
+* sharded equals one-user-per-client (`core/sharded.py`): the same server
+  state and client states after two rounds, with ragged users;
+* a new client's state is the process's declared one (`initial_private`)
+  or the run's seeded draw, and evaluation takes the state type it declares.
+Degenerate cases: Ditto's and FedAvg+FT's global model is FedAvg's
+(`global`), exactly, whatever Ditto's lambda. (Bit-identical reruns and the
+privacy invariant on the type signatures are `determinism_test` and
+`process_test`, both over the same registry.)
+"""
+
+import collections
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tests import fedembed_testdata
+from tff_personal import experiment
+from tff_personal.algorithms import registry
+from tff_personal.core import process as process_lib
+from tff_personal.core import sharded
+from tff_personal.models import fedembed_mnist
+
+SPEC = fedembed_testdata.SPEC
+
+
+def _split_factory(dim):
+  return lambda: fedembed_mnist.build_preference_model(dim, input_spec=SPEC)
+
+
+_TASK = types.SimpleNamespace(
+    name='synthetic', model_fn_factory=_split_factory,
+    fedembed_model_fn_factory=fedembed_testdata.factory,
+    supports_personal_embedding=True, has_named_head=True)
+
+
+def _build(name, **overrides):
+  kwargs = dict(client_optimizer=tff.learning.optimizers.build_adam(1e-2),
+                server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+                seed=2)
+  if name in ('pfedkm', 'fedembed_som'):
+    kwargs['num_subpopulations'] = 3
+  if name in ('global_plus', 'furl'):
+    kwargs['embedding_dim'] = 28  # the MNIST model's diagonal channel
+  kwargs.update(overrides)
+  return registry.build_for_task(name, _TASK, **kwargs)
+
+
+def _datasets(sizes, round_num):
+  """Users with different example counts; fixed order (no reshuffling, so
+  both forms see the same batches however often a step reads them)."""
+  rng = np.random.default_rng([round_num, 5])
+  out = []
+  for u, n in enumerate(sizes):
+    y = (np.arange(n) % 2).astype(np.int32)
+    out.append(tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=rng.random((n, 28, 28, 1), dtype=np.float32), y=y,
+        type=np.where(y == 1, u % 3, (u + 1) % 3).astype(np.int32))).batch(3))
+  return out
+
+
+def _run(proc, client_states, sizes, rounds=2):
+  state = proc.initialize()
+  for r in range(rounds):
+    state, client_states, _ = proc.next(state, client_states,
+                                        _datasets(sizes, r))
+  return state, client_states
+
+
+def _close(a, b, what):
+  flat_a, flat_b = tf.nest.flatten(a), tf.nest.flatten(b)
+  assert len(flat_a) == len(flat_b), what
+  for i, (x, y) in enumerate(zip(flat_a, flat_b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4,
+                               atol=1e-5, err_msg=f'{what}: leaf {i}')
+
+
+def _check_new_clients(name, proc, tmp_path):
+  """A new client's state is the declared one; evaluation takes the state
+  type the process declares."""
+  config = experiment.ExperimentConfig(
+      algorithm=name, rounds=1, clients_per_round=1,
+      root_output_dir=str(tmp_path), experiment_name='x', seed=3)
+  initial = experiment.initial_client_state_fn(proc, config)
+  a, b = initial(0), initial(1)
+  private = lambda s: [np.asarray(x)
+                       for x in s[process_lib.CLIENT_STATE_PRIVATE]]
+  if proc.initial_private is not None:  # e.g. Ditto: the initial global model
+    want = [np.asarray(w) for w in proc.initial_private]
+    for got in (private(a), private(b)):
+      for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+    weights = proc.get_model_weights(proc.initialize()).trainable
+    for x, y in zip(want, weights):
+      np.testing.assert_array_equal(x, np.asarray(y))
+  else:  # the seeded draw: its float leaves differ between clients
+    pairs = [(x, y) for x, y in zip(private(a), private(b))
+             if x.dtype.kind == 'f' and x.size]
+    assert not pairs or not all(np.array_equal(x, y) for x, y in pairs)
+  evaluated = process_lib.eval_client_states(
+      proc, proc.get_model_weights(proc.initialize()), [a])[0]
+  want_type = proc.eval_client_state_type.private
+  assert [tuple(np.shape(x)) for x in evaluated['private']] == [
+      tuple(t.shape) for t in want_type]
+
+
+@pytest.mark.parametrize('name', sorted(registry.SPECS))
+def test_sharded_equals_one_user_per_client_and_new_clients(name, tmp_path):
+  base = _build(name)
+  _check_new_clients(name, base, tmp_path)
+  assert sharded.resolve_num_shards(base, sharded.AUTO) > 0, (
+      f'{name} has no per-user client step: it cannot run sharded')
+  sizes = [5, 8, 3, 6]
+  init = fedembed_testdata.initial_states(base, len(sizes), seed=4)
+  want_state, want_clients = _run(base, init, sizes)
+  got_state, got_clients = _run(sharded.ShardedProcess(_build(name), 2), init,
+                                sizes)
+  _close(got_state.global_model_weights, want_state.global_model_weights,
+         f'{name} server weights')
+  for u, (got, want) in enumerate(zip(got_clients, want_clients)):
+    _close(got, want, f'{name} client {u}')
+  moved = [not np.allclose(np.asarray(x), np.asarray(y)) for x, y in zip(
+      tf.nest.flatten(want_state.global_model_weights.trainable),
+      tf.nest.flatten(base.initialize().global_model_weights.trainable))]
+  assert any(moved), f'{name}: the rounds changed nothing'
+
+
+@pytest.mark.parametrize('name,options', [
+    ('ditto', {'lam': 0.0}), ('ditto', {'lam': 5.0}), ('fedavg_ft', {})])
+def test_global_model_is_fedavgs(name, options):
+  """Ditto's personal pass and FedAvg+FT's fine-tuning never touch the
+  global model: it follows FedAvg's trajectory exactly."""
+  sizes = [4, 7, 5]
+  fedavg = _build('global')
+  proc = _build(name, **options)
+  want, _ = _run(fedavg, fedembed_testdata.initial_states(fedavg, 3), sizes)
+  init = [collections.OrderedDict(
+      private=tuple(np.asarray(w) for w in (proc.initial_private or ())),
+      rounds_participated=np.int32(0)) for _ in sizes]
+  got, clients = _run(proc, init, sizes)
+  for x, y in zip(tf.nest.flatten(got.global_model_weights),
+                  tf.nest.flatten(want.global_model_weights)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  if name == 'ditto':  # the personal models trained, apart from the global
+    personal = tf.nest.flatten(clients[0]['private'])
+    assert not all(np.array_equal(np.asarray(p), np.asarray(g)) for p, g in
+                   zip(personal, tf.nest.flatten(
+                       got.global_model_weights.trainable)))
