@@ -1,9 +1,10 @@
 """One experiment: a task, an algorithm, DP, a client-state store and the loop.
 
 The binaries parse flags and call `run_experiment`; everything worth testing
-is here or below. A task is duck-typed (see `tasks/preference_task.py`):
-`population`, `model_fn_factory(embedding_dim)`, `metrics_fn`,
-`train_datasets(ids, round)`, `eval_datasets(ids)`, `evaluate(outputs, ids)`.
+is here or below. A task is any object with the members of
+`tff_personal/core/task.Task` (and the optional capabilities the algorithm
+needs, `algorithms/registry.py`); the process says how it is evaluated
+(`StatefulClientProcess.eval_model_fn` and its neighbours).
 """
 
 from __future__ import annotations
