@@ -351,8 +351,9 @@ class ShardedProcess:
   Same Python interface as the process for a driver: `initialize()`,
   `next(state, client_states, datasets)` with per-user lists in and out,
   `get_model_weights`, `set_model_weights`, `model_fn`, `client_state_type`,
-  `model_weights_type`. The underlying TFF process (whose clients are
-  shards) is `iterative_process`.
+  `model_weights_type`, and the base process's evaluation declarations
+  (`eval_model_fn`, `initial_private`, ...). The underlying TFF process
+  (whose clients are shards) is `iterative_process`.
   """
 
   def __init__(self, base: process_lib.StatefulClientProcess, num_shards: int,
@@ -454,6 +455,27 @@ class ShardedProcess:
   @property
   def model_weights_type(self) -> tff.Type:
     return self._base.model_weights_type
+
+  # How clients are evaluated and start: the base process's declarations.
+  @property
+  def eval_model_fn(self):
+    return self._base.eval_model_fn
+
+  @property
+  def eval_private_fn(self):
+    return self._base.eval_private_fn
+
+  @property
+  def eval_client_state_type(self) -> tff.Type:
+    return self._base.eval_client_state_type
+
+  @property
+  def eval_fine_tune(self) -> bool:
+    return self._base.eval_fine_tune
+
+  @property
+  def initial_private(self):
+    return self._base.initial_private
 
   def initialize(self):
     return self._process.initialize()
