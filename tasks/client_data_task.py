@@ -140,6 +140,8 @@ class ClientDataTask:
     supports_personal_embedding: whether `model_builder` takes d > 0.
     has_named_head: whether the model's output layer is named 'head'
       (FedRep's and pFedMe's personal head).
+    has_digit_images: whether examples are 28 x 28 x 1 images in [0, 1]
+      with a label in 0..9 (what FedDVA's models take).
     cache_clients: how many clients' numpy examples are kept in memory.
   """
   name: str
@@ -155,6 +157,7 @@ class ClientDataTask:
   num_types: Optional[int] = None
   supports_personal_embedding: bool = False
   has_named_head: bool = False
+  has_digit_images: bool = False
   cache_clients: int = 4096
 
   def __post_init__(self):
@@ -327,7 +330,8 @@ def _feddva_task(name: str, feddva_task, *, batch_size: int,
   return ClientDataTask(name, train, test,
                         model_builder=_feddva_cnn(channels, hidden),
                         batch_size=batch_size, local_epochs=local_epochs,
-                        seed=seed, has_named_head=True)
+                        seed=seed, has_named_head=True,
+                        has_digit_images=True)
 
 
 def label_skew_mnist_task(data_dir: Optional[str], *, num_clients: int = 20,

@@ -74,10 +74,10 @@ _SPECS = (
              flags=('batch_size', 'local_epochs', 'max_chars', 'lstm_units',
                     'cold_fraction')),
     TaskSpec('label_skew_mnist', client_data_task.label_skew_mnist_task,
-             ('batches', 'named_head'),
+             ('batches', 'named_head', 'digit_images'),
              'FedDVA: MNIST with Dirichlet label skew, a CNN classifier'),
     TaskSpec('marked_mnist', client_data_task.marked_mnist_task,
-             ('batches', 'named_head'),
+             ('batches', 'named_head', 'digit_images'),
              'FedDVA: MNIST whose clients mark their images, a CNN '
              'classifier'),
     TaskSpec('mnist_client_data', client_data_task.mnist_client_data_task,

@@ -36,7 +36,8 @@ def _split_factory(dim):
 _TASK = types.SimpleNamespace(
     name='synthetic', model_fn_factory=_split_factory,
     fedembed_model_fn_factory=fedembed_testdata.factory,
-    supports_personal_embedding=True, has_named_head=True)
+    supports_personal_embedding=True, has_named_head=True,
+    has_digit_images=True)
 
 
 def _build(name, **overrides):
@@ -51,24 +52,26 @@ def _build(name, **overrides):
   return registry.build_for_task(name, _TASK, **kwargs)
 
 
-def _datasets(sizes, round_num):
+def _datasets(sizes, round_num, typed=True):
   """Users with different example counts; fixed order (no reshuffling, so
   both forms see the same batches however often a step reads them)."""
   rng = np.random.default_rng([round_num, 5])
   out = []
   for u, n in enumerate(sizes):
     y = (np.arange(n) % 2).astype(np.int32)
-    out.append(tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-        x=rng.random((n, 28, 28, 1), dtype=np.float32), y=y,
-        type=np.where(y == 1, u % 3, (u + 1) % 3).astype(np.int32))).batch(3))
+    data = collections.OrderedDict(
+        x=rng.random((n, 28, 28, 1), dtype=np.float32), y=y)
+    if typed:
+      data['type'] = np.where(y == 1, u % 3, (u + 1) % 3).astype(np.int32)
+    out.append(tf.data.Dataset.from_tensor_slices(data).batch(3))
   return out
 
 
-def _run(proc, client_states, sizes, rounds=2):
+def _run(proc, client_states, sizes, rounds=2, typed=True):
   state = proc.initialize()
   for r in range(rounds):
     state, client_states, _ = proc.next(state, client_states,
-                                        _datasets(sizes, r))
+                                        _datasets(sizes, r, typed))
   return state, client_states
 
 
@@ -109,7 +112,10 @@ def _check_new_clients(name, proc, tmp_path):
       tuple(t.shape) for t in want_type]
 
 
-@pytest.mark.parametrize('name', sorted(registry.SPECS))
+_SINGLE = sorted(n for n, s in registry.SPECS.items() if not s.staged)
+
+
+@pytest.mark.parametrize('name', _SINGLE)
 def test_sharded_equals_one_user_per_client_and_new_clients(name, tmp_path):
   base = _build(name)
   _check_new_clients(name, base, tmp_path)
@@ -151,3 +157,40 @@ def test_global_model_is_fedavgs(name, options):
     assert not all(np.array_equal(np.asarray(p), np.asarray(g)) for p, g in
                    zip(personal, tf.nest.flatten(
                        got.global_model_weights.trainable)))
+
+
+def test_staged_feddva_stages_shard_and_hand_over():
+  """FedDVA's two stages: each shards like one user per client (its
+  reparameterisation noise is seeded per user), and the classifier starts
+  from the pre-trained encoders."""
+  staged = _build('feddva', pretrain_rounds=2, dim=2, channels='2,2,2,3',
+                  hidden=5)
+  assert registry.spec('feddva').staged
+  assert registry.earlier_rounds('feddva', {'pretrain_rounds': 2}) == 2
+  assert [s.name for s in staged.stages] == ['pretrain', 'classifier']
+  sizes = [5, 8, 3]
+  pretrain = staged.stages[0].process
+  decoders = [collections.OrderedDict(
+      private=tuple(np.asarray(w) for w in pretrain.initial_private),
+      rounds_participated=np.int32(0)) for _ in sizes]
+  want_state, want_clients = _run(pretrain, decoders, sizes, typed=False)
+  again = _build('feddva', pretrain_rounds=2, dim=2, channels='2,2,2,3',
+                 hidden=5).stages[0].process
+  got_state, got_clients = _run(sharded.ShardedProcess(again, 2), decoders,
+                                sizes, typed=False)
+  _close(got_state.global_model_weights, want_state.global_model_weights,
+         'feddva pretrain server weights')
+  for u, (got, want) in enumerate(zip(got_clients, want_clients)):
+    _close(got, want, f'feddva decoder {u}')
+  classifier = staged.final
+  start = staged.stages[1].handoff(want_state)
+  encoders = tf.nest.flatten(
+      pretrain.get_model_weights(want_state).trainable)
+  head = tf.nest.flatten(classifier.get_model_weights(start).trainable)
+  assert len(head) > len(encoders)
+  for x, y in zip(encoders, head):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  fresh = tf.nest.flatten(
+      classifier.get_model_weights(classifier.initialize()).trainable)
+  assert not all(np.array_equal(np.asarray(x), np.asarray(y))
+                 for x, y in zip(fresh[:len(encoders)], head))

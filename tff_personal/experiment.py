@@ -27,6 +27,7 @@ from tff_personal.core import private_noise
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
+from tff_personal.core import stages as stages_lib
 from tff_personal.core import training_loop
 
 
@@ -162,9 +163,13 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
         "dp_personal_heads='noised' noises personal heads at the shared "
         "aggregate's noise multiplier, which needs dp mechanism "
         f"'gaussian_fixed'; got {config.dp.mechanism!r}")
+  # A multi-stage algorithm's earlier stages are noised rounds too.
   dp = dataclasses.replace(
       config.dp, clients_per_round=config.clients_per_round,
-      population=population, rounds=config.rounds, sampling=config.sampling)
+      population=population,
+      rounds=config.rounds + registry.earlier_rounds(
+          config.algorithm, config.algorithm_options),
+      sampling=config.sampling)
   if dp.mechanism == 'none':
     return dp
   return privacy.resolve(dp)
@@ -237,8 +242,8 @@ def probe_client_updates(task, config: ExperimentConfig, client_ids,
   """
   # The shared update does not depend on noise on the personal heads, which
   # is added after it is computed (tests/private_noise_test.py).
-  proc = build_process(task, dataclasses.replace(
-      config, dp_personal_heads='exempt'))
+  proc = stages_lib.final_process(build_process(task, dataclasses.replace(
+      config, dp_personal_heads='exempt')))
   composition = proc.composition
   if composition is None or composition.client_step is None:
     raise ValueError(f'{config.algorithm!r} records no per-user client step; '
@@ -368,17 +373,14 @@ def run_experiment(task, config: ExperimentConfig,
   check_or_record_run_config(config, dp, flag_values)
   t_start = time.perf_counter()
 
-  proc = build_process(task, config, privacy.build_aggregator(dp), dp)
-  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
-  # Tasks whose examples travel in a compact form (speech: uint8) say so.
-  train_proc = sharded.maybe_shard(proc, num_shards, dp,
-                                   getattr(task, 'wire_format', None))
-  log_fn(f'simulation: {num_shards} shards per round' if num_shards else
-         'simulation: one user per TFF client')
-  initial_state_fn = initial_client_state_fn(proc, config)
-  store = client_state_lib.make_store(
-      config.client_state_backend, initial_state_fn, population=population,
-      directory=os.path.join(config.experiment_dir, 'client_states'))
+  built = build_process(task, config, privacy.build_aggregator(dp), dp)
+  proc = stages_lib.final_process(built)
+  initial_state, earlier_rounds = None, 0
+  if isinstance(built, stages_lib.Staged):  # e.g. FedDVA: VAE, classifier
+    initial_state = _run_earlier_stages(task, built, config, dp, log_fn)
+    earlier_rounds = built.earlier_rounds
+  train_proc, num_shards, store, train_data_fn = _training_parts(
+      task, proc, config, dp, config.experiment_dir, log_fn)
 
   evaluate, eval_ids, eval_data_fn = _personal_evaluator(
       task, proc, config, store, num_shards)
@@ -396,11 +398,9 @@ def run_experiment(task, config: ExperimentConfig,
   setup_seconds = time.perf_counter() - t_start
   try:
     result = training_loop.run_training(
-        train_proc, store=store,
-        train_data_fn=(task.train_batches if num_shards and
-                       hasattr(task, 'train_batches') else
-                       task.train_datasets),
-        config=loop_config, eval_fn=eval_fn, log_fn=log_fn)
+        train_proc, store=store, train_data_fn=train_data_fn,
+        config=loop_config, eval_fn=eval_fn, log_fn=log_fn,
+        initial_state=initial_state)
     finals = _final_evaluations(task, proc, result.state, store, config,
                                 evaluate, log_fn)
     if export_private_states:
@@ -408,7 +408,9 @@ def run_experiment(task, config: ExperimentConfig,
   finally:
     store.close()
 
-  report = privacy.privacy_report(dp, result.rounds_completed)
+  # Every stage's shared update went through the run's aggregator.
+  report = privacy.privacy_report(
+      dp, result.rounds_completed + earlier_rounds)
   if report is not None:
     noise = private_noise_of(config, dp)
     if noise is not None:
@@ -452,6 +454,57 @@ def run_experiment(task, config: ExperimentConfig,
              f'delta={heads["delta"]:.3g} over at most {heads["passes"]} '
              'noised local passes per user (rdp, no subsampling)')
   return summary
+
+
+def _training_parts(task, proc, config: ExperimentConfig, dp, directory: str,
+                    log_fn):
+  """`(train_proc, num_shards, store, train_data_fn)` of one process run
+  in `directory` (its client-state store under `client_states/`)."""
+  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
+  # Tasks whose examples travel in a compact form (speech: uint8) say so.
+  train_proc = sharded.maybe_shard(proc, num_shards, dp,
+                                   getattr(task, 'wire_format', None))
+  log_fn(f'simulation: {num_shards} shards per round' if num_shards else
+         'simulation: one user per TFF client')
+  store = client_state_lib.make_store(
+      config.client_state_backend, initial_client_state_fn(proc, config),
+      population=task.population,
+      directory=os.path.join(directory, 'client_states'))
+  train_data_fn = (task.train_batches if num_shards and
+                   hasattr(task, 'train_batches') else task.train_datasets)
+  return train_proc, num_shards, store, train_data_fn
+
+
+def stage_directory(config: ExperimentConfig, name: str) -> str:
+  """Where an earlier stage of a multi-stage algorithm runs."""
+  return os.path.join(config.experiment_dir, 'stages', name)
+
+
+def _run_earlier_stages(task, staged: stages_lib.Staged,
+                        config: ExperimentConfig, dp, log_fn):
+  """Runs every stage but the last with the one loop, each in its own
+  directory (resumed from there with `config.resume`; a finished stage runs
+  no round again); returns the last stage's initial server state."""
+  state = None
+  for stage, following in zip(staged.earlier, staged.stages[1:]):
+    directory = stage_directory(config, stage.name)
+    stage_log = lambda s, name=stage.name: log_fn(f'[{name}] {s}')
+    train_proc, _, store, train_data_fn = _training_parts(
+        task, stage.process, config, dp, directory, stage_log)
+    try:
+      result = training_loop.run_training(
+          train_proc, store=store, train_data_fn=train_data_fn,
+          config=training_loop.LoopConfig(
+              rounds=stage.rounds, clients_per_round=config.clients_per_round,
+              population=task.population, experiment_dir=directory,
+              sampling=config.sampling, seed=config.seed,
+              checkpoint_every=config.checkpoint_every,
+              resume=config.resume),
+          log_fn=stage_log, initial_state=state)
+    finally:
+      store.close()
+    state = following.handoff(result.state)
+  return state
 
 
 def _personal_passes(config: ExperimentConfig, rounds: int) -> int:
@@ -549,7 +602,12 @@ def check_or_record_run_config(config: ExperimentConfig,
   """
   path = os.path.join(config.experiment_dir, RUN_CONFIG_FILENAME)
   record = _run_record(config, dp, flag_values)
-  if not training_loop.checkpoint_rounds(config.experiment_dir):
+  stages_dir = os.path.join(config.experiment_dir, 'stages')
+  started = training_loop.checkpoint_rounds(config.experiment_dir) or any(
+      training_loop.checkpoint_rounds(os.path.join(stages_dir, name))
+      for name in (os.listdir(stages_dir) if os.path.isdir(stages_dir)
+                   else ()))
+  if not started:
     os.makedirs(config.experiment_dir, exist_ok=True)
     training_loop.write_summary(path, record)
     return
@@ -631,7 +689,8 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
       raise EvaluationError(
           f'{config.experiment_dir} was trained with another configuration '
           f'({record_path}):\n  ' + '\n  '.join(lines))
-  proc = build_process(task, config, privacy.build_aggregator(dp), dp)
+  proc = stages_lib.final_process(
+      build_process(task, config, privacy.build_aggregator(dp), dp))
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)
   store = client_state_lib.make_store(

@@ -36,9 +36,10 @@ mark's varying part goes to z, not c, with private decoders
 FedAvg of the two encoders and a classification head on [mu_z; mu_c]
 (`models/feddva.build_feddva_classifier`), started from the FedDVA encoders.
 
-Not registered in `algorithms/registry.py`: its builders take a model
-factory `embedding_dim -> SplitModel` from the task, which a VAE with a
-private decoder and a separate loss is not; `papers/feddva.py` drives it.
+`build_feddva_algorithm` is the registered algorithm `feddva`: both stages
+in order (`core/stages.py`), run by the one loop on any task of MNIST-shaped
+digit images (`binaries.train --task=marked_mnist --algorithm=feddva`).
+`papers/feddva.py` also drives the processes directly for its probes.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.core import process as process_lib
+from tff_personal.core import stages
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
 from tff_personal.models import feddva_training
@@ -139,40 +141,46 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
        tuple(tff.TensorType(d.dtype, d.shape) for d in private_weights)),
       (process_lib.CLIENT_STATE_ROUNDS, np.int32)]))
 
-  @tff.tensorflow.computation(weights_type, client_state_type, data_type())
-  def client_work(weights, client_state, dataset):
+  def make_step():
     model = feddva_lib.FeddvaModel(config)
-    step = tf.function(functools.partial(
-        feddva_training.client_update, model, decoder_optimizer,
-        encoder_optimizer, loss_config=loss_config,
-        decoder_first=decoder_first, schedule=schedule))
-    trainable = tuple(weights.trainable)
-    noise_seed = feddva_training.client_seed(
-        noise_seed_base, client_state[process_lib.CLIENT_STATE_ROUNDS],
-        dataset)
-    if is_shared:
-      encoders, broadcast_decoder = (trainable[:num_encoders],
-                                     trainable[num_encoders:])
-      update, weight, new_decoder, metrics = step(
-          encoders, broadcast_decoder, dataset, seed=noise_seed)
-      # The decoder's update in TFF's sign convention (old - new), averaged
-      # with the encoders'; a non-finite client returns the broadcast
-      # decoder, hence a zero update (and weight 0).
-      update = tuple(update) + tuple(
-          tf.subtract(old, new)
-          for old, new in zip(broadcast_decoder, new_decoder))
-      return process_lib.client_step_result(update, weight, (), client_state,
-                                            metrics)
-    update, weight, new_decoder, metrics = step(
-        trainable, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
-        dataset, seed=noise_seed)
-    return process_lib.client_step_result(
-        update, weight, new_decoder, client_state, metrics)
+
+    def step(weights, client_state, dataset):
+      trainable = tuple(weights.trainable)
+      noise_seed = feddva_training.client_seed(
+          noise_seed_base, client_state[process_lib.CLIENT_STATE_ROUNDS],
+          dataset)
+      update_fn = functools.partial(
+          feddva_training.client_update, model, decoder_optimizer,
+          encoder_optimizer, loss_config=loss_config,
+          decoder_first=decoder_first, schedule=schedule, seed=noise_seed)
+      if is_shared:
+        encoders, broadcast_decoder = (trainable[:num_encoders],
+                                       trainable[num_encoders:])
+        update, weight, new_decoder, metrics = update_fn(
+            encoders, broadcast_decoder, dataset)
+        # The decoder's update in TFF's sign convention (old - new),
+        # averaged with the encoders'; a non-finite client returns the
+        # broadcast decoder, hence a zero update (and weight 0).
+        update = tuple(update) + tuple(
+            tf.subtract(old, new)
+            for old, new in zip(broadcast_decoder, new_decoder))
+        return process_lib.client_step_result(update, weight, (),
+                                              client_state, metrics)
+      update, weight, new_decoder, metrics = update_fn(
+          trainable, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
+          dataset)
+      return process_lib.client_step_result(
+          update, weight, new_decoder, client_state, metrics)
+
+    return step
 
   return process_lib.compose_stateful_client_process(
       initial_model_weights=weights, client_state_type=client_state_type,
-      client_work=client_work, aggregator_factory=aggregator_factory,
-      server_optimizer=server_optimizer, train_metrics=train_metrics)
+      client_work=process_lib.client_work_from_step(
+          make_step, weights_type, client_state_type, data_type()),
+      aggregator_factory=aggregator_factory,
+      server_optimizer=server_optimizer, train_metrics=train_metrics,
+      client_step=make_step, initial_private=private_weights)
 
 
 def split_shared_weights(config: feddva_lib.FeddvaConfig, trainable):
@@ -189,7 +197,8 @@ def build_feddva_classifier_process(
     config: feddva_lib.FeddvaConfig, *,
     client_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
     server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
-    aggregator_factory=None, seed: Optional[int] = 0,
+    aggregator_factory=None, seed: Optional[int] = 0, metrics_fn=None,
+    train_metrics: bool = True,
 ) -> process_lib.StatefulClientProcess:
   """FedAvg of FedDVA's encoders plus a head; load the encoders with
   `with_encoders`."""
@@ -198,7 +207,8 @@ def build_feddva_classifier_process(
       client_optimizer=client_optimizer or _adam(1e-3),
       server_optimizer=(server_optimizer
                         or tff.learning.optimizers.build_sgdm(1.0)),
-      aggregator_factory=aggregator_factory, seed=seed)
+      aggregator_factory=aggregator_factory, seed=seed,
+      metrics_fn=metrics_fn, train_metrics=train_metrics)
 
 
 def with_encoders(classifier_process: process_lib.StatefulClientProcess,
@@ -214,3 +224,79 @@ def with_encoders(classifier_process: process_lib.StatefulClientProcess,
   return classifier_process.set_model_weights(
       classifier_state, ModelWeights(trainable=trainable,
                                      non_trainable=weights.non_trainable))
+
+
+def build_feddva_algorithm(model_fn_factory, *,
+                           client_optimizer: tff.learning.optimizers.Optimizer,
+                           server_optimizer: tff.learning.optimizers.Optimizer,
+                           aggregator_factory=None, metrics_fn=None,
+                           train_metrics: bool = True,
+                           seed: Optional[int] = None, embedding_dim: int = 0,
+                           private_optimizer=None,
+                           pretrain_rounds: int = 30, dim: int = 8,
+                           channels: str = '16,16,32,32', hidden: int = 128,
+                           alpha: float = 1.0, beta: float = 0.75,
+                           xi: Optional[float] = None,
+                           mixture_kl: str = 'bound',
+                           schedule: str = 'paper', decoder: str = 'private'
+                           ) -> stages.Staged:
+  """FedDVA as the one run path runs it: two stages, one loop.
+
+  Stage 'pretrain': `build_feddva` for `pretrain_rounds` rounds (shared
+  encoders, each client's decoder its private state). Stage 'classifier':
+  `build_feddva_classifier_process`, started from the pre-trained encoders
+  (`with_encoders`), for the experiment's rounds; it is evaluated. Both
+  stages' shared updates go through `aggregator_factory` (DP included).
+
+  Args:
+    model_fn_factory: unused: FedDVA builds its own models on the task's
+      28 x 28 x 1 images (the registry's `digit_images` need).
+    client_optimizer: the encoders' and the classifier's local optimizer.
+    server_optimizer, aggregator_factory, train_metrics, seed: as for
+      every registered algorithm.
+    metrics_fn: the classifier's training-metric sums.
+    embedding_dim: must be 0 (FedDVA's personal part is its decoder).
+    private_optimizer: the decoders' (default `client_optimizer`).
+    pretrain_rounds: rounds of the dual-VAE stage.
+    dim: the sizes of z and of c.
+    channels: the four convolutions' channels, comma-separated.
+    hidden: the fully connected width.
+    alpha, beta, xi, mixture_kl: the loss (`feddva_losses.LossConfig`).
+    schedule: 'paper' or 'reference' (`feddva_training.SCHEDULES`).
+    decoder: 'private' (FedDVA) or 'shared' (the ablation).
+
+  Returns:
+    A `core/stages.Staged` of the two stages.
+  """
+  del model_fn_factory
+  if embedding_dim:
+    raise ValueError('feddva\'s personal part is its decoder; it takes no '
+                     f'personal embedding (got {embedding_dim})')
+  try:
+    widths = tuple(int(c) for c in channels.split(','))
+  except ValueError:
+    raise ValueError('feddva channels must be comma-separated integers, got '
+                     f'{channels!r}') from None
+  config = feddva_lib.FeddvaConfig(z_dim=dim, c_dim=dim, channels=widths,
+                                   hidden=hidden)
+  pretrain = build_feddva(
+      config, feddva_losses.LossConfig(alpha=alpha, beta=beta, xi=xi,
+                                       mixture_kl=mixture_kl),
+      decoder_optimizer=private_optimizer or client_optimizer,
+      encoder_optimizer=client_optimizer, server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+      seed=seed, decoder=decoder, schedule=schedule)
+  classifier = build_feddva_classifier_process(
+      config, client_optimizer=client_optimizer,
+      server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, seed=seed,
+      metrics_fn=metrics_fn, train_metrics=train_metrics)
+
+  def handoff(pretrain_state):
+    encoders, _ = split_shared_weights(
+        config, pretrain.get_model_weights(pretrain_state).trainable)
+    return with_encoders(classifier, classifier.initialize(), encoders)
+
+  return stages.Staged((
+      stages.Stage('pretrain', pretrain, rounds=pretrain_rounds),
+      stages.Stage('classifier', classifier, handoff=handoff)))

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tff_personal.algorithms import ditto
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedavg_ft
+from tff_personal.algorithms import feddva
 from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import fedembed_som
 from tff_personal.algorithms import fedrep
@@ -56,6 +57,9 @@ class AlgorithmSpec:
     needs: task capabilities the algorithm uses (`core/task.CAPABILITIES`).
     family: the paper or family it belongs to.
     summary: one line: what it is.
+    stage_rounds: for a multi-stage algorithm (its builder returns a
+      `core/stages.Staged`), the options that give its earlier stages'
+      rounds (the last stage runs the experiment's rounds).
   """
   name: str
   builder: Callable[..., Any]
@@ -63,6 +67,11 @@ class AlgorithmSpec:
   needs: tuple[str, ...]
   family: str
   summary: str
+  stage_rounds: tuple[str, ...] = ()
+
+  @property
+  def staged(self) -> bool:
+    return bool(self.stage_rounds)
 
   def __post_init__(self):
     if self.model not in MODEL_KINDS:
@@ -115,6 +124,11 @@ _SPECS = (
     AlgorithmSpec('fedavg_ft', fedavg_ft.build_fedavg_ft_algorithm, 'split',
                   (), 'baselines',
                   'FedAvg, then local fine-tuning at evaluation'),
+    AlgorithmSpec('feddva', feddva.build_feddva_algorithm, 'split',
+                  ('digit_images',), 'feddva',
+                  'dual VAE (shared encoders, private decoders), then a '
+                  'classifier on its encoders',
+                  stage_rounds=('pretrain_rounds',)),
 )
 
 SPECS: dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
@@ -157,6 +171,15 @@ def parse_algorithm_options(name: str, items: Sequence[str]) -> dict[str, Any]:
   """`key=value` strings -> checked options (`options.parse`)."""
   return options_lib.parse(_option_specs(name), items, name,
                            reserved=EXPERIMENT_ARGUMENTS)
+
+
+def earlier_rounds(name: str, options: Mapping[str, Any] = ()) -> int:
+  """Rounds of the named algorithm's earlier stages under `options` (0 for
+  a single-stage algorithm): they count in the privacy accounting."""
+  defaults = algorithm_options(name)
+  options = dict(options)
+  return sum(int(options.get(o, defaults[o][1]))
+             for o in spec(name).stage_rounds)
 
 
 def build(name: str, model_fn_factory, **kwargs):

@@ -33,7 +33,9 @@ task has):
   users withheld from training;
 * `groups`: `groups(ids)`, a group (sub-population) per client;
 * `named_head`: the model's output layer is named 'head' (declared by
-  `has_named_head = True`), FedRep's and pFedMe's personal head.
+  `has_named_head = True`), FedRep's and pFedMe's personal head;
+* `digit_images`: examples are MNIST-shaped images with a digit label
+  (declared by `has_digit_images = True`), what FedDVA's models take.
 
 Example:
 
@@ -100,6 +102,10 @@ CAPABILITIES: dict[str, tuple[tuple[str, ...], str]] = {
         ('cold_client_ids', 'cold_start_datasets'),
         'users withheld from training, evaluated after local steps'),
     'groups': (('groups',), 'a group (sub-population) per client'),
+    'digit_images': (
+        ('has_digit_images',),
+        'examples are 28 x 28 x 1 images in [0, 1] with a class label in '
+        "0..9 (FedDVA's VAE and classifier)"),
     'named_head': (
         ('has_named_head',),
         "the model's output layer is named 'head' (the personal head of "

@@ -221,6 +221,7 @@ def run_training(
     config: LoopConfig,
     eval_fn: Optional[Callable[[Any, int], dict]] = None,
     log_fn: Callable[[str], None] = print,
+    initial_state: Any = None,
 ) -> LoopResult:
   """Drives a `StatefulClientProcess` for `config.rounds` rounds.
 
@@ -232,6 +233,10 @@ def run_training(
     config: the loop configuration.
     eval_fn: `(server_state, round_num) -> dict` of evaluation metrics.
     log_fn: receives the one-line progress reports.
+    initial_state: the server state of round 0 (default
+      `process.initialize()`), e.g. a multi-stage algorithm's hand-off
+      from its previous stage (`core/stages.py`); a resumed run reads it
+      from its checkpoint instead.
 
   Returns:
     A `LoopResult`.
@@ -255,7 +260,8 @@ def run_training(
       await tb_release.release(value, round_num)
     asyncio.run(_release())
 
-  initial_state = process.initialize()
+  if initial_state is None:
+    initial_state = process.initialize()
   versions = asyncio.run(manager.get_versions())
   resumed_from = None
   if versions:
