@@ -1,7 +1,9 @@
 """Unit tests of the training loop's pieces: sampling, metrics, checkpoints."""
 
+import glob
 import json
 import os
+import shutil
 
 from absl import flags
 from absl.testing import flagsaver
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from binaries import train
+from tests import files
 from tff_personal.core import training_loop
 
 FLAGS = flags.FLAGS
@@ -100,3 +103,35 @@ def test_target_epsilon_calibrates_noise(tmp_path, mnist_dir):
   assert privacy['epsilon'] <= 8.0
   assert privacy['epsilon'] > 7.5  # calibrated, not merely conservative
   assert privacy['noise_multiplier'] > 0
+
+
+def _train(tmp_path, mnist_dir, **kw):
+  """Runs binaries.train in this process; returns its exit code."""
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  with flagsaver.flagsaver(**_flags(tmp_path, mnist_dir, **kw)):
+    return train.main(['train'])
+
+
+def test_resume_refuses_a_missing_or_emptied_sqlite_store(tmp_path, mnist_dir,
+                                                          capsys):
+  """Checkpoints without the client states they were committed with."""
+  assert _train(tmp_path, mnist_dir, client_state_backend='sqlite') == 0
+  shutil.copytree(tmp_path / 'ckpt', tmp_path / 'emptied')
+  for name, damage in (('ckpt', os.remove), ('emptied', _truncate)):
+    store_files = glob.glob(
+        str(tmp_path / name / 'client_states' / 'client_states.sqlite*'))
+    assert store_files
+    for path in store_files:
+      damage(path)
+    before = files.tree_digest(tmp_path / name)
+    assert _train(tmp_path, mnist_dir, client_state_backend='sqlite',
+                  experiment_name=name, rounds=3, resume=True) == 3
+    err = capsys.readouterr().err
+    assert 'client_states.sqlite' in err and 'round 2' in err
+    assert files.tree_digest(tmp_path / name) == before
+
+
+def _truncate(path):
+  with open(path, 'r+b') as f:
+    f.truncate(0)

@@ -360,6 +360,7 @@ def run_experiment(task, config: ExperimentConfig,
   log_fn(f'simulation: {num_shards} shards per round' if num_shards else
          'simulation: one user per TFF client')
   initial_state_fn = initial_client_state_fn(proc, config)
+  _check_store_present(config, population)
   store = client_state_lib.make_store(
       config.client_state_backend, initial_state_fn, population=population,
       directory=os.path.join(config.experiment_dir, 'client_states'))
@@ -436,6 +437,31 @@ def run_experiment(task, config: ExperimentConfig,
              f'delta={heads["delta"]:.3g} over at most {heads["passes"]} '
              'noised local passes per user (rdp, no subsampling)')
   return summary
+
+
+def _check_store_present(config: ExperimentConfig, population: int) -> None:
+  """Refuses to resume checkpoints whose client-state store is gone.
+
+  Opening a missing SQLite database creates an empty one, and a store without
+  states loads every client's initial state: the run would continue with
+  every user reset. Raises `training_loop.CheckpointError` naming the missing
+  file and the round it should hold, before anything is written.
+  """
+  rounds = training_loop.checkpoint_rounds(config.experiment_dir)
+  if not config.resume or not rounds or rounds[-1] == 0:
+    return
+  missing = client_state_lib.missing_store(
+      config.client_state_backend,
+      os.path.join(config.experiment_dir, 'client_states'), population)
+  if missing is not None:
+    raise training_loop.CheckpointError(
+        f'the client-state store {missing} is missing or empty, but the '
+        f'server checkpoints of {config.experiment_dir} reach round '
+        f'{rounds[-1]}: the store should hold the client states committed at '
+        f'round {rounds[-1]} (or at an earlier checkpoint of {rounds}). '
+        'Resuming would reset every client to its initial state. Restore the '
+        'store (with the run\'s own --client_state_backend), or start a new '
+        '--experiment_name. Nothing was changed.')
 
 
 def _personal_passes(config: ExperimentConfig, rounds: int) -> int:

@@ -963,6 +963,39 @@ _BACKENDS = ('auto', 'memory', 'sqlite')
 SQLITE_FILENAME = 'client_states.sqlite'
 
 
+def resolve_backend(backend: str, population: int,
+                    auto_threshold: int = 100_000) -> str:
+  """'memory' or 'sqlite': the backend `make_store` builds for `backend`."""
+  if backend not in _BACKENDS:
+    raise ValueError(
+        f'Unknown client-state backend {backend!r}; expected one of '
+        f'{_BACKENDS}.')
+  if backend == 'auto':
+    return 'sqlite' if population > auto_threshold else 'memory'
+  return backend
+
+
+def missing_store(backend: str, directory: str, population: int,
+                  auto_threshold: int = 100_000) -> Optional[str]:
+  """What is missing of a store `make_store` would open, or None.
+
+  A store that has committed a round leaves files in `directory`: the SQLite
+  database (non-empty), or at least one `client_states_<round>.npz` snapshot.
+  Returns the path (or pattern) that should exist but does not, so that a
+  resumed run can refuse before opening, and so creating, an empty store.
+  """
+  backend = resolve_backend(backend, population, auto_threshold)
+  if backend == 'sqlite':
+    path = os.path.join(directory, SQLITE_FILENAME)
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+      return path
+    return None
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  if not any(_SNAPSHOT_RE.match(n) for n in names):
+    return os.path.join(directory, 'client_states_<round>.npz')
+  return None
+
+
 def make_store(backend: str, initial_state_fn: InitialStateFn, *,
                population: int, directory: Optional[str],
                cache_size: int = 0, auto_threshold: int = 100_000,
@@ -986,12 +1019,7 @@ def make_store(backend: str, initial_state_fn: InitialStateFn, *,
   Raises:
     ValueError: unknown backend, or sqlite without a directory.
   """
-  if backend not in _BACKENDS:
-    raise ValueError(
-        f'Unknown client-state backend {backend!r}; expected one of '
-        f'{_BACKENDS}.')
-  if backend == 'auto':
-    backend = 'sqlite' if population > auto_threshold else 'memory'
+  backend = resolve_backend(backend, population, auto_threshold)
   if backend == 'memory':
     return InMemoryClientStateStore(initial_state_fn, directory,
                                     template=template)

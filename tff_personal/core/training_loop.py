@@ -162,10 +162,23 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
       raise CheckpointError(
           f'checkpoint directory for round {latest} holds round '
           f'{program_state["round_num"]}; the checkpoint is inconsistent')
+    if (not isinstance(store, client_state_lib.InMemoryClientStateStore)
+        and latest > 0 and store.committed_round() is None):
+      raise CheckpointError(
+          f'the client-state store {_store_name(store)} holds no committed '
+          f'round, but the server checkpoint of round {latest} in {ckpt_dir} '
+          f'needs the client states committed at round {latest}: resuming '
+          'would reset every client to its initial state. Restore the store, '
+          'or start a new --experiment_name. Nothing was changed.')
     try:
       store.rollback(latest)
     except client_state_lib.SnapshotNotFoundError:
       continue
+    except client_state_lib.ClientStateStoreError as e:
+      raise CheckpointError(
+          f'the client-state store {_store_name(store)} cannot be rolled back '
+          f'to the server checkpoint of round {latest} in {ckpt_dir}: {e}. '
+          'Nothing was changed.') from e
     for newer in versions:
       if newer > latest:
         tf.io.gfile.rmtree(os.path.join(ckpt_dir, f'program_state_{newer}'))
@@ -174,6 +187,10 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
       f'none of the server checkpoints {versions} in {ckpt_dir} has a '
       'matching client-state snapshot; cannot resume without losing client '
       'state. Nothing was changed.')
+
+
+def _store_name(store) -> str:
+  return getattr(store, 'path', None) or type(store).__name__
 
 
 def checkpoint_rounds(experiment_dir: str) -> list[int]:
