@@ -135,3 +135,17 @@ def test_resume_refuses_a_missing_or_emptied_sqlite_store(tmp_path, mnist_dir,
 def _truncate(path):
   with open(path, 'r+b') as f:
     f.truncate(0)
+
+
+def test_resume_without_run_config_is_refused(tmp_path, mnist_dir, capsys):
+  """Without its record a resumed run cannot be checked: even a resume that
+  names the other client-state backend would start every user afresh."""
+  assert _train(tmp_path, mnist_dir, client_state_backend='memory') == 0
+  os.remove(tmp_path / 'ckpt' / 'run_config.json')
+  before = files.tree_digest(tmp_path / 'ckpt')
+  for backend in ('memory', 'sqlite'):
+    assert _train(tmp_path, mnist_dir, client_state_backend=backend,
+                  rounds=3, resume=True) == 3
+    err = capsys.readouterr().err
+    assert 'run_config.json' in err and 'missing' in err
+    assert files.tree_digest(tmp_path / 'ckpt') == before

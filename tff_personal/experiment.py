@@ -554,8 +554,8 @@ def check_or_record_run_config(config: ExperimentConfig,
   client-state backend or a DP noise multiplier re-calibrated for other
   rounds (rounds 1..r noised at one multiplier and reported at another
   would under-report epsilon) raise `ResumeError` naming each difference,
-  before anything is changed. A run from before this record is resumed
-  unchecked.
+  before anything is changed. Resuming checkpoints without `run_config.json`
+  raises `ResumeError` naming the file.
   """
   path = os.path.join(config.experiment_dir, RUN_CONFIG_FILENAME)
   record = _run_record(config, dp, flag_values)
@@ -563,8 +563,17 @@ def check_or_record_run_config(config: ExperimentConfig,
     os.makedirs(config.experiment_dir, exist_ok=True)
     training_loop.write_summary(path, record)
     return
-  if not config.resume or not os.path.exists(path):
-    return  # The loop refuses a rerun without resume; old runs: unchecked.
+  if not config.resume:
+    return  # The loop refuses a rerun without resume.
+  if not os.path.exists(path):
+    raise ResumeError(
+        f'{path} is missing: {config.experiment_dir} holds checkpoints, but '
+        'without the record of the configuration it started with, a resumed '
+        'run cannot be checked to be the same run (another client-state '
+        'backend, learning rate or DP noise would go unnoticed). Restore the '
+        'file from a backup, or start a new --experiment_name (the '
+        'checkpoints can still be re-evaluated once the file is back). '
+        'Nothing was changed.')
   with open(path, encoding='utf-8') as f:
     old = json.load(f)
   lines = (_differences(old.get('config', {}), record['config']) +
