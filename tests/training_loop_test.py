@@ -12,6 +12,8 @@ import pytest
 
 from binaries import train
 from tests import files
+from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import privacy
 from tff_personal.core import training_loop
 
 FLAGS = flags.FLAGS
@@ -149,3 +151,47 @@ def test_resume_without_run_config_is_refused(tmp_path, mnist_dir, capsys):
     err = capsys.readouterr().err
     assert 'run_config.json' in err and 'missing' in err
     assert files.tree_digest(tmp_path / 'ckpt') == before
+
+
+class _Killed(Exception):
+  """Stands for a kill of the training process."""
+
+
+def test_dp_epsilon_covers_replayed_rounds_and_rounds_cannot_shrink(
+    tmp_path, mnist_dir, capsys, monkeypatch):
+  dp = dict(dp='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5,
+            client_state_backend='memory', checkpoint_every=2)
+  save = client_state_lib.InMemoryClientStateStore._save_leaves
+
+  def save_or_die(self, client_ids, leaves, round_num):
+    if round_num == 3:  # Round 3's noised aggregate was computed: die.
+      raise _Killed()
+    save(self, client_ids, leaves, round_num)
+
+  with monkeypatch.context() as m:
+    m.setattr(client_state_lib.InMemoryClientStateStore, '_save_leaves',
+              save_or_die)
+    with pytest.raises(_Killed):
+      _train(tmp_path, mnist_dir, rounds=4, **dp)
+  assert training_loop.checkpoint_rounds(str(tmp_path / 'ckpt')) == [0, 2]
+  assert _train(tmp_path, mnist_dir, rounds=4, resume=True, **dp) == 0
+  with open(tmp_path / 'ckpt' / 'summary.json') as f:
+    summary = json.load(f)
+  report = summary['privacy']
+  # Rounds 1, 2, 3 (killed), then 3 and 4 again: five noised aggregates.
+  assert summary['rounds_completed'] == 4
+  assert report['rounds_noised'] == 5
+  resolved = privacy.DPConfig(
+      mechanism='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5,
+      target_delta=report['delta'], clients_per_round=5, population=30,
+      rounds=4)
+  assert report['epsilon'] == pytest.approx(
+      privacy.compute_epsilon(resolved, 5)['epsilon'])
+  assert report['epsilon'] > privacy.compute_epsilon(resolved, 4)['epsilon']
+  capsys.readouterr()
+  # A shorter resume would report fewer rounds than ran: refused.
+  before = files.tree_digest(tmp_path / 'ckpt')
+  assert _train(tmp_path, mnist_dir, rounds=3, resume=True, **dp) == 3
+  err = capsys.readouterr().err
+  assert '--rounds=3' in err and '4 rounds' in err
+  assert files.tree_digest(tmp_path / 'ckpt') == before

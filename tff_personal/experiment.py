@@ -348,6 +348,7 @@ def run_experiment(task, config: ExperimentConfig,
   """
   population = task.population
   dp = validate(config, population)
+  _check_rounds_not_below_completed(config)
   os.makedirs(config.experiment_dir, exist_ok=True)
   check_or_record_run_config(config, dp, flag_values)
   t_start = time.perf_counter()
@@ -393,25 +394,14 @@ def run_experiment(task, config: ExperimentConfig,
   finally:
     store.close()
 
-  report = privacy.privacy_report(dp, result.rounds_completed)
-  if report is not None:
-    noise = private_noise_of(config, dp)
-    if noise is not None:
-      report['personal_heads'] = private_noise.personal_report(
-          noise, _personal_passes(config, result.rounds_completed),
-          report['delta'], report['neighboring_relation'])
-    report['train_metrics_released'] = config.train_metrics
-    if config.train_metrics:
-      report['notes'] = (report.get('notes', '') + ' Training-metric sums '
-                         '(loss, accuracy) are released without noise as '
-                         'simulation diagnostics and are not covered by '
-                         'epsilon; run with --notrain_metrics to release only '
-                         'the DP aggregate.').strip()
+  report = run_privacy_report(config, dp, result.rounds_completed,
+                              result.rounds_started)
   summary = {
       'task': getattr(task, 'name', type(task).__name__),
       'algorithm': config.algorithm,
       'rounds_completed': result.rounds_completed,
       'rounds_run_in_this_process': result.rounds_run_here,
+      'rounds_started': result.rounds_started,
       'resumed_from_round': result.resumed_from,
       'seconds_per_round': result.seconds_per_round,
       'first_round_seconds': result.first_round_seconds,
@@ -437,6 +427,58 @@ def run_experiment(task, config: ExperimentConfig,
              f'delta={heads["delta"]:.3g} over at most {heads["passes"]} '
              'noised local passes per user (rdp, no subsampling)')
   return summary
+
+
+def run_privacy_report(config: ExperimentConfig, dp: privacy.DPConfig,
+                       rounds_completed: int,
+                       rounds_started: Optional[int]) -> Optional[dict]:
+  """The privacy report of a run (None without DP).
+
+  `dp` is the run's resolved DP config. Epsilon accounts every round whose
+  noised aggregate was computed, `rounds_noised`: the rounds started in the
+  experiment directory (`training_loop.rounds_started`), which include rounds
+  replayed after a kill, and at least `rounds_completed`. A replay trains
+  and noises the round again, so it is accounted as another release.
+  """
+  noised = max(rounds_completed, rounds_started or 0)
+  report = privacy.privacy_report(dp, noised)
+  if report is None:
+    return None
+  report['rounds_completed'] = rounds_completed
+  report['rounds_noised'] = noised
+  report['notes'] = (report.get('notes', '') + ' Epsilon accounts '
+                     'rounds_noised rounds: every round started, including '
+                     'rounds replayed after a kill (a replay trains and '
+                     'noises the round again, another release).').strip()
+  noise = private_noise_of(config, dp)
+  if noise is not None:
+    report['personal_heads'] = private_noise.personal_report(
+        noise, _personal_passes(config, noised),
+        report['delta'], report['neighboring_relation'])
+  report['train_metrics_released'] = config.train_metrics
+  if config.train_metrics:
+    report['notes'] = (report.get('notes', '') + ' Training-metric sums '
+                       '(loss, accuracy) are released without noise as '
+                       'simulation diagnostics and are not covered by '
+                       'epsilon; run with --notrain_metrics to release only '
+                       'the DP aggregate.').strip()
+  return report
+
+
+def _check_rounds_not_below_completed(config: ExperimentConfig) -> None:
+  """Refuses a resume with fewer `rounds` than its checkpoints completed.
+
+  The rounds that ran cannot be undone (their noise is spent, their client
+  states are saved); a shorter resume would report fewer. Raises
+  `ResumeError` before anything is written.
+  """
+  rounds = training_loop.checkpoint_rounds(config.experiment_dir)
+  if config.resume and rounds and rounds[-1] > config.rounds:
+    raise ResumeError(
+        f'{config.experiment_dir} has completed {rounds[-1]} rounds; '
+        f'--rounds={config.rounds} is below that. Rounds that ran cannot be '
+        f'undone: resume with --rounds >= {rounds[-1]}, or re-evaluate the '
+        'run with binaries.evaluate. Nothing was changed.')
 
 
 def _check_store_present(config: ExperimentConfig, population: int) -> None:

@@ -7,7 +7,9 @@ lost or duplicated):
    `tff.program.FileProgramStateManager` (an atomic directory rename), then the
    client-state store commits round 0.
 2. Round r: the cohort is sampled from `(seed, r)` alone; its states are loaded
-   from the store; `process.next` runs; the returned states are saved tagged
+   from the store; the count of rounds started (`rounds_started.json`, which
+   the privacy accounting reads: a replayed round is noised again) is
+   incremented durably; `process.next` runs; the returned states are saved tagged
    with round r; metrics are released (CSV rows with key >= r are replaced, so
    a replayed round overwrites, never duplicates).
 3. Every `checkpoint_every` rounds and at the last round: the server state is
@@ -85,6 +87,9 @@ class LoopResult:
   state: Any
   rounds_completed: int
   rounds_run_here: int
+  # Rounds started in the experiment directory over all processes (replays
+  # after a kill included): `rounds_started(experiment_dir)` at the end.
+  rounds_started: int
   seconds_per_round: float
   first_round_seconds: float
   train_metrics: dict
@@ -187,6 +192,40 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
       f'none of the server checkpoints {versions} in {ckpt_dir} has a '
       'matching client-state snapshot; cannot resume without losing client '
       'state. Nothing was changed.')
+
+
+ROUNDS_STARTED_FILENAME = 'rounds_started.json'
+
+
+def rounds_started(experiment_dir: str) -> Optional[int]:
+  """How many rounds `run_training` started in `experiment_dir`, or None.
+
+  Counted over every process that ran the experiment, rounds replayed after
+  a kill included: the loop records round r as started (durably) before it
+  runs `process.next` for it. None when the directory has no record.
+
+  Raises:
+    CheckpointError: the record exists but cannot be read (names the file).
+  """
+  path = os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      started = json.load(f)['rounds_started']
+    if not isinstance(started, int) or started < 0:
+      raise ValueError(f'rounds_started is {started!r}')
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(
+        f'{path} cannot be read ({type(e).__name__}: {e}); it counts the '
+        'rounds run so far, which the privacy accounting needs. Nothing was '
+        'changed.') from e
+  return started
+
+
+def _record_rounds_started(experiment_dir: str, started: int) -> None:
+  write_summary(os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME),
+                {'rounds_started': started})
 
 
 def _store_name(store) -> str:
@@ -296,6 +335,9 @@ def run_training(
     store.commit(0)
     start = 1
 
+  started = rounds_started(config.experiment_dir)
+  if started is None:  # A run from before the record: its checkpoint's count.
+    started = resumed_from or 0
   round_times = []
   train_metrics: dict = {}
   eval_metrics: dict = {}
@@ -307,6 +349,8 @@ def run_training(
     cohort_ids = [int(c) for c in cohort]
     client_states = store.load(cohort_ids)
     datasets = train_data_fn(cohort_ids, round_num)
+    started += 1  # Recorded before the round's aggregate exists.
+    _record_rounds_started(config.experiment_dir, started)
     state, new_client_states, metrics = process.next(
         state, client_states, datasets)
     store.save(cohort_ids,
@@ -358,6 +402,7 @@ def run_training(
       state=state,
       rounds_completed=config.rounds,
       rounds_run_here=rounds_run,
+      rounds_started=started,
       seconds_per_round=float(np.mean(steady)) if steady else float('nan'),
       first_round_seconds=first_round_seconds,
       train_metrics=train_metrics,
