@@ -1,5 +1,6 @@
 """Unit tests of the training loop's pieces: sampling, metrics, checkpoints."""
 
+import csv
 import glob
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 
 from binaries import train
 from tests import files
+from tff_personal import experiment
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
@@ -195,3 +197,58 @@ def test_dp_epsilon_covers_replayed_rounds_and_rounds_cannot_shrink(
   err = capsys.readouterr().err
   assert '--rounds=3' in err and '4 rounds' in err
   assert files.tree_digest(tmp_path / 'ckpt') == before
+
+
+def _strict_json(path):
+  """The JSON of `path`; fails on NaN or Infinity (not JSON)."""
+  def refuse(constant):
+    raise AssertionError(f'{path} holds {constant}, which is not JSON')
+  with open(path) as f:
+    return json.loads(f.read(), parse_constant=refuse)
+
+
+def _csv_rows(path):
+  with open(path, newline='') as f:
+    return list(csv.DictReader(f))
+
+
+def test_resume_after_a_kill_in_evaluation_releases_what_was_lost(
+    tmp_path, mnist_dir, monkeypatch):
+  evaluator = experiment._personal_evaluator  # pylint: disable=protected-access
+
+  def dying_evaluator(*args, **kwargs):
+    _, ids, data_fn = evaluator(*args, **kwargs)
+
+    def die(*unused_args, **unused_kwargs):
+      raise _Killed()
+    return die, ids, data_fn
+
+  with monkeypatch.context() as m:
+    m.setattr(experiment, '_personal_evaluator', dying_evaluator)
+    with pytest.raises(_Killed):
+      _train(tmp_path, mnist_dir)
+  run = tmp_path / 'ckpt'
+  assert training_loop.checkpoint_rounds(str(run))[-1] == 2
+  assert not (run / 'summary.json').exists()
+  assert _train(tmp_path, mnist_dir, resume=True) == 0
+  summary = _strict_json(run / 'summary.json')
+  assert summary['rounds_completed'] == 2
+  assert summary['rounds_run_in_this_process'] == 0
+  eval_rows = _csv_rows(run / 'eval_metrics.csv')
+  assert [int(r['round']) for r in eval_rows] == [2]
+  assert float(eval_rows[0]['f1']) == pytest.approx(summary['eval']['f1'])
+  last = _csv_rows(run / 'train_metrics.csv')[-1]
+  assert int(last['round']) == 2
+  assert summary['final_train_metrics']['train/loss'] == pytest.approx(
+      float(last['train/loss']))
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, mnist_dir, capsys):
+  assert _train(tmp_path, mnist_dir) == 0
+  run = tmp_path / 'ckpt'
+  _strict_json(run / 'summary.json')
+  before = files.tree_digest(run)
+  capsys.readouterr()
+  assert _train(tmp_path, mnist_dir, resume=True) == 0
+  assert 'already finished' in capsys.readouterr().out
+  assert files.tree_digest(run) == before

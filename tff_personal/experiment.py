@@ -351,6 +351,11 @@ def run_experiment(task, config: ExperimentConfig,
   _check_rounds_not_below_completed(config)
   os.makedirs(config.experiment_dir, exist_ok=True)
   check_or_record_run_config(config, dp, flag_values)
+  finished = _finished_summary(config)
+  if finished is not None:
+    log_fn(f'{config.experiment_dir} already finished its {config.rounds} '
+           'rounds (summary.json); nothing was run and nothing was changed')
+    return finished
   t_start = time.perf_counter()
 
   proc = build_process(task, config, privacy.build_aggregator(dp), dp)
@@ -463,6 +468,26 @@ def run_privacy_report(config: ExperimentConfig, dp: privacy.DPConfig,
                        'epsilon; run with --notrain_metrics to release only '
                        'the DP aggregate.').strip()
   return report
+
+
+def _finished_summary(config: ExperimentConfig) -> Optional[dict]:
+  """summary.json of a resumed run that already finished `config.rounds`.
+
+  None unless `config.resume`, the last checkpoint is of round
+  `config.rounds` and summary.json records that round: then resuming has
+  nothing to run, and the summary is returned as it is.
+  """
+  path = os.path.join(config.experiment_dir, 'summary.json')
+  if not config.resume or not os.path.exists(path):
+    return None
+  rounds = training_loop.checkpoint_rounds(config.experiment_dir)
+  if not rounds or rounds[-1] != config.rounds:
+    return None
+  with open(path, encoding='utf-8') as f:
+    summary = json.load(f)
+  if summary.get('rounds_completed') != config.rounds:
+    return None
+  return summary
 
 
 def _check_rounds_not_below_completed(config: ExperimentConfig) -> None:

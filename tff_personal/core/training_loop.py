@@ -28,6 +28,7 @@ managers used here, but its program logic has no client-state store.
 from __future__ import annotations
 
 import asyncio
+import csv
 import dataclasses
 import json
 import math
@@ -90,8 +91,8 @@ class LoopResult:
   # Rounds started in the experiment directory over all processes (replays
   # after a kill included): `rounds_started(experiment_dir)` at the end.
   rounds_started: int
-  seconds_per_round: float
-  first_round_seconds: float
+  seconds_per_round: Optional[float]  # None: no round ran in this process.
+  first_round_seconds: Optional[float]
   train_metrics: dict
   eval_metrics: dict
   resumed_from: Optional[int]
@@ -335,13 +336,25 @@ def run_training(
     store.commit(0)
     start = 1
 
+  def is_eval_round(round_num):
+    return round_num == config.rounds or bool(
+        config.eval_every and round_num % config.eval_every == 0)
+
+  eval_metrics: dict = {}
+  eval_csv = os.path.join(config.experiment_dir, 'eval_metrics.csv')
+  if (eval_fn is not None and resumed_from and is_eval_round(resumed_from)
+      and resumed_from not in _released_rounds(eval_csv)):
+    # Killed after the checkpoint, before the evaluation was released.
+    log_fn(f'round {resumed_from}: evaluating again (its evaluation was not '
+           'released before the run stopped)')
+    eval_metrics = _evaluate_and_release(
+        eval_fn, state, resumed_from, lambda v, r: release(v, r, eval_release))
   started = rounds_started(config.experiment_dir)
   if started is None:  # A run from before the record: its checkpoint's count.
     started = resumed_from or 0
   round_times = []
   train_metrics: dict = {}
-  eval_metrics: dict = {}
-  first_round_seconds = float('nan')
+  first_round_seconds = None
   for round_num in range(start, config.rounds + 1):
     t0 = time.perf_counter()
     cohort = sample_clients(config.population, config.clients_per_round,
@@ -383,12 +396,11 @@ def run_training(
       line += f' | {train_metrics["train/nonfinite"]} non-finite clients left out'
     line += (f' | {1.0 / per_round:.2f} rounds/s | ETA {_fmt_seconds(eta)}')
 
-    if eval_fn is not None and (last or (
-        config.eval_every and round_num % config.eval_every == 0)):
-      eval_metrics = eval_fn(state, round_num)
-      flat_eval = {k: v for k, v in flatten_metrics(eval_metrics).items()
-                   if isinstance(v, (int, float))}
-      release(flat_eval, round_num, eval_release)
+    if eval_fn is not None and is_eval_round(round_num):
+      eval_metrics = _evaluate_and_release(
+          eval_fn, state, round_num,
+          lambda v, r: release(v, r, eval_release))
+      flat_eval = flatten_metrics(eval_metrics)
       shown = ', '.join(f'{k} {v:.4f}' for k, v in flat_eval.items()
                         if k in ('f1', 'accuracy', 'auc'))
       line += f' | eval {shown}'
@@ -396,24 +408,84 @@ def run_training(
 
   rounds_run = len(round_times)
   steady = round_times[1:] or round_times
-  if rounds_run == 0 and eval_fn is not None:
-    eval_metrics = eval_fn(state, config.rounds)
+  if rounds_run == 0:  # Resumed at the last round: what it released.
+    train_metrics = _released_row(
+        os.path.join(config.experiment_dir, 'train_metrics.csv'),
+        config.rounds)
+    if eval_fn is not None and not eval_metrics:
+      eval_metrics = eval_fn(state, config.rounds)
   return LoopResult(
       state=state,
       rounds_completed=config.rounds,
       rounds_run_here=rounds_run,
       rounds_started=started,
-      seconds_per_round=float(np.mean(steady)) if steady else float('nan'),
+      seconds_per_round=float(np.mean(steady)) if steady else None,
       first_round_seconds=first_round_seconds,
       train_metrics=train_metrics,
       eval_metrics=eval_metrics,
       resumed_from=resumed_from)
 
 
+def _evaluate_and_release(eval_fn, state, round_num, release_fn) -> dict:
+  """Runs `eval_fn` at `round_num`, releases its numbers, returns them all."""
+  eval_metrics = eval_fn(state, round_num)
+  flat_eval = {k: v for k, v in flatten_metrics(eval_metrics).items()
+               if isinstance(v, (int, float))}
+  release_fn(flat_eval, round_num)
+  return eval_metrics
+
+
+def _read_csv(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path, newline='', encoding='utf-8') as f:
+    return list(csv.DictReader(f))
+
+
+def _released_rounds(path: str) -> set[int]:
+  """Rounds with a row in a metrics CSV written by the release managers."""
+  return {int(row['round']) for row in _read_csv(path)}
+
+
+def _released_row(path: str, round_num: int) -> dict:
+  """The values of round `round_num`'s row of a metrics CSV ({} if none)."""
+  for row in _read_csv(path):
+    if int(row['round']) == round_num:
+      return {k: _number(v) for k, v in row.items()
+              if k != 'round' and v not in (None, '')}
+  return {}
+
+
+def _number(text: str):
+  for convert in (int, float):
+    try:
+      return convert(text)
+    except ValueError:
+      pass
+  return text
+
+
+def strict_json_value(value):
+  """`value` as strict JSON data: numpy as Python, NaN and infinities None."""
+  if isinstance(value, (np.generic, np.ndarray)):
+    value = value.tolist()
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  if isinstance(value, dict) or hasattr(value, 'items'):
+    return {k: strict_json_value(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [strict_json_value(v) for v in value]
+  return value
+
+
 def write_summary(path: str, summary: dict) -> None:
-  """Writes summary.json atomically (temp file + rename)."""
+  """Writes a JSON record atomically (temp file + rename).
+
+  The file is strict JSON: non-finite numbers are written as null.
+  """
   with atomic_io.atomic_write(path) as f:
-    json.dump(summary, f, indent=2, sort_keys=True, default=_json_default)
+    json.dump(strict_json_value(summary), f, indent=2, sort_keys=True,
+              default=_json_default, allow_nan=False)
 
 
 def _json_default(o):
