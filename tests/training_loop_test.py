@@ -252,3 +252,37 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, mnist_dir, capsys):
   assert _train(tmp_path, mnist_dir, resume=True) == 0
   assert 'already finished' in capsys.readouterr().out
   assert files.tree_digest(run) == before
+
+
+def _seed_with_empty_round(population, clients_per_round, empty, rounds):
+  """A seed whose Poisson cohort is empty in round `empty` only."""
+  for seed in range(1000):
+    sizes = [len(training_loop.sample_clients(
+        population, clients_per_round, r, seed, 'poisson'))
+             for r in range(1, rounds + 1)]
+    if [s == 0 for s in sizes] == [r == empty for r in range(1, rounds + 1)]:
+      return seed
+  raise AssertionError('no such seed')
+
+
+@pytest.mark.parametrize('shards', [0, 2])
+def test_an_empty_poisson_cohort_is_a_round(tmp_path, mnist_dir, shards):
+  seed = _seed_with_empty_round(30, 2, empty=2, rounds=3)
+  kw = dict(sampling='poisson', clients_per_round=2, seed=seed,
+            eval_every=1, simulation_shards=shards)
+  assert _train(tmp_path, mnist_dir, **kw) == 0
+  run = tmp_path / 'ckpt'
+  assert training_loop.checkpoint_rounds(str(run))[-1] == 2
+  assert _train(tmp_path, mnist_dir, rounds=3, resume=True, **kw) == 0
+  train_rows = _csv_rows(run / 'train_metrics.csv')
+  assert [int(r['round']) for r in train_rows] == [1, 2, 3]
+  assert [int(r['cohort_size']) for r in train_rows][1] == 0
+  assert int(train_rows[0]['cohort_size']) > 0
+  assert int(train_rows[2]['cohort_size']) > 0
+  # Nothing trained in round 2: the model and the states are round 1's.
+  eval_rows = _csv_rows(run / 'eval_metrics.csv')
+  assert [int(r['round']) for r in eval_rows] == [1, 2, 3]
+  for key in ('f1', 'accuracy', 'auc'):
+    assert eval_rows[1][key] == eval_rows[0][key]
+  summary = _strict_json(run / 'summary.json')
+  assert summary['rounds_completed'] == 3 and summary['rounds_started'] == 3

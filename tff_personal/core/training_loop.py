@@ -105,7 +105,10 @@ def sample_clients(population: int, clients_per_round: int, round_num: int,
   'fixed_size': `clients_per_round` distinct clients, uniformly without
   replacement. 'poisson': every client independently with probability
   `clients_per_round / population` (the cohort size varies; this is the scheme
-  that `privacy.compute_epsilon` accounts with add-or-remove-one).
+  that `privacy.compute_epsilon` accounts with add-or-remove-one). A Poisson
+  cohort can be empty: `run_training` then leaves the server and client
+  states as they are, and the round is still a round (released with
+  `cohort_size` 0, checkpointed and accounted).
   """
   rng = np.random.default_rng([seed, round_num, 0x5A3])
   if scheme == 'fixed_size':
@@ -360,14 +363,17 @@ def run_training(
     cohort = sample_clients(config.population, config.clients_per_round,
                             round_num, config.seed, config.sampling)
     cohort_ids = [int(c) for c in cohort]
-    client_states = store.load(cohort_ids)
-    datasets = train_data_fn(cohort_ids, round_num)
     started += 1  # Recorded before the round's aggregate exists.
     _record_rounds_started(config.experiment_dir, started)
-    state, new_client_states, metrics = process.next(
-        state, client_states, datasets)
-    store.save(cohort_ids,
-               [_to_numpy_state(s) for s in new_client_states], round_num)
+    if cohort_ids:
+      client_states = store.load(cohort_ids)
+      datasets = train_data_fn(cohort_ids, round_num)
+      state, new_client_states, metrics = process.next(
+          state, client_states, datasets)
+      store.save(cohort_ids,
+                 [_to_numpy_state(s) for s in new_client_states], round_num)
+    else:  # Poisson sampling drew nobody: nothing trains, the round counts.
+      metrics = {}
     elapsed = time.perf_counter() - t0
     if round_num == start:
       first_round_seconds = elapsed
@@ -389,7 +395,8 @@ def run_training(
     eta = per_round * (config.rounds - round_num)
     loss = train_metrics.get('train/loss', float('nan'))
     line = (f'round {round_num}/{config.rounds} | cohort {len(cohort_ids)} | '
-            f'train loss {loss:.4f}')
+            + (f'train loss {loss:.4f}' if cohort_ids else
+               'empty cohort, server state unchanged'))
     if 'train/accuracy' in train_metrics:
       line += f' acc {train_metrics["train/accuracy"]:.3f}'
     if train_metrics.get('train/nonfinite'):
