@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal import run_lock
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import client_state as client_state_lib
@@ -306,18 +307,17 @@ def run(config, task_kwargs, f) -> int:
   except ValueError as e:  # Data errors name the file and what is wrong.
     print(f'error: {e}', file=sys.stderr)
     return 2
-  with runtime.local_runtime(
-      log_path=os.path.join(config.experiment_dir, 'worker_binary.log')
-      if _mkdir(config.experiment_dir) else None, workers=f.workers,
-      intra_op_threads=f.intra_op_threads,
-      inter_op_threads=f.inter_op_threads):
-    try:
+  try:
+    with run_lock.hold(config.experiment_dir), runtime.local_runtime(
+        log_path=os.path.join(config.experiment_dir, 'worker_binary.log'),
+        workers=f.workers, intra_op_threads=f.intra_op_threads,
+        inter_op_threads=f.inter_op_threads):
       summary = experiment.run_experiment(
           task, config, log_fn=lambda s: print(s, flush=True),
           flag_values=flag_values(f))
-    except training_loop.CheckpointError as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 3
+  except (training_loop.CheckpointError, run_lock.ExperimentLockedError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 3
   print(json.dumps({k: summary[k] for k in (
       'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
       'privacy')}, indent=1, default=str))
@@ -358,27 +358,25 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  with runtime.local_runtime(workers=f.workers,
-                             intra_op_threads=f.intra_op_threads,
-                             inter_op_threads=f.inter_op_threads):
-    try:
+  try:
+    with run_lock.hold(config.experiment_dir, create=False), (
+        runtime.local_runtime(workers=f.workers,
+                              intra_op_threads=f.intra_op_threads,
+                              inter_op_threads=f.inter_op_threads)):
       record = experiment.evaluate_experiment(
           task, config, eval_name, log_fn=lambda s: print(s, flush=True),
           overwrite=overwrite, flag_values=flag_values(f))
-    except experiment.EvaluationError as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 2
-    except (training_loop.CheckpointError,
-            client_state_lib.ClientStateStoreError) as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 3
+  except experiment.EvaluationError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  except (training_loop.CheckpointError,
+          client_state_lib.ClientStateStoreError,
+          run_lock.ExperimentLockedError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 3
   print(json.dumps({k: record[k] for k in (
       'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},
                    indent=1, default=str))
   print(f'written: {experiment.evaluation_path(config, eval_name)}')
   return 0
 
-
-def _mkdir(path) -> bool:
-  os.makedirs(path, exist_ok=True)
-  return True

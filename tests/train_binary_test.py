@@ -12,6 +12,7 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 
+from binaries import evaluate
 from binaries import train
 from tff_personal.core import private_noise
 from tests import files
@@ -277,3 +278,30 @@ def test_resume_extends_a_run_with_a_given_noise_multiplier(tmp_path,
   assert summary['rounds_completed'] == 2 and summary['resumed_from_round'] == 1
   assert summary['privacy']['rounds'] == 2
   assert summary['privacy']['noise_multiplier'] == 1.0
+
+
+def test_a_running_experiment_refuses_a_second_program(tmp_path, mnist_dir,
+                                                       capsys):
+  """While binaries.train runs, neither a resume nor an evaluation of the
+  same directory starts; both name the running process."""
+  _parse_flags()
+  proc = subprocess.Popen(_cmd(tmp_path, 'locked', ['--rounds=500']),
+                          cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+  try:
+    for line in proc.stdout:
+      if line.startswith('round 1/'):
+        break
+    assert proc.poll() is None
+    with flagsaver.flagsaver(**_base(tmp_path, mnist_dir,
+                                     experiment_name='locked', resume=True)):
+      assert train.main(['train']) == 3
+    assert f'in use by PID {proc.pid}' in capsys.readouterr().err
+    with flagsaver.flagsaver(**_base(tmp_path, mnist_dir,
+                                     experiment_name='locked')):
+      assert evaluate.main(['evaluate']) == 3
+    assert f'in use by PID {proc.pid}' in capsys.readouterr().err
+    assert proc.poll() is None
+  finally:
+    proc.kill()
+    proc.wait()

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal import run_lock
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
@@ -345,7 +346,17 @@ def run_experiment(task, config: ExperimentConfig,
   clients are written to `private_states.npz` (ids and each private tensor)
   for analysis such as the t-SNE of user embeddings. This reads every
   client's state, which only a simulation can do; a deployment never would.
+
+  Holds the experiment directory's lock (`run_lock.hold`) throughout; raises
+  `run_lock.ExperimentLockedError` if another process holds it.
   """
+  with run_lock.hold(config.experiment_dir):
+    return _run_experiment(task, config, log_fn, flag_values,
+                           export_private_states)
+
+
+def _run_experiment(task, config: ExperimentConfig, log_fn, flag_values,
+                    export_private_states: bool) -> dict:
   population = task.population
   dp = validate(config, population)
   _check_rounds_not_below_completed(config)
@@ -687,7 +698,16 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
       unreadable.
     client_state_lib.ClientStateStoreError: the stored states do not match
       that round.
+    run_lock.ExperimentLockedError: another process holds the experiment
+      directory (a training or another evaluation).
   """
+  with run_lock.hold(config.experiment_dir, create=False):
+    return _evaluate_experiment(task, config, eval_name, log_fn, overwrite,
+                                flag_values)
+
+
+def _evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
+                         log_fn, overwrite: bool, flag_values) -> dict:
   if not eval_name or os.sep in eval_name or eval_name.startswith('.'):
     raise EvaluationError(f'eval_name must be a plain file name, got '
                           f'{eval_name!r}')
