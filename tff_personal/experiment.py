@@ -678,18 +678,20 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
                         flag_values: Optional[dict[str, Any]] = None) -> dict:
   """Evaluates a finished run's final state again; writes nothing else.
 
-  Reads `<experiment_dir>/summary.json` (a run writes it when it ends), the
-  server checkpoint of its last round and the clients' private states as
-  committed at that round, then runs the same evaluations as the end of
+  Needs `<experiment_dir>/summary.json` (a run writes it when it ends) and
+  reads the latest server checkpoint (its round is the evaluated round) and
+  the clients' private states as committed at that round, then runs the same evaluations as the end of
   training (`eval`; `test` / `test_fine_tuned` with a held-out split;
   `cold_start`) under this config's evaluation fields (`EVALUATION_FIELDS`:
   e.g. `eval_fine_tune`, `eval_clients`). The result goes to
   `<experiment_dir>/evaluations/<eval_name>.json` (refused if it exists,
   unless `overwrite`); the checkpoints, the client-state store and
   summary.json are only read. The config's other fields must be those the
-  run recorded when it started (`run_config.json`; `rounds` is taken from
-  the run); `binaries.evaluate` also compares its flags (the task's too)
-  with summary.json.
+  run recorded when it started (`run_config.json`, required; `rounds` is
+  taken from the checkpoint); `binaries.evaluate` also compares its flags
+  (the task's too) with summary.json. The record's privacy report is
+  recomputed from run_config.json's DP configuration and the rounds the run
+  started (`run_privacy_report`), not copied from summary.json.
 
   Raises:
     EvaluationError: the run has not finished, was trained under another
@@ -717,29 +719,51 @@ def _evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
         f'{summary_path} does not exist: the run in {config.experiment_dir} '
         'has not finished (resume it with binaries.train --resume); only '
         'finished runs are re-evaluated')
-  with open(summary_path, encoding='utf-8') as f:
-    run_summary = json.load(f)
   out_path = evaluation_path(config, eval_name)
   if os.path.exists(out_path) and not overwrite:
     raise EvaluationError(f'{out_path} exists; choose another eval_name or '
                           'overwrite it on purpose')
-  rounds = int(run_summary['rounds_completed'])
+  # The round is the last checkpoint's (the store must be committed there).
+  checkpointed = training_loop.checkpoint_rounds(config.experiment_dir)
+  if not checkpointed or checkpointed[-1] < 1:
+    raise training_loop.CheckpointError(
+        f'{config.experiment_dir} has no checkpoint of a trained round '
+        f'(checkpoints: {checkpointed or "none"})')
+  rounds = checkpointed[-1]
   # The evaluation's local pass reads the data of the run's last round.
   config = dataclasses.replace(config, rounds=rounds)
   population = task.population
   dp = validate(config, population)
   record_path = os.path.join(config.experiment_dir, RUN_CONFIG_FILENAME)
-  if os.path.exists(record_path):
-    with open(record_path, encoding='utf-8') as f:
-      started = json.load(f).get('config', {})
-    lines = _differences(started, _run_record(config, dp, None)['config'])
-    if lines:
-      raise EvaluationError(
-          f'{config.experiment_dir} was trained with another configuration '
-          f'({record_path}):\n  ' + '\n  '.join(lines))
+  if not os.path.exists(record_path):
+    raise EvaluationError(
+        f'{record_path} is missing: without the record of the run\'s '
+        'configuration, neither the configuration nor the privacy report '
+        'of the run can be checked. Restore the file from a backup.')
+  with open(record_path, encoding='utf-8') as f:
+    started = json.load(f).get('config', {})
+  lines = _differences(started, _run_record(config, dp, None)['config'])
+  if lines:
+    raise EvaluationError(
+        f'{config.experiment_dir} was trained with another configuration '
+        f'({record_path}):\n  ' + '\n  '.join(lines))
+  # The run's guarantee, recomputed from its recorded DP configuration and
+  # the rounds it ran (summary.json's copy is not trusted).
+  run_dp = (privacy.DPConfig(**{**started['dp'], 'rounds': rounds})
+            if started.get('dp') else dp)
+  run_report = run_privacy_report(
+      config, run_dp, rounds, training_loop.rounds_started(
+          config.experiment_dir))
   proc = build_process(task, config, privacy.build_aggregator(dp), dp)
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)
+  missing = client_state_lib.missing_store(
+      config.client_state_backend,
+      os.path.join(config.experiment_dir, 'client_states'), population)
+  if missing is not None:
+    raise client_state_lib.ClientStateStoreError(
+        f'the client-state store {missing} is missing or empty; it should '
+        f'hold the client states committed at round {rounds}')
   store = client_state_lib.make_store(
       config.client_state_backend, initial_client_state_fn(proc, config),
       population=population,
@@ -769,7 +793,7 @@ def _evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
       'evaluation': {k: getattr(config, k) for k in EVALUATION_FIELDS},
       # The shared model's guarantee is the run's; evaluation metrics, like
       # training's, are simulation diagnostics.
-      'privacy': run_summary.get('privacy'),
+      'privacy': run_report,
       'flags': flag_values if flag_values is not None else dataclasses.asdict(
           config),
   }

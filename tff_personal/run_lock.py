@@ -55,20 +55,21 @@ def hold(experiment_dir: str, create: bool = True) -> Iterator[None]:
 
   Args:
     experiment_dir: the experiment directory.
-    create: make the directory if it does not exist. If False and it does
-      not exist, nothing is locked (a program that only reads a run then
-      finds nothing to read and says so).
+    create: make the directory and the lock file if they do not exist. If
+      False and the lock file does not exist, nothing is locked and nothing
+      is created: no training ever ran there (every training creates the
+      file first), so a program that only reads a finished run finds
+      nothing to read and says so.
 
   Raises:
     ExperimentLockedError: another process holds the lock; the message names
       its PID and the lock file. Nothing is changed.
   """
-  if not os.path.isdir(experiment_dir):
-    if not create:
-      yield
-      return
-    os.makedirs(experiment_dir, exist_ok=True)
   path = lock_path(experiment_dir)
+  if not create and not os.path.exists(path):
+    yield
+    return
+  os.makedirs(experiment_dir, exist_ok=True)
   key = os.path.realpath(path)
   with _mutex:
     entry = _held.get(key)
