@@ -864,8 +864,9 @@ class SqliteClientStateStore(ClientStateStore):
 
   def num_saved(self) -> int:
     self._check_open()
-    return self._conn.execute(
-        'SELECT COUNT(DISTINCT client_id) FROM states').fetchone()[0]
+    with self._db_errors():
+      return self._conn.execute(
+          'SELECT COUNT(DISTINCT client_id) FROM states').fetchone()[0]
 
   def close(self) -> None:
     self._close_conn()
@@ -876,6 +877,23 @@ class SqliteClientStateStore(ClientStateStore):
     if conn is not None:
       conn.close()
       self._conn = None
+
+  @contextlib.contextmanager
+  def _db_errors(self) -> Iterator[None]:
+    """Re-raises SQLite's errors naming the database file.
+
+    A damaged file (e.g. "database disk image is malformed") raises
+    `CorruptStateError`; other SQLite errors (a full disk, a lock) raise
+    `ClientStateStoreError`.
+    """
+    try:
+      yield
+    except sqlite3.OperationalError as e:
+      raise ClientStateStoreError(
+          f'Client-state database {self._path}: {e}') from e
+    except sqlite3.DatabaseError as e:
+      raise CorruptStateError(
+          f'Client-state database {self._path} is damaged: {e}') from e
 
   @contextlib.contextmanager
   def _transaction(self) -> Iterator[None]:
@@ -895,7 +913,11 @@ class SqliteClientStateStore(ClientStateStore):
       while len(self._cache) > self._cache_size:
         self._cache.popitem(last=False)
 
-  def _load_leaves(self, client_ids):
+  def _load_leaves(self, *args):
+    with self._db_errors():
+      return self._sqlite_load_leaves(*args)
+
+  def _sqlite_load_leaves(self, client_ids):
     blobs: dict[int, bytes] = {}
     missing = []
     for cid in client_ids:
@@ -916,7 +938,11 @@ class SqliteClientStateStore(ClientStateStore):
         self._cache_put(cid, blob)
     return {cid: self._codec.decode(blob, cid) for cid, blob in blobs.items()}
 
-  def _save_leaves(self, client_ids, leaves, round_num):
+  def _save_leaves(self, *args):
+    with self._db_errors():
+      return self._sqlite_save_leaves(*args)
+
+  def _sqlite_save_leaves(self, client_ids, leaves, round_num):
     blobs = [self._codec.encode(lv) for lv in leaves]
     with self._transaction():
       self._conn.executemany(
@@ -926,7 +952,11 @@ class SqliteClientStateStore(ClientStateStore):
     for cid, blob in zip(client_ids, blobs):
       self._cache_put(cid, blob)
 
-  def _commit(self, round_num):
+  def _commit(self, *args):
+    with self._db_errors():
+      return self._sqlite_commit(*args)
+
+  def _sqlite_commit(self, round_num):
     previous = -(2**63) if self._committed is None else self._committed
     with self._transaction():
       # Only clients saved in (previous, r] can hold two versions <= r.
@@ -942,7 +972,11 @@ class SqliteClientStateStore(ClientStateStore):
           "VALUES ('committed_round', ?)", (str(round_num),))
     self._committed = round_num
 
-  def _rollback(self, round_num):
+  def _rollback(self, *args):
+    with self._db_errors():
+      return self._sqlite_rollback(*args)
+
+  def _sqlite_rollback(self, round_num):
     with self._transaction():
       self._conn.execute('DELETE FROM states WHERE round > ?', (round_num,))
     self._cache.clear()
