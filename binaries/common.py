@@ -5,6 +5,7 @@ values are written into summary.json.
 """
 
 import json
+import math
 import os
 import sys
 
@@ -201,6 +202,11 @@ def configs_from_flags(f):
   if f.algorithm not in algorithm_registry.ALGORITHMS:
     raise ValueError(f'unknown --algorithm={f.algorithm!r}; known: '
                      f'{sorted(algorithm_registry.ALGORITHMS)}')
+  for names in FLAG_GROUPS.values():
+    for name in names:
+      value = f[name].value
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f'--{name} must be a finite number, got {value}')
   algorithm_defaults.apply_defaults(f, f.task, f.algorithm)
   if f.workers:
     runtime.parse_workers(f.workers)  # A bad address fails before any work.
@@ -318,6 +324,9 @@ def run(config, task_kwargs, f) -> int:
   except (training_loop.CheckpointError, run_lock.ExperimentLockedError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 3
+  except training_loop.NonFiniteRoundError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
   print(json.dumps({k: summary[k] for k in (
       'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
       'privacy')}, indent=1, default=str))

@@ -54,6 +54,13 @@ def _base(tmp_path, mnist_dir, **overrides):
     (dict(task='speech_preference', algorithm='fedembed_prototype',
           speech_encoder='spectral', encoder_weights='enc.npz'),
      '--speech_encoder=spectral has none to load'),
+    (dict(client_learning_rate=float('nan')),
+     '--client_learning_rate must be a finite number, got nan'),
+    (dict(server_learning_rate=float('inf')),
+     '--server_learning_rate must be a finite number, got inf'),
+    (dict(personal_init_stddev=-1.0), 'personal_init_stddev must be >= 0'),
+    (dict(clip_norm=0.0), 'clip_norm must be > 0'),
+    (dict(embedding_dim=0), 'embedding_dim must be >= 1'),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, mnist_dir, capsys,
                                         overrides, message):
@@ -305,3 +312,15 @@ def test_a_running_experiment_refuses_a_second_program(tmp_path, mnist_dir,
   finally:
     proc.kill()
     proc.wait()
+
+
+@pytest.mark.parametrize('name', ['../outside', 'a/b', '..', ''])
+def test_experiment_name_must_be_a_plain_name(tmp_path, mnist_dir, capsys,
+                                              name):
+  _parse_flags()
+  root = tmp_path / 'root'
+  with flagsaver.flagsaver(**_base(root, mnist_dir, experiment_name=name)):
+    assert train.main(['train']) == 2
+  assert 'experiment_name must be a plain' in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / 'outside')
+  assert not os.path.exists(root)  # nothing was written

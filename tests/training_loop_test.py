@@ -286,3 +286,14 @@ def test_an_empty_poisson_cohort_is_a_round(tmp_path, mnist_dir, shards):
     assert eval_rows[1][key] == eval_rows[0][key]
   summary = _strict_json(run / 'summary.json')
   assert summary['rounds_completed'] == 3 and summary['rounds_started'] == 3
+
+
+def test_a_round_where_every_client_diverged_fails_loudly(tmp_path, mnist_dir,
+                                                          capsys):
+  # Finite flags, but steps of 1e30 overflow every client's weights.
+  assert _train(tmp_path, mnist_dir, client_optimizer='sgd',
+                client_learning_rate=1e30) == 1
+  err = capsys.readouterr().err
+  assert 'round 1' in err and 'all 5 clients' in err and 'non-finite' in err
+  assert training_loop.checkpoint_rounds(str(tmp_path / 'ckpt')) == [0]
+  assert not (tmp_path / 'ckpt' / 'summary.json').exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -132,8 +133,45 @@ def _private_optimizer(config: ExperimentConfig):
   return fedavg.adam(config.private_learning_rate)
 
 
+def check_values(config: ExperimentConfig) -> None:
+  """Raises ValueError for values no run can use, naming the field.
+
+  Numbers must be finite; `experiment_name` must be a plain directory name
+  (the run writes only below `root_output_dir`); `personal_init_stddev`
+  >= 0, `embedding_dim` >= 1, `dp.clip_norm` > 0 (with or without DP),
+  `eval_chunk` >= 1, `cold_start_epochs` >= 0.
+  """
+  values = {**{f.name: getattr(config, f.name)
+               for f in dataclasses.fields(config)},
+            **{f'dp.{f.name}': getattr(config.dp, f.name)
+               for f in dataclasses.fields(config.dp)}}
+  for name, value in values.items():
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f'{name} must be a finite number, got {value}')
+  name = config.experiment_name
+  if (not name or name in ('.', '..') or '/' in name or os.sep in name or
+      (os.altsep and os.altsep in name)):
+    raise ValueError('experiment_name must be a plain directory name (no '
+                     'path separator, not "." or ".."): the run is written '
+                     f'to root_output_dir/experiment_name; got {name!r}')
+  if config.personal_init_stddev < 0:
+    raise ValueError('personal_init_stddev must be >= 0, got '
+                     f'{config.personal_init_stddev}')
+  if config.embedding_dim is not None and config.embedding_dim < 1:
+    raise ValueError(
+        f'embedding_dim must be >= 1, got {config.embedding_dim}')
+  if not config.dp.clip_norm > 0:
+    raise ValueError(f'clip_norm must be > 0, got {config.dp.clip_norm}')
+  if config.eval_chunk < 1:
+    raise ValueError(f'eval_chunk must be >= 1, got {config.eval_chunk}')
+  if config.cold_start_epochs < 0:
+    raise ValueError(
+        f'cold_start_epochs must be >= 0, got {config.cold_start_epochs}')
+
+
 def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   """Checks the configuration before any work starts; returns the DP config."""
+  check_values(config)
   if config.algorithm not in registry.ALGORITHMS:
     raise ValueError(f'unknown algorithm {config.algorithm!r}; known: '
                      f'{sorted(registry.ALGORITHMS)}')

@@ -51,6 +51,14 @@ class CheckpointError(RuntimeError):
   """A checkpoint exists but cannot be used; nothing was overwritten."""
 
 
+class NonFiniteRoundError(RuntimeError):
+  """Every client of a round produced a non-finite update: training diverged.
+
+  Raised before the round's states are saved or checkpointed; the last
+  checkpoint is the round before.
+  """
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
   rounds: int
@@ -370,6 +378,14 @@ def run_training(
       datasets = train_data_fn(cohort_ids, round_num)
       state, new_client_states, metrics = process.next(
           state, client_states, datasets)
+      nonfinite = flatten_metrics(metrics).get('train/nonfinite') or 0
+      if nonfinite >= len(cohort_ids):
+        raise NonFiniteRoundError(
+            f'round {round_num}: all {len(cohort_ids)} clients of the cohort '
+            'produced non-finite updates (loss or weights overflowed), so '
+            'nothing was learned: training diverged. Nothing of this round '
+            'was saved; the last checkpoint is of an earlier round. Lower the '
+            'learning rates or check the data.')
       store.save(cohort_ids,
                  [_to_numpy_state(s) for s in new_client_states], round_num)
     else:  # Poisson sampling drew nobody: nothing trains, the round counts.
