@@ -348,8 +348,11 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
     logging.set_verbosity(logging.WARNING)
   summary_path = os.path.join(config.experiment_dir, 'summary.json')
   if os.path.exists(summary_path):
-    with open(summary_path, encoding='utf-8') as fh:
-      recorded = json.load(fh).get('flags') or {}
+    try:
+      recorded = experiment.read_json_record(summary_path).get('flags') or {}
+    except ValueError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 2
     differences = experiment.flag_differences(
         recorded, flag_values(f), ignore=EVALUATION_FLAGS)
     if differences:

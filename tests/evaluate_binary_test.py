@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 from absl import flags
 from absl.testing import flagsaver
@@ -174,3 +175,15 @@ def test_round_and_privacy_come_from_the_run_not_from_summary(tmp_path,
     json.dump(summary, f)
   assert _evaluate(tmp_path, mnist_dir, eval_name='round', **dp) == 0
   assert _read(tmp_path, 'round')['round'] == 2
+
+
+def test_unreadable_summary_is_named(finished_run, mnist_dir, tmp_path,
+                                     capsys):
+  root, _ = finished_run
+  shutil.copytree(root / 'run', tmp_path / 'run')
+  with open(tmp_path / 'run' / 'summary.json', 'a') as f:
+    f.write('}')
+  assert _evaluate(tmp_path, mnist_dir, eval_name='x') == 2
+  err = capsys.readouterr().err
+  assert str(tmp_path / 'run' / 'summary.json') in err
+  assert 'not valid JSON' in err

@@ -297,3 +297,18 @@ def test_a_round_where_every_client_diverged_fails_loudly(tmp_path, mnist_dir,
   assert 'round 1' in err and 'all 5 clients' in err and 'non-finite' in err
   assert training_loop.checkpoint_rounds(str(tmp_path / 'ckpt')) == [0]
   assert not (tmp_path / 'ckpt' / 'summary.json').exists()
+
+
+def test_unreadable_records_are_named(tmp_path, mnist_dir, capsys):
+  assert _train(tmp_path, mnist_dir) == 0
+  run = tmp_path / 'ckpt'
+  for name in ('summary.json', 'run_config.json'):
+    text = (run / name).read_text()
+    (run / name).write_text(text[:len(text) // 2])  # Cut short by a crash.
+    before = files.tree_digest(run)
+    capsys.readouterr()
+    assert _train(tmp_path, mnist_dir, resume=True) == 3
+    err = capsys.readouterr().err
+    assert str(run / name) in err and 'not valid JSON' in err
+    assert files.tree_digest(run) == before
+    (run / name).write_text(text)

@@ -532,8 +532,7 @@ def _finished_summary(config: ExperimentConfig) -> Optional[dict]:
   rounds = training_loop.checkpoint_rounds(config.experiment_dir)
   if not rounds or rounds[-1] != config.rounds:
     return None
-  with open(path, encoding='utf-8') as f:
-    summary = json.load(f)
+  summary = read_json_record(path, ResumeError)
   if summary.get('rounds_completed') != config.rounds:
     return None
   return summary
@@ -610,6 +609,25 @@ RESUMABLE_FIELDS = EVALUATION_FIELDS + (
 
 class ResumeError(training_loop.CheckpointError):
   """A run would resume under another configuration than it started with."""
+
+
+def read_json_record(path: str, error=ValueError) -> dict:
+  """The JSON object in `path` (e.g. summary.json, run_config.json).
+
+  Raises `error` naming the file when it cannot be read or does not hold a
+  JSON object (e.g. it was edited by hand or cut short).
+  """
+  try:
+    with open(path, encoding='utf-8') as f:
+      value = json.load(f)
+  except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError.
+    raise error(f'{path} is not valid JSON ({type(e).__name__}: {e}); '
+                'restore it from a backup. Nothing was changed.') from e
+  if not isinstance(value, dict):
+    raise error(f'{path} is not valid JSON for this file: it holds a '
+                f'{type(value).__name__}, not an object. Nothing was '
+                'changed.')
+  return value
 
 
 def _as_json(value):
@@ -690,8 +708,7 @@ def check_or_record_run_config(config: ExperimentConfig,
         'file from a backup, or start a new --experiment_name (the '
         'checkpoints can still be re-evaluated once the file is back). '
         'Nothing was changed.')
-  with open(path, encoding='utf-8') as f:
-    old = json.load(f)
+  old = read_json_record(path, ResumeError)
   lines = (_differences(old.get('config', {}), record['config']) +
            _differences(old.get('flags', {}), record['flags'], '--'))
   if lines:
@@ -778,8 +795,7 @@ def _evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
         f'{record_path} is missing: without the record of the run\'s '
         'configuration, neither the configuration nor the privacy report '
         'of the run can be checked. Restore the file from a backup.')
-  with open(record_path, encoding='utf-8') as f:
-    started = json.load(f).get('config', {})
+  started = read_json_record(record_path, EvaluationError).get('config', {})
   lines = _differences(started, _run_record(config, dp, None)['config'])
   if lines:
     raise EvaluationError(
