@@ -104,6 +104,13 @@ def test_summary_and_dp_report(tmp_path, mnist_dir):
   assert privacy['rounds'] == 2
   assert privacy['sampling'] == 'fixed_size'
   assert summary['flags']['privacy']['dp'] == 'gaussian_fixed'
+  # Each released value says whether epsilon covers it.
+  covered = {r['name']: r['covered'] for r in privacy['released']}
+  assert covered == {'shared model update': True,
+                     'training-metric sums': False,
+                     'cohort_size': True,  # fixed-size: always 5
+                     'round_seconds': False,
+                     'evaluation metrics': False}
   # Metrics went through tff.program release managers.
   with open(tmp_path / 'e2e' / 'train_metrics.csv') as f:
     rows = f.read().strip().splitlines()

@@ -509,6 +509,7 @@ def run_privacy_report(config: ExperimentConfig, dp: privacy.DPConfig,
     report['personal_heads'] = private_noise.personal_report(
         noise, _personal_passes(config, noised),
         report['delta'], report['neighboring_relation'])
+  report['released'] = released_values(config, dp)
   report['train_metrics_released'] = config.train_metrics
   if config.train_metrics:
     report['notes'] = (report.get('notes', '') + ' Training-metric sums '
@@ -536,6 +537,52 @@ def _finished_summary(config: ExperimentConfig) -> Optional[dict]:
   if summary.get('rounds_completed') != config.rounds:
     return None
   return summary
+
+
+def released_values(config: ExperimentConfig, dp: privacy.DPConfig
+                    ) -> list[dict]:
+  """What a DP run releases, each `{name, covered, why}`.
+
+  `covered` says whether the (epsilon, delta) of the privacy report bounds
+  what the value reveals about a user. The list follows what the run
+  writes: the DP aggregate, train_metrics.csv (metric sums unless
+  `train_metrics` is off; cohort_size and round_seconds always),
+  eval_metrics.csv and the summary's evaluations, and the personal heads.
+  """
+  released = [dict(
+      name='shared model update', covered=True,
+      why=f'clipped to {dp.clip_norm} and noised by the {dp.mechanism} DP '
+          'aggregator; accounted in epsilon')]
+  if config.train_metrics:
+    released.append(dict(
+        name='training-metric sums', covered=False,
+        why='loss, accuracy and non-finite counts summed over the cohort '
+            'without noise (simulation diagnostics; --notrain_metrics '
+            'withholds them)'))
+  if config.sampling == 'fixed_size':
+    released.append(dict(
+        name='cohort_size', covered=True,
+        why='always clients_per_round under fixed-size sampling: it depends '
+            'on no user'))
+  else:
+    released.append(dict(
+        name='cohort_size', covered=False,
+        why='under Poisson sampling the number of users sampled changes '
+            'with the population, and the accounting assumes it is not '
+            'released'))
+  released.append(dict(
+      name='round_seconds', covered=False,
+      why='wall time of a round, which can depend on the cohort\'s data'))
+  released.append(dict(
+      name='evaluation metrics', covered=False,
+      why='computed over every evaluated user\'s private state and data '
+          'without noise (simulation diagnostics)'))
+  if config.dp_personal_heads == 'noised':
+    released.append(dict(
+        name='personal heads', covered=False,
+        why='noised on their own; bounded by personal_heads.epsilon, not by '
+            'the shared epsilon'))
+  return released
 
 
 def _check_rounds_not_below_completed(config: ExperimentConfig) -> None:
