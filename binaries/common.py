@@ -7,6 +7,7 @@ values are written into summary.json.
 import json
 import math
 import os
+import shutil
 import sys
 
 from absl import app
@@ -313,6 +314,7 @@ def run(config, task_kwargs, f) -> int:
   except ValueError as e:  # Data errors name the file and what is wrong.
     print(f'error: {e}', file=sys.stderr)
     return 2
+  existed = os.path.exists(config.experiment_dir)
   try:
     with run_lock.hold(config.experiment_dir), runtime.local_runtime(
         log_path=os.path.join(config.experiment_dir, 'worker_binary.log'),
@@ -327,10 +329,22 @@ def run(config, task_kwargs, f) -> int:
   except training_loop.NonFiniteRoundError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
+  except experiment.ConfigurationError as e:  # Nothing ran.
+    if not existed:
+      _remove_if_only(config.experiment_dir,
+                      {run_lock.LOCK_FILENAME, 'worker_binary.log'})
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   print(json.dumps({k: summary[k] for k in (
       'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
       'privacy')}, indent=1, default=str))
   return 0
+
+
+def _remove_if_only(directory: str, names: set[str]) -> None:
+  """Removes `directory` if it holds nothing but files named in `names`."""
+  if os.path.isdir(directory) and set(os.listdir(directory)) <= names:
+    shutil.rmtree(directory)
 
 
 # Flags a re-evaluation (binaries.evaluate) may change: those a resumed run

@@ -60,7 +60,8 @@ def _base(tmp_path, mnist_dir, **overrides):
      '--server_learning_rate must be a finite number, got inf'),
     (dict(personal_init_stddev=-1.0), 'personal_init_stddev must be >= 0'),
     (dict(clip_norm=0.0), 'clip_norm must be > 0'),
-    (dict(embedding_dim=0), 'embedding_dim must be >= 1'),
+    (dict(embedding_dim=-1), 'embedding_dim must be >= 0'),
+    (dict(embedding_dim=0), 'global_plus needs a personal embedding'),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, mnist_dir, capsys,
                                         overrides, message):

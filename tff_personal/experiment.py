@@ -133,6 +133,10 @@ def _private_optimizer(config: ExperimentConfig):
   return fedavg.adam(config.private_learning_rate)
 
 
+class ConfigurationError(ValueError):
+  """The algorithm cannot be built under this configuration (nothing ran)."""
+
+
 def check_values(config: ExperimentConfig) -> None:
   """Raises ValueError for values no run can use, naming the field.
 
@@ -157,9 +161,9 @@ def check_values(config: ExperimentConfig) -> None:
   if config.personal_init_stddev < 0:
     raise ValueError('personal_init_stddev must be >= 0, got '
                      f'{config.personal_init_stddev}')
-  if config.embedding_dim is not None and config.embedding_dim < 1:
+  if config.embedding_dim is not None and config.embedding_dim < 0:
     raise ValueError(
-        f'embedding_dim must be >= 1, got {config.embedding_dim}')
+        f'embedding_dim must be >= 0, got {config.embedding_dim}')
   if not config.dp.clip_norm > 0:
     raise ValueError(f'clip_norm must be > 0, got {config.dp.clip_norm}')
   if config.eval_chunk < 1:
@@ -386,7 +390,9 @@ def run_experiment(task, config: ExperimentConfig,
   client's state, which only a simulation can do; a deployment never would.
 
   Holds the experiment directory's lock (`run_lock.hold`) throughout; raises
-  `run_lock.ExperimentLockedError` if another process holds it.
+  `run_lock.ExperimentLockedError` if another process holds it. A
+  configuration the algorithm's builder refuses raises `ConfigurationError`
+  before anything is written.
   """
   with run_lock.hold(config.experiment_dir):
     return _run_experiment(task, config, log_fn, flag_values,
@@ -398,20 +404,28 @@ def _run_experiment(task, config: ExperimentConfig, log_fn, flag_values,
   population = task.population
   dp = validate(config, population)
   _check_rounds_not_below_completed(config)
-  os.makedirs(config.experiment_dir, exist_ok=True)
-  check_or_record_run_config(config, dp, flag_values)
-  finished = _finished_summary(config)
-  if finished is not None:
-    log_fn(f'{config.experiment_dir} already finished its {config.rounds} '
-           'rounds (summary.json); nothing was run and nothing was changed')
-    return finished
+  resuming = bool(training_loop.checkpoint_rounds(config.experiment_dir))
+  if resuming:  # Checks against the record; writes nothing.
+    check_or_record_run_config(config, dp, flag_values)
+    finished = _finished_summary(config)
+    if finished is not None:
+      log_fn(f'{config.experiment_dir} already finished its {config.rounds} '
+             'rounds (summary.json); nothing was run and nothing was changed')
+      return finished
   t_start = time.perf_counter()
 
-  proc = build_process(task, config, privacy.build_aggregator(dp), dp)
-  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
-  # Tasks whose examples travel in a compact form (speech: uint8) say so.
-  train_proc = sharded.maybe_shard(proc, num_shards, dp,
-                                   getattr(task, 'wire_format', None))
+  try:  # The builders check the rest of the configuration.
+    proc = build_process(task, config, privacy.build_aggregator(dp), dp)
+    num_shards = sharded.resolve_num_shards(proc, config.simulation_shards,
+                                            dp)
+    # Tasks whose examples travel in a compact form (speech: uint8) say so.
+    train_proc = sharded.maybe_shard(proc, num_shards, dp,
+                                     getattr(task, 'wire_format', None))
+  except ValueError as e:
+    raise ConfigurationError(str(e)) from e
+  if not resuming:  # A new run's record, once its process could be built.
+    os.makedirs(config.experiment_dir, exist_ok=True)
+    check_or_record_run_config(config, dp, flag_values)
   log_fn(f'simulation: {num_shards} shards per round' if num_shards else
          'simulation: one user per TFF client')
   initial_state_fn = initial_client_state_fn(proc, config)
