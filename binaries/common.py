@@ -203,14 +203,10 @@ def configs_from_flags(f):
   if f.algorithm not in algorithm_registry.ALGORITHMS:
     raise ValueError(f'unknown --algorithm={f.algorithm!r}; known: '
                      f'{sorted(algorithm_registry.ALGORITHMS)}')
-  for names in FLAG_GROUPS.values():
-    for name in names:
-      value = f[name].value
-      if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f'--{name} must be a finite number, got {value}')
   algorithm_defaults.apply_defaults(f, f.task, f.algorithm)
   if f.workers:
     runtime.parse_workers(f.workers)  # A bad address fails before any work.
+  _check_finite(f)
   population_from_flags = f.task in ('mnist_preference', 'speech_preference')
   if population_from_flags and f.num_users < 1:
     raise ValueError(f'--num_users must be positive, got {f.num_users}')
@@ -281,6 +277,15 @@ def configs_from_flags(f):
                        freeze_encoder=f.freeze_encoder,
                        encoder=f.speech_encoder)
   return config, task_kwargs
+
+
+def _check_finite(f) -> None:
+  """Refuses a NaN or infinite value of any numeric flag, naming it."""
+  for names in FLAG_GROUPS.values():
+    for name in names:
+      value = f[name].value
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f'--{name} must be a finite number, got {value}')
 
 
 def main(argv, f, run_fn) -> int:

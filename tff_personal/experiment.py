@@ -9,6 +9,7 @@ is here or below. A task is duck-typed (see `tasks/preference_task.py`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -378,6 +379,23 @@ def eval_client_ids(population: int, eval_clients: int, seed: int
                             replace=False)).tolist()
 
 
+def _holding_lock(create: bool):
+  """Decorates `fn(task, config, ...)` to run holding the lock of
+  `config.experiment_dir` (`run_lock.hold(..., create)`).
+
+  The decorated function raises `run_lock.ExperimentLockedError`, before
+  doing anything, when another process holds the lock.
+  """
+  def decorate(fn):
+    @functools.wraps(fn)
+    def holding(task, config, *args, **kwargs):
+      with run_lock.hold(config.experiment_dir, create=create):
+        return fn(task, config, *args, **kwargs)
+    return holding
+  return decorate
+
+
+@_holding_lock(create=True)
 def run_experiment(task, config: ExperimentConfig,
                    log_fn: Callable[[str], None] = print,
                    flag_values: Optional[dict[str, Any]] = None,
@@ -388,19 +406,7 @@ def run_experiment(task, config: ExperimentConfig,
   clients are written to `private_states.npz` (ids and each private tensor)
   for analysis such as the t-SNE of user embeddings. This reads every
   client's state, which only a simulation can do; a deployment never would.
-
-  Holds the experiment directory's lock (`run_lock.hold`) throughout; raises
-  `run_lock.ExperimentLockedError` if another process holds it. A
-  configuration the algorithm's builder refuses raises `ConfigurationError`
-  before anything is written.
   """
-  with run_lock.hold(config.experiment_dir):
-    return _run_experiment(task, config, log_fn, flag_values,
-                           export_private_states)
-
-
-def _run_experiment(task, config: ExperimentConfig, log_fn, flag_values,
-                    export_private_states: bool) -> dict:
   population = task.population
   dp = validate(config, population)
   _check_rounds_not_below_completed(config)
@@ -788,6 +794,7 @@ def evaluation_path(config: ExperimentConfig, eval_name: str) -> str:
                       f'{eval_name}.json')
 
 
+@_holding_lock(create=False)
 def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
                         log_fn: Callable[[str], None] = print,
                         overwrite: bool = False,
@@ -819,13 +826,6 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
     run_lock.ExperimentLockedError: another process holds the experiment
       directory (a training or another evaluation).
   """
-  with run_lock.hold(config.experiment_dir, create=False):
-    return _evaluate_experiment(task, config, eval_name, log_fn, overwrite,
-                                flag_values)
-
-
-def _evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
-                         log_fn, overwrite: bool, flag_values) -> dict:
   if not eval_name or os.sep in eval_name or eval_name.startswith('.'):
     raise EvaluationError(f'eval_name must be a plain file name, got '
                           f'{eval_name!r}')
