@@ -192,6 +192,15 @@ def flag_values(flag_values_obj) -> dict:
           for group, names in FLAG_GROUPS.items()}
 
 
+def _check_finite(f) -> None:
+  """Refuses a NaN or infinite value of any numeric flag, naming it."""
+  for names in FLAG_GROUPS.values():
+    for name in names:
+      value = f[name].value
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f'--{name} must be a finite number, got {value}')
+
+
 def configs_from_flags(f):
   """Builds the experiment config and task arguments; validates early.
 
@@ -277,15 +286,6 @@ def configs_from_flags(f):
                        freeze_encoder=f.freeze_encoder,
                        encoder=f.speech_encoder)
   return config, task_kwargs
-
-
-def _check_finite(f) -> None:
-  """Refuses a NaN or infinite value of any numeric flag, naming it."""
-  for names in FLAG_GROUPS.values():
-    for name in names:
-      value = f[name].value
-      if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f'--{name} must be a finite number, got {value}')
 
 
 def main(argv, f, run_fn) -> int:
