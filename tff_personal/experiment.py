@@ -143,8 +143,9 @@ def check_values(config: ExperimentConfig) -> None:
 
   Numbers must be finite; `experiment_name` must be a plain directory name
   (the run writes only below `root_output_dir`); `personal_init_stddev`
-  >= 0, `embedding_dim` >= 1, `dp.clip_norm` > 0 (with or without DP),
-  `eval_chunk` >= 1, `cold_start_epochs` >= 0.
+  >= 0, `embedding_dim` >= 0 (whether 0, no personal embedding, is allowed
+  is the algorithm builder's to say), `dp.clip_norm` > 0 (with or without
+  DP), `eval_chunk` >= 1, `cold_start_epochs` >= 0.
   """
   values = {**{f.name: getattr(config, f.name)
                for f in dataclasses.fields(config)},
