@@ -5,7 +5,9 @@ values are written into summary.json.
 """
 
 import json
+import math
 import os
+import shutil
 import sys
 
 from absl import app
@@ -15,6 +17,7 @@ import tensorflow as tf
 
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal import run_lock
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import client_state as client_state_lib
@@ -204,6 +207,15 @@ def flag_values(flag_values_obj) -> dict:
           for group, names in FLAG_GROUPS.items()}
 
 
+def _check_finite(f) -> None:
+  """Refuses a NaN or infinite value of any numeric flag, naming it."""
+  for names in FLAG_GROUPS.values():
+    for name in names:
+      value = f[name].value
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f'--{name} must be a finite number, got {value}')
+
+
 def configs_from_flags(f):
   """Builds the experiment config and task arguments; validates early.
 
@@ -226,6 +238,7 @@ def configs_from_flags(f):
   algorithm_defaults.apply_defaults(f, f.task, f.algorithm)
   if f.workers:
     runtime.parse_workers(f.workers)  # A bad address fails before any work.
+  _check_finite(f)
   population_from_flags = f.task in ('mnist_preference', 'speech_preference')
   if population_from_flags and f.num_users < 1:
     raise ValueError(f'--num_users must be positive, got {f.num_users}')
@@ -369,22 +382,37 @@ def run(config, task_kwargs, f) -> int:
   except ValueError as e:  # Data errors name the file and what is wrong.
     print(f'error: {e}', file=sys.stderr)
     return 2
-  with runtime.local_runtime(
-      log_path=os.path.join(config.experiment_dir, 'worker_binary.log')
-      if _mkdir(config.experiment_dir) else None, workers=f.workers,
-      intra_op_threads=f.intra_op_threads,
-      inter_op_threads=f.inter_op_threads):
-    try:
+  existed = os.path.exists(config.experiment_dir)
+  try:
+    with run_lock.hold(config.experiment_dir), runtime.local_runtime(
+        log_path=os.path.join(config.experiment_dir, 'worker_binary.log'),
+        workers=f.workers, intra_op_threads=f.intra_op_threads,
+        inter_op_threads=f.inter_op_threads):
       summary = experiment.run_experiment(
           task, config, log_fn=lambda s: print(s, flush=True),
           flag_values=flag_values(f))
-    except training_loop.CheckpointError as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 3
+  except (training_loop.CheckpointError, run_lock.ExperimentLockedError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 3
+  except training_loop.NonFiniteRoundError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  except experiment.ConfigurationError as e:  # Nothing ran.
+    if not existed:
+      _remove_if_only(config.experiment_dir,
+                      {run_lock.LOCK_FILENAME, 'worker_binary.log'})
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   print(json.dumps({k: summary[k] for k in (
       'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
       'privacy')}, indent=1, default=str))
   return 0
+
+
+def _remove_if_only(directory: str, names: set[str]) -> None:
+  """Removes `directory` if it holds nothing but files named in `names`."""
+  if os.path.isdir(directory) and set(os.listdir(directory)) <= names:
+    shutil.rmtree(directory)
 
 
 # Flags a re-evaluation (binaries.evaluate) may change: those a resumed run
@@ -402,8 +430,11 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
     logging.set_verbosity(logging.WARNING)
   summary_path = os.path.join(config.experiment_dir, 'summary.json')
   if os.path.exists(summary_path):
-    with open(summary_path, encoding='utf-8') as fh:
-      recorded = json.load(fh).get('flags') or {}
+    try:
+      recorded = experiment.read_json_record(summary_path).get('flags') or {}
+    except ValueError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 2
     differences = experiment.flag_differences(
         recorded, flag_values(f), ignore=EVALUATION_FLAGS)
     if differences:
@@ -421,27 +452,25 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  with runtime.local_runtime(workers=f.workers,
-                             intra_op_threads=f.intra_op_threads,
-                             inter_op_threads=f.inter_op_threads):
-    try:
+  try:
+    with run_lock.hold(config.experiment_dir, create=False), (
+        runtime.local_runtime(workers=f.workers,
+                              intra_op_threads=f.intra_op_threads,
+                              inter_op_threads=f.inter_op_threads)):
       record = experiment.evaluate_experiment(
           task, config, eval_name, log_fn=lambda s: print(s, flush=True),
           overwrite=overwrite, flag_values=flag_values(f))
-    except experiment.EvaluationError as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 2
-    except (training_loop.CheckpointError,
-            client_state_lib.ClientStateStoreError) as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 3
+  except experiment.EvaluationError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  except (training_loop.CheckpointError,
+          client_state_lib.ClientStateStoreError,
+          run_lock.ExperimentLockedError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 3
   print(json.dumps({k: record[k] for k in (
       'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},
                    indent=1, default=str))
   print(f'written: {experiment.evaluation_path(config, eval_name)}')
   return 0
 
-
-def _mkdir(path) -> bool:
-  os.makedirs(path, exist_ok=True)
-  return True

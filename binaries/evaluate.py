@@ -8,7 +8,8 @@ they must match these, except the evaluation and runtime flags), the
 server checkpoint of the last round and the clients' private states as
 committed then. Writes only evaluations/<eval_name>.json (refused if it
 exists, unless --overwrite_evaluation). Exit codes: 2 for flags or a run that
-has not finished, 3 for a missing or unreadable checkpoint or client state.
+has not finished, 3 for a missing or unreadable checkpoint or client state, or
+an experiment directory in use by another training or evaluation.
 """
 
 from absl import app

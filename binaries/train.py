@@ -4,9 +4,12 @@ r"""Trains and evaluates one personalized-FL experiment.
     --data_dir=../shared/data/mnist --num_users=1000 --rounds=5 \
     --clients_per_round=20 --root_output_dir=/tmp/out --experiment_name=smoke
 
-Writes <root_output_dir>/<experiment_name>/{summary.json, train_metrics.csv,
-eval_metrics.csv, tensorboard/, checkpoints/, client_states/}. Kill it at any
-moment and rerun with --resume: it continues from the last checkpoint.
+Writes <root_output_dir>/<experiment_name>/{summary.json, run_config.json,
+train_metrics.csv, eval_metrics.csv, rounds_started.json, tensorboard/,
+checkpoints/, client_states/, experiment.lock}. Kill it at any moment and
+rerun with --resume: it continues from the last checkpoint. While it runs it
+holds experiment.lock (tff_personal/run_lock.py): a second training or
+evaluation of the same directory exits with code 3, naming its PID.
 
 With --workers=host:port,... (services started by `python -m binaries.worker
 --port=N`), each round's clients are split across those workers.

@@ -419,3 +419,27 @@ def test_closed_store_raises(tmp_path):
   store.close()  # Idempotent.
   with pytest.raises(cs.ClientStateStoreError, match='closed'):
     store.load([1])
+
+
+def test_sqlite_damaged_page_raises_naming_the_database(tmp_path):
+  path = str(tmp_path / 'states.sqlite')
+  fn = cs.seeded_initial_state_fn(make_template(), SEED)
+  ids = list(range(2000))
+  with cs.SqliteClientStateStore(fn, path) as store:
+    store.save(ids, [state_for(i, 1) for i in ids], 1)
+    store.commit(1)
+  conn = sqlite3.connect(path)
+  page_size = conn.execute('PRAGMA page_size').fetchone()[0]
+  roots = {r for (r,) in conn.execute('SELECT rootpage FROM sqlite_master')}
+  conn.close()
+  pages = os.path.getsize(path) // page_size
+  assert pages > 10
+  with open(path, 'r+b') as f:  # Garbles the pages below the roots.
+    for page in range(2, pages + 1):  # Pages are numbered from 1.
+      if page not in roots:
+        f.seek((page - 1) * page_size)
+        f.write(b'\xff' * 64)
+  with pytest.raises(cs.CorruptStateError, match='states.sqlite') as info:
+    with cs.SqliteClientStateStore(fn, path) as store:
+      store.load(ids)
+  assert 'malformed' in str(info.value)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 from absl import flags
 from absl.testing import flagsaver
@@ -147,3 +148,42 @@ def test_sqlite_store_run_is_reevaluated_too(tmp_path, mnist_dir):
   after = files.tree_digest(tmp_path / 'run')
   assert {k: v for k, v in after.items()
           if not k.startswith('evaluations')} == before
+
+
+def test_round_and_privacy_come_from_the_run_not_from_summary(tmp_path,
+                                                               mnist_dir):
+  """A hand-edited summary.json changes neither the evaluated round nor the
+  privacy report: they are derived from the checkpoints and run_config.json."""
+  _parse_flags()
+  dp = dict(dp='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5,
+            eval_clients=10)
+  with flagsaver.flagsaver(**_run_flags(tmp_path, mnist_dir, **dp)):
+    assert train.main(['train']) == 0
+  path = tmp_path / 'run' / 'summary.json'
+  with open(path) as f:
+    summary = json.load(f)
+  epsilon = summary['privacy']['epsilon']
+  summary['privacy']['epsilon'] = epsilon / 100
+  with open(path, 'w') as f:
+    json.dump(summary, f)
+  assert _evaluate(tmp_path, mnist_dir, eval_name='eps', **dp) == 0
+  record = _read(tmp_path, 'eps')
+  assert record['privacy']['epsilon'] == pytest.approx(epsilon)
+  assert record['privacy']['rounds_noised'] == 2
+  summary['rounds_completed'] = 1
+  with open(path, 'w') as f:
+    json.dump(summary, f)
+  assert _evaluate(tmp_path, mnist_dir, eval_name='round', **dp) == 0
+  assert _read(tmp_path, 'round')['round'] == 2
+
+
+def test_unreadable_summary_is_named(finished_run, mnist_dir, tmp_path,
+                                     capsys):
+  root, _ = finished_run
+  shutil.copytree(root / 'run', tmp_path / 'run')
+  with open(tmp_path / 'run' / 'summary.json', 'a') as f:
+    f.write('}')
+  assert _evaluate(tmp_path, mnist_dir, eval_name='x') == 2
+  err = capsys.readouterr().err
+  assert str(tmp_path / 'run' / 'summary.json') in err
+  assert 'not valid JSON' in err

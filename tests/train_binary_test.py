@@ -12,6 +12,7 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 
+from binaries import evaluate
 from binaries import train
 from tff_personal.core import private_noise
 from tests import files
@@ -53,6 +54,14 @@ def _base(tmp_path, mnist_dir, **overrides):
     (dict(task='speech_preference', algorithm='fedembed_prototype',
           speech_encoder='spectral', encoder_weights='enc.npz'),
      '--speech_encoder=spectral has none to load'),
+    (dict(client_learning_rate=float('nan')),
+     '--client_learning_rate must be a finite number, got nan'),
+    (dict(server_learning_rate=float('inf')),
+     '--server_learning_rate must be a finite number, got inf'),
+    (dict(personal_init_stddev=-1.0), 'personal_init_stddev must be >= 0'),
+    (dict(clip_norm=0.0), 'clip_norm must be > 0'),
+    (dict(embedding_dim=-1), 'embedding_dim must be >= 0'),
+    (dict(embedding_dim=0), 'global_plus needs a personal embedding'),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, mnist_dir, capsys,
                                         overrides, message):
@@ -96,6 +105,13 @@ def test_summary_and_dp_report(tmp_path, mnist_dir):
   assert privacy['rounds'] == 2
   assert privacy['sampling'] == 'fixed_size'
   assert summary['flags']['privacy']['dp'] == 'gaussian_fixed'
+  # Each released value says whether epsilon covers it.
+  covered = {r['name']: r['covered'] for r in privacy['released']}
+  assert covered == {'shared model update': True,
+                     'training-metric sums': False,
+                     'cohort_size': True,  # fixed-size: always 5
+                     'round_seconds': False,
+                     'evaluation metrics': False}
   # Metrics went through tff.program release managers.
   with open(tmp_path / 'e2e' / 'train_metrics.csv') as f:
     rows = f.read().strip().splitlines()
@@ -277,3 +293,42 @@ def test_resume_extends_a_run_with_a_given_noise_multiplier(tmp_path,
   assert summary['rounds_completed'] == 2 and summary['resumed_from_round'] == 1
   assert summary['privacy']['rounds'] == 2
   assert summary['privacy']['noise_multiplier'] == 1.0
+
+
+def test_a_running_experiment_refuses_a_second_program(tmp_path, mnist_dir,
+                                                       capsys):
+  """While binaries.train runs, neither a resume nor an evaluation of the
+  same directory starts; both name the running process."""
+  _parse_flags()
+  proc = subprocess.Popen(_cmd(tmp_path, 'locked', ['--rounds=500']),
+                          cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+  try:
+    for line in proc.stdout:
+      if line.startswith('round 1/'):
+        break
+    assert proc.poll() is None
+    with flagsaver.flagsaver(**_base(tmp_path, mnist_dir,
+                                     experiment_name='locked', resume=True)):
+      assert train.main(['train']) == 3
+    assert f'in use by PID {proc.pid}' in capsys.readouterr().err
+    with flagsaver.flagsaver(**_base(tmp_path, mnist_dir,
+                                     experiment_name='locked')):
+      assert evaluate.main(['evaluate']) == 3
+    assert f'in use by PID {proc.pid}' in capsys.readouterr().err
+    assert proc.poll() is None
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize('name', ['../outside', 'a/b', '..', ''])
+def test_experiment_name_must_be_a_plain_name(tmp_path, mnist_dir, capsys,
+                                              name):
+  _parse_flags()
+  root = tmp_path / 'root'
+  with flagsaver.flagsaver(**_base(root, mnist_dir, experiment_name=name)):
+    assert train.main(['train']) == 2
+  assert 'experiment_name must be a plain' in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / 'outside')
+  assert not os.path.exists(root)  # nothing was written

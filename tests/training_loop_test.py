@@ -1,7 +1,10 @@
 """Unit tests of the training loop's pieces: sampling, metrics, checkpoints."""
 
+import csv
+import glob
 import json
 import os
+import shutil
 
 from absl import flags
 from absl.testing import flagsaver
@@ -9,6 +12,10 @@ import numpy as np
 import pytest
 
 from binaries import train
+from tests import files
+from tff_personal import experiment
+from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import privacy
 from tff_personal.core import training_loop
 
 FLAGS = flags.FLAGS
@@ -100,3 +107,208 @@ def test_target_epsilon_calibrates_noise(tmp_path, mnist_dir):
   assert privacy['epsilon'] <= 8.0
   assert privacy['epsilon'] > 7.5  # calibrated, not merely conservative
   assert privacy['noise_multiplier'] > 0
+
+
+def _train(tmp_path, mnist_dir, **kw):
+  """Runs binaries.train in this process; returns its exit code."""
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  with flagsaver.flagsaver(**_flags(tmp_path, mnist_dir, **kw)):
+    return train.main(['train'])
+
+
+def test_resume_refuses_a_missing_or_emptied_sqlite_store(tmp_path, mnist_dir,
+                                                          capsys):
+  """Checkpoints without the client states they were committed with."""
+  assert _train(tmp_path, mnist_dir, client_state_backend='sqlite') == 0
+  shutil.copytree(tmp_path / 'ckpt', tmp_path / 'emptied')
+  for name, damage in (('ckpt', os.remove), ('emptied', _truncate)):
+    store_files = glob.glob(
+        str(tmp_path / name / 'client_states' / 'client_states.sqlite*'))
+    assert store_files
+    for path in store_files:
+      damage(path)
+    before = files.tree_digest(tmp_path / name)
+    assert _train(tmp_path, mnist_dir, client_state_backend='sqlite',
+                  experiment_name=name, rounds=3, resume=True) == 3
+    err = capsys.readouterr().err
+    assert 'client_states.sqlite' in err and 'round 2' in err
+    assert files.tree_digest(tmp_path / name) == before
+
+
+def _truncate(path):
+  with open(path, 'r+b') as f:
+    f.truncate(0)
+
+
+def test_resume_without_run_config_is_refused(tmp_path, mnist_dir, capsys):
+  """Without its record a resumed run cannot be checked: even a resume that
+  names the other client-state backend would start every user afresh."""
+  assert _train(tmp_path, mnist_dir, client_state_backend='memory') == 0
+  os.remove(tmp_path / 'ckpt' / 'run_config.json')
+  before = files.tree_digest(tmp_path / 'ckpt')
+  for backend in ('memory', 'sqlite'):
+    assert _train(tmp_path, mnist_dir, client_state_backend=backend,
+                  rounds=3, resume=True) == 3
+    err = capsys.readouterr().err
+    assert 'run_config.json' in err and 'missing' in err
+    assert files.tree_digest(tmp_path / 'ckpt') == before
+
+
+class _Killed(Exception):
+  """Stands for a kill of the training process."""
+
+
+def test_dp_epsilon_covers_replayed_rounds_and_rounds_cannot_shrink(
+    tmp_path, mnist_dir, capsys, monkeypatch):
+  dp = dict(dp='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5,
+            client_state_backend='memory', checkpoint_every=2)
+  save = client_state_lib.InMemoryClientStateStore._save_leaves
+
+  def save_or_die(self, client_ids, leaves, round_num):
+    if round_num == 3:  # Round 3's noised aggregate was computed: die.
+      raise _Killed()
+    save(self, client_ids, leaves, round_num)
+
+  with monkeypatch.context() as m:
+    m.setattr(client_state_lib.InMemoryClientStateStore, '_save_leaves',
+              save_or_die)
+    with pytest.raises(_Killed):
+      _train(tmp_path, mnist_dir, rounds=4, **dp)
+  assert training_loop.checkpoint_rounds(str(tmp_path / 'ckpt')) == [0, 2]
+  assert _train(tmp_path, mnist_dir, rounds=4, resume=True, **dp) == 0
+  with open(tmp_path / 'ckpt' / 'summary.json') as f:
+    summary = json.load(f)
+  report = summary['privacy']
+  # Rounds 1, 2, 3 (killed), then 3 and 4 again: five noised aggregates.
+  assert summary['rounds_completed'] == 4
+  assert report['rounds_noised'] == 5
+  resolved = privacy.DPConfig(
+      mechanism='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5,
+      target_delta=report['delta'], clients_per_round=5, population=30,
+      rounds=4)
+  assert report['epsilon'] == pytest.approx(
+      privacy.compute_epsilon(resolved, 5)['epsilon'])
+  assert report['epsilon'] > privacy.compute_epsilon(resolved, 4)['epsilon']
+  capsys.readouterr()
+  # A shorter resume would report fewer rounds than ran: refused.
+  before = files.tree_digest(tmp_path / 'ckpt')
+  assert _train(tmp_path, mnist_dir, rounds=3, resume=True, **dp) == 3
+  err = capsys.readouterr().err
+  assert '--rounds=3' in err and '4 rounds' in err
+  assert files.tree_digest(tmp_path / 'ckpt') == before
+
+
+def _strict_json(path):
+  """The JSON of `path`; fails on NaN or Infinity (not JSON)."""
+  def refuse(constant):
+    raise AssertionError(f'{path} holds {constant}, which is not JSON')
+  with open(path) as f:
+    return json.loads(f.read(), parse_constant=refuse)
+
+
+def _csv_rows(path):
+  with open(path, newline='') as f:
+    return list(csv.DictReader(f))
+
+
+def test_resume_after_a_kill_in_evaluation_releases_what_was_lost(
+    tmp_path, mnist_dir, monkeypatch):
+  evaluator = experiment._personal_evaluator  # pylint: disable=protected-access
+
+  def dying_evaluator(*args, **kwargs):
+    _, ids, data_fn = evaluator(*args, **kwargs)
+
+    def die(*unused_args, **unused_kwargs):
+      raise _Killed()
+    return die, ids, data_fn
+
+  with monkeypatch.context() as m:
+    m.setattr(experiment, '_personal_evaluator', dying_evaluator)
+    with pytest.raises(_Killed):
+      _train(tmp_path, mnist_dir)
+  run = tmp_path / 'ckpt'
+  assert training_loop.checkpoint_rounds(str(run))[-1] == 2
+  assert not (run / 'summary.json').exists()
+  assert _train(tmp_path, mnist_dir, resume=True) == 0
+  summary = _strict_json(run / 'summary.json')
+  assert summary['rounds_completed'] == 2
+  assert summary['rounds_run_in_this_process'] == 0
+  eval_rows = _csv_rows(run / 'eval_metrics.csv')
+  assert [int(r['round']) for r in eval_rows] == [2]
+  assert float(eval_rows[0]['f1']) == pytest.approx(summary['eval']['f1'])
+  last = _csv_rows(run / 'train_metrics.csv')[-1]
+  assert int(last['round']) == 2
+  assert summary['final_train_metrics']['train/loss'] == pytest.approx(
+      float(last['train/loss']))
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, mnist_dir, capsys):
+  assert _train(tmp_path, mnist_dir) == 0
+  run = tmp_path / 'ckpt'
+  _strict_json(run / 'summary.json')
+  before = files.tree_digest(run)
+  capsys.readouterr()
+  assert _train(tmp_path, mnist_dir, resume=True) == 0
+  assert 'already finished' in capsys.readouterr().out
+  assert files.tree_digest(run) == before
+
+
+def _seed_with_empty_round(population, clients_per_round, empty, rounds):
+  """A seed whose Poisson cohort is empty in round `empty` only."""
+  for seed in range(1000):
+    sizes = [len(training_loop.sample_clients(
+        population, clients_per_round, r, seed, 'poisson'))
+             for r in range(1, rounds + 1)]
+    if [s == 0 for s in sizes] == [r == empty for r in range(1, rounds + 1)]:
+      return seed
+  raise AssertionError('no such seed')
+
+
+@pytest.mark.parametrize('shards', [0, 2])
+def test_an_empty_poisson_cohort_is_a_round(tmp_path, mnist_dir, shards):
+  seed = _seed_with_empty_round(30, 2, empty=2, rounds=3)
+  kw = dict(sampling='poisson', clients_per_round=2, seed=seed,
+            eval_every=1, simulation_shards=shards)
+  assert _train(tmp_path, mnist_dir, **kw) == 0
+  run = tmp_path / 'ckpt'
+  assert training_loop.checkpoint_rounds(str(run))[-1] == 2
+  assert _train(tmp_path, mnist_dir, rounds=3, resume=True, **kw) == 0
+  train_rows = _csv_rows(run / 'train_metrics.csv')
+  assert [int(r['round']) for r in train_rows] == [1, 2, 3]
+  assert [int(r['cohort_size']) for r in train_rows][1] == 0
+  assert int(train_rows[0]['cohort_size']) > 0
+  assert int(train_rows[2]['cohort_size']) > 0
+  # Nothing trained in round 2: the model and the states are round 1's.
+  eval_rows = _csv_rows(run / 'eval_metrics.csv')
+  assert [int(r['round']) for r in eval_rows] == [1, 2, 3]
+  for key in ('f1', 'accuracy', 'auc'):
+    assert eval_rows[1][key] == eval_rows[0][key]
+  summary = _strict_json(run / 'summary.json')
+  assert summary['rounds_completed'] == 3 and summary['rounds_started'] == 3
+
+
+def test_a_round_where_every_client_diverged_fails_loudly(tmp_path, mnist_dir,
+                                                          capsys):
+  # Finite flags, but steps of 1e30 overflow every client's weights.
+  assert _train(tmp_path, mnist_dir, client_optimizer='sgd',
+                client_learning_rate=1e30) == 1
+  err = capsys.readouterr().err
+  assert 'round 1' in err and 'all 5 clients' in err and 'non-finite' in err
+  assert training_loop.checkpoint_rounds(str(tmp_path / 'ckpt')) == [0]
+  assert not (tmp_path / 'ckpt' / 'summary.json').exists()
+
+
+def test_unreadable_records_are_named(tmp_path, mnist_dir, capsys):
+  assert _train(tmp_path, mnist_dir) == 0
+  run = tmp_path / 'ckpt'
+  for name in ('summary.json', 'run_config.json'):
+    text = (run / name).read_text()
+    (run / name).write_text(text[:len(text) // 2])  # Cut short by a crash.
+    before = files.tree_digest(run)
+    capsys.readouterr()
+    assert _train(tmp_path, mnist_dir, resume=True) == 3
+    err = capsys.readouterr().err
+    assert str(run / name) in err and 'not valid JSON' in err
+    assert files.tree_digest(run) == before
+    (run / name).write_text(text)

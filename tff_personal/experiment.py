@@ -10,7 +10,9 @@ needs, `algorithms/registry.py`); the process says how it is evaluated
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -19,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal import run_lock
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
@@ -133,8 +136,50 @@ def _private_optimizer(config: ExperimentConfig):
   return fedavg.adam(config.private_learning_rate)
 
 
+class ConfigurationError(ValueError):
+  """The algorithm cannot be built under this configuration (nothing ran)."""
+
+
+def check_values(config: ExperimentConfig) -> None:
+  """Raises ValueError for values no run can use, naming the field.
+
+  Numbers must be finite; `experiment_name` must be a plain directory name
+  (the run writes only below `root_output_dir`); `personal_init_stddev`
+  >= 0, `embedding_dim` >= 0 (whether 0, no personal embedding, is allowed
+  is the algorithm builder's to say), `dp.clip_norm` > 0 (with or without
+  DP), `eval_chunk` >= 1, `cold_start_epochs` >= 0.
+  """
+  values = {**{f.name: getattr(config, f.name)
+               for f in dataclasses.fields(config)},
+            **{f'dp.{f.name}': getattr(config.dp, f.name)
+               for f in dataclasses.fields(config.dp)}}
+  for name, value in values.items():
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f'{name} must be a finite number, got {value}')
+  name = config.experiment_name
+  if (not name or name in ('.', '..') or '/' in name or os.sep in name or
+      (os.altsep and os.altsep in name)):
+    raise ValueError('experiment_name must be a plain directory name (no '
+                     'path separator, not "." or ".."): the run is written '
+                     f'to root_output_dir/experiment_name; got {name!r}')
+  if config.personal_init_stddev < 0:
+    raise ValueError('personal_init_stddev must be >= 0, got '
+                     f'{config.personal_init_stddev}')
+  if config.embedding_dim is not None and config.embedding_dim < 0:
+    raise ValueError(
+        f'embedding_dim must be >= 0, got {config.embedding_dim}')
+  if not config.dp.clip_norm > 0:
+    raise ValueError(f'clip_norm must be > 0, got {config.dp.clip_norm}')
+  if config.eval_chunk < 1:
+    raise ValueError(f'eval_chunk must be >= 1, got {config.eval_chunk}')
+  if config.cold_start_epochs < 0:
+    raise ValueError(
+        f'cold_start_epochs must be >= 0, got {config.cold_start_epochs}')
+
+
 def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   """Checks the configuration before any work starts; returns the DP config."""
+  check_values(config)
   if config.algorithm not in registry.ALGORITHMS:
     raise ValueError(f'unknown algorithm {config.algorithm!r}; known: '
                      f'{sorted(registry.ALGORITHMS)}')
@@ -355,6 +400,23 @@ def eval_client_ids(population: int, eval_clients: int, seed: int
                             replace=False)).tolist()
 
 
+def _holding_lock(create: bool):
+  """Decorates `fn(task, config, ...)` to run holding the lock of
+  `config.experiment_dir` (`run_lock.hold(..., create)`).
+
+  The decorated function raises `run_lock.ExperimentLockedError`, before
+  doing anything, when another process holds the lock.
+  """
+  def decorate(fn):
+    @functools.wraps(fn)
+    def holding(task, config, *args, **kwargs):
+      with run_lock.hold(config.experiment_dir, create=create):
+        return fn(task, config, *args, **kwargs)
+    return holding
+  return decorate
+
+
+@_holding_lock(create=True)
 def run_experiment(task, config: ExperimentConfig,
                    log_fn: Callable[[str], None] = print,
                    flag_values: Optional[dict[str, Any]] = None,
@@ -369,16 +431,29 @@ def run_experiment(task, config: ExperimentConfig,
   registry.check_compatible(config.algorithm, task, config.algorithm_options)
   population = task.population
   dp = validate(config, population)
-  os.makedirs(config.experiment_dir, exist_ok=True)
-  check_or_record_run_config(config, dp, flag_values)
+  _check_rounds_not_below_completed(config)
+  resuming = bool(training_loop.checkpoint_rounds(config.experiment_dir))
+  if resuming:  # Checks against the record; writes nothing.
+    check_or_record_run_config(config, dp, flag_values)
+    finished = _finished_summary(config)
+    if finished is not None:
+      log_fn(f'{config.experiment_dir} already finished its {config.rounds} '
+             'rounds (summary.json); nothing was run and nothing was changed')
+      return finished
   t_start = time.perf_counter()
 
-  built = build_process(task, config, privacy.build_aggregator(dp), dp)
+  try:  # The builders check the rest of the configuration.
+    built = build_process(task, config, privacy.build_aggregator(dp), dp)
+  except ValueError as e:
+    raise ConfigurationError(str(e)) from e
+  if not resuming:  # A new run's record, once its process could be built.
+    os.makedirs(config.experiment_dir, exist_ok=True)
+    check_or_record_run_config(config, dp, flag_values)
   proc = stages_lib.final_process(built)
-  initial_state, earlier_rounds = None, 0
+  initial_state, earlier_noised = None, 0
   if isinstance(built, stages_lib.Staged):  # e.g. FedDVA: VAE, classifier
-    initial_state = _run_earlier_stages(task, built, config, dp, log_fn)
-    earlier_rounds = built.earlier_rounds
+    initial_state, earlier_noised = _run_earlier_stages(task, built, config,
+                                                        dp, log_fn)
   train_proc, num_shards, store, train_data_fn = _training_parts(
       task, proc, config, dp, config.experiment_dir, log_fn)
 
@@ -409,26 +484,14 @@ def run_experiment(task, config: ExperimentConfig,
     store.close()
 
   # Every stage's shared update went through the run's aggregator.
-  report = privacy.privacy_report(
-      dp, result.rounds_completed + earlier_rounds)
-  if report is not None:
-    noise = private_noise_of(config, dp)
-    if noise is not None:
-      report['personal_heads'] = private_noise.personal_report(
-          noise, _personal_passes(config, result.rounds_completed),
-          report['delta'], report['neighboring_relation'])
-    report['train_metrics_released'] = config.train_metrics
-    if config.train_metrics:
-      report['notes'] = (report.get('notes', '') + ' Training-metric sums '
-                         '(loss, accuracy) are released without noise as '
-                         'simulation diagnostics and are not covered by '
-                         'epsilon; run with --notrain_metrics to release only '
-                         'the DP aggregate.').strip()
+  report = run_privacy_report(config, dp, result.rounds_completed,
+                              result.rounds_started, earlier_noised)
   summary = {
       'task': getattr(task, 'name', type(task).__name__),
       'algorithm': config.algorithm,
       'rounds_completed': result.rounds_completed,
       'rounds_run_in_this_process': result.rounds_run_here,
+      'rounds_started': result.rounds_started,
       'resumed_from_round': result.resumed_from,
       'seconds_per_round': result.seconds_per_round,
       'first_round_seconds': result.first_round_seconds,
@@ -466,6 +529,7 @@ def _training_parts(task, proc, config: ExperimentConfig, dp, directory: str,
                                    getattr(task, 'wire_format', None))
   log_fn(f'simulation: {num_shards} shards per round' if num_shards else
          'simulation: one user per TFF client')
+  _check_store_present(config, task.population, directory)
   store = client_state_lib.make_store(
       config.client_state_backend, initial_client_state_fn(proc, config),
       population=task.population,
@@ -484,8 +548,9 @@ def _run_earlier_stages(task, staged: stages_lib.Staged,
                         config: ExperimentConfig, dp, log_fn):
   """Runs every stage but the last with the one loop, each in its own
   directory (resumed from there with `config.resume`; a finished stage runs
-  no round again); returns the last stage's initial server state."""
-  state = None
+  no round again). Returns the last stage's initial server state and the
+  rounds the earlier stages noised (started, replays included)."""
+  state, noised = None, 0
   for stage, following in zip(staged.earlier, staged.stages[1:]):
     directory = stage_directory(config, stage.name)
     stage_log = lambda s, name=stage.name: log_fn(f'[{name}] {s}')
@@ -503,8 +568,173 @@ def _run_earlier_stages(task, staged: stages_lib.Staged,
           log_fn=stage_log, initial_state=state)
     finally:
       store.close()
+    noised += max(result.rounds_completed, result.rounds_started or 0)
     state = following.handoff(result.state)
-  return state
+  return state, noised
+
+
+def _earlier_stages_noised(config: ExperimentConfig) -> int:
+  """The rounds a finished run's earlier stages noised (0 for a
+  single-stage algorithm), read from their directories."""
+  stages_dir = os.path.join(config.experiment_dir, 'stages')
+  total = 0
+  for name in (sorted(os.listdir(stages_dir)) if os.path.isdir(stages_dir)
+               else ()):
+    directory = os.path.join(stages_dir, name)
+    total += max((training_loop.checkpoint_rounds(directory) or [0])[-1],
+                 training_loop.rounds_started(directory) or 0)
+  return total
+
+
+def run_privacy_report(config: ExperimentConfig, dp: privacy.DPConfig,
+                       rounds_completed: int,
+                       rounds_started: Optional[int],
+                       earlier_stages_noised: int = 0) -> Optional[dict]:
+  """The privacy report of a run (None without DP).
+
+  `dp` is the run's resolved DP config. Epsilon accounts every round whose
+  noised aggregate was computed, `rounds_noised`: the rounds started in the
+  experiment directory (`training_loop.rounds_started`), which include rounds
+  replayed after a kill, and at least `rounds_completed`, plus
+  `earlier_stages_noised`, those of a multi-stage algorithm's earlier
+  stages (`core/stages.py`). A replay trains and noises the round again, so
+  it is accounted as another release.
+  """
+  noised = max(rounds_completed, rounds_started or 0) + earlier_stages_noised
+  report = privacy.privacy_report(dp, noised)
+  if report is None:
+    return None
+  report['rounds_completed'] = rounds_completed
+  report['rounds_noised'] = noised
+  report['notes'] = (report.get('notes', '') + ' Epsilon accounts '
+                     'rounds_noised rounds: every round started, including '
+                     'rounds replayed after a kill (a replay trains and '
+                     'noises the round again, another release).').strip()
+  noise = private_noise_of(config, dp)
+  if noise is not None:
+    report['personal_heads'] = private_noise.personal_report(
+        noise, _personal_passes(config, noised),
+        report['delta'], report['neighboring_relation'])
+  report['released'] = released_values(config, dp)
+  report['train_metrics_released'] = config.train_metrics
+  if config.train_metrics:
+    report['notes'] = (report.get('notes', '') + ' Training-metric sums '
+                       '(loss, accuracy) are released without noise as '
+                       'simulation diagnostics and are not covered by '
+                       'epsilon; run with --notrain_metrics to release only '
+                       'the DP aggregate.').strip()
+  return report
+
+
+def _finished_summary(config: ExperimentConfig) -> Optional[dict]:
+  """summary.json of a resumed run that already finished `config.rounds`.
+
+  None unless `config.resume`, the last checkpoint is of round
+  `config.rounds` and summary.json records that round: then resuming has
+  nothing to run, and the summary is returned as it is.
+  """
+  path = os.path.join(config.experiment_dir, 'summary.json')
+  if not config.resume or not os.path.exists(path):
+    return None
+  rounds = training_loop.checkpoint_rounds(config.experiment_dir)
+  if not rounds or rounds[-1] != config.rounds:
+    return None
+  summary = read_json_record(path, ResumeError)
+  if summary.get('rounds_completed') != config.rounds:
+    return None
+  return summary
+
+
+def released_values(config: ExperimentConfig, dp: privacy.DPConfig
+                    ) -> list[dict]:
+  """What a DP run releases, each `{name, covered, why}`.
+
+  `covered` says whether the (epsilon, delta) of the privacy report bounds
+  what the value reveals about a user. The list follows what the run
+  writes: the DP aggregate, train_metrics.csv (metric sums unless
+  `train_metrics` is off; cohort_size and round_seconds always),
+  eval_metrics.csv and the summary's evaluations, and the personal heads.
+  """
+  released = [dict(
+      name='shared model update', covered=True,
+      why=f'clipped to {dp.clip_norm} and noised by the {dp.mechanism} DP '
+          'aggregator; accounted in epsilon')]
+  if config.train_metrics:
+    released.append(dict(
+        name='training-metric sums', covered=False,
+        why='loss, accuracy and non-finite counts summed over the cohort '
+            'without noise (simulation diagnostics; --notrain_metrics '
+            'withholds them)'))
+  if config.sampling == 'fixed_size':
+    released.append(dict(
+        name='cohort_size', covered=True,
+        why='always clients_per_round under fixed-size sampling: it depends '
+            'on no user'))
+  else:
+    released.append(dict(
+        name='cohort_size', covered=False,
+        why='under Poisson sampling the number of users sampled changes '
+            'with the population, and the accounting assumes it is not '
+            'released'))
+  released.append(dict(
+      name='round_seconds', covered=False,
+      why='wall time of a round, which can depend on the cohort\'s data'))
+  released.append(dict(
+      name='evaluation metrics', covered=False,
+      why='computed over every evaluated user\'s private state and data '
+          'without noise (simulation diagnostics)'))
+  if config.dp_personal_heads == 'noised':
+    released.append(dict(
+        name='personal heads', covered=False,
+        why='noised on their own; bounded by personal_heads.epsilon, not by '
+            'the shared epsilon'))
+  return released
+
+
+def _check_rounds_not_below_completed(config: ExperimentConfig) -> None:
+  """Refuses a resume with fewer `rounds` than its checkpoints completed.
+
+  The rounds that ran cannot be undone (their noise is spent, their client
+  states are saved); a shorter resume would report fewer. Raises
+  `ResumeError` before anything is written.
+  """
+  rounds = training_loop.checkpoint_rounds(config.experiment_dir)
+  if config.resume and rounds and rounds[-1] > config.rounds:
+    raise ResumeError(
+        f'{config.experiment_dir} has completed {rounds[-1]} rounds; '
+        f'--rounds={config.rounds} is below that. Rounds that ran cannot be '
+        f'undone: resume with --rounds >= {rounds[-1]}, or re-evaluate the '
+        'run with binaries.evaluate. Nothing was changed.')
+
+
+def _check_store_present(config: ExperimentConfig, population: int,
+                         directory: Optional[str] = None) -> None:
+  """Refuses to resume checkpoints whose client-state store is gone.
+
+  `directory`: where the checkpoints and the store are (default the
+  experiment's; a multi-stage algorithm's earlier stages have their own).
+
+  Opening a missing SQLite database creates an empty one, and a store without
+  states loads every client's initial state: the run would continue with
+  every user reset. Raises `training_loop.CheckpointError` naming the missing
+  file and the round it should hold, before anything is written.
+  """
+  directory = directory or config.experiment_dir
+  rounds = training_loop.checkpoint_rounds(directory)
+  if not config.resume or not rounds or rounds[-1] == 0:
+    return
+  missing = client_state_lib.missing_store(
+      config.client_state_backend, os.path.join(directory, 'client_states'),
+      population)
+  if missing is not None:
+    raise training_loop.CheckpointError(
+        f'the client-state store {missing} is missing or empty, but the '
+        f'server checkpoints of {directory} reach round '
+        f'{rounds[-1]}: the store should hold the client states committed at '
+        f'round {rounds[-1]} (or at an earlier checkpoint of {rounds}). '
+        'Resuming would reset every client to its initial state. Restore the '
+        'store (with the run\'s own --client_state_backend), or start a new '
+        '--experiment_name. Nothing was changed.')
 
 
 def _personal_passes(config: ExperimentConfig, rounds: int) -> int:
@@ -537,6 +767,25 @@ RESUMABLE_FIELDS = EVALUATION_FIELDS + (
 
 class ResumeError(training_loop.CheckpointError):
   """A run would resume under another configuration than it started with."""
+
+
+def read_json_record(path: str, error=ValueError) -> dict:
+  """The JSON object in `path` (e.g. summary.json, run_config.json).
+
+  Raises `error` naming the file when it cannot be read or does not hold a
+  JSON object (e.g. it was edited by hand or cut short).
+  """
+  try:
+    with open(path, encoding='utf-8') as f:
+      value = json.load(f)
+  except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError.
+    raise error(f'{path} is not valid JSON ({type(e).__name__}: {e}); '
+                'restore it from a backup. Nothing was changed.') from e
+  if not isinstance(value, dict):
+    raise error(f'{path} is not valid JSON for this file: it holds a '
+                f'{type(value).__name__}, not an object. Nothing was '
+                'changed.')
+  return value
 
 
 def _as_json(value):
@@ -597,8 +846,8 @@ def check_or_record_run_config(config: ExperimentConfig,
   client-state backend or a DP noise multiplier re-calibrated for other
   rounds (rounds 1..r noised at one multiplier and reported at another
   would under-report epsilon) raise `ResumeError` naming each difference,
-  before anything is changed. A run from before this record is resumed
-  unchecked.
+  before anything is changed. Resuming checkpoints without `run_config.json`
+  raises `ResumeError` naming the file.
   """
   path = os.path.join(config.experiment_dir, RUN_CONFIG_FILENAME)
   record = _run_record(config, dp, flag_values)
@@ -611,10 +860,18 @@ def check_or_record_run_config(config: ExperimentConfig,
     os.makedirs(config.experiment_dir, exist_ok=True)
     training_loop.write_summary(path, record)
     return
-  if not config.resume or not os.path.exists(path):
-    return  # The loop refuses a rerun without resume; old runs: unchecked.
-  with open(path, encoding='utf-8') as f:
-    old = json.load(f)
+  if not config.resume:
+    return  # The loop refuses a rerun without resume.
+  if not os.path.exists(path):
+    raise ResumeError(
+        f'{path} is missing: {config.experiment_dir} holds checkpoints, but '
+        'without the record of the configuration it started with, a resumed '
+        'run cannot be checked to be the same run (another client-state '
+        'backend, learning rate or DP noise would go unnoticed). Restore the '
+        'file from a backup, or start a new --experiment_name (the '
+        'checkpoints can still be re-evaluated once the file is back). '
+        'Nothing was changed.')
+  old = read_json_record(path, ResumeError)
   lines = (_differences(old.get('config', {}), record['config']) +
            _differences(old.get('flags', {}), record['flags'], '--'))
   if lines:
@@ -633,24 +890,27 @@ def evaluation_path(config: ExperimentConfig, eval_name: str) -> str:
                       f'{eval_name}.json')
 
 
+@_holding_lock(create=False)
 def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
                         log_fn: Callable[[str], None] = print,
                         overwrite: bool = False,
                         flag_values: Optional[dict[str, Any]] = None) -> dict:
   """Evaluates a finished run's final state again; writes nothing else.
 
-  Reads `<experiment_dir>/summary.json` (a run writes it when it ends), the
-  server checkpoint of its last round and the clients' private states as
-  committed at that round, then runs the same evaluations as the end of
+  Needs `<experiment_dir>/summary.json` (a run writes it when it ends) and
+  reads the latest server checkpoint (its round is the evaluated round) and
+  the clients' private states as committed at that round, then runs the same evaluations as the end of
   training (`eval`; `test` / `test_fine_tuned` with a held-out split;
   `cold_start`) under this config's evaluation fields (`EVALUATION_FIELDS`:
   e.g. `eval_fine_tune`, `eval_clients`). The result goes to
   `<experiment_dir>/evaluations/<eval_name>.json` (refused if it exists,
   unless `overwrite`); the checkpoints, the client-state store and
   summary.json are only read. The config's other fields must be those the
-  run recorded when it started (`run_config.json`; `rounds` is taken from
-  the run); `binaries.evaluate` also compares its flags (the task's too)
-  with summary.json.
+  run recorded when it started (`run_config.json`, required; `rounds` is
+  taken from the checkpoint); `binaries.evaluate` also compares its flags
+  (the task's too) with summary.json. The record's privacy report is
+  recomputed from run_config.json's DP configuration and the rounds the run
+  started (`run_privacy_report`), not copied from summary.json.
 
   Raises:
     EvaluationError: the run has not finished, was trained under another
@@ -659,6 +919,8 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
       unreadable.
     client_state_lib.ClientStateStoreError: the stored states do not match
       that round.
+    run_lock.ExperimentLockedError: another process holds the experiment
+      directory (a training or another evaluation).
   """
   if not eval_name or os.sep in eval_name or eval_name.startswith('.'):
     raise EvaluationError(f'eval_name must be a plain file name, got '
@@ -669,30 +931,51 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
         f'{summary_path} does not exist: the run in {config.experiment_dir} '
         'has not finished (resume it with binaries.train --resume); only '
         'finished runs are re-evaluated')
-  with open(summary_path, encoding='utf-8') as f:
-    run_summary = json.load(f)
   out_path = evaluation_path(config, eval_name)
   if os.path.exists(out_path) and not overwrite:
     raise EvaluationError(f'{out_path} exists; choose another eval_name or '
                           'overwrite it on purpose')
-  rounds = int(run_summary['rounds_completed'])
+  # The round is the last checkpoint's (the store must be committed there).
+  checkpointed = training_loop.checkpoint_rounds(config.experiment_dir)
+  if not checkpointed or checkpointed[-1] < 1:
+    raise training_loop.CheckpointError(
+        f'{config.experiment_dir} has no checkpoint of a trained round '
+        f'(checkpoints: {checkpointed or "none"})')
+  rounds = checkpointed[-1]
   # The evaluation's local pass reads the data of the run's last round.
   config = dataclasses.replace(config, rounds=rounds)
   population = task.population
   dp = validate(config, population)
   record_path = os.path.join(config.experiment_dir, RUN_CONFIG_FILENAME)
-  if os.path.exists(record_path):
-    with open(record_path, encoding='utf-8') as f:
-      started = json.load(f).get('config', {})
-    lines = _differences(started, _run_record(config, dp, None)['config'])
-    if lines:
-      raise EvaluationError(
-          f'{config.experiment_dir} was trained with another configuration '
-          f'({record_path}):\n  ' + '\n  '.join(lines))
+  if not os.path.exists(record_path):
+    raise EvaluationError(
+        f'{record_path} is missing: without the record of the run\'s '
+        'configuration, neither the configuration nor the privacy report '
+        'of the run can be checked. Restore the file from a backup.')
+  started = read_json_record(record_path, EvaluationError).get('config', {})
+  lines = _differences(started, _run_record(config, dp, None)['config'])
+  if lines:
+    raise EvaluationError(
+        f'{config.experiment_dir} was trained with another configuration '
+        f'({record_path}):\n  ' + '\n  '.join(lines))
+  # The run's guarantee, recomputed from its recorded DP configuration and
+  # the rounds it ran (summary.json's copy is not trusted).
+  run_dp = (privacy.DPConfig(**{**started['dp'], 'rounds': rounds})
+            if started.get('dp') else dp)
+  run_report = run_privacy_report(
+      config, run_dp, rounds, training_loop.rounds_started(
+          config.experiment_dir), _earlier_stages_noised(config))
   proc = stages_lib.final_process(
       build_process(task, config, privacy.build_aggregator(dp), dp))
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)
+  missing = client_state_lib.missing_store(
+      config.client_state_backend,
+      os.path.join(config.experiment_dir, 'client_states'), population)
+  if missing is not None:
+    raise client_state_lib.ClientStateStoreError(
+        f'the client-state store {missing} is missing or empty; it should '
+        f'hold the client states committed at round {rounds}')
   store = client_state_lib.make_store(
       config.client_state_backend, initial_client_state_fn(proc, config),
       population=population,
@@ -722,7 +1005,7 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
       'evaluation': {k: getattr(config, k) for k in EVALUATION_FIELDS},
       # The shared model's guarantee is the run's; evaluation metrics, like
       # training's, are simulation diagnostics.
-      'privacy': run_summary.get('privacy'),
+      'privacy': run_report,
       'flags': flag_values if flag_values is not None else dataclasses.asdict(
           config),
   }

@@ -897,8 +897,9 @@ class SqliteClientStateStore(ClientStateStore):
 
   def num_saved(self) -> int:
     self._check_open()
-    return self._conn.execute(
-        'SELECT COUNT(DISTINCT client_id) FROM states').fetchone()[0]
+    with self._db_errors():
+      return self._conn.execute(
+          'SELECT COUNT(DISTINCT client_id) FROM states').fetchone()[0]
 
   def close(self) -> None:
     self._close_conn()
@@ -909,6 +910,23 @@ class SqliteClientStateStore(ClientStateStore):
     if conn is not None:
       conn.close()
       self._conn = None
+
+  @contextlib.contextmanager
+  def _db_errors(self) -> Iterator[None]:
+    """Re-raises SQLite's errors naming the database file.
+
+    A damaged file (e.g. "database disk image is malformed") raises
+    `CorruptStateError`; other SQLite errors (a full disk, a lock) raise
+    `ClientStateStoreError`.
+    """
+    try:
+      yield
+    except sqlite3.OperationalError as e:
+      raise ClientStateStoreError(
+          f'Client-state database {self._path}: {e}') from e
+    except sqlite3.DatabaseError as e:
+      raise CorruptStateError(
+          f'Client-state database {self._path} is damaged: {e}') from e
 
   @contextlib.contextmanager
   def _transaction(self) -> Iterator[None]:
@@ -928,7 +946,11 @@ class SqliteClientStateStore(ClientStateStore):
       while len(self._cache) > self._cache_size:
         self._cache.popitem(last=False)
 
-  def _load_leaves(self, client_ids):
+  def _load_leaves(self, *args):
+    with self._db_errors():
+      return self._sqlite_load_leaves(*args)
+
+  def _sqlite_load_leaves(self, client_ids):
     blobs: dict[int, bytes] = {}
     missing = []
     for cid in client_ids:
@@ -949,7 +971,11 @@ class SqliteClientStateStore(ClientStateStore):
         self._cache_put(cid, blob)
     return {cid: self._codec.decode(blob, cid) for cid, blob in blobs.items()}
 
-  def _save_leaves(self, client_ids, leaves, round_num):
+  def _save_leaves(self, *args):
+    with self._db_errors():
+      return self._sqlite_save_leaves(*args)
+
+  def _sqlite_save_leaves(self, client_ids, leaves, round_num):
     blobs = [self._codec.encode(lv) for lv in leaves]
     with self._transaction():
       self._conn.executemany(
@@ -959,7 +985,11 @@ class SqliteClientStateStore(ClientStateStore):
     for cid, blob in zip(client_ids, blobs):
       self._cache_put(cid, blob)
 
-  def _commit(self, round_num):
+  def _commit(self, *args):
+    with self._db_errors():
+      return self._sqlite_commit(*args)
+
+  def _sqlite_commit(self, round_num):
     previous = -(2**63) if self._committed is None else self._committed
     with self._transaction():
       # Only clients saved in (previous, r] can hold two versions <= r.
@@ -975,7 +1005,11 @@ class SqliteClientStateStore(ClientStateStore):
           "VALUES ('committed_round', ?)", (str(round_num),))
     self._committed = round_num
 
-  def _rollback(self, round_num):
+  def _rollback(self, *args):
+    with self._db_errors():
+      return self._sqlite_rollback(*args)
+
+  def _sqlite_rollback(self, round_num):
     with self._transaction():
       self._conn.execute('DELETE FROM states WHERE round > ?', (round_num,))
     self._cache.clear()
@@ -994,6 +1028,39 @@ def _chunks(items: Sequence[int], size: int) -> Iterable[Sequence[int]]:
 
 _BACKENDS = ('auto', 'memory', 'sqlite')
 SQLITE_FILENAME = 'client_states.sqlite'
+
+
+def resolve_backend(backend: str, population: int,
+                    auto_threshold: int = 100_000) -> str:
+  """'memory' or 'sqlite': the backend `make_store` builds for `backend`."""
+  if backend not in _BACKENDS:
+    raise ValueError(
+        f'Unknown client-state backend {backend!r}; expected one of '
+        f'{_BACKENDS}.')
+  if backend == 'auto':
+    return 'sqlite' if population > auto_threshold else 'memory'
+  return backend
+
+
+def missing_store(backend: str, directory: str, population: int,
+                  auto_threshold: int = 100_000) -> Optional[str]:
+  """What is missing of a store `make_store` would open, or None.
+
+  A store that has committed a round leaves files in `directory`: the SQLite
+  database (non-empty), or at least one `client_states_<round>.npz` snapshot.
+  Returns the path (or pattern) that should exist but does not, so that a
+  resumed run can refuse before opening, and so creating, an empty store.
+  """
+  backend = resolve_backend(backend, population, auto_threshold)
+  if backend == 'sqlite':
+    path = os.path.join(directory, SQLITE_FILENAME)
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+      return path
+    return None
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  if not any(_SNAPSHOT_RE.match(n) for n in names):
+    return os.path.join(directory, 'client_states_<round>.npz')
+  return None
 
 
 def make_store(backend: str, initial_state_fn: InitialStateFn, *,
@@ -1019,12 +1086,7 @@ def make_store(backend: str, initial_state_fn: InitialStateFn, *,
   Raises:
     ValueError: unknown backend, or sqlite without a directory.
   """
-  if backend not in _BACKENDS:
-    raise ValueError(
-        f'Unknown client-state backend {backend!r}; expected one of '
-        f'{_BACKENDS}.')
-  if backend == 'auto':
-    backend = 'sqlite' if population > auto_threshold else 'memory'
+  backend = resolve_backend(backend, population, auto_threshold)
   if backend == 'memory':
     return InMemoryClientStateStore(initial_state_fn, directory,
                                     template=template)

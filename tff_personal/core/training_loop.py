@@ -7,7 +7,9 @@ lost or duplicated):
    `tff.program.FileProgramStateManager` (an atomic directory rename), then the
    client-state store commits round 0.
 2. Round r: the cohort is sampled from `(seed, r)` alone; its states are loaded
-   from the store; `process.next` runs; the returned states are saved tagged
+   from the store; the count of rounds started (`rounds_started.json`, which
+   the privacy accounting reads: a replayed round is noised again) is
+   incremented durably; `process.next` runs; the returned states are saved tagged
    with round r; metrics are released (CSV rows with key >= r are replaced, so
    a replayed round overwrites, never duplicates).
 3. Every `checkpoint_every` rounds and at the last round: the server state is
@@ -26,6 +28,7 @@ managers used here, but its program logic has no client-state store.
 from __future__ import annotations
 
 import asyncio
+import csv
 import dataclasses
 import json
 import math
@@ -46,6 +49,14 @@ SAMPLING_SCHEMES = ('fixed_size', 'poisson')
 
 class CheckpointError(RuntimeError):
   """A checkpoint exists but cannot be used; nothing was overwritten."""
+
+
+class NonFiniteRoundError(RuntimeError):
+  """Every client of a round produced a non-finite update: training diverged.
+
+  Raised before the round's states are saved or checkpointed; the last
+  checkpoint is the round before.
+  """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +96,11 @@ class LoopResult:
   state: Any
   rounds_completed: int
   rounds_run_here: int
-  seconds_per_round: float
-  first_round_seconds: float
+  # Rounds started in the experiment directory over all processes (replays
+  # after a kill included): `rounds_started(experiment_dir)` at the end.
+  rounds_started: int
+  seconds_per_round: Optional[float]  # None: no round ran in this process.
+  first_round_seconds: Optional[float]
   train_metrics: dict
   eval_metrics: dict
   resumed_from: Optional[int]
@@ -99,7 +113,10 @@ def sample_clients(population: int, clients_per_round: int, round_num: int,
   'fixed_size': `clients_per_round` distinct clients, uniformly without
   replacement. 'poisson': every client independently with probability
   `clients_per_round / population` (the cohort size varies; this is the scheme
-  that `privacy.compute_epsilon` accounts with add-or-remove-one).
+  that `privacy.compute_epsilon` accounts with add-or-remove-one). A Poisson
+  cohort can be empty: `run_training` then leaves the server and client
+  states as they are, and the round is still a round (released with
+  `cohort_size` 0, checkpointed and accounted).
   """
   rng = np.random.default_rng([seed, round_num, 0x5A3])
   if scheme == 'fixed_size':
@@ -162,10 +179,23 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
       raise CheckpointError(
           f'checkpoint directory for round {latest} holds round '
           f'{program_state["round_num"]}; the checkpoint is inconsistent')
+    if (not isinstance(store, client_state_lib.InMemoryClientStateStore)
+        and latest > 0 and store.committed_round() is None):
+      raise CheckpointError(
+          f'the client-state store {_store_name(store)} holds no committed '
+          f'round, but the server checkpoint of round {latest} in {ckpt_dir} '
+          f'needs the client states committed at round {latest}: resuming '
+          'would reset every client to its initial state. Restore the store, '
+          'or start a new --experiment_name. Nothing was changed.')
     try:
       store.rollback(latest)
     except client_state_lib.SnapshotNotFoundError:
       continue
+    except client_state_lib.ClientStateStoreError as e:
+      raise CheckpointError(
+          f'the client-state store {_store_name(store)} cannot be rolled back '
+          f'to the server checkpoint of round {latest} in {ckpt_dir}: {e}. '
+          'Nothing was changed.') from e
     for newer in versions:
       if newer > latest:
         tf.io.gfile.rmtree(os.path.join(ckpt_dir, f'program_state_{newer}'))
@@ -174,6 +204,44 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
       f'none of the server checkpoints {versions} in {ckpt_dir} has a '
       'matching client-state snapshot; cannot resume without losing client '
       'state. Nothing was changed.')
+
+
+ROUNDS_STARTED_FILENAME = 'rounds_started.json'
+
+
+def rounds_started(experiment_dir: str) -> Optional[int]:
+  """How many rounds `run_training` started in `experiment_dir`, or None.
+
+  Counted over every process that ran the experiment, rounds replayed after
+  a kill included: the loop records round r as started (durably) before it
+  runs `process.next` for it. None when the directory has no record.
+
+  Raises:
+    CheckpointError: the record exists but cannot be read (names the file).
+  """
+  path = os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      started = json.load(f)['rounds_started']
+    if not isinstance(started, int) or started < 0:
+      raise ValueError(f'rounds_started is {started!r}')
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(
+        f'{path} cannot be read ({type(e).__name__}: {e}); it counts the '
+        'rounds run so far, which the privacy accounting needs. Nothing was '
+        'changed.') from e
+  return started
+
+
+def _record_rounds_started(experiment_dir: str, started: int) -> None:
+  write_summary(os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME),
+                {'rounds_started': started})
+
+
+def _store_name(store) -> str:
+  return getattr(store, 'path', None) or type(store).__name__
 
 
 def checkpoint_rounds(experiment_dir: str) -> list[int]:
@@ -285,21 +353,49 @@ def run_training(
     store.commit(0)
     start = 1
 
+  def is_eval_round(round_num):
+    return round_num == config.rounds or bool(
+        config.eval_every and round_num % config.eval_every == 0)
+
+  eval_metrics: dict = {}
+  eval_csv = os.path.join(config.experiment_dir, 'eval_metrics.csv')
+  if (eval_fn is not None and resumed_from and is_eval_round(resumed_from)
+      and resumed_from not in _released_rounds(eval_csv)):
+    # Killed after the checkpoint, before the evaluation was released.
+    log_fn(f'round {resumed_from}: evaluating again (its evaluation was not '
+           'released before the run stopped)')
+    eval_metrics = _evaluate_and_release(
+        eval_fn, state, resumed_from, lambda v, r: release(v, r, eval_release))
+  started = rounds_started(config.experiment_dir)
+  if started is None:  # A run from before the record: its checkpoint's count.
+    started = resumed_from or 0
   round_times = []
   train_metrics: dict = {}
-  eval_metrics: dict = {}
-  first_round_seconds = float('nan')
+  first_round_seconds = None
   for round_num in range(start, config.rounds + 1):
     t0 = time.perf_counter()
     cohort = sample_clients(config.population, config.clients_per_round,
                             round_num, config.seed, config.sampling)
     cohort_ids = [int(c) for c in cohort]
-    client_states = store.load(cohort_ids)
-    datasets = train_data_fn(cohort_ids, round_num)
-    state, new_client_states, metrics = process.next(
-        state, client_states, datasets)
-    store.save(cohort_ids,
-               [_to_numpy_state(s) for s in new_client_states], round_num)
+    started += 1  # Recorded before the round's aggregate exists.
+    _record_rounds_started(config.experiment_dir, started)
+    if cohort_ids:
+      client_states = store.load(cohort_ids)
+      datasets = train_data_fn(cohort_ids, round_num)
+      state, new_client_states, metrics = process.next(
+          state, client_states, datasets)
+      nonfinite = flatten_metrics(metrics).get('train/nonfinite') or 0
+      if nonfinite >= len(cohort_ids):
+        raise NonFiniteRoundError(
+            f'round {round_num}: all {len(cohort_ids)} clients of the cohort '
+            'produced non-finite updates (loss or weights overflowed), so '
+            'nothing was learned: training diverged. Nothing of this round '
+            'was saved; the last checkpoint is of an earlier round. Lower the '
+            'learning rates or check the data.')
+      store.save(cohort_ids,
+                 [_to_numpy_state(s) for s in new_client_states], round_num)
+    else:  # Poisson sampling drew nobody: nothing trains, the round counts.
+      metrics = {}
     elapsed = time.perf_counter() - t0
     if round_num == start:
       first_round_seconds = elapsed
@@ -321,19 +417,19 @@ def run_training(
     eta = per_round * (config.rounds - round_num)
     loss = train_metrics.get('train/loss', float('nan'))
     line = (f'round {round_num}/{config.rounds} | cohort {len(cohort_ids)} | '
-            f'train loss {loss:.4f}')
+            + (f'train loss {loss:.4f}' if cohort_ids else
+               'empty cohort, server state unchanged'))
     if 'train/accuracy' in train_metrics:
       line += f' acc {train_metrics["train/accuracy"]:.3f}'
     if train_metrics.get('train/nonfinite'):
       line += f' | {train_metrics["train/nonfinite"]} non-finite clients left out'
     line += (f' | {1.0 / per_round:.2f} rounds/s | ETA {_fmt_seconds(eta)}')
 
-    if eval_fn is not None and (last or (
-        config.eval_every and round_num % config.eval_every == 0)):
-      eval_metrics = eval_fn(state, round_num)
-      flat_eval = {k: v for k, v in flatten_metrics(eval_metrics).items()
-                   if isinstance(v, (int, float))}
-      release(flat_eval, round_num, eval_release)
+    if eval_fn is not None and is_eval_round(round_num):
+      eval_metrics = _evaluate_and_release(
+          eval_fn, state, round_num,
+          lambda v, r: release(v, r, eval_release))
+      flat_eval = flatten_metrics(eval_metrics)
       shown = ', '.join(f'{k} {v:.4f}' for k, v in flat_eval.items()
                         if k in ('f1', 'accuracy', 'auc'))
       line += f' | eval {shown}'
@@ -341,23 +437,84 @@ def run_training(
 
   rounds_run = len(round_times)
   steady = round_times[1:] or round_times
-  if rounds_run == 0 and eval_fn is not None:
-    eval_metrics = eval_fn(state, config.rounds)
+  if rounds_run == 0:  # Resumed at the last round: what it released.
+    train_metrics = _released_row(
+        os.path.join(config.experiment_dir, 'train_metrics.csv'),
+        config.rounds)
+    if eval_fn is not None and not eval_metrics:
+      eval_metrics = eval_fn(state, config.rounds)
   return LoopResult(
       state=state,
       rounds_completed=config.rounds,
       rounds_run_here=rounds_run,
-      seconds_per_round=float(np.mean(steady)) if steady else float('nan'),
+      rounds_started=started,
+      seconds_per_round=float(np.mean(steady)) if steady else None,
       first_round_seconds=first_round_seconds,
       train_metrics=train_metrics,
       eval_metrics=eval_metrics,
       resumed_from=resumed_from)
 
 
+def _evaluate_and_release(eval_fn, state, round_num, release_fn) -> dict:
+  """Runs `eval_fn` at `round_num`, releases its numbers, returns them all."""
+  eval_metrics = eval_fn(state, round_num)
+  flat_eval = {k: v for k, v in flatten_metrics(eval_metrics).items()
+               if isinstance(v, (int, float))}
+  release_fn(flat_eval, round_num)
+  return eval_metrics
+
+
+def _read_csv(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path, newline='', encoding='utf-8') as f:
+    return list(csv.DictReader(f))
+
+
+def _released_rounds(path: str) -> set[int]:
+  """Rounds with a row in a metrics CSV written by the release managers."""
+  return {int(row['round']) for row in _read_csv(path)}
+
+
+def _released_row(path: str, round_num: int) -> dict:
+  """The values of round `round_num`'s row of a metrics CSV ({} if none)."""
+  for row in _read_csv(path):
+    if int(row['round']) == round_num:
+      return {k: _number(v) for k, v in row.items()
+              if k != 'round' and v not in (None, '')}
+  return {}
+
+
+def _number(text: str):
+  for convert in (int, float):
+    try:
+      return convert(text)
+    except ValueError:
+      pass
+  return text
+
+
+def strict_json_value(value):
+  """`value` as strict JSON data: numpy as Python, NaN and infinities None."""
+  if isinstance(value, (np.generic, np.ndarray)):
+    value = value.tolist()
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  if isinstance(value, dict) or hasattr(value, 'items'):
+    return {k: strict_json_value(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [strict_json_value(v) for v in value]
+  return value
+
+
 def write_summary(path: str, summary: dict) -> None:
-  """Writes summary.json atomically (temp file + rename)."""
+  """Writes a JSON record atomically (temp file + rename).
+
+  The file is strict JSON: non-finite numbers are written as null.
+  """
   with atomic_io.atomic_write(path) as f:
-    json.dump(summary, f, indent=2, sort_keys=True, default=_json_default)
+    json.dump(strict_json_value(summary), f, indent=2, sort_keys=True,
+              default=_json_default, allow_nan=False)
 
 
 def _json_default(o):
