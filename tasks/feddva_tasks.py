@@ -21,8 +21,8 @@ seed; nothing is written to disk.
   client; the authors' public code (pysleepy/FedDVA, read, not copied) draws
   every image's sinusoid with a random phase and its ellipse with a random
   rotation. `marks='fixed'` draws one identical mark on every image of a
-  client (what this task did before; a private decoder can then draw the
-  mark by itself and no latent needs it). The per-image parameter is kept
+  client (a private decoder can then draw the mark by itself and no latent
+  needs it). The per-image parameter is kept
   as an angle on the circle (`ClientData.train_mark` / `test_mark`: the
   phase, or twice the rotation, since an ellipse turned by pi is itself;
   NaN for plain digits), so probes can ask which latent carries it.

@@ -43,9 +43,8 @@ class ExperimentConfig:
   experiment_name: str
   client_learning_rate: float = 1e-3
   # 'adam' (the papers' local optimizer) or 'sgd'. Adam's first steps move
-  # every coordinate by about the learning rate, SGD's follow the gradient;
-  # under DP on speech that changed the coherent part of the clipped updates
-  # little (0.38 vs 0.33 of the clip; README, `binaries.dp_budget`).
+  # every coordinate by about the learning rate, SGD's follow the gradient
+  # (`binaries.dp_budget` compares the two under DP).
   client_optimizer: str = 'adam'
   private_learning_rate: Optional[float] = None  # None: client optimizer
   server_optimizer: str = 'sgd'

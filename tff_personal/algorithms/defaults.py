@@ -14,18 +14,15 @@ Every method gets the same budget and the same learning rates (local Adam
 3e-3 for shared parameters, 0.1 for private ones: a personal embedding or
 head sees only a few local steps per participation, and Adam moves a
 parameter by about the learning rate per step). The budget (100 rounds of 50
-users, 2 local epochs; with DP 40 rounds of 200 users, 1 local epoch) comes
-from measured step times so that a cell fits well under 10 minutes on an
-idle 2-core machine (about 3 minutes, docs/fedembed.md). The budget was
-raised from 40 to 100 rounds after FedEmbed-Prototype on the imbalanced
-population went from F1 0.869 (40 rounds) to 0.902 (100) and 0.921 (150);
-the same budget for every method.
+users, 2 local epochs; with DP 40 rounds of 200 users, 1 local epoch) is
+sized so that a cell fits well under 10 minutes on an idle 2-core machine;
+how it was chosen is in docs/papers/fedembed_notes.md.
 
 The paper (FedEmbed, Appendix B.1) uses local Adam with PyTorch's defaults
 (lr 1e-3) and central Adam with lr 1 on averaged gradients. Here the update a
 client sends is its model delta after several local steps (TFF's convention),
-on which Adam with lr 1 diverges (measured, README); the server optimizer is
-SGD with lr 1 (FedAvg) for every method.
+for which the server optimizer is SGD with lr 1 (FedAvg) for every method
+(why not Adam with lr 1: docs/papers/fedembed_notes.md).
 """
 
 from __future__ import annotations
@@ -73,9 +70,9 @@ _MNIST_METHODS: dict[str, dict[str, Any]] = {
     'fedembed_type': {'private_learning_rate': 0.1},
     'fedembed_personal': {'private_learning_rate': 0.1},
     'fedembed_som': {'private_learning_rate': 0.1},
-    # Measured in the algorithms' tuning (200 users, docs/fedembed_algorithms
-    # .md): FedRep's head at 0.01; pFedMe's inner solver is SGD 0.05 when no
-    # private rate is given (a rate switches it to Adam, not measured).
+    # FedRep's head at 0.01 (tuning: docs/papers/fedembed_notes.md); pFedMe's
+    # inner solver is SGD 0.05 when no private rate is given (a rate
+    # switches it to Adam).
     'fedrep': {'private_learning_rate': 0.01},
     'pfedme': {'private_learning_rate': None},
     'pfedme_restart': {'private_learning_rate': None},

@@ -24,13 +24,9 @@ Algorithm 1's "phi_k <- phi ... phi <- phi_k", where phi carries no client
 index: a decoder handed on from client to client, whose parallel FedAvg
 analogue this is. It exists to measure what a private decoder costs the
 disentanglement: with a private p_k a client's fixed mark can live in the
-decoder, so nothing forces c to carry it. Measured on marked_mnist with one
-fixed mark per client (docs/feddva.md): sharing the decoder takes client
-information out of z but does not make c a client code either. (The
-authors' public code keeps the decoder local, as the default here does.)
-On marked_mnist with marks varying per image (the default task), the
-mark's varying part goes to z, not c, with private decoders
-(docs/feddva.md, "Marks that vary per image").
+decoder, so nothing forces c to carry it (results: docs/papers/feddva_notes.md).
+(The authors' public code keeps the decoder local, as the default here
+does.)
 
 `build_feddva_classifier_process` is the personalized-classification stage:
 FedAvg of the two encoders and a classification head on [mu_z; mu_c]

@@ -140,9 +140,9 @@ class PackedBatches:
   `element_spec` and `reduce(initial_state, reduce_fn)`, implemented with a
   `tf.while_loop` over the batch index. A real `tf.data` dataset per user
   would instantiate (and optimise) the dataset's functions on every user of
-  every round; measured here that made the per-user loop about 18x slower
-  than plain training of the same examples. A batch is gathered from the
-  user's examples by index and, with a wire format, decoded.
+  every round, which is far slower (docs/performance.md). A batch is
+  gathered from the user's examples by index and, with a wire format,
+  decoded.
   """
 
   def __init__(self, shard, u, element_spec,
