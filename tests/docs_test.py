@@ -8,13 +8,19 @@
 * Every relative link and image points to an existing file (and, for
   Markdown targets with `#anchor`, to an existing heading).
 * The python blocks of docs/your_own_task.md run, in order, on tiny data.
+* The python blocks of README.md's quickstart run, each on tiny data
+  standing in for its placeholders.
 """
 
+import collections
 import glob
 import os
 import re
 
+import numpy as np
 import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
 
 from tools import readme_tables
 
@@ -215,3 +221,80 @@ def test_your_own_task_code_runs(tmp_path):
     exec(compile(block, str(path), 'exec'), namespace)  # pylint: disable=exec-used
   assert 'accuracy' in namespace['summary']['eval']
   assert namespace['metrics']['train']['clients'] == 3
+
+
+# ------------------------------------------------------------ README quickstart
+
+
+def _exec_block(block: str, path, namespace: dict) -> None:
+  # A real file per block, so that AutoGraph and tracebacks can read it.
+  path.write_text(block)
+  exec(compile(block, str(path), 'exec'), namespace)  # pylint: disable=exec-used
+
+
+def _tiny_client_data(num_clients: int, seed: int):
+  """ClientData of `num_clients` clients of 8 random 28x28x1 images."""
+  rng = np.random.default_rng(seed)
+  arrays = {f'c{i}': (rng.random((8, 28, 28, 1), dtype=np.float32),
+                      rng.integers(0, 10, 8, dtype=np.int32))
+            for i in range(num_clients)}
+
+  def dataset_fn(client_id):
+    x, y = tf.py_function(lambda c: arrays[c.numpy().decode()],
+                          [client_id], [tf.float32, tf.int32])
+    x.set_shape([8, 28, 28, 1])
+    y.set_shape([8])
+    return tf.data.Dataset.from_tensor_slices(
+        collections.OrderedDict(x=x, y=y))
+
+  return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
+      sorted(arrays), dataset_fn)
+
+
+def readme_quickstart_blocks() -> list[str]:
+  return python_blocks(_read(README))
+
+
+def test_readme_client_data_block_runs(tmp_path):
+  block = next(b for b in readme_quickstart_blocks()
+               if 'ClientDataTask(' in b)
+  assert "root_output_dir='/tmp/out'" in block
+  block = block.replace("root_output_dir='/tmp/out'",
+                        f'root_output_dir={str(tmp_path / "out")!r}')
+  namespace = {'__name__': 'readme_quickstart',
+               'train_client_data': _tiny_client_data(6, seed=0),
+               'test_client_data': _tiny_client_data(6, seed=1)}
+  _exec_block(block, tmp_path / 'readme_client_data.py', namespace)
+  assert namespace['summary']
+  assert os.listdir(tmp_path / 'out')
+
+
+def test_readme_builder_block_runs(tmp_path, mnist_dir):
+  from tasks import client_data_task  # pylint: disable=g-import-not-at-top
+  from tff_personal.core import privacy  # pylint: disable=g-import-not-at-top
+  block = next(b for b in readme_quickstart_blocks()
+               if 'process.next(' in b)
+  task = client_data_task.mnist_client_data_task(mnist_dir, num_users=10,
+                                                 seed=0)
+  namespace = {
+      '__name__': 'readme_quickstart', 'task': task,
+      'dp_config': privacy.resolve(privacy.DPConfig(
+          mechanism='gaussian_fixed', noise_multiplier=1.0, clip_norm=1.0,
+          clients_per_round=2, population=10, rounds=1)),
+      'client_datasets': task.train_datasets([0, 1], 1)}
+  # The block builds `process` and then runs a round on `client_states`:
+  # run it unchanged in two parts, with the clients' initial states (zeros
+  # of the process's client state type) set in between.
+  head, sep, tail = block.partition('with runtime.local_runtime():')
+  assert sep, block
+  _exec_block(head, tmp_path / 'readme_builder_head.py', namespace)
+  specs = tff.types.type_to_tf_tensor_specs(
+      namespace['process'].client_state_type)
+  namespace['client_states'] = [
+      tf.nest.map_structure(
+          lambda s: np.zeros(s.shape, s.dtype.as_numpy_dtype), specs)
+      for _ in range(2)]
+  _exec_block('\n' * head.count('\n') + sep + tail,
+              tmp_path / 'readme_builder_tail.py', namespace)
+  assert len(namespace['client_states']) == 2
+  assert namespace['metrics']
