@@ -166,8 +166,8 @@ def _compile_flattener(template: Structure) -> Callable[[Structure, list],
   tuples of the same length), which `_flatten_with_paths` gives the same
   paths; raises `_Mismatch` otherwise, and the caller falls back to the
   general path (which accepts what it accepts and names what it does not).
-  About 3x faster than the general path, which builds a path string per
-  node; it runs for every client on every load and save.
+  Faster than the general path, which builds a path string per node; it
+  runs for every client on every load and save.
   """
   if isinstance(template, collections.abc.Mapping):
     keys = sorted(template)

@@ -39,8 +39,7 @@ executor to spread one call over several services.
 Two things are written by hand here, both small: the ordering (TFF 0.87's
 `MergeableCompExecutionContext` concatenates `after_merge` results and merges
 partials in *completion* order, so with two workers client states can come
-back attached to the wrong clients: measured, with the first worker slower,
-`2 * [1..7]` came back as `[10, 12, 14, 2, 4, 6, 8]`) and the worker
+back attached to the wrong clients; docs/scale.md) and the worker
 connection (TFF 0.87 dropped its remote-context factory). Computations whose
 aggregations depend on one another have no mergeable form; TFF raises on
 their first call (checked: the `next` of every algorithm in

@@ -10,9 +10,7 @@ setting is one intra-op thread per op and one inter-op thread per CPU: the
 concurrency then comes from the concurrent computations, not from splitting
 tiny ops.
 
-Measured with `binaries.benchmark` (fedembed_prototype, cohort 50, idle, 2
-CPUs): 116 to 121 client updates/s with TF's defaults, 194 to 199 with
-`intra_op_threads=1, inter_op_threads=2` (README, "Performance").
+What the settings change in throughput: docs/performance.md.
 
 The worker reads the standard TensorFlow variables `TF_NUM_INTRAOP_THREADS`
 and `TF_NUM_INTEROP_THREADS` when it creates its thread pools, so this module

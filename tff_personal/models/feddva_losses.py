@@ -32,8 +32,8 @@ Readings of the paper, written down here:
   client at precision sigma it is Var(mu) / sigma^2, while the true KL to
   the mixture stays below log(batch) and near the code's information, and
   R_z charges z only ~log(1 / sigma) for the same code; so a within-client
-  factor costs c far more than z (tests/feddva_losses_test.py; measured
-  consequences in docs/feddva.md, "Marks that vary per image").
+  factor costs c far more than z (tests/feddva_losses_test.py; its
+  consequences: docs/papers/feddva_notes.md).
 * `LossConfig(mixture_kl='sampled')` is our variant, not the paper's: the
   KL(q_i || p_bar_k) that Eq. 7 names, estimated without bias from the
   reparameterised sample c_i ~ q_i that the decoder reads,
@@ -50,16 +50,15 @@ Readings of the paper, written down here:
   0.5 log(1 + Var(mu) / sigma^2) per dimension, the information of that
   Gaussian code, where the bound charges Var(mu) / sigma^2 and the sampled
   estimate stops at log n (tests/feddva_losses_test.py). It is neither a
-  bound nor unbiased: it is exact when the mixture is Gaussian. Measured
-  (docs/feddva.md): c then carries ~3.7 nats per client, but the marks'
-  varying part stays in z.
+  bound nor unbiased: it is exact when the mixture is Gaussian (results:
+  docs/papers/feddva_notes.md).
 * `LossConfig(constraint_weight=rho)` with rho != 1 is a second reading of
   Eq. 7, also not the paper's printed form. Since max(a, b) = b + relu(a - b),
   Eq. 7 is KL(q||q(c)) + relu(xi + KL(q||p_bar_k) - KL(q||q(c))): the slack
   regularizer plus the constraint's hinge, both weighted 1. At weight 1 the
   two KL(q||q(c)) gradients cancel while the constraint is violated, so
   nothing moves the posteriors towards meeting it except pulling a client's
-  posteriors together (measured: it held for 0% of examples). The section
+  posteriors together (docs/papers/feddva_notes.md). The section
   text ("a slack regularizer ... combining with a constraint"; "the larger
   xi_k is, the more personalized representation c is learned") reads as a
   penalty method, and the authors' public code writes it so,
@@ -69,9 +68,7 @@ Readings of the paper, written down here:
   rho > 1 a violated constraint pushes KL(q||q(c)) up (c away from the
   prior) by rho - 1 while it pulls the client's posteriors together by rho.
   rho = 1 keeps `tf.maximum` (the paper's form, bit for bit); rho = 0 is a
-  plain VAE prior on c. Measured (docs/feddva.md): with rho 2 or 10 the
-  constraint is met by one c shared by every image of every client (KL to
-  the prior = xi, mixture KL 0), so c carries nothing.
+  plain VAE prior on c (results: docs/papers/feddva_notes.md).
 * The likelihood is Bernoulli on pixel intensities in [0, 1] (binary
   cross-entropy summed over pixels), the usual MNIST VAE choice; one
   reparameterised sample of z and of c per example.

@@ -31,9 +31,8 @@ Parts, with who owns them:
   the triplet step (line 10) before the assignment (line 11). Without these
   steps a new user's embedding (drawn near 0) is nearest to whichever
   prototype has the smallest norm, and at 9,000 users almost every
-  participation is a first one: one head then trained on every user's labels
-  (measured: FedEmbed-Prototype F1 0.64 vs FedEmbed-Type 0.92 at the same
-  budget). At inference the nearest prototype is recomputed, which also
+  participation is a first one: one head then trained on every user's
+  labels. At inference the nearest prototype is recomputed, which also
   serves users who never trained.
 * Private non-trainable state: `positive_index`, the sub-population the client
   identifies from its own data (the type that is most frequent among its
@@ -264,7 +263,7 @@ class KMeansCentroids(tf.keras.layers.Layer):
     # TFF's build_fed_kmeans draws centroids from N(0, 1); probes have unit
     # norm, so the draws are scaled to unit norm too: with N(0, 1) centroids
     # (norm ~ sqrt(dim)) the norm differences, not the directions, decide
-    # the nearest centroid and one centroid takes every client (measured).
+    # the nearest centroid and one centroid takes every client.
     self.centroids = self.add_weight(
         name='centroids', shape=(self.num, self.dim), trainable=False,
         initializer=lambda shape, dtype=None: tf.math.l2_normalize(

@@ -177,8 +177,8 @@ def build_spectral_encoder(channels: int = 1, name: str = 'encoder',
   900 users' signal does not (README, "Speaker preferences"). The B.2
   encoder has 243k parameters; this one has 200 x `features` + 3 x
   `features` (12,992 at 64), with no public data: its front end is fixed
-  signal processing (`MeanLoudSpectrum`, the feature a user's own logistic
-  regression reaches 0.858 F1 with, row `local_spectrum`). As in B.2 the
+  signal processing (`MeanLoudSpectrum`, the feature of the local
+  logistic-regression reference, row `local_spectrum`). As in B.2 the
   last layer is a LayerNorm with no activation after it; unlike B.2 the
   personal embedding reaches the heads only through the concatenation
   (the embedding channel is ignored). `features` defaults to the MNIST

@@ -2,7 +2,7 @@
 
 Why: under user-level DP at epsilon 10, the 900-user speech population gives
 noise on the mean update that swamps a 270k-parameter model trained from
-scratch (FedEmbed-Prototype F1 0.44, chance level; README). The usual remedy
+scratch (docs/papers/fedembed.md). The usual remedy
 in private learning is to start from a model pre-trained on public data and
 train privately only what must be personal (e.g. Tramer & Boneh 2021, Li et
 al. 2022 on DP fine-tuning). The paper does not do this; it is our addition,
