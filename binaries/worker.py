@@ -95,8 +95,8 @@ def _raise_stop(signum, frame):
 def _check_port_free(port: int) -> None:
   """Raises if `port` is taken: the service would then run without listening.
 
-  (Measured: a second `worker_binary` on a used port keeps running, and a
-  readiness check on localhost reaches the first one.)
+  (A second `worker_binary` on a used port keeps running, and a readiness
+  check on localhost reaches the first one.)
   """
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     try:

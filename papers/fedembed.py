@@ -423,9 +423,8 @@ TABLES['3_heads'] = _heads_table('3_heads', SPEECH,
 # (`evaluation.macro_f1`). The paper's F1 is not defined in its text; its
 # tables read as this one: Global+ with DP is 0.33 +- 0.00 over five seeds
 # (speech, both populations), which is what a constant answer scores here and
-# which no constant answer scores by the F1 of "like" (0 or 0.67); our Global
-# and Global+ with DP, (nearly) constant answers, score 0.333 to 0.338 this way
-# (README, "Which F1 the paper reports").
+# which no constant answer scores by the F1 of "like" (0 or 0.67) (README,
+# "Which F1 the paper reports").
 _MACRO_NOTES = (
     ' F1 (macro): each user\'s F1 averaged over both labels ("like", '
     '"dislike"): a constant answer scores 0.33 and guessing about 0.5; the '

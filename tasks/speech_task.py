@@ -52,8 +52,8 @@ class SpeechPreferenceTask(preference_task.PreferenceTask):
     """Training examples travel as the stored uint8 spectrograms.
 
     Serialised into TFF's executor every round, float32 spectrograms cost 4x
-    the bytes (300 KB per sample, not 75 KB; a float32 run grew by about
-    1 GB per round, measured) and most of a round's time in serialisation.
+    the bytes (300 KB per sample, not 75 KB) and most of a round's time in
+    serialisation (docs/papers/fedembed_notes.md).
     `decode` is `speech_preference`'s per-batch conversion to the model's
     float32 [0, 1] input, run inside the client computation, so the one-user
     (`to_dataset`) and the sharded forms train on the same batches.

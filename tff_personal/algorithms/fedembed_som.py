@@ -34,9 +34,8 @@ SOM update selection, `som_update`:
   client whose embedding the map represents worst (largest squared distance
   to its best-matching unit), 'most_similar' the best represented one. With
   'most_similar' the map only refines where it already fits and never
-  reaches a sub-population no node is near (measured on the synthetic test:
-  it keeps one node per cluster only by luck of the initialisation); the
-  least similar client is what a learning map needs to see.
+  reaches a sub-population no node is near; the least similar client is
+  what a learning map needs to see.
   What this reveals, and why it is not DP: see `best_scoring.py` (one
   client's update per round, hence its embedding, is released exactly).
 * 'mean' (default with a DP aggregator, which refuses 'best'): the SOM

@@ -36,7 +36,7 @@ clustering is spherical k-means: centroids start as TFF's normal draws scaled
 to unit norm (`fedembed.KMeansCentroids`) and are renormalised after TFF's
 update, so that the nearest centroid is the one of largest cosine (Euclidean
 k-means on directions lets a short centroid near the mean of all probes win
-every client; measured on the synthetic test).
+every client).
 
 Privacy: the probe is a gradient of the user's loss; without DP the server
 sees the sum of probes per cluster of the cohort (not one user's).
@@ -155,7 +155,7 @@ def build_pfedkm(model_factory, *,
         non_trainable[i_centroids], non_trainable[i_counts], sums, counts)
     # Spherical k-means: probes are directions, so centroids are kept at
     # unit norm (a short centroid near the mean of all probes would be the
-    # nearest to every client and starve the others: measured).
+    # nearest to every client and starve the others).
     non_trainable[i_centroids] = tf.math.l2_normalize(centroids, axis=-1)
     non_trainable[i_counts] = totals
     return collections.OrderedDict(

@@ -111,10 +111,10 @@ def build_pfedme(model_fn_factory, *,
     embedding_dim: must be 0 (pFedMe personalises the head only).
     private_optimizer: the inner solver (default: SGD at
       `inner_learning_rate`).
-    lam: lambda, the strength of the pull of theta to w (> 0). Default 1:
-      on the MNIST preference task pFedMe's own MNIST value 15 gave F1 0.34
-      after 10 rounds against 0.73 for 1 (docs/fedembed_algorithms.md):
-      conflicting labels make the global head a poor anchor.
+    lam: lambda, the strength of the pull of theta to w (> 0). Default 1
+      rather than pFedMe's MNIST value 15: on the MNIST preference task
+      conflicting labels make the global head a poor anchor
+      (docs/papers/fedembed_notes.md).
     inner_steps: inner solver steps per batch (>= 1).
     inner_learning_rate: the inner SGD's learning rate.
     beta: pFedMe's server mixing; sets the server optimizer to SGD(beta).
