@@ -56,7 +56,7 @@ eval/test, maps to OOV. Real data, defaults: 49 characters + PAD + OOV
 Shakespeare 67; 99th percentiles 253, 349, 1,070); 92.7% of utterances fit in
 the default `max_chars=200` (Friends 97.7%, GoT 95.6%, Shakespeare 80.7%).
 
-Loading all three sources and building the arrays takes about 2 s; nothing is
+Loading builds the arrays from the three sources each time; nothing is
 cached on disk.
 """
 
