@@ -33,7 +33,7 @@ All clients take part in every round (`--feddva_clients_per_round` samples a
 cohort instead). Local training is Adam (lr 1e-3, appendix H) for
 `feddva_local_epochs` epochs; server SGD lr 1 (FedAvg). Sizes, rounds and
 batch size are flags; the paper's are larger (200 rounds of 5 epochs, batch
-256); docs/feddva.md states what was run.
+256); docs/papers/feddva.md states what was run.
 
 Figures (rebuilt after every cell into <root_output_dir>/figures/):
 `feddva_reconstructions.png` (per client: rows vary z, columns vary c, the

@@ -13,7 +13,8 @@ All four are computed once per seed by `_pipeline` (stages cached under
 `<root>/runs/group/pipeline/<config>/seed_<n>/`, so a killed run resumes at the
 last finished stage); each cell (method, group) reads its numbers from it.
 
-Readings of the paper, and choices made for the CPU budget (docs/group.md):
+Readings of the paper, and choices made for the CPU budget
+(docs/papers/group.md):
 
 * T and T_g are *rounds* here (the paper's 20 / 10 "epochs" were many rounds
   each); cohorts are `--group_clients_per_round` (global) and
