@@ -80,9 +80,9 @@ _MNIST_METHODS: dict[str, dict[str, Any]] = {
 }
 
 # Speech preferences (FedEmbed section 4.3: 900 users, 20 voices): the MNIST
-# settings on the paper's population, every user evaluated, with the budget
-# of the run in docs/papers/fedembed.md (50 rounds of 30; a speech step processes a
-# 200 x 375 spectrogram, a far heavier round than MNIST's). Not tuned yet.
+# settings on the paper's population, every user evaluated, with a budget
+# of 50 rounds of 30 (a speech step processes a 200 x 375 spectrogram, a far
+# heavier round than MNIST's; docs/papers/fedembed.md). Not tuned.
 _SPEECH_COMMON = types.MappingProxyType({
     **_MNIST_COMMON, 'num_users': 900, 'eval_clients': 900, 'rounds': 50,
     'clients_per_round': 30, 'eval_every': 25})
