@@ -106,7 +106,8 @@ def define_flags():
   flags.DEFINE_enum('server_optimizer', 'sgd', ['adam', 'sgd'],
                     'Server optimizer. sgd with lr 1 is FedAvg. FedEmbed '
                     'Appendix B.1 uses Adam with lr 1 on averaged gradients; '
-                    'on averaged model deltas that diverges (measured).')
+                    'on averaged model deltas that diverges '
+                    '(docs/papers/fedembed.md).')
   flags.DEFINE_float('server_learning_rate', 1.0, 'Server learning rate.')
   flags.DEFINE_float('server_momentum', 0.0,
                      'Heavy-ball momentum of --server_optimizer=sgd, in '

@@ -270,8 +270,8 @@ def define_flags():
       'feddva_marks', 'varied', feddva_tasks.MARK_MODES,
       "marked_mnist: 'varied' (each image's mark drawn with its own phase "
       "or rotation, as the authors' code does; cells get setting "
-      "marks=varied), 'fixed' (one identical mark per client, the "
-      "earlier form of the task) or 'none' (the same digits unmarked: the "
+      "marks=varied), 'fixed' (one identical mark per client) or 'none' "
+      "(the same digits unmarked: the "
       'control for the probes; cells get setting marks=none).')
   define('integer', 'feddva_marked_clients', 4, 'marked_mnist: clients.')
   define('integer', 'feddva_marked_train', 500,
