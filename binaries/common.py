@@ -7,7 +7,6 @@ values are written into summary.json.
 import json
 import math
 import os
-import shutil
 import sys
 
 from absl import app
@@ -400,20 +399,13 @@ def run(config, task_kwargs, f) -> int:
     return 1
   except experiment.ConfigurationError as e:  # Nothing ran.
     if not existed:
-      _remove_if_only(config.experiment_dir,
-                      {run_lock.LOCK_FILENAME, 'worker_binary.log'})
+      run_lock.remove_if_unused(config.experiment_dir)
     print(f'error: {e}', file=sys.stderr)
     return 2
   print(json.dumps({k: summary[k] for k in (
       'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
       'privacy')}, indent=1, default=str))
   return 0
-
-
-def _remove_if_only(directory: str, names: set[str]) -> None:
-  """Removes `directory` if it holds nothing but files named in `names`."""
-  if os.path.isdir(directory) and set(os.listdir(directory)) <= names:
-    shutil.rmtree(directory)
 
 
 # Flags a re-evaluation (binaries.evaluate) may change: those a resumed run

@@ -404,13 +404,21 @@ def _holding_lock(create: bool):
   `config.experiment_dir` (`run_lock.hold(..., create)`).
 
   The decorated function raises `run_lock.ExperimentLockedError`, before
-  doing anything, when another process holds the lock.
+  doing anything, when another process holds the lock. A run refused for
+  its configuration (a `ValueError` before any work) leaves no directory it
+  created behind.
   """
   def decorate(fn):
     @functools.wraps(fn)
     def holding(task, config, *args, **kwargs):
-      with run_lock.hold(config.experiment_dir, create=create):
-        return fn(task, config, *args, **kwargs)
+      existed = os.path.exists(config.experiment_dir)
+      try:
+        with run_lock.hold(config.experiment_dir, create=create):
+          return fn(task, config, *args, **kwargs)
+      except ValueError:
+        if not existed:
+          run_lock.remove_if_unused(config.experiment_dir)
+        raise
     return holding
   return decorate
 

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
 import threading
 from typing import Iterator
 
@@ -39,6 +40,15 @@ class ExperimentLockedError(RuntimeError):
 
 def lock_path(experiment_dir: str) -> str:
   return os.path.join(experiment_dir, LOCK_FILENAME)
+
+
+def remove_if_unused(experiment_dir: str,
+                     also: tuple[str, ...] = ('worker_binary.log',)) -> None:
+  """Removes `experiment_dir` if it holds nothing but the lock file (and the
+  files named in `also`): what a run refused before any work leaves."""
+  if os.path.isdir(experiment_dir) and set(os.listdir(experiment_dir)) <= {
+      LOCK_FILENAME, *also}:
+    shutil.rmtree(experiment_dir)
 
 
 def _holder(fd: int) -> str:
