@@ -7,6 +7,10 @@ mechanism, or from the analytic Gaussian mechanism (Balle & Wang 2018).
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import dp_accounting
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -347,3 +351,30 @@ def test_valid_configs_pass_validation():
               sampling='poisson'),
   ):
     config.validate()
+
+
+def test_pld_of_a_small_noise_multiplier_stays_in_bounded_memory():
+  """PLD's privacy-loss grid grows as 1 / z^2: at z = 0.05 with every
+  client in every round, the default discretisation needs over 20 GiB. The
+  accountant widens it (`pld_discretization`) and the epsilon it reports
+  is still at most RDP's (both are upper bounds). Run under a 3 GiB address
+  space limit in a child process, so that a regression fails, not the
+  machine."""
+  assert privacy.pld_discretization(1.0) == 1e-4
+  assert privacy.pld_discretization(0.05) == pytest.approx(1e-4 * 36)
+  program = textwrap.dedent('''
+      import resource
+      resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+      from tff_personal.core import privacy
+      report = privacy.compute_epsilon(privacy.DPConfig(
+          mechanism='gaussian_fixed', noise_multiplier=0.05, clip_norm=1.0,
+          clients_per_round=8, population=8, rounds=10), 10)
+      print(report['accountant'], report['epsilon_pld'], report['epsilon_rdp'])
+  ''')
+  out = subprocess.run([sys.executable, '-c', program], capture_output=True,
+                       text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert out.returncode == 0, out.stderr[-2000:]
+  accountant, pld, rdp = out.stdout.split()
+  assert accountant == 'pld'
+  assert 0 < float(pld) <= float(rdp)
