@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from typing import Any, Callable, Mapping, Sequence
 
 from tasks import client_data_task
@@ -154,16 +155,39 @@ def matrix() -> list[dict[str, Any]]:
   return rows
 
 
-def format_matrix() -> str:
-  """The matrix as a Markdown table (+ runs; - what is missing)."""
+def _source(module: str) -> str:
+  return module.replace('.', '/') + '.py'
+
+
+def _test_of(module: str, root: str) -> str:
+  """The module's own test file if it has one, else the conformance suite
+  (which runs every registered algorithm)."""
+  own = f'tests/{module.rsplit(".", 1)[-1]}_test.py'
+  return own if os.path.exists(os.path.join(root, own)) else (
+      'tests/conformance_test.py')
+
+
+def format_matrix(links_from: str | None = None) -> str:
+  """The matrix as a Markdown table ('yes', or 'no: ' what is missing).
+
+  With `links_from` (the repository root), each algorithm and task name
+  links to its code, and each algorithm to its test.
+  """
   cells = {(r['algorithm'], r['task']): r for r in matrix()}
-  lines = ['| algorithm | ' + ' | '.join(TASKS) + ' |',
+  header = [f'[{t}]({_source(spec(t).builder.__module__)})' if links_from
+            else t for t in TASKS]
+  lines = ['| algorithm | ' + ' | '.join(header) + ' |',
            '|---|' + '---|' * len(TASKS)]
-  for algorithm in algorithms.SPECS:
+  for algorithm, algorithm_spec in algorithms.SPECS.items():
     row = []
     for task in TASKS:
       cell = cells[(algorithm, task)]
       row.append('yes' if cell['runs'] else
                  'no: ' + ', '.join(m.split(' (')[0] for m in cell['missing']))
-    lines.append(f'| {algorithm} | ' + ' | '.join(row) + ' |')
+    name = algorithm
+    if links_from:
+      module = algorithm_spec.module
+      name = (f'[{algorithm}]({_source(module)}) '
+              f'([test]({_test_of(module, links_from)}))')
+    lines.append(f'| {name} | ' + ' | '.join(row) + ' |')
   return '\n'.join(lines)

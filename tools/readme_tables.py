@@ -5,7 +5,8 @@ The README holds copies of both tables between marker comments:
   <!-- matrix:begin --> ... <!-- matrix:end -->
   <!-- results:begin --> ... <!-- results:end -->
 
-The matrix comes from `tasks.registry.format_matrix()`; the results table
+The matrix comes from `tasks.registry.format_matrix()` (each algorithm
+and task linked to its code, each algorithm to its test); the results table
 from `docs/papers/targets.json` (one entry per paper target: paper, target,
 ours, paper_value, met, report). `tests/docs_test.py` fails when the
 README's copies differ from what this module produces.
@@ -36,7 +37,7 @@ def matrix_markdown() -> str:
   if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
   from tasks import registry  # pylint: disable=g-import-not-at-top
-  return registry.format_matrix()
+  return registry.format_matrix(links_from=ROOT)
 
 
 def load_targets(path: str = TARGETS) -> list[dict]:
