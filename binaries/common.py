@@ -146,7 +146,9 @@ def define_flags():
   flags.DEFINE_enum('client_state_backend', 'auto', ['auto', 'memory', 'sqlite'],
                     'Client-state store (auto: sqlite above 100,000 clients).')
   flags.DEFINE_bool('train_metrics', True,
-                    'Release training-metric sums (not covered by DP).')
+                    'Release training-metric sums (loss, accuracy: not '
+                    'noised, so not covered by DP; under --dp only with '
+                    '--release_unnoised_metrics).')
   flags.DEFINE_integer(
       'simulation_shards', -1,
       'Training simulation: 0 runs one user per TFF client (as deployed); '
@@ -192,8 +194,17 @@ def define_flags():
       'personal embedding) is clipped to --clip_norm and noised at the '
       'shared noise multiplier; its epsilon is reported. Needs '
       '--dp=gaussian_fixed (tff_personal/core/private_noise.py).')
+  flags.DEFINE_bool(
+      'release_unnoised_metrics', False,
+      'Under --dp, also release values epsilon does not cover, without '
+      'noise, as simulation diagnostics: the training-metric sums and, '
+      'under --sampling=poisson, each round\'s cohort size. Off, a DP run '
+      'releases only what epsilon covers, public values, timings and the '
+      'held-out evaluation, each labelled in summary.json\'s '
+      'privacy.released. No effect without --dp.')
   _group('privacy', ['dp', 'noise_multiplier', 'clip_norm', 'target_delta',
-                     'target_epsilon', 'dp_personal_heads'])
+                     'target_epsilon', 'dp_personal_heads',
+                     'release_unnoised_metrics'])
   # Output.
   flags.DEFINE_string('root_output_dir', '/tmp/tff_personal',
                       'Root of experiment directories.')
@@ -281,6 +292,7 @@ def configs_from_flags(f):
       cold_start_epochs=f.cold_start_epochs,
       client_state_backend=f.client_state_backend,
       train_metrics=f.train_metrics, dp=dp,
+      release_unnoised_metrics=f.release_unnoised_metrics,
       dp_personal_heads=f.dp_personal_heads)
   if population_from_flags:  # else validated once the task is loaded
     experiment.validate(config, f.num_users)

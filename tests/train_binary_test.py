@@ -105,17 +105,62 @@ def test_summary_and_dp_report(tmp_path, mnist_dir):
   assert privacy['rounds'] == 2
   assert privacy['sampling'] == 'fixed_size'
   assert summary['flags']['privacy']['dp'] == 'gaussian_fixed'
-  # Each released value says whether epsilon covers it.
-  covered = {r['name']: r['covered'] for r in privacy['released']}
-  assert covered == {'shared model update': True,
-                     'training-metric sums': False,
-                     'cohort_size': True,  # fixed-size: always 5
-                     'round_seconds': False,
-                     'evaluation metrics': False}
+  # Each released value says whether epsilon covers it, and why. Under DP
+  # without --release_unnoised_metrics nothing un-noised about the cohort's
+  # training is released.
+  labels = {r['name']: (r['covered'], r['basis']) for r in privacy['released']}
+  assert labels == {
+      'shared model update': (True, 'dp'),
+      'aggregator and finalizer measurements': (True, 'dp'),
+      'round number, configuration, epsilon and delta': (True, 'public'),
+      'cohort_size': (True, 'public'),  # fixed-size: always 5
+      'round_seconds and other timings': (False, 'timing'),
+      'evaluation metrics': (False, 'evaluation')}
+  assert privacy['train_metrics_released'] is False
+  assert not any(k.startswith('train/') for k in summary['final_train_metrics'])
   # Metrics went through tff.program release managers.
   with open(tmp_path / 'e2e' / 'train_metrics.csv') as f:
     rows = f.read().strip().splitlines()
   assert rows[0].startswith('round') and len(rows) == 3
+  assert 'train/' not in rows[0] and 'cohort_size' in rows[0]
+  assert 'round_seconds' in rows[0]
+
+
+def test_unnoised_metrics_under_dp_only_when_asked(tmp_path, mnist_dir):
+  _parse_flags()
+  with flagsaver.flagsaver(**_base(
+      tmp_path, mnist_dir, dp='gaussian_fixed', noise_multiplier=1.0,
+      sampling='poisson', release_unnoised_metrics=True, rounds=1)):
+    assert train.main(['train']) == 0
+  with open(tmp_path / 'e2e' / 'summary.json') as f:
+    summary = json.load(f)
+  labels = {r['name']: (r['covered'], r['basis'])
+            for r in summary['privacy']['released']}
+  assert labels['training-metric sums'] == (False, 'unnoised')
+  assert labels['cohort_size'] == (False, 'unnoised')  # Poisson: varies
+  assert summary['privacy']['train_metrics_released'] is True
+  assert 'train/loss' in summary['final_train_metrics']
+  with open(tmp_path / 'e2e' / 'train_metrics.csv') as f:
+    header = f.readline()
+  assert 'train/loss' in header and 'cohort_size' in header
+
+
+def test_poisson_cohort_size_withheld_under_dp(tmp_path, mnist_dir):
+  _parse_flags()
+  with flagsaver.flagsaver(**_base(
+      tmp_path, mnist_dir, dp='gaussian_fixed', noise_multiplier=1.0,
+      sampling='poisson', rounds=1)):
+    assert train.main(['train']) == 0
+  with open(tmp_path / 'e2e' / 'summary.json') as f:
+    summary = json.load(f)
+  names = {r['name'] for r in summary['privacy']['released']}
+  assert 'cohort_size' not in names and 'training-metric sums' not in names
+  assert set(summary['final_train_metrics']) <= {'round_seconds'} | {
+      k for k in summary['final_train_metrics']
+      if k.startswith(('aggregator/', 'finalizer/'))}
+  with open(tmp_path / 'e2e' / 'train_metrics.csv') as f:
+    header = f.readline()
+  assert 'cohort_size' not in header and 'train/' not in header
 
 
 def test_noised_personal_heads_report_their_own_epsilon(tmp_path, mnist_dir):

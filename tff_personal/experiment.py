@@ -84,8 +84,16 @@ class ExperimentConfig:
   cold_start_epochs: int = 5
   resume: bool = False
   client_state_backend: str = 'auto'
+  # Release training-metric sums (loss, accuracy: un-noised). Under DP they
+  # are released only with `release_unnoised_metrics`.
   train_metrics: bool = True
   dp: privacy.DPConfig = privacy.DPConfig()
+  # Under DP, also release values epsilon does not cover, un-noised, as
+  # simulation diagnostics: the training-metric sums (with `train_metrics`)
+  # and, under Poisson sampling, each round's cohort size. Off: a DP run
+  # releases what epsilon covers, public values and timings only
+  # (`released_values` lists them). No effect without DP.
+  release_unnoised_metrics: bool = False
   # What DP does to private state (`DP_PERSONAL_HEADS`). 'exempt' (our
   # contract): private state never leaves the device and is never noised.
   # 'noised': FedEmbed's Algorithm 1 as we read it (core/private_noise.py):
@@ -219,6 +227,17 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   return privacy.resolve(dp)
 
 
+def releases_unnoised(config: ExperimentConfig) -> bool:
+  """Whether the run may release values DP does not cover: always without
+  DP, under DP only with `release_unnoised_metrics`."""
+  return config.dp.mechanism == 'none' or config.release_unnoised_metrics
+
+
+def releases_train_metrics(config: ExperimentConfig) -> bool:
+  """Whether the process releases its (un-noised) training-metric sums."""
+  return config.train_metrics and releases_unnoised(config)
+
+
 def private_noise_of(config: ExperimentConfig, dp: privacy.DPConfig
                      ) -> Optional[private_noise.PrivateNoise]:
   """The personal heads' noise of a run (None unless 'noised'); `dp` is
@@ -251,7 +270,7 @@ def build_process(task, config: ExperimentConfig, aggregator=None,
                                              config.server_learning_rate,
                                              config.server_momentum),
       aggregator_factory=aggregator, metrics_fn=task.metrics_fn,
-      train_metrics=config.train_metrics, seed=config.seed,
+      train_metrics=releases_train_metrics(config), seed=config.seed,
       private_optimizer=_private_optimizer(config),
       **({} if config.embedding_dim is None else
          {'embedding_dim': config.embedding_dim}),
@@ -476,7 +495,7 @@ def run_experiment(task, config: ExperimentConfig,
       population=population, experiment_dir=config.experiment_dir,
       sampling=config.sampling, seed=config.seed,
       checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
-      resume=config.resume)
+      resume=config.resume, release_unnoised=releases_unnoised(config))
   setup_seconds = time.perf_counter() - t_start
   try:
     result = training_loop.run_training(
@@ -571,7 +590,8 @@ def _run_earlier_stages(task, staged: stages_lib.Staged,
               population=task.population, experiment_dir=directory,
               sampling=config.sampling, seed=config.seed,
               checkpoint_every=config.checkpoint_every,
-              resume=config.resume),
+              resume=config.resume,
+              release_unnoised=releases_unnoised(config)),
           log_fn=stage_log, initial_state=state)
     finally:
       store.close()
@@ -623,13 +643,12 @@ def run_privacy_report(config: ExperimentConfig, dp: privacy.DPConfig,
         noise, _personal_passes(config, noised),
         report['delta'], report['neighboring_relation'])
   report['released'] = released_values(config, dp)
-  report['train_metrics_released'] = config.train_metrics
-  if config.train_metrics:
-    report['notes'] = (report.get('notes', '') + ' Training-metric sums '
-                       '(loss, accuracy) are released without noise as '
-                       'simulation diagnostics and are not covered by '
-                       'epsilon; run with --notrain_metrics to release only '
-                       'the DP aggregate.').strip()
+  report['train_metrics_released'] = releases_train_metrics(config)
+  report['unnoised_metrics_released'] = releases_unnoised(config)
+  if releases_unnoised(config):
+    report['notes'] = (report.get('notes', '') + ' Un-noised diagnostics '
+                       '(--release_unnoised_metrics) are released and are not '
+                       'covered by epsilon; see released.').strip()
   return report
 
 
@@ -652,49 +671,74 @@ def _finished_summary(config: ExperimentConfig) -> Optional[dict]:
   return summary
 
 
+RELEASE_BASES = ('dp', 'public', 'timing', 'evaluation', 'unnoised',
+                 'separate_dp')
+
+
+def _released(name: str, basis: str, why: str) -> dict:
+  return dict(name=name, covered=basis in ('dp', 'public'), basis=basis,
+              why=why)
+
+
 def released_values(config: ExperimentConfig, dp: privacy.DPConfig
                     ) -> list[dict]:
-  """What a DP run releases, each `{name, covered, why}`.
+  """What a DP run releases, each `{name, covered, basis, why}`.
 
   `covered` says whether the (epsilon, delta) of the privacy report bounds
-  what the value reveals about a user. The list follows what the run
-  writes: the DP aggregate, train_metrics.csv (metric sums unless
-  `train_metrics` is off; cohort_size and round_seconds always),
-  eval_metrics.csv and the summary's evaluations, and the personal heads.
+  what the value reveals about a user; `basis` says why or why not:
+  'dp' (computed from the noised aggregate only: accounted in epsilon),
+  'public' (depends on no user: covered trivially), 'timing' (wall time,
+  which may depend on the users' data: not covered), 'evaluation' (the
+  simulation's held-out evaluation: not covered), 'unnoised' (opt-in
+  diagnostics, `release_unnoised_metrics`: not covered), 'separate_dp'
+  (noised personal heads: bounded by their own epsilon, not the shared
+  one). The list follows
+  what the run writes to train_metrics.csv, eval_metrics.csv, TensorBoard,
+  summary.json and its log.
   """
-  released = [dict(
-      name='shared model update', covered=True,
-      why=f'clipped to {dp.clip_norm} and noised by the {dp.mechanism} DP '
-          'aggregator; accounted in epsilon')]
-  if config.train_metrics:
-    released.append(dict(
-        name='training-metric sums', covered=False,
-        why='loss, accuracy and non-finite counts summed over the cohort '
-            'without noise (simulation diagnostics; --notrain_metrics '
-            'withholds them)'))
+  released = [
+      _released('shared model update', 'dp',
+                f'clipped to {dp.clip_norm} and noised by the {dp.mechanism} '
+                'DP aggregator; accounted in epsilon'),
+      _released('aggregator and finalizer measurements', 'dp',
+                'computed on the server from the noised aggregate (e.g. the '
+                'adaptive clip, the server optimizer\'s state): '
+                'post-processing'),
+      _released('round number, configuration, epsilon and delta', 'public',
+                'functions of the configuration and of the rounds run, not '
+                'of any user\'s data')]
+  unnoised = releases_unnoised(config)
+  if releases_train_metrics(config):
+    released.append(_released(
+        'training-metric sums', 'unnoised',
+        'loss, accuracy and non-finite counts summed over the cohort '
+        'without noise (--release_unnoised_metrics; --notrain_metrics '
+        'withholds them)'))
   if config.sampling == 'fixed_size':
-    released.append(dict(
-        name='cohort_size', covered=True,
-        why='always clients_per_round under fixed-size sampling: it depends '
-            'on no user'))
-  else:
-    released.append(dict(
-        name='cohort_size', covered=False,
-        why='under Poisson sampling the number of users sampled changes '
-            'with the population, and the accounting assumes it is not '
-            'released'))
-  released.append(dict(
-      name='round_seconds', covered=False,
-      why='wall time of a round, which can depend on the cohort\'s data'))
-  released.append(dict(
-      name='evaluation metrics', covered=False,
-      why='computed over every evaluated user\'s private state and data '
-          'without noise (simulation diagnostics)'))
+    released.append(_released(
+        'cohort_size', 'public',
+        'always clients_per_round under fixed-size sampling: it depends '
+        'on no user'))
+  elif unnoised:
+    released.append(_released(
+        'cohort_size', 'unnoised',
+        'under Poisson sampling the number of users sampled depends on '
+        'who took part, and the accounting assumes it is not released '
+        '(--release_unnoised_metrics)'))
+  released.append(_released(
+      'round_seconds and other timings', 'timing',
+      'wall time of rounds and set-up, which can depend on the cohort\'s '
+      'data; released as the simulation\'s cost'))
+  released.append(_released(
+      'evaluation metrics', 'evaluation',
+      'measured by the simulation on each evaluated user\'s held-out data '
+      'and private state, without noise: a measurement of the experiment, '
+      'which a deployment would not release'))
   if config.dp_personal_heads == 'noised':
-    released.append(dict(
-        name='personal heads', covered=False,
-        why='noised on their own; bounded by personal_heads.epsilon, not by '
-            'the shared epsilon'))
+    released.append(_released(
+        'personal heads', 'separate_dp',
+        'noised on their own; bounded by personal_heads.epsilon, not by '
+        'the shared epsilon'))
   return released
 
 

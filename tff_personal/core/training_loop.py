@@ -71,6 +71,14 @@ class LoopConfig:
   eval_every: int = 0  # 0: evaluate only after the last round.
   resume: bool = False
   keep_checkpoints: int = 3
+  # Whether train_metrics.csv may hold values that depend on the cohort's
+  # users without DP noise: the process's training-metric sums and, under
+  # Poisson sampling, the cohort size. False (what a DP run does unless
+  # --release_unnoised_metrics): each row holds the aggregator's and
+  # finalizer's measurements (post-processing of the noised aggregate),
+  # `round_seconds` and, under fixed-size sampling, `cohort_size` (always
+  # `clients_per_round`, public).
+  release_unnoised: bool = True
 
   def validate(self):
     if self.rounds < 1:
@@ -401,7 +409,11 @@ def run_training(
       first_round_seconds = elapsed
     round_times.append(elapsed)
     train_metrics = flatten_metrics(metrics)
-    train_metrics['cohort_size'] = len(cohort_ids)
+    if not config.release_unnoised:  # Only what the DP aggregate covers.
+      train_metrics = {k: v for k, v in train_metrics.items()
+                       if not k.startswith('train/')}
+    if config.release_unnoised or config.sampling == 'fixed_size':
+      train_metrics['cohort_size'] = len(cohort_ids)
     train_metrics['round_seconds'] = elapsed
     release(train_metrics, round_num, train_release)
 
@@ -416,9 +428,14 @@ def run_training(
     per_round = float(np.mean(steady))
     eta = per_round * (config.rounds - round_num)
     loss = train_metrics.get('train/loss', float('nan'))
-    line = (f'round {round_num}/{config.rounds} | cohort {len(cohort_ids)} | '
-            + (f'train loss {loss:.4f}' if cohort_ids else
-               'empty cohort, server state unchanged'))
+    if config.release_unnoised:
+      line = (f'round {round_num}/{config.rounds} | cohort {len(cohort_ids)} | '
+              + (f'train loss {loss:.4f}' if cohort_ids else
+                 'empty cohort, server state unchanged'))
+    else:  # Neither the loss nor a Poisson cohort's size is noised.
+      line = (f'round {round_num}/{config.rounds} | DP aggregate only' +
+              (f' | cohort {len(cohort_ids)}'
+               if config.sampling == 'fixed_size' else ''))
     if 'train/accuracy' in train_metrics:
       line += f' acc {train_metrics["train/accuracy"]:.3f}'
     if train_metrics.get('train/nonfinite'):
