@@ -604,7 +604,8 @@ def dp_config(cell: reporting.Cell, flag_values, population: int
                            algorithm_defaults.TARGET_EPSILON),
       clip_norm=_flag(flag_values, 'fedembed_clip_norm',
                       algorithm_defaults.DP_SETTINGS['clip_norm']),
-      target_delta=1.0 / (population + 1))
+      # delta: the library's default_target_delta(population).
+      target_delta=None)
 
 
 def experiment_config(cell: reporting.Cell, flag_values, out_dir: str,
@@ -622,6 +623,11 @@ def experiment_config(cell: reporting.Cell, flag_values, out_dir: str,
       eval_fine_tune=s['eval_fine_tune'],
       checkpoint_every=max(1, s['eval_every']), resume=True,
       dp=dp_config(cell, flag_values, population),
+      # The paper's SOM (best-scoring update, no DP) hands one client's
+      # embedding-derived update to the server: opted into explicitly.
+      algorithm_options=({'allow_unprotected_best_client': True}
+                         if cell.method == 'fedembed_som' and
+                         cell.setting['dp'] == 'none' else {}),
       dp_personal_heads=('noised' if cell.setting['dp'] == GAUSSIAN_HEADS
                          else 'exempt'))
 

@@ -203,7 +203,8 @@ def _run_fl(task, cell, f, out_dir, dim) -> dict:
     dp = privacy.DPConfig(mechanism=cell.setting['dp'],
                           target_epsilon=f.furl_target_epsilon,
                           clip_norm=f.furl_clip_norm,
-                          target_delta=1.0 / (task.population + 1))
+                          # The library's default_target_delta(population).
+                          target_delta=None)
   config = experiment.ExperimentConfig(
       algorithm='furl' if cell.method == 'personalized_fl' else 'global',
       rounds=f.furl_fl_epochs * rounds_per_epoch, clients_per_round=10,

@@ -46,6 +46,8 @@ def _build(name, **overrides):
                 seed=2)
   if name in ('pfedkm', 'fedembed_som'):
     kwargs['num_subpopulations'] = 3
+  if name == 'fedembed_som' and 'aggregator_factory' not in overrides:
+    kwargs['allow_unprotected_best_client'] = True  # The paper's SOM.
   if name in ('global_plus', 'furl'):
     kwargs['embedding_dim'] = 28  # the MNIST model's diagonal channel
   kwargs.update(overrides)

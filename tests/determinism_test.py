@@ -58,6 +58,8 @@ def _build(name):
                                                   'fedembed_som') else {}
   if name == 'furl':
     kwargs['embedding_dim'] = 28  # The MNIST model's diagonal channel.
+  if name == 'fedembed_som':
+    kwargs['allow_unprotected_best_client'] = True  # The paper's SOM.
   return registry.build(
       name, fedembed_testdata.factory if fedembed_like else _split_factory,
       **optimizers, **kwargs)

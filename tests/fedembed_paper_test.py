@@ -198,7 +198,39 @@ def test_every_method_has_the_same_budget_and_dp():
       rounds=d['rounds']))
   eps = privacy.compute_epsilon(resolved, d['rounds'])
   assert eps['epsilon'] <= 10.0 + 1e-6
-  assert eps['delta'] <= 1 / 9000
+  # The library's delta, not ~1/n.
+  assert eps['delta'] == privacy.default_target_delta(9000) == 1e-5
+
+
+def test_dp_defaults_use_the_library_delta(tmp_path):
+  common.define_flags()
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  with flagsaver.flagsaver(algorithm='fedembed_prototype', dp='gaussian_fixed',
+                           target_epsilon=10.0,
+                           root_output_dir=str(tmp_path)):
+    applied = defaults.apply_defaults(FLAGS, 'mnist_preference',
+                                      'fedembed_prototype')
+    assert 'target_delta' not in applied and FLAGS.target_delta is None
+  # And a given delta is kept.
+  with flagsaver.flagsaver(algorithm='fedembed_prototype', dp='gaussian_fixed',
+                           target_epsilon=10.0, target_delta=1e-6,
+                           root_output_dir=str(tmp_path)):
+    defaults.apply_defaults(FLAGS, 'mnist_preference', 'fedembed_prototype')
+    assert FLAGS.target_delta == 1e-6
+
+
+def test_paper_som_opts_into_the_unprotected_best_client_only_without_dp(
+    tmp_path):
+  cells = {dp: reporting.Cell('fedembed', 'fedembed_som',
+                              {'population': 'balanced', 'dp': dp}, 0)
+           for dp in ('none', 'gaussian_fixed')}
+  plain = fedembed.experiment_config(cells['none'], _flags(), str(tmp_path),
+                                     9000)
+  private = fedembed.experiment_config(cells['gaussian_fixed'], _flags(),
+                                       str(tmp_path), 9000)
+  assert plain.algorithm_options == {'allow_unprotected_best_client': True}
+  assert private.algorithm_options == {}
 
 
 def test_heads_tables_noise_the_heads_at_the_gaussian_cells_dp(tmp_path):
@@ -393,7 +425,8 @@ def test_one_tiny_dp_cell_end_to_end(tmp_path):
   assert {'f1_prev_25', 'f1_prev_15'} <= set(m)
   macro_groups = [m[f'f1_macro_prev_{p}'] for p in (25, 15, 10, 5)]
   assert 0.0 <= m['f1_macro'] <= 1.0 and all(0 <= v <= 1 for v in macro_groups)
-  assert m['epsilon'] <= 10.0 and m['delta'] == pytest.approx(1 / 41)
+  assert m['epsilon'] <= 10.0
+  assert m['delta'] == privacy.default_target_delta(40)  # not 1/(n+1)
   assert m['rounds'] == 2 and m['population'] == 40
   out = cell.out_dir(str(tmp_path))
   with np.load(os.path.join(out, 'analysis.npz')) as z:

@@ -11,6 +11,7 @@ import tensorflow_federated as tff
 
 from tests import fedembed_testdata
 from tff_personal.algorithms import fedembed_som
+from tff_personal.algorithms import registry
 from tff_personal.core import best_scoring
 from tff_personal.core import privacy
 from tff_personal.models import fedembed_mnist
@@ -88,7 +89,8 @@ def test_one_subpopulation_without_embedding_is_fedavg():
   client_opt = sgd(0.05)
   proc = fedembed_som.build_fedembed_som(
       factory, client_optimizer=client_opt, server_optimizer=sgd(1.0),
-      seed=4, embedding_dim=0, num_subpopulations=1)
+      seed=4, embedding_dim=0, num_subpopulations=1,
+      allow_unprotected_best_client=True)
   plain_spec = collections.OrderedDict(x=SPEC['x'], y=SPEC['y'])
 
   def tff_model_fn():
@@ -141,7 +143,8 @@ def test_som_separates_a_known_clustering(clustered, update):
   proc = fedembed_som.build_fedembed_som(
       factory, client_optimizer=sgd(0.0), server_optimizer=sgd(1.0), seed=0,
       num_subpopulations=4, private_optimizer=sgd(0.0),
-      som_config=fedembed_som.SomConfig(update=update, decay_rounds=8))
+      som_config=fedembed_som.SomConfig(update=update, decay_rounds=8),
+      allow_unprotected_best_client=update == 'best')
   state = proc.initialize()
   states = states_with_embeddings(proc, embeddings)
   for r in range(8):
@@ -189,6 +192,24 @@ def test_dp_refuses_best_scoring_and_covers_the_som_statistics():
   assert np.all(np.isfinite(state.global_model_weights.non_trainable[0]))
 
 
+def test_best_client_update_needs_an_explicit_opt_in_or_dp():
+  """'best' hands one client's embedding-derived update to the server
+  verbatim: refused unless asked for by name; 'mean' needs no opt-in."""
+  with pytest.raises(ValueError, match='allow_unprotected_best_client=True'):
+    fedembed_som.build_fedembed_som(
+        factory, client_optimizer=sgd(0.05), server_optimizer=sgd(1.0))
+  with pytest.raises(ValueError, match='allow_unprotected_best_client'):
+    registry.build('fedembed_som', factory, client_optimizer=sgd(0.05),
+                   server_optimizer=sgd(1.0),
+                   som_config=fedembed_som.SomConfig(update='best'))
+  assert 'allow_unprotected_best_client' in registry.algorithm_options(
+      'fedembed_som')
+  proc = fedembed_som.build_fedembed_som(
+      factory, client_optimizer=sgd(0.05), server_optimizer=sgd(1.0),
+      som_config=fedembed_som.SomConfig(update='mean'))
+  assert 'selected' not in str(proc.next.type_signature)
+
+
 def test_personal_embeddings_never_reach_a_server_value():
   """No server-placed value has the embedding's type; client state stays put.
 
@@ -197,7 +218,8 @@ def test_personal_embeddings_never_reach_a_server_value():
   best_scoring.py; with DP it is refused.)
   """
   proc = fedembed_som.build_fedembed_som(
-      factory, client_optimizer=sgd(0.05), server_optimizer=sgd(1.0), seed=1)
+      factory, client_optimizer=sgd(0.05), server_optimizer=sgd(1.0), seed=1,
+      allow_unprotected_best_client=True)
   sig = proc.next.type_signature
   assert sig.parameter[1].placement is tff.CLIENTS
   assert sig.result[1].placement is tff.CLIENTS

@@ -388,7 +388,8 @@ def build_statistics_process(algorithm, som_update=None,
     return pfedkm.build_pfedkm(typed_fedembed_factory, **common)
   return fedembed_som.build_fedembed_som(
       typed_fedembed_factory,
-      som_config=fedembed_som.SomConfig(update=som_update), **common)
+      som_config=fedembed_som.SomConfig(update=som_update),
+      allow_unprotected_best_client=True, **common)
 
 
 def assert_statistics_runs_equal(got, want, start):

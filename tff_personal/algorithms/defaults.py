@@ -50,7 +50,8 @@ _MNIST_COMMON = types.MappingProxyType({
 # noise_multiplier * clip / cohort, and fewer rounds, since every round spends
 # privacy budget (at epsilon 10, 40 rounds of 200 of 9,000 users need noise
 # multiplier 0.99; 100 rounds would need more noise on every round).
-# delta is 1/(population + 1) unless given.
+# delta is the library's `privacy.default_target_delta(population)`,
+# min(1e-5, population ** -1.1), unless given.
 # The binary still needs the privacy budget itself (`--target_epsilon=10` or
 # `--noise_multiplier`); the paper module gives `TARGET_EPSILON`.
 DP_SETTINGS = types.MappingProxyType({
@@ -148,9 +149,5 @@ def apply_defaults(flag_values, task: str, algorithm: str) -> dict[str, Any]:
   if ('eval_clients' in applied and
       flag_values['eval_clients'].value > flag_values['num_users'].value):
     flag_values['eval_clients'].value = applied['eval_clients'] = 0
-  if (applied and dp != 'none' and
-      flag_values['target_delta'].using_default_value):
-    # delta = 1/population, made strict as core/privacy.py requires.
-    flag_values['target_delta'].value = applied['target_delta'] = 1.0 / (
-        flag_values['num_users'].value + 1)
+  # delta: left to core/privacy.py's default_target_delta(population).
   return applied

@@ -38,6 +38,16 @@ SOM update selection, `som_update`:
   what a learning map needs to see.
   What this reveals, and why it is not DP: see `best_scoring.py` (one
   client's update per round, hence its embedding, is released exactly).
+  **This is the exception to the library's rule that nothing of a client's
+  private state reaches the server**: the best-scoring client's Kohonen
+  update, computed from its private embedding, is handed to the server
+  verbatim. So 'best' is refused unless the caller passes
+  `allow_unprotected_best_client=True` (from the binaries:
+  `--algorithm_options=allow_unprotected_best_client=True`), and it is
+  refused under DP in any case. Where the claim must hold, run FedEmbed-SOM
+  with `--dp` (then the update is 'mean', clipped, noised and covered by
+  epsilon), or build it with `SomConfig(update='mean')`, whose cohort mean
+  reaches the server only as an aggregate, like every model update.
 * 'mean' (default with a DP aggregator, which refuses 'best'): the SOM
   update is the mean over the cohort of the clients' Kohonen updates (a
   mini-batch SOM). It travels inside the shared update through the same
@@ -134,6 +144,7 @@ def build_fedembed_som(model_factory, *,
                        num_subpopulations: Optional[int] = None,
                        private_optimizer=None,
                        som_config: SomConfig = SomConfig(),
+                       allow_unprotected_best_client: bool = False,
                        ) -> process_lib.StatefulClientProcess:
   """Builds FedEmbed-SOM (module docstring).
 
@@ -152,10 +163,25 @@ def build_fedembed_som(model_factory, *,
     num_subpopulations: K (default: the task's).
     private_optimizer: optional separate optimizer of the personal embedding.
     som_config: the SOM's hyper-parameters.
+    allow_unprotected_best_client: required True for SOM update 'best' (the
+      default without a DP aggregator), which hands the server one client's
+      embedding-derived update verbatim (module docstring).
+
+  Raises:
+    ValueError: 'best' without `allow_unprotected_best_client`, or under DP.
   """
   if aggregator_factory is None:
     aggregator_factory = tff.aggregators.MeanFactory()
   cfg = som_config.resolve(aggregator_factory)
+  if cfg.update == 'best' and not allow_unprotected_best_client:
+    raise ValueError(
+        "fedembed_som's SOM update 'best' (the paper's, the default without "
+        "DP) hands the best-scoring client's embedding-derived update to "
+        'the server verbatim: the one exception to private state never '
+        'reaching the server. Run with --dp (the update is then the noised '
+        'cohort mean), or opt in explicitly with '
+        '--algorithm_options=allow_unprotected_best_client=True '
+        '(allow_unprotected_best_client=True).')
   config = fedembed_model.FedEmbedConfig(
       assignment='som', embedding_dim=embedding_dim,
       num_subpopulations=num_subpopulations)  # None: the task's
