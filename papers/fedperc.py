@@ -52,7 +52,7 @@ import os
 import pickle
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 from absl import flags
 import numpy as np
@@ -177,8 +177,10 @@ def define_flags():
   define('float', 'fedperc_server_learning_rate', 1.0, 'FedPerC: server lr.')
   define('float', 'fedperc_dp_noise_multiplier', 1.0,
          'FedPerC: noise multiplier of the new-user DP average.')
-  define('float', 'fedperc_dp_clip', 1.0,
-         'FedPerC: L2 clip of a personal-embedding offset in the DP average.')
+  define('float', 'fedperc_dp_clip', None,
+         'FedPerC: L2 clip of a known user\'s private state in the new-user '
+         'DP average; default: the variant\'s scale, '
+         'algorithms/fedperc.DP_CLIP_NORMS (embedding 1.0, generated 16.0).')
   define('integer', 'fedperc_generator_tokens', 12,
          'FedPerC: tokens of each utterance the generators read (0: all).')
   define('integer', 'fedperc_eval_known_users', 0,
@@ -363,14 +365,26 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
               states=private_states, **meta)
 
 
-def dp_new_user_state(states: dict[str, tuple], flag_values) -> tuple:
-  """The DP noisy average of the known users' private states (TFF)."""
+def dp_new_user_state(states: dict[str, tuple], flag_values,
+                      variant: str = fedperc.EMBEDDING,
+                      report: Optional[dict] = None) -> tuple:
+  """The DP noisy average of the known users' private states (TFF).
+
+  Clipped at `--fedperc_dp_clip`, default the variant's scale
+  (`fedperc_alg.dp_clip_norm`). If `report` is given, it is filled with
+  what the clip does to the known states (`fedperc_alg.dp_clip_report`:
+  fraction clipped, median norm and its ratio to the clip), a simulation
+  diagnostic that eval.json records next to the results.
+  """
   values = list(states.values())
   value_type = tff.types.to_type(tuple(
       tff.TensorType(v.dtype, v.shape) for v in values[0]))
+  clip = fedperc_alg.dp_clip_norm(variant, flag_values.fedperc_dp_clip)
+  if report is not None:
+    report.update(fedperc_alg.dp_clip_report(values, clip))
   dp_mean = fedperc_alg.build_dp_mean(
       value_type, noise_multiplier=flag_values.fedperc_dp_noise_multiplier,
-      clip_norm=flag_values.fedperc_dp_clip, num_clients=len(values))
+      clip_norm=clip, num_clients=len(values))
   with runtime.local_runtime():
     mean = dp_mean(values)
   return tuple(fedperc_alg.new_user_private_state(mean)[
@@ -403,9 +417,12 @@ def evaluate(name: str, trained: dict, flag_values, seed: int,
   optimizer = tff.learning.optimizers.build_adam(
       flag_values.fedperc_client_learning_rate)
   weights = trained['weights']
+  dp_clip = None  # What the new-user DP average's clip did.
   if withheld and model.private_variables:
     if algo.variant in (fedperc.EMBEDDING, fedperc.GENERATED):
-      new_private = dp_new_user_state(trained['states'], flag_values)
+      dp_clip = {}
+      new_private = dp_new_user_state(trained['states'], flag_values,
+                                      algo.variant, dp_clip)
     else:  # Split-Learning: the pre-trained head (zero delta), no data read.
       new_private = tuple(v.numpy() * 0 for v in model.private_variables)
 
@@ -440,7 +457,8 @@ def evaluate(name: str, trained: dict, flag_values, seed: int,
       perplexity={str(n): float(np.exp(s[0] / max(s[1], 1.0)))
                   for n, s in sums.items()},
       tokens={str(n): s[1] for n, s in sums.items()},
-      per_user=per_user)
+      per_user=per_user,
+      **({} if dp_clip is None else {'new_user_dp_clip': dp_clip}))
 
 
 # ------------------------------------------------------------ timing

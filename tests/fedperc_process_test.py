@@ -147,3 +147,43 @@ def test_new_user_initialisation_is_the_dp_aggregate():
   with pytest.raises(ValueError, match='clip_norm'):
     fedperc_alg.build_dp_mean(value_type, noise_multiplier=1.0, clip_norm=0.0,
                               num_clients=4)
+
+
+def test_dp_clip_is_per_variant_and_its_effect_is_reported():
+  assert fedperc_alg.dp_clip_norm('embedding') == 1.0
+  assert fedperc_alg.dp_clip_norm('generated') == 16.0
+  assert fedperc_alg.dp_clip_norm('generated', 2.5) == 2.5
+  with pytest.raises(ValueError, match="variant 'split' has no new-user"):
+    fedperc_alg.dp_clip_norm('split')
+  with pytest.raises(ValueError, match='clip_norm must be > 0'):
+    fedperc_alg.dp_clip_norm('generated', 0.0)
+  # Norms 3, 5 (a two-tensor state: clipped by its global norm), 20, 30.
+  states = [(np.array([3.0, 0.0]),), (np.array([3.0]), np.array([4.0])),
+            (np.array([0.0, 20.0]),), (np.array([30.0, 0.0]),)]
+  report = fedperc_alg.dp_clip_report(states, 16.0)
+  assert report == dict(clip_norm=16.0, num_users=4, fraction_clipped=0.5,
+                        median_norm=12.5, median_norm_over_clip=12.5 / 16,
+                        max_norm=30.0)
+
+
+def test_dp_new_user_state_clips_at_the_variant_scale_and_reports_it():
+  import types  # pylint: disable=g-import-not-at-top
+  from papers import fedperc as fedperc_paper  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  # Generated-like states of norm ~16 (a clip of 1 would cut all of them).
+  states = {f'u{i}': (rng.normal(size=HIDDEN).astype(np.float32) *
+                      np.float32(16 / np.sqrt(HIDDEN)),) for i in range(6)}
+  flags_ = types.SimpleNamespace(fedperc_dp_noise_multiplier=0.0,
+                                 fedperc_dp_clip=None)
+  report = {}
+  mean = fedperc_paper.dp_new_user_state(states, flags_, 'generated', report)
+  assert report['clip_norm'] == 16.0 and report['num_users'] == 6
+  norms = [np.linalg.norm(v[0]) for v in states.values()]
+  assert report['fraction_clipped'] == np.mean(np.array(norms) > 16.0)
+  clipped = [v[0] * min(1.0, 16.0 / n) for v, n in zip(states.values(), norms)]
+  np.testing.assert_allclose(mean[0], np.mean(clipped, 0), rtol=1e-4,
+                             atol=1e-6)
+  report = {}
+  fedperc_paper.dp_new_user_state(states, flags_, 'embedding', report)
+  assert report['clip_norm'] == 1.0 and report['fraction_clipped'] == 1.0
+  assert report['median_norm_over_clip'] > 10

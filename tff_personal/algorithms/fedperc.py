@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
+from typing import Optional
 
 import dp_accounting
 import numpy as np
@@ -185,6 +187,53 @@ def build_dp_mean(private_type: tff.Type, *, noise_multiplier: float,
     return aggregation.next(aggregation.initialize(), values).result
 
   return dp_mean
+
+
+# Default L2 clip of one known user's private state in the new-user DP
+# average, per variant: the scale of that variant's states. 'embedding'
+# states are offsets of psi = 1 + offset that start at zero; 'generated'
+# states are the generators' outputs, whose norms are an order of magnitude
+# larger (docs/papers/fedperc.md, "The new-user DP average"). Check the
+# choice against `dp_clip_report` of the trained states.
+DP_CLIP_NORMS = {fedperc.EMBEDDING: 1.0, fedperc.GENERATED: 16.0}
+
+
+def dp_clip_norm(variant: str, clip_norm: Optional[float] = None) -> float:
+  """`clip_norm` if given, else the variant's default `DP_CLIP_NORMS`."""
+  if clip_norm is not None:
+    if not clip_norm > 0:
+      raise ValueError(f'DP clip_norm must be > 0, got {clip_norm}')
+    return float(clip_norm)
+  if variant not in DP_CLIP_NORMS:
+    raise ValueError(
+        f'variant {variant!r} has no new-user DP average (it has no private '
+        f'state to average); variants with one: {sorted(DP_CLIP_NORMS)}')
+  return DP_CLIP_NORMS[variant]
+
+
+def dp_clip_report(values, clip_norm: float) -> dict:
+  """What clipping at `clip_norm` does to the known users' states.
+
+  Each user's state (a tuple of arrays) is clipped as one record, by its
+  global L2 norm, as `build_dp_mean` clips it. A simulation diagnostic over
+  the users' private states (it is not released by the DP mean and not
+  covered by its epsilon).
+
+  Returns:
+    `{'clip_norm', 'num_users', 'fraction_clipped', 'median_norm',
+    'median_norm_over_clip', 'max_norm'}`.
+  """
+  if not values:
+    raise ValueError('dp_clip_report needs at least one user state')
+  norms = np.asarray([
+      math.sqrt(sum(float(np.sum(np.square(np.asarray(v, np.float64))))
+                    for v in state)) for state in values])
+  median = float(np.median(norms))
+  return dict(clip_norm=float(clip_norm), num_users=len(values),
+              fraction_clipped=float(np.mean(norms > clip_norm)),
+              median_norm=median,
+              median_norm_over_clip=median / float(clip_norm),
+              max_norm=float(norms.max()))
 
 
 def dp_mean_epsilon(noise_multiplier: float, delta: float) -> float:
