@@ -83,8 +83,8 @@ the method; every method gets the same step.
 DP (the paper does not state its parameters): user-level `gaussian_fixed`
 on the whole shared update (every head, used or not), clip
 `--fedembed_clip_norm`, noise calibrated so that the cell's rounds cost
-epsilon <= `--fedembed_target_epsilon` (10) at delta = 1/(population + 1)
-(just below 1/population, which `core/privacy.py` requires to be strict),
+epsilon <= `--fedembed_target_epsilon` (10) at the library's delta,
+`privacy.default_target_delta(population)` = min(1e-5, population^-1.1),
 RDP accounting of fixed-size sampling without replacement (replace-one).
 The same setting for every method.
 
@@ -281,7 +281,8 @@ _TABLE5 = {
 _NOTES = ('F1: mean over sub-populations of the mean per-user F1, on '
           '`eval_clients` users after one local pass of their private state '
           '(see docs/fedembed.md). Gaussian: user-level DP on the whole '
-          'shared update, epsilon <= 10 at delta = 1/(population + 1); the '
+          'shared update, epsilon <= 10 at delta = min(1e-5, '
+          'population^-1.1); the '
           'exact epsilon of each cell is in results.jsonl and the epsilon '
           'table.')
 
@@ -449,7 +450,8 @@ def define_flags():
     if name not in flags.FLAGS:
       getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
   define('float', 'fedembed_target_epsilon', algorithm_defaults.TARGET_EPSILON,
-         'FedEmbed: epsilon of the DP cells (delta = 1/(population + 1)).')
+         'FedEmbed: epsilon of the DP cells (delta = min(1e-5, '
+         'population^-1.1)).')
   define('float', 'fedembed_clip_norm', None,
          'FedEmbed: L2 clip of a client\'s whole shared update (DP cells; '
          'None: tff_personal/algorithms/defaults.py).')
