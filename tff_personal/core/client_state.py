@@ -80,6 +80,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from tff_personal import atomic_io
+from tff_personal import fault
 
 Structure = Any
 InitialStateFn = Callable[[int], Structure]
@@ -794,6 +795,7 @@ class InMemoryClientStateStore(ClientStateStore):
       arrays[f'leaf_{i}'] = column
     with atomic_io.atomic_write(self.snapshot_path(round_num), 'wb') as f:
       np.savez(f, **arrays)
+      fault.point('mid_store_commit')  # Written, not yet renamed.
     # Keep this snapshot and the newest older one; drop the rest.
     older = [r for r in self.snapshot_rounds() if r < round_num]
     keep = {round_num} | set(older[-1:])
@@ -1000,6 +1002,7 @@ class SqliteClientStateStore(ClientStateStore):
           '              WHERE s.client_id = states.client_id'
           '              AND s.round <= :r)',
           {'prev': previous, 'r': round_num})
+      fault.point('mid_store_commit')  # Inside the open transaction.
       self._conn.execute(
           'INSERT OR REPLACE INTO meta (key, value) '
           "VALUES ('committed_round', ?)", (str(round_num),))

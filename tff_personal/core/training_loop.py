@@ -42,6 +42,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal import atomic_io
+from tff_personal import fault
 from tff_personal.core import client_state as client_state_lib
 
 SAMPLING_SCHEMES = ('fixed_size', 'poisson')
@@ -402,6 +403,7 @@ def run_training(
             'learning rates or check the data.')
       store.save(cohort_ids,
                  [_to_numpy_state(s) for s in new_client_states], round_num)
+      fault.point('mid_round')
     else:  # Poisson sampling drew nobody: nothing trains, the round counts.
       metrics = {}
     elapsed = time.perf_counter() - t0
@@ -419,9 +421,11 @@ def run_training(
 
     last = round_num == config.rounds
     if last or round_num % config.checkpoint_every == 0:
-      asyncio.run(manager.save(
-          {'server_state': _to_numpy_state(state), 'round_num': round_num},
-          round_num))
+      with fault.during('mid_checkpoint', tf.io.gfile, 'rename'):
+        asyncio.run(manager.save(
+            {'server_state': _to_numpy_state(state), 'round_num': round_num},
+            round_num))
+      fault.point('after_checkpoint')
       store.commit(round_num)
 
     steady = round_times[1:] or round_times
@@ -475,6 +479,7 @@ def run_training(
 def _evaluate_and_release(eval_fn, state, round_num, release_fn) -> dict:
   """Runs `eval_fn` at `round_num`, releases its numbers, returns them all."""
   eval_metrics = eval_fn(state, round_num)
+  fault.point('mid_evaluation')
   flat_eval = {k: v for k, v in flatten_metrics(eval_metrics).items()
                if isinstance(v, (int, float))}
   release_fn(flat_eval, round_num)

@@ -1,0 +1,249 @@
+"""The fault suite: SIGKILL at each named point, on both stores, then resume.
+
+Each kill is one `binaries.train` subprocess started with
+`TFF_PERSONAL_FAULT=<point>:<n>` (tff_personal/fault.py), which SIGKILLs
+itself at that point. The subprocesses run two at a time in one
+module-scoped fixture; each resume then runs in this process (it already
+has TensorFlow and a TFF runtime) and must equal an uninterrupted run bit
+for bit: the final server checkpoint, every released evaluation and
+training metric (but wall times), and the memory store's final snapshot.
+
+A DP run killed mid-round is resumed too, and its epsilon is recomputed
+independently with dp_accounting for the rounds actually noised.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import flags
+from absl.testing import flagsaver
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from binaries import train
+from tff_personal import fault
+from tff_personal.core import privacy
+from tff_personal.core import training_loop
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+
+_COMMON = dict(task='mnist_preference', algorithm='global_plus',
+               num_users=16, rounds=3, clients_per_round=4,
+               eval_every=2, checkpoint_every=1, seed=3,
+               server_optimizer='sgd', server_learning_rate=1.0,
+               simulation_shards=0)
+_DP = dict(dp='gaussian_fixed', noise_multiplier=1.1, clip_norm=0.5)
+
+# point -> the hit of that point the run dies at: every one in round 2.
+# Round 0's checkpoint is written outside the loop's (so mid_checkpoint's
+# hits are rounds 1, 2, ...); the store commits round 0 too (so
+# mid_store_commit's hits are rounds 0, 1, 2, ...); the first evaluation is
+# round 2's.
+KILLS = {'mid_round': 2, 'mid_checkpoint': 2, 'after_checkpoint': 2,
+         'mid_evaluation': 1, 'mid_store_commit': 3}
+BACKENDS = ('memory', 'sqlite')
+
+
+def _flag_values(out, name, **extra):
+  return dict(_COMMON, root_output_dir=str(out), experiment_name=name,
+              **extra)
+
+
+def _argv(values, mnist_dir):
+  return [sys.executable, '-m', 'binaries.train', f'--data_dir={mnist_dir}',
+          *(f'--{k}={v}' for k, v in values.items())]
+
+
+def _parse_flags():
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+
+
+def _train_here(values, mnist_dir):
+  _parse_flags()
+  with flagsaver.flagsaver(data_dir=mnist_dir, **values):
+    assert train.main(['train']) == 0
+
+
+@pytest.fixture(scope='module')
+def killed(tmp_path_factory, mnist_dir):
+  """Every kill, two subprocesses at a time: name -> (values, returncode)."""
+  out = tmp_path_factory.mktemp('killed')
+  runs = {f'{point}-{backend}': (_flag_values(
+      out, f'{point}-{backend}', client_state_backend=backend),
+                                 f'{point}:{hit}')
+          for point, hit in KILLS.items() for backend in BACKENDS}
+  runs['dp-mid_round-sqlite'] = (_flag_values(
+      out, 'dp-mid_round-sqlite', client_state_backend='sqlite', **_DP),
+                                 'mid_round:2')
+  pending, running, codes = list(runs), {}, {}
+  while pending or running:
+    while pending and len(running) < 2:
+      name = pending.pop(0)
+      values, spec = runs[name]
+      running[name] = subprocess.Popen(
+          _argv(values, mnist_dir), cwd=REPO,
+          env={**os.environ, fault.ENV: spec}, stdout=subprocess.DEVNULL,
+          stderr=subprocess.PIPE, text=True)
+    time.sleep(0.2)
+    for name, proc in list(running.items()):
+      if proc.poll() is not None:
+        codes[name] = (proc.returncode, proc.stderr.read()[-2000:])
+        del running[name]
+  return {name: (runs[name][0], *codes[name]) for name in runs}
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory, mnist_dir):
+  """The uninterrupted run (the store backend does not change it)."""
+  out = tmp_path_factory.mktemp('reference')
+  values = _flag_values(out, 'reference', client_state_backend='memory')
+  _train_here(values, mnist_dir)
+  return os.path.join(out, 'reference')
+
+
+def _checkpoint_tensors(run_dir, round_num):
+  path = os.path.join(run_dir, 'checkpoints', f'program_state_{round_num}',
+                      'variables', 'variables')
+  reader = tf.train.load_checkpoint(path)
+  return {name: reader.get_tensor(name)
+          for name, _ in tf.train.list_variables(path)
+          if not name.startswith('_CHECKPOINTABLE_OBJECT_GRAPH')}
+
+
+def _csv(path, drop=('round_seconds',)):
+  rows = training_loop._read_csv(path)  # pylint: disable=protected-access
+  return [{k: v for k, v in row.items() if k not in drop} for row in rows]
+
+
+def _assert_same_run(got, want):
+  a, b = _checkpoint_tensors(got, 3), _checkpoint_tensors(want, 3)
+  assert sorted(a) == sorted(b) and a
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+  for name in ('eval_metrics.csv', 'train_metrics.csv'):
+    rows = _csv(os.path.join(got, name))
+    assert rows == _csv(os.path.join(want, name)), name
+  assert [int(r['round']) for r in _csv(
+      os.path.join(got, 'train_metrics.csv'))] == [1, 2, 3]
+  with open(os.path.join(got, 'summary.json')) as f:
+    summary = json.load(f)
+  with open(os.path.join(want, 'summary.json')) as f:
+    assert summary['eval'] == json.load(f)['eval']
+  return summary
+
+
+def _evidence(point, backend, run_dir):
+  """What the kill left on disk: the run died where it was asked to."""
+  ckpt = os.path.join(run_dir, 'checkpoints')
+  names = os.listdir(ckpt)
+  rounds = training_loop.checkpoint_rounds(run_dir)
+  released_eval = [int(r['round']) for r in _csv(
+      os.path.join(run_dir, 'eval_metrics.csv'))]
+  store_dir = os.path.join(run_dir, 'client_states')
+  if point == 'mid_round':
+    assert rounds == [0, 1]
+    assert training_loop.rounds_started(run_dir) == 2
+  elif point == 'mid_checkpoint':
+    assert rounds == [0, 1]
+    assert any('program_state_2_temp' in n for n in names), names
+  elif point in ('after_checkpoint', 'mid_store_commit'):
+    assert rounds == [0, 1, 2]
+  elif point == 'mid_evaluation':
+    assert rounds == [0, 1, 2] and released_eval == []
+  if point == 'mid_store_commit' and backend == 'memory':
+    left = os.listdir(store_dir)
+    assert 'client_states_1.npz' in left and (
+        'client_states_2.npz' not in left), left
+    assert any(n.endswith('.tmp') for n in left), left
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+@pytest.mark.parametrize('point', list(KILLS))
+def test_a_kill_at_each_point_resumes_to_the_uninterrupted_run(
+    killed, reference, mnist_dir, point, backend):
+  values, code, err = killed[f'{point}-{backend}']
+  assert code == -9, err  # SIGKILL, by the run itself at the point.
+  run_dir = os.path.join(values['root_output_dir'],
+                         values['experiment_name'])
+  _evidence(point, backend, run_dir)
+  _train_here(dict(values, resume=True), mnist_dir)
+  summary = _assert_same_run(run_dir, reference)
+  assert summary['resumed_from_round'] in (1, 2)
+  if backend == 'memory':
+    a = np.load(os.path.join(run_dir, 'client_states',
+                             'client_states_3.npz'))
+    b = np.load(os.path.join(reference, 'client_states',
+                             'client_states_3.npz'))
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+      np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_fault_spec_is_checked():
+  os.environ[fault.ENV] = 'mid_lunch'
+  try:
+    with pytest.raises(ValueError, match='mid_lunch'):
+      fault.point('mid_round')
+  finally:
+    del os.environ[fault.ENV]
+  fault.point('mid_round')  # No variable: nothing happens.
+  with pytest.raises(ValueError, match='unknown fault point'):
+    fault.point('nowhere')
+
+
+def test_dp_epsilon_after_a_kill_matches_dp_accounting(killed, mnist_dir):
+  """A DP run killed mid-round 2 and resumed noised rounds 1, 2, 2 again
+  and 3: epsilon must be dp_accounting's for 4 rounds, computed here from
+  the recorded noise multiplier and sampling, not through core/privacy.py.
+  And summary.json lists every released value as covered or not."""
+  values, code, err = killed['dp-mid_round-sqlite']
+  assert code == -9, err
+  run_dir = os.path.join(values['root_output_dir'],
+                         values['experiment_name'])
+  _train_here(dict(values, resume=True), mnist_dir)
+  with open(os.path.join(run_dir, 'summary.json')) as f:
+    summary = json.load(f)
+  report = summary['privacy']
+  assert report['rounds_noised'] == 4 and report['rounds_completed'] == 3
+  assert report['sampling'] == 'fixed_size' and report['accountant'] == 'rdp'
+  z, n, m = (report['noise_multiplier'], report['population'],
+             report['clients_per_round'])
+  assert (z, n, m) == (1.1, 16, 4)
+  delta = min(1e-5, 16 ** -1.1)
+  assert report['delta'] == delta
+  # Fixed-size sampling without replacement, replace-one neighbours: the
+  # sum's sensitivity is 2 * clip, so the Gaussian's multiplier is z / 2.
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.SampledWithoutReplacementDpEvent(
+          n, m, dp_accounting.GaussianDpEvent(z / 2)), 4)
+  accountant = dp_accounting.rdp.RdpAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+  expected = accountant.compose(event).get_epsilon(delta)
+  assert report['epsilon'] == pytest.approx(expected, rel=1e-9)
+  # Three rounds would have been less: the replay is accounted.
+  three = dp_accounting.rdp.RdpAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+  assert report['epsilon'] > three.compose(
+      dp_accounting.SelfComposedDpEvent(
+          dp_accounting.SampledWithoutReplacementDpEvent(
+              n, m, dp_accounting.GaussianDpEvent(z / 2)), 3)).get_epsilon(
+                  delta)
+  released = {r['name']: r['covered'] for r in report['released']}
+  assert released and all(isinstance(c, bool) for c in released.values())
+  assert released['shared model update'] is True
+  assert released['evaluation metrics'] is False
+  assert 'training-metric sums' not in released  # Not released by default.
+  with open(os.path.join(run_dir, 'train_metrics.csv')) as f:
+    assert 'train/' not in f.readline()
+  # The privacy module agrees with itself on the same configuration.
+  assert privacy.compute_epsilon(privacy.DPConfig(
+      mechanism='gaussian_fixed', noise_multiplier=z, clip_norm=0.5,
+      clients_per_round=m, population=n, rounds=3), 4)['epsilon'] == (
+          report['epsilon'])
