@@ -1,12 +1,15 @@
 """The fault suite: SIGKILL at each named point, on both stores, then resume.
 
-Each kill is one `binaries.train` subprocess started with
+Each kill is one process running `binaries.train`'s main with
 `TFF_PERSONAL_FAULT=<point>:<n>` (tff_personal/fault.py), which SIGKILLs
-itself at that point. The subprocesses run two at a time in one
-module-scoped fixture; each resume then runs in this process (it already
-has TensorFlow and a TFF runtime) and must equal an uninterrupted run bit
-for bit: the final server checkpoint, every released evaluation and
-training metric (but wall times), and the memory store's final snapshot.
+itself at that point. To pay TensorFlow's import once, one helper process
+imports the binary and forks a child per kill, two at a time (each child is
+a whole training process with its own TFF worker, killed with SIGKILL).
+Each resume then runs in this process through `experiment.run_experiment`
+(it already has TensorFlow and a TFF runtime, and the task is built once)
+and must equal an uninterrupted run bit for bit: the final server
+checkpoint, every released evaluation and training metric (but wall
+times), and the memory store's final snapshot.
 
 A DP run killed mid-round is resumed too, and its epsilon is recomputed
 independently with dp_accounting for the rounds actually noised.
@@ -16,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from absl import flags
 from absl.testing import flagsaver
@@ -25,7 +27,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from binaries import train
+from binaries import common
+from tasks import registry as task_registry
+from tff_personal import experiment
 from tff_personal import fault
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
@@ -37,7 +41,7 @@ _COMMON = dict(task='mnist_preference', algorithm='global_plus',
                num_users=16, rounds=3, clients_per_round=4,
                eval_every=2, checkpoint_every=1, seed=3,
                server_optimizer='sgd', server_learning_rate=1.0,
-               simulation_shards=0)
+               simulation_shards=0, eval_fine_tune=False, local_epochs=1)
 _DP = dict(dp='gaussian_fixed', noise_multiplier=1.1, clip_norm=0.5)
 
 # point -> the hit of that point the run dies at: every one in round 2.
@@ -55,25 +59,62 @@ def _flag_values(out, name, **extra):
               **extra)
 
 
-def _argv(values, mnist_dir):
-  return [sys.executable, '-m', 'binaries.train', f'--data_dir={mnist_dir}',
-          *(f'--{k}={v}' for k, v in values.items())]
+# Imports the binary once, then forks one child per job (two at a time);
+# each child parses its flags, sets its fault and runs the binary's main.
+_FORKER = r"""
+import json, os, sys
+from absl import flags
+from binaries import train
+from tff_personal import fault
+jobs, running, codes = json.loads(sys.argv[1]), {}, {}
+while jobs or running:
+  while jobs and len(running) < 2:
+    name, argv, spec = jobs.pop(0)
+    pid = os.fork()
+    if pid == 0:
+      os.environ[fault.ENV] = spec
+      null = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(null, 1)
+      os.dup2(null, 2)
+      try:
+        flags.FLAGS(['train'] + argv)
+        code = train.main(['train'])
+      except BaseException:
+        code = 99
+      os._exit(code)
+    running[pid] = name
+  pid, status = os.wait()
+  codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps(codes))
+"""
 
 
 def _parse_flags():
+  common.define_flags()
   if not FLAGS.is_parsed():
     FLAGS(['train'])
 
 
+_TASKS = {}
+
+
 def _train_here(values, mnist_dir):
+  """The binary's run, in this process: flags -> config, the task (built
+  once), `experiment.run_experiment` in the test session's TFF runtime."""
   _parse_flags()
   with flagsaver.flagsaver(data_dir=mnist_dir, **values):
-    assert train.main(['train']) == 0
+    config, task_kwargs = common.configs_from_flags(FLAGS)
+    key = json.dumps(task_kwargs, sort_keys=True, default=str)
+    if key not in _TASKS:
+      _TASKS[key] = task_registry.build_task(FLAGS.task, **task_kwargs)
+    return experiment.run_experiment(
+        _TASKS[key], config, log_fn=lambda s: None,
+        flag_values=common.flag_values(FLAGS))
 
 
 @pytest.fixture(scope='module')
 def killed(tmp_path_factory, mnist_dir):
-  """Every kill, two subprocesses at a time: name -> (values, returncode)."""
+  """Every kill: name -> (flag values, exit code)."""
   out = tmp_path_factory.mktemp('killed')
   runs = {f'{point}-{backend}': (_flag_values(
       out, f'{point}-{backend}', client_state_backend=backend),
@@ -82,21 +123,16 @@ def killed(tmp_path_factory, mnist_dir):
   runs['dp-mid_round-sqlite'] = (_flag_values(
       out, 'dp-mid_round-sqlite', client_state_backend='sqlite', **_DP),
                                  'mid_round:2')
-  pending, running, codes = list(runs), {}, {}
-  while pending or running:
-    while pending and len(running) < 2:
-      name = pending.pop(0)
-      values, spec = runs[name]
-      running[name] = subprocess.Popen(
-          _argv(values, mnist_dir), cwd=REPO,
-          env={**os.environ, fault.ENV: spec}, stdout=subprocess.DEVNULL,
-          stderr=subprocess.PIPE, text=True)
-    time.sleep(0.2)
-    for name, proc in list(running.items()):
-      if proc.poll() is not None:
-        codes[name] = (proc.returncode, proc.stderr.read()[-2000:])
-        del running[name]
-  return {name: (runs[name][0], *codes[name]) for name in runs}
+  jobs = [[name, [f'--data_dir={mnist_dir}'] +
+           [f'--{k}={v}' for k, v in values.items()], spec]
+          for name, (values, spec) in runs.items()]
+  proc = subprocess.run(
+      [sys.executable, '-c', _FORKER, json.dumps(jobs)], cwd=REPO,
+      env={**os.environ, 'PYTHONPATH': REPO}, capture_output=True,
+      text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  codes = json.loads(proc.stdout.strip().splitlines()[-1])
+  return {name: (runs[name][0], codes[name], '') for name in runs}
 
 
 @pytest.fixture(scope='module')
