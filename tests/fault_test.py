@@ -17,6 +17,7 @@ independently with dp_accounting for the rounds actually noised.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -30,7 +31,9 @@ import tensorflow as tf
 from binaries import common
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tests import files
 from tff_personal import fault
+from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
 
@@ -132,6 +135,10 @@ def killed(tmp_path_factory, mnist_dir):
       text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
   codes = json.loads(proc.stdout.strip().splitlines()[-1])
+  # Copies of the runs killed mid-round, for the damaged-store tests.
+  for backend in BACKENDS:
+    shutil.copytree(out / f'mid_round-{backend}',
+                    out / f'damaged-{backend}')
   return {name: (runs[name][0], codes[name], '') for name in runs}
 
 
@@ -283,3 +290,58 @@ def test_dp_epsilon_after_a_kill_matches_dp_accounting(killed, mnist_dir):
       mechanism='gaussian_fixed', noise_multiplier=z, clip_norm=0.5,
       clients_per_round=m, population=n, rounds=3), 4)['epsilon'] == (
           report['epsilon'])
+
+
+def _damage(run_dir, backend, damage):
+  store = os.path.join(run_dir, 'client_states')
+  if damage == 'deleted store':
+    shutil.rmtree(store)
+    return (training_loop.CheckpointError, 'missing or empty')
+  if damage == 'corrupted store':
+    name = (client_state_lib.SQLITE_FILENAME if backend == 'sqlite' else
+            'client_states_1.npz')
+    # SQLite's write-ahead log, which the killed run left, is damaged too
+    # (else it would still serve the pages overwritten here).
+    for damaged in (name, name + '-wal'):
+      if os.path.exists(os.path.join(store, damaged)):
+        with open(os.path.join(store, damaged), 'r+b') as f:
+          f.seek(0)
+          f.write(b'\0garbage' * 64)
+    # Memory: the snapshot fails to load at the rollback (CheckpointError
+    # naming it); SQLite: the database fails to open.
+    return ((training_loop.CheckpointError,
+             client_state_lib.ClientStateStoreError), name)
+  assert damage == 'edited record'
+  path = os.path.join(run_dir, experiment.RUN_CONFIG_FILENAME)
+  with open(path) as f:
+    record = json.load(f)
+  record['config']['client_learning_rate'] = 0.5
+  with open(path, 'w') as f:
+    json.dump(record, f)
+  return (experiment.ResumeError, 'client_learning_rate: 0.5')
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_a_killed_run_with_a_damaged_store_or_record_is_refused(
+    killed, tmp_path, mnist_dir, backend):
+  """Deleted or corrupted client-state store, an edited run record: the
+  resume is refused naming the problem, and changes nothing."""
+  values, _, _ = killed[f'mid_round-{backend}']
+  source = os.path.join(values['root_output_dir'], f'damaged-{backend}')
+  for damage in ('deleted store', 'corrupted store', 'edited record'):
+    run_dir = tmp_path / damage.replace(' ', '_')
+    shutil.copytree(source, run_dir)
+    error, message = _damage(str(run_dir), backend, damage)
+    before = _digest(run_dir)
+    with pytest.raises(error, match=message):
+      _train_here(dict(values, root_output_dir=str(tmp_path),
+                       experiment_name=run_dir.name, resume=True), mnist_dir)
+    assert _digest(run_dir) == before, damage
+
+
+def _digest(run_dir):
+  """Every file's digest but the lock's (the killed run left its PID in it;
+  a refused resume holds the lock and empties it) and SQLite's own
+  journal files."""
+  return {k: v for k, v in files.tree_digest(run_dir).items()
+          if not k.endswith(('experiment.lock', '-wal', '-shm'))}

@@ -328,13 +328,16 @@ def run_training(
   eval_release = tff.program.CSVFileReleaseManager(
       os.path.join(config.experiment_dir, 'eval_metrics.csv'),
       key_fieldname='round')
-  tb_release = tff.program.TensorBoardReleaseManager(
-      os.path.join(config.experiment_dir, 'tensorboard'))
+  tb_release = []  # Made at the first release: a refused resume writes none.
 
   def release(value, round_num, csv_manager):
+    if not tb_release:
+      tb_release.append(tff.program.TensorBoardReleaseManager(
+          os.path.join(config.experiment_dir, 'tensorboard')))
+
     async def _release():
       await csv_manager.release(value, round_num)
-      await tb_release.release(value, round_num)
+      await tb_release[0].release(value, round_num)
     asyncio.run(_release())
 
   if initial_state is None:
