@@ -62,6 +62,8 @@ def _base(tmp_path, mnist_dir, **overrides):
     (dict(clip_norm=0.0), 'clip_norm must be > 0'),
     (dict(embedding_dim=-1), 'embedding_dim must be >= 0'),
     (dict(embedding_dim=0), 'global_plus needs a personal embedding'),
+    # The best-scoring SOM update hands one client's update to the server.
+    (dict(algorithm='fedembed_som'), 'allow_unprotected_best_client=True'),
 ])
 def test_bad_flags_fail_before_any_work(tmp_path, mnist_dir, capsys,
                                         overrides, message):
