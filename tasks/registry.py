@@ -25,6 +25,7 @@ from tasks import client_data_task
 from tasks import preference_task
 from tasks import speaker_task
 from tasks import speech_task
+from tasks import tv_shows_task
 from tff_personal.algorithms import registry as algorithms
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
@@ -86,6 +87,10 @@ _SPECS = (
               'named_head'),
              'FedEmbed\'s MNIST users handed over as a TFF ClientData '
              '(the generic task)'),
+    TaskSpec('tv_shows', tv_shows_task.tv_shows_task,
+             ('batches', 'fedperc_model'),
+             'FedPerC: Friends and Game of Thrones characters\' utterances, '
+             'a frozen GPT-2 language model'),
 )
 
 SPECS: dict[str, TaskSpec] = {s.name: s for s in _SPECS}

@@ -35,7 +35,14 @@ task has):
 * `named_head`: the model's output layer is named 'head' (declared by
   `has_named_head = True`), FedRep's and pFedMe's personal head;
 * `digit_images`: examples are MNIST-shaped images with a digit label
-  (declared by `has_digit_images = True`), what FedDVA's models take.
+  (declared by `has_digit_images = True`), what FedDVA's models take;
+* `fedperc_model`: `fedperc_model_fn_factory(variant, seed)`, a builder of
+  FedPerC's model (`models/fedperc.FedPercModel`: a frozen language-model
+  backbone plus the variant's learned parts) on the task's utterances. Its
+  algorithms train on `ids`/`mask`/`context` batches and evaluate on
+  batches that add a role `y` (0: fine-tuning utterance, 1: test
+  utterance; `algorithms/fedperc.FedPercEvalModel`), whose per-utterance
+  outputs `evaluate` pools into a perplexity.
 
 Example:
 
@@ -110,6 +117,10 @@ CAPABILITIES: dict[str, tuple[tuple[str, ...], str]] = {
         ('has_named_head',),
         "the model's output layer is named 'head' (the personal head of "
         'FedRep and pFedMe; their head_layer option names another)'),
+    'fedperc_model': (
+        ('fedperc_model_fn_factory',),
+        "FedPerC's model: a frozen language model with personal and "
+        'context embeddings (utterances with a context)'),
 }
 
 
