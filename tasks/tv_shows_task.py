@@ -100,12 +100,6 @@ class TvShowsTask:
     spec = self.spec
     return lambda: fedperc.FedPercModel(spec, config, seed)
 
-  def model_fn_factory(self, embedding_dim: int):
-    raise ValueError(
-        'tv_shows has no split model: its model is FedPerC\'s '
-        '(fedperc_model_fn_factory); run a FedPerC algorithm (fedperc, '
-        'fedperc_frozen, fedperc_generated, split_learning, meta_learning)')
-
   def metrics_fn(self, batch, outputs):
     del batch, outputs  # FedPerC's client step sums its own loss.
     return collections.OrderedDict()

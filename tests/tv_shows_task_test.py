@@ -7,11 +7,14 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tasks import registry as task_registry
 from tasks import tv_shows
 from tasks import tv_shows_task
 from tests import fedperc_testdata
 from tff_personal.algorithms import fedperc as fedperc_alg
+from tff_personal.algorithms import registry
 from tff_personal.core import evaluation
+from tff_personal.core import task as task_lib
 from tff_personal.models import fedperc
 from tff_personal.models import fedperc_training
 
@@ -110,3 +113,14 @@ def test_generation_adapts_and_backbone_is_required(task):
   assert not np.allclose(first[2:, 0], second[2:, 0])
   with pytest.raises(ValueError, match='backbone'):
     tv_shows_task.tv_shows_task('/nonexistent')
+
+
+def test_declared_capabilities_are_the_tasks(task):
+  """tv_shows has FedPerC's model and batches, and no split model: the
+  registry refuses the split algorithms on it, naming what is missing."""
+  assert task_lib.capabilities(task) == task_registry.spec(
+      'tv_shows').capabilities
+  task_lib.check_task(task)
+  with pytest.raises(ValueError, match='split_model'):
+    registry.check_compatible('ditto', task)
+  registry.check_compatible('fedperc_generated', task)

@@ -46,7 +46,8 @@ from tff_personal.core import task as task_lib
 
 MODEL_KINDS = ('split', 'fedembed', 'fedperc')
 # Model kind -> the task capability that provides its factory.
-_KIND_NEEDS = {'fedembed': 'fedembed_model', 'fedperc': 'fedperc_model'}
+_KIND_NEEDS = {'split': 'split_model', 'fedembed': 'fedembed_model',
+               'fedperc': 'fedperc_model'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,7 @@ class AlgorithmSpec:
   def __post_init__(self):
     if self.model not in MODEL_KINDS:
       raise ValueError(f'{self.name}: model must be one of {MODEL_KINDS}')
-    needs = set(self.needs) | (
-        {_KIND_NEEDS[self.model]} if self.model in _KIND_NEEDS else set())
+    needs = set(self.needs) | {_KIND_NEEDS[self.model]}
     unknown = needs - set(task_lib.CAPABILITIES)
     if unknown:
       raise ValueError(f'{self.name}: unknown needs {sorted(unknown)}')

@@ -10,9 +10,6 @@ drives any object that satisfies `Task`; an algorithm spec
 Required (`Task`):
 
 * `name`, `population` (client ids are `0 .. population - 1`);
-* `model_fn_factory(embedding_dim) -> SplitModelFn`: the task's model; with
-  `embedding_dim > 0` a private personal embedding per user, with 0 an
-  ordinary federated model (no private variables);
 * `metrics_fn(batch, outputs) -> OrderedDict` of training-metric sums;
 * `train_datasets(ids, round_num)`: each client's local-training data of a
   round (every local epoch included), a pure function of (seed, round, id);
@@ -21,6 +18,11 @@ Required (`Task`):
 Optional capabilities (`CAPABILITIES`; `capabilities(task)` lists those a
 task has):
 
+* `split_model`: `model_fn_factory(embedding_dim) -> SplitModelFn`, the
+  task's split model; with `embedding_dim > 0` a private personal embedding
+  per user, with 0 an ordinary federated model (no private variables). What
+  the algorithms of model kind 'split' train (every task but `tv_shows`,
+  whose model is FedPerC's);
 * `personal_embedding`: `model_fn_factory(d)` with `d > 0` gives a personal
   embedding (declared by `supports_personal_embedding = True`);
 * `fedembed_model`: `fedembed_model_fn_factory(FedEmbedConfig)`, FedEmbed's
@@ -58,7 +60,6 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import tensorflow as tf
 
-from tff_personal.models import split_model
 
 
 @runtime_checkable
@@ -69,9 +70,6 @@ class Task(Protocol):
 
   @property
   def population(self) -> int:
-    ...
-
-  def model_fn_factory(self, embedding_dim: int) -> split_model.SplitModelFn:
     ...
 
   def metrics_fn(self, batch, outputs) -> Any:
@@ -89,11 +87,14 @@ class Task(Protocol):
     ...
 
 
-REQUIRED = ('name', 'population', 'model_fn_factory', 'metrics_fn',
+REQUIRED = ('name', 'population', 'metrics_fn',
             'train_datasets', 'eval_datasets', 'evaluate')
 
 # Capability -> (members that provide it, what it is for).
 CAPABILITIES: dict[str, tuple[tuple[str, ...], str]] = {
+    'split_model': (
+        ('model_fn_factory',),
+        'model_fn_factory(embedding_dim) gives the task\'s split model'),
     'personal_embedding': (
         ('supports_personal_embedding',),
         'model_fn_factory(embedding_dim > 0) gives a private personal '
