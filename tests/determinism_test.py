@@ -51,9 +51,10 @@ def _flat(value):
 
 
 def _fedperc_datasets(num=3, n=6):
-  """Utterance batches, reshuffled on every iteration, two epochs."""
+  """Utterance batches, reshuffled on every iteration, two epochs; batches
+  of 4, so the generated variant scores 2 beyond the 2 it generates from."""
   return [d.unbatch().shuffle(n, seed=7, reshuffle_each_iteration=True)
-          .repeat(2).batch(2)
+          .repeat(2).batch(4)
           for d in fedperc_testdata.datasets([n] * num, 0)]
 
 
