@@ -11,6 +11,7 @@ from tasks import registry as task_registry
 from tasks import tv_shows
 from tasks import tv_shows_task
 from tests import fedperc_testdata
+from tff_personal import experiment
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.algorithms import registry
 from tff_personal.core import evaluation
@@ -124,3 +125,12 @@ def test_declared_capabilities_are_the_tasks(task):
   with pytest.raises(ValueError, match='split_model'):
     registry.check_compatible('ditto', task)
   registry.check_compatible('fedperc_generated', task)
+
+
+def test_noised_personal_heads_are_refused_for_fedperc(task, tmp_path):
+  config = experiment.ExperimentConfig(
+      algorithm='split_learning', rounds=1, clients_per_round=1,
+      root_output_dir=str(tmp_path), experiment_name='x',
+      dp_personal_heads='noised')
+  with pytest.raises(ValueError, match="split_learning trains FedPerC"):
+    experiment.build_process(task, config)

@@ -14,10 +14,15 @@ Algorithms (the `--algorithm` values of the FedPerC paper module):
 * `split_learning`, `meta_learning`: the baselines of section 4
   (`models/fedperc.py`).
 
-Every process is a `core.process.StatefulClientProcess` composed by
-`compose_stateful_client_process` (TFF broadcast, any `tff.aggregators`
-factory, TFF's optimizer finalizer); the client work is
-`models/fedperc_training.local_train`. The frozen backbone is the shared
+Every process is a `core.process.StatefulClientProcess` (TFF broadcast, any
+`tff.aggregators` factory, TFF's optimizer finalizer) whose client work is
+`models/fedperc_training.local_train`. `build_process` composes it from one
+TFF client work (the paper module's loop); `build_step_process` from a
+per-user client step (`fedperc_client_step_factory`), so it also runs
+sharded, and evaluates with `FedPercEvalModel` (test-time adaptation, then
+per-utterance NLL sums): that is what the registry's builders
+(`build_fedperc`, `build_fedperc_generated`, ...; model kind 'fedperc') give
+the one run path (`binaries.train --task=tv_shows`). The frozen backbone is the shared
 *non-trainable* part of `ModelWeights`: it is broadcast, gets no update and
 the finalizer leaves it unchanged.
 
