@@ -134,3 +134,18 @@ def test_noised_personal_heads_are_refused_for_fedperc(task, tmp_path):
       dp_personal_heads='noised')
   with pytest.raises(ValueError, match="split_learning trains FedPerC"):
     experiment.build_process(task, config)
+
+
+def test_fine_tuning_adapts_inside_a_tf_function(task):
+  """'fine_tune' takes Adam steps on the fine-tuning utterances (traced by
+  autograph, as the evaluations trace it) and changes the test scores."""
+  model_fn = task.fedperc_model_fn_factory(fedperc.EMBEDDING, 3)
+  batch = next(iter(task.eval_datasets([5])[0]))
+  plain = tf.function(fedperc_alg.FedPercEvalModel(model_fn(), 'none').forward
+                      )(batch).numpy()
+  tuned = tf.function(fedperc_alg.FedPercEvalModel(
+      model_fn(), 'fine_tune', tff.learning.optimizers.build_adam(0.1),
+      fine_tune_steps=3).forward)(batch).numpy()
+  assert tuned[:2].sum() == 0
+  np.testing.assert_array_equal(plain[:, 1], tuned[:, 1])
+  assert not np.allclose(plain[2:, 0], tuned[2:, 0])

@@ -250,6 +250,9 @@ class FedPercEvalModel:
       fedperc_training.fine_tune(model, self._optimizer,
                                  _Repeated(tune, self._steps))
 
+  # Plain TF (explicit while loops): not for autograph, whose conversion of
+  # the fine-tuning loop called from here fails.
+  @tf.autograph.experimental.do_not_convert
   def forward(self, batch, training: bool = False) -> tf.Tensor:
     del training
     model = self.fedperc_model
