@@ -25,6 +25,7 @@ from tasks import client_data_task
 from tasks import preference_task
 from tasks import speaker_task
 from tasks import speech_task
+from tasks import tv_shows_task
 from tff_personal.algorithms import registry as algorithms
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
@@ -57,8 +58,8 @@ class TaskSpec:
                        tuple(sorted(self.capabilities)))
 
 
-_PREFERENCE = ('personal_embedding', 'fedembed_model', 'batches', 'groups',
-               'named_head')
+_PREFERENCE = ('split_model', 'personal_embedding', 'fedembed_model',
+               'batches', 'groups', 'named_head')
 _SPECS = (
     TaskSpec('mnist_preference', preference_task.mnist_preference_task,
              _PREFERENCE,
@@ -69,23 +70,28 @@ _SPECS = (
              'FedEmbed 4.3: users who each like one synthetic voice',
              flags=('num_users', 'population', 'batch_size', 'local_epochs')),
     TaskSpec('speaker_context', speaker_task.speaker_context_task,
-             ('personal_embedding', 'batches', 'test_split', 'cold_start'),
+             ('split_model', 'personal_embedding', 'batches', 'test_split',
+              'cold_start'),
              'FURL: who speaks a line of Friends, Game of Thrones, '
              'Shakespeare',
              flags=('batch_size', 'local_epochs', 'max_chars', 'lstm_units',
                     'cold_fraction')),
     TaskSpec('label_skew_mnist', client_data_task.label_skew_mnist_task,
-             ('batches', 'named_head', 'digit_images'),
+             ('split_model', 'batches', 'named_head', 'digit_images'),
              'FedDVA: MNIST with Dirichlet label skew, a CNN classifier'),
     TaskSpec('marked_mnist', client_data_task.marked_mnist_task,
-             ('batches', 'named_head', 'digit_images'),
+             ('split_model', 'batches', 'named_head', 'digit_images'),
              'FedDVA: MNIST whose clients mark their images, a CNN '
              'classifier'),
     TaskSpec('mnist_client_data', client_data_task.mnist_client_data_task,
-             ('personal_embedding', 'fedembed_model', 'batches',
-              'named_head'),
+             ('split_model', 'personal_embedding', 'fedembed_model',
+              'batches', 'named_head'),
              'FedEmbed\'s MNIST users handed over as a TFF ClientData '
              '(the generic task)'),
+    TaskSpec('tv_shows', tv_shows_task.tv_shows_task,
+             ('batches', 'fedperc_model'),
+             'FedPerC: Friends and Game of Thrones characters\' utterances, '
+             'a frozen GPT-2 language model'),
 )
 
 SPECS: dict[str, TaskSpec] = {s.name: s for s in _SPECS}

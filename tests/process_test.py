@@ -9,6 +9,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import fedembed_testdata
+from tests import fedperc_testdata
 from tff_personal.algorithms import registry
 from tff_personal.core import process
 from tff_personal.models import fedembed as fedembed_model
@@ -102,10 +103,12 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
       fedembed_model_fn_factory=lambda config: lambda: (
           fedembed_model.build_fedembed_model(fedembed_testdata.with_k(config),
                                               input_spec=typed_spec)),
+      fedperc_model_fn_factory=fedperc_testdata.factory,
       supports_personal_embedding=True, has_named_head=True)
   # pFedMe's personal part is a head, Ditto's and FedAvg+FT's a copy of the
-  # whole model: no embedding.
-  dim = 0 if name.startswith('pfedme') or name in ('ditto', 'fedavg_ft') else 28
+  # whole model, FedPerC's embedding the backbone's size: no embedding.
+  dim = 0 if name.startswith('pfedme') or name in ('ditto', 'fedavg_ft') or (
+      registry.spec(name).model == 'fedperc') else 28
   proc = registry.build(
       name, registry.model_factory(name, task),
       client_optimizer=tff.learning.optimizers.build_sgdm(0.1),

@@ -88,10 +88,14 @@ def test_matrix_follows_the_needs():
   assert rows[('ditto', 'label_skew_mnist')]['runs']
   assert rows[('fedembed_prototype', 'mnist_client_data')]['runs']
   # FedRep's head is the task model's 'head' layer, or the one it names.
-  assert registry.missing_for('fedrep', ('batches',)) == [
+  assert registry.missing_for('fedrep', ('batches', 'split_model')) == [
       'named_head (' + task_lib.CAPABILITIES['named_head'][1] + ')']
-  assert not registry.missing_for('fedrep', ('batches',),
+  assert not registry.missing_for('fedrep', ('batches', 'split_model'),
                                   {'head_layer': 'mlp_out'})
+  # The split algorithms need the task's split model; FedPerC's its own.
+  assert not rows[('ditto', 'tv_shows')]['runs']
+  assert rows[('fedperc_generated', 'tv_shows')]['runs']
+  assert not rows[('fedperc', 'label_skew_mnist')]['runs']
 
 
 def test_list_prints_the_matrix_and_every_option():

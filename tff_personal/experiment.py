@@ -258,6 +258,11 @@ def build_process(task, config: ExperimentConfig, aggregator=None,
   model_factory = registry.model_factory(config.algorithm, task,
                                          config.algorithm_options)
   if config.dp_personal_heads == 'noised':
+    if registry.spec(config.algorithm).model == 'fedperc':
+      raise ValueError(
+          f"dp_personal_heads='noised' noises a split model's personal "
+          f'heads; {config.algorithm} trains FedPerC\'s model, whose private '
+          "state is never noised (use dp_personal_heads='exempt')")
     if dp is None:
       raise ValueError("dp_personal_heads='noised' needs the resolved DP "
                        'config (build_process(..., dp=validate(...)))')

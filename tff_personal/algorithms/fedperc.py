@@ -14,10 +14,15 @@ Algorithms (the `--algorithm` values of the FedPerC paper module):
 * `split_learning`, `meta_learning`: the baselines of section 4
   (`models/fedperc.py`).
 
-Every process is a `core.process.StatefulClientProcess` composed by
-`compose_stateful_client_process` (TFF broadcast, any `tff.aggregators`
-factory, TFF's optimizer finalizer); the client work is
-`models/fedperc_training.local_train`. The frozen backbone is the shared
+Every process is a `core.process.StatefulClientProcess` (TFF broadcast, any
+`tff.aggregators` factory, TFF's optimizer finalizer) whose client work is
+`models/fedperc_training.local_train`. `build_process` composes it from one
+TFF client work (the paper module's loop); `build_step_process` from a
+per-user client step (`fedperc_client_step_factory`), so it also runs
+sharded, and evaluates with `FedPercEvalModel` (test-time adaptation, then
+per-utterance NLL sums): that is what the registry's builders
+(`build_fedperc`, `build_fedperc_generated`, ...; model kind 'fedperc') give
+the one run path (`binaries.train --task=tv_shows`). The frozen backbone is the shared
 *non-trainable* part of `ModelWeights`: it is broadcast, gets no update and
 the finalizer leaves it unchanged.
 
@@ -42,7 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import dp_accounting
 import numpy as np
@@ -164,6 +169,250 @@ def build_process(spec: fedperc_backbone.BackboneSpec,
       server_optimizer=build_server_optimizer(server_optimizer,
                                               server_learning_rate),
       train_metrics=train_metrics)
+
+
+# ------------------------------------------------- the one run path
+
+# The eval batches' role feature: 0 for a fine-tuning utterance (read by the
+# test-time adaptation only), 1 for a test utterance (scored).
+ROLE = 'y'
+ROLE_FINE_TUNE = 0
+ROLE_TEST = 1
+PROMPT_TOKENS = 3
+
+
+def eval_batch_spec(max_tokens: int) -> collections.OrderedDict:
+  """Element spec of evaluation batches: a training batch plus `ROLE`."""
+  spec = fedperc.batch_spec(max_tokens)
+  spec[ROLE] = tf.TensorSpec([None], tf.int32)
+  return spec
+
+
+class _Repeated:
+  """One batch `steps` times, with the `reduce` a local loop reads."""
+
+  def __init__(self, batch, steps: int):
+    self._batch, self._steps = batch, steps
+
+  def reduce(self, initial_state, reduce_fn):
+    def body(i, state):
+      return i + 1, reduce_fn(state, self._batch)
+
+    return tf.while_loop(lambda i, _: i < self._steps, body,
+                         (tf.constant(0), initial_state))[1]
+
+
+class FedPercEvalModel:
+  """A `FedPercModel` as the run path's evaluation reads a split model.
+
+  Every user's evaluation data is one set of utterances with a `ROLE`
+  feature: `forward` first adapts the model on the fine-tuning utterances
+  (`ROLE_FINE_TUNE`) as the algorithm does at test time ('generate': the
+  generators' forward passes set psi and the context embeddings; 'fine_tune':
+  `fine_tune_steps` Adam steps on the adaptable variables, each on all of
+  them; 'none': nothing), then scores every utterance: its outputs are
+  [n, 2] float32 rows (sum of token NLLs, number of tokens) counting the
+  tokens after the first `PROMPT_TOKENS`, zero for fine-tuning utterances.
+  The adapted values are local: the evaluation loads the shared weights and
+  the user's state into the model again before the next user.
+  """
+
+  def __init__(self, model: fedperc.FedPercModel, adapt: str,
+               optimizer: tff.learning.optimizers.Optimizer | None = None,
+               fine_tune_steps: int = 0):
+    if adapt not in ('fine_tune', 'generate', 'none'):
+      raise ValueError(f'adapt must be fine_tune, generate or none, got '
+                       f'{adapt!r}')
+    if adapt == 'fine_tune' and (optimizer is None or fine_tune_steps < 1):
+      raise ValueError('fine_tune adaptation needs an optimizer and '
+                       f'fine_tune_steps >= 1 (got {fine_tune_steps})')
+    self.fedperc_model = model
+    self.adapt = adapt
+    self._optimizer = optimizer
+    self._steps = fine_tune_steps
+    self.input_spec = eval_batch_spec(model.config.max_tokens)
+    self.shared_trainable_variables = model.shared_trainable_variables
+    self.shared_non_trainable_variables = model.shared_non_trainable_variables
+    self.private_variables = model.private_variables
+
+  def _adapt(self, batch) -> None:
+    model = self.fedperc_model
+    tune = {k: tf.boolean_mask(batch[k], tf.equal(batch[ROLE],
+                                                  ROLE_FINE_TUNE))
+            for k in ('ids', 'mask', 'context')}
+    if self.adapt == 'generate':
+      offset, table = model.generate(model.personal_offset, tune)
+      read = tf.shape(tune['ids'])[0] > 0  # No utterance: nothing to read.
+      model.personal_offset.assign(tf.where(read, offset,
+                                            model.personal_offset))
+      model.context_embeddings.assign(tf.where(read, table,
+                                               model.context_embeddings))
+    elif self.adapt == 'fine_tune':
+      fedperc_training.fine_tune(model, self._optimizer,
+                                 _Repeated(tune, self._steps))
+
+  # Plain TF (explicit while loops): not for autograph, whose conversion of
+  # the fine-tuning loop called from here fails.
+  @tf.autograph.experimental.do_not_convert
+  def forward(self, batch, training: bool = False) -> tf.Tensor:
+    del training
+    model = self.fedperc_model
+    self._adapt(batch)
+    logits, targets, positions, mask = model.logits_and_targets(batch)
+    weights = mask * tf.cast(positions >= PROMPT_TOKENS, tf.float32)[None, :]
+    weights *= tf.cast(tf.equal(batch[ROLE], ROLE_TEST), tf.float32)[:, None]
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=targets, logits=logits)
+    return tf.stack([tf.reduce_sum(losses * weights, 1),
+                     tf.reduce_sum(weights, 1)], axis=1)
+
+  def predict(self, outputs: tf.Tensor) -> tf.Tensor:
+    return outputs
+
+
+def pooled_perplexity(per_client_outputs) -> collections.OrderedDict:
+  """Pooled perplexity exp(sum NLL / tokens) over every user's scored
+  tokens, the mean of the users' own perplexities, and the counts, from
+  `FedPercEvalModel` outputs."""
+  nll, tokens, per_user = 0.0, 0.0, []
+  for out in per_client_outputs:
+    rows = np.asarray(out['outputs'], np.float64).reshape(-1, 2)
+    user_nll, user_tokens = rows[:, 0].sum(), rows[:, 1].sum()
+    nll, tokens = nll + user_nll, tokens + user_tokens
+    if user_tokens:
+      per_user.append(float(np.exp(user_nll / user_tokens)))
+  return collections.OrderedDict(
+      perplexity=float(np.exp(nll / tokens)) if tokens else float('nan'),
+      perplexity_user_mean=float(np.mean(per_user)) if per_user
+      else float('nan'),
+      tokens=float(tokens), clients=len(per_user))
+
+
+def fedperc_client_step_factory(
+    model_fn: Callable[[], fedperc.FedPercModel],
+    client_optimizer: tff.learning.optimizers.Optimizer,
+    proximal_mu: float) -> process_lib.ClientStepFactory:
+  """FedPerC's per-user step: `fedperc_training.local_train` (Adam local
+  steps with FedProx on the shared trainable variables); the private state
+  is the personal embedding offset (generated, for the generated variant)
+  or the personal head delta."""
+
+  def make_step():
+    model = model_fn()
+
+    def step(weights, client_state, dataset):
+      update, weight, new_private, metrics = fedperc_training.local_train(
+          model, client_optimizer, weights,
+          tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset,
+          proximal_mu)
+      return process_lib.client_step_result(update, weight, new_private,
+                                            client_state, metrics)
+
+    return step
+
+  return make_step
+
+
+def build_step_process(model_fn: Callable[[], fedperc.FedPercModel],
+                       adapt: str, *,
+                       client_optimizer: tff.learning.optimizers.Optimizer,
+                       server_optimizer: tff.learning.optimizers.Optimizer,
+                       aggregator_factory=None, train_metrics: bool = True,
+                       proximal_mu: float = 1.0,
+                       fine_tune_optimizer=None, fine_tune_steps: int = 0
+                       ) -> process_lib.StatefulClientProcess:
+  """FedPerC as a per-user client step process (runs sharded; any
+  `tff.aggregators` factory, DP included, for the shared update).
+
+  The shared weights are the model's: trainable (context embeddings,
+  generators or heads) and non-trainable (the frozen backbone: broadcast,
+  never updated). A new user's private state is zero (psi = 1, or no head
+  delta). Evaluation (`eval_model_fn`) is `FedPercEvalModel` with `adapt`.
+  """
+  if proximal_mu < 0:
+    raise ValueError(f'proximal_mu must be >= 0, got {proximal_mu}')
+  model = model_fn()
+  weights = ModelWeights(
+      trainable=tuple(v.numpy() for v in model.shared_trainable_variables),
+      non_trainable=tuple(np.asarray(w) for w in model.spec.weights))
+  private = tuple(v.numpy() for v in model.private_variables)
+  return process_lib.build_step_process(
+      model_fn, fedperc_client_step_factory(model_fn, client_optimizer,
+                                            proximal_mu),
+      initial_weights=weights, client_state_type=client_state_type(private),
+      server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+      eval_model_fn=lambda: FedPercEvalModel(
+          model_fn(), adapt, fine_tune_optimizer, fine_tune_steps),
+      initial_private=private)
+
+
+def _registered(name: str):
+  """The registry's uniform builder of FedPerC algorithm `name`."""
+  algo = ALGORITHMS[name]
+
+  def build(model_factory, *, client_optimizer, server_optimizer,
+            aggregator_factory, metrics_fn, train_metrics, seed,
+            embedding_dim, private_optimizer, proximal_mu, fine_tune_steps):
+    del metrics_fn  # The client step reports its own loss sums.
+    if embedding_dim:
+      raise ValueError(
+          f'{name}\'s personal embedding has the backbone\'s hidden size; '
+          f'it takes no embedding_dim (got {embedding_dim})')
+    if fine_tune_steps < 1:
+      raise ValueError(f'fine_tune_steps must be >= 1, got {fine_tune_steps}')
+    return build_step_process(
+        model_factory(algo.variant, 0 if seed is None else seed), algo.adapt,
+        client_optimizer=client_optimizer, server_optimizer=server_optimizer,
+        aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+        proximal_mu=proximal_mu,
+        fine_tune_optimizer=private_optimizer or client_optimizer,
+        fine_tune_steps=fine_tune_steps)
+
+  if algo.adapt == 'fine_tune':
+    def builder(model_factory, *, client_optimizer, server_optimizer,
+                aggregator_factory=None, metrics_fn=None,
+                train_metrics: bool = True, seed: Optional[int] = None,
+                embedding_dim: int = 0, private_optimizer=None,
+                proximal_mu: float = 1.0, fine_tune_steps: int = 15):
+      return build(model_factory, client_optimizer=client_optimizer,
+                   server_optimizer=server_optimizer,
+                   aggregator_factory=aggregator_factory,
+                   metrics_fn=metrics_fn, train_metrics=train_metrics,
+                   seed=seed, embedding_dim=embedding_dim,
+                   private_optimizer=private_optimizer,
+                   proximal_mu=proximal_mu, fine_tune_steps=fine_tune_steps)
+  else:
+    def builder(model_factory, *, client_optimizer, server_optimizer,
+                aggregator_factory=None, metrics_fn=None,
+                train_metrics: bool = True, seed: Optional[int] = None,
+                embedding_dim: int = 0, private_optimizer=None,
+                proximal_mu: float = 1.0):
+      return build(model_factory, client_optimizer=client_optimizer,
+                   server_optimizer=server_optimizer,
+                   aggregator_factory=aggregator_factory,
+                   metrics_fn=metrics_fn, train_metrics=train_metrics,
+                   seed=seed, embedding_dim=embedding_dim,
+                   private_optimizer=private_optimizer,
+                   proximal_mu=proximal_mu, fine_tune_steps=1)
+
+  builder.__name__ = builder.__qualname__ = f'build_{name}'
+  builder.__doc__ = (
+      f'`{name}` on a task\'s FedPerC model (`registry`\'s uniform signature).'
+      '\n\n  `model_factory` is the task\'s `fedperc_model_fn_factory` '
+      '((variant, seed) -> model_fn);\n  `proximal_mu` is FedProx\'s mu on '
+      'the shared trainable variables'
+      + ('; `fine_tune_steps`\n  the test-time Adam steps (the private '
+         'optimizer, else the client one).' if algo.adapt == 'fine_tune'
+         else '.'))
+  return builder
+
+
+build_fedperc = _registered('fedperc')
+build_fedperc_frozen = _registered('fedperc_frozen')
+build_fedperc_generated = _registered('fedperc_generated')
+build_split_learning = _registered('split_learning')
+build_meta_learning = _registered('meta_learning')
 
 
 # ------------------------------------------------------------ new users

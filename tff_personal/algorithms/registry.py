@@ -8,7 +8,8 @@ Every entry (`AlgorithmSpec`) has a builder of one signature:
 
 `model_factory` is the task's `model_fn_factory` (embedding_dim -> model_fn)
 for `model='split'` entries, its `fedembed_model_fn_factory` (FedEmbedConfig
--> model_fn) for `model='fedembed'` ones. The builder's other keyword
+-> model_fn) for `model='fedembed'` ones, its `fedperc_model_fn_factory`
+((variant, seed) -> FedPercModel builder) for `model='fedperc'` ones. The builder's other keyword
 arguments with a scalar default (e.g. pFedMe's `lam`, Ditto's `lam`, FedRep's
 `head_epochs`) are its *options*: `algorithm_options(name)` lists them,
 `parse_algorithm_options` reads them from `key=value` strings (the binaries'
@@ -35,6 +36,7 @@ from tff_personal.algorithms import fedavg_ft
 from tff_personal.algorithms import feddva
 from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import fedembed_som
+from tff_personal.algorithms import fedperc
 from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import furl
 from tff_personal.algorithms import pfedkm
@@ -42,7 +44,10 @@ from tff_personal.algorithms import pfedme
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
 
-MODEL_KINDS = ('split', 'fedembed')
+MODEL_KINDS = ('split', 'fedembed', 'fedperc')
+# Model kind -> the task capability that provides its factory.
+_KIND_NEEDS = {'split': 'split_model', 'fedembed': 'fedembed_model',
+               'fedperc': 'fedperc_model'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +57,9 @@ class AlgorithmSpec:
   Attributes:
     name: the `--algorithm` value.
     builder: the uniform builder (module docstring).
-    model: 'split' (the task's `model_fn_factory`) or 'fedembed' (its
-      `fedembed_model_fn_factory`).
+    model: 'split' (the task's `model_fn_factory`), 'fedembed' (its
+      `fedembed_model_fn_factory`) or 'fedperc' (its
+      `fedperc_model_fn_factory`).
     needs: task capabilities the algorithm uses (`core/task.CAPABILITIES`).
     family: the paper or family it belongs to.
     summary: one line: what it is.
@@ -76,8 +82,7 @@ class AlgorithmSpec:
   def __post_init__(self):
     if self.model not in MODEL_KINDS:
       raise ValueError(f'{self.name}: model must be one of {MODEL_KINDS}')
-    needs = set(self.needs) | (
-        {'fedembed_model'} if self.model == 'fedembed' else set())
+    needs = set(self.needs) | {_KIND_NEEDS[self.model]}
     unknown = needs - set(task_lib.CAPABILITIES)
     if unknown:
       raise ValueError(f'{self.name}: unknown needs {sorted(unknown)}')
@@ -129,6 +134,25 @@ _SPECS = (
                   'dual VAE (shared encoders, private decoders), then a '
                   'classifier on its encoders',
                   stage_rounds=('pretrain_rounds',)),
+    AlgorithmSpec('fedperc', fedperc.build_fedperc, 'fedperc', (), 'fedperc',
+                  'FedPerC: private personal embedding x shared context '
+                  'embeddings as a prefix of a frozen LM, fine-tuned at test '
+                  'time'),
+    AlgorithmSpec('fedperc_frozen', fedperc.build_fedperc_frozen, 'fedperc',
+                  (), 'fedperc',
+                  'FedPerC without test-time fine-tuning'),
+    AlgorithmSpec('fedperc_generated', fedperc.build_fedperc_generated,
+                  'fedperc', (), 'fedperc',
+                  'FedPerC (Generated): shared generators predict the '
+                  'embeddings from a user\'s utterances'),
+    AlgorithmSpec('split_learning', fedperc.build_split_learning, 'fedperc',
+                  (), 'fedperc',
+                  'FedPerC\'s Split-Learning baseline: personal and context '
+                  'output heads'),
+    AlgorithmSpec('meta_learning', fedperc.build_meta_learning, 'fedperc', (),
+                  'fedperc',
+                  'FedPerC\'s Meta-Learning baseline: a shared output layer, '
+                  'fine-tuned at test time'),
 )
 
 SPECS: dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
@@ -214,6 +238,8 @@ def model_factory(name: str, task, options: Mapping[str, Any] = ()):
   check_compatible(name, task, options)
   if spec(name).model == 'fedembed':
     return task.fedembed_model_fn_factory
+  if spec(name).model == 'fedperc':
+    return task.fedperc_model_fn_factory
   return task.model_fn_factory
 
 

@@ -10,9 +10,6 @@ drives any object that satisfies `Task`; an algorithm spec
 Required (`Task`):
 
 * `name`, `population` (client ids are `0 .. population - 1`);
-* `model_fn_factory(embedding_dim) -> SplitModelFn`: the task's model; with
-  `embedding_dim > 0` a private personal embedding per user, with 0 an
-  ordinary federated model (no private variables);
 * `metrics_fn(batch, outputs) -> OrderedDict` of training-metric sums;
 * `train_datasets(ids, round_num)`: each client's local-training data of a
   round (every local epoch included), a pure function of (seed, round, id);
@@ -21,6 +18,11 @@ Required (`Task`):
 Optional capabilities (`CAPABILITIES`; `capabilities(task)` lists those a
 task has):
 
+* `split_model`: `model_fn_factory(embedding_dim) -> SplitModelFn`, the
+  task's split model; with `embedding_dim > 0` a private personal embedding
+  per user, with 0 an ordinary federated model (no private variables). What
+  the algorithms of model kind 'split' train (every task but `tv_shows`,
+  whose model is FedPerC's);
 * `personal_embedding`: `model_fn_factory(d)` with `d > 0` gives a personal
   embedding (declared by `supports_personal_embedding = True`);
 * `fedembed_model`: `fedembed_model_fn_factory(FedEmbedConfig)`, FedEmbed's
@@ -35,7 +37,14 @@ task has):
 * `named_head`: the model's output layer is named 'head' (declared by
   `has_named_head = True`), FedRep's and pFedMe's personal head;
 * `digit_images`: examples are MNIST-shaped images with a digit label
-  (declared by `has_digit_images = True`), what FedDVA's models take.
+  (declared by `has_digit_images = True`), what FedDVA's models take;
+* `fedperc_model`: `fedperc_model_fn_factory(variant, seed)`, a builder of
+  FedPerC's model (`models/fedperc.FedPercModel`: a frozen language-model
+  backbone plus the variant's learned parts) on the task's utterances. Its
+  algorithms train on `ids`/`mask`/`context` batches and evaluate on
+  batches that add a role `y` (0: fine-tuning utterance, 1: test
+  utterance; `algorithms/fedperc.FedPercEvalModel`), whose per-utterance
+  outputs `evaluate` pools into a perplexity.
 
 Example:
 
@@ -51,7 +60,6 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import tensorflow as tf
 
-from tff_personal.models import split_model
 
 
 @runtime_checkable
@@ -62,9 +70,6 @@ class Task(Protocol):
 
   @property
   def population(self) -> int:
-    ...
-
-  def model_fn_factory(self, embedding_dim: int) -> split_model.SplitModelFn:
     ...
 
   def metrics_fn(self, batch, outputs) -> Any:
@@ -82,11 +87,14 @@ class Task(Protocol):
     ...
 
 
-REQUIRED = ('name', 'population', 'model_fn_factory', 'metrics_fn',
+REQUIRED = ('name', 'population', 'metrics_fn',
             'train_datasets', 'eval_datasets', 'evaluate')
 
 # Capability -> (members that provide it, what it is for).
 CAPABILITIES: dict[str, tuple[tuple[str, ...], str]] = {
+    'split_model': (
+        ('model_fn_factory',),
+        'model_fn_factory(embedding_dim) gives the task\'s split model'),
     'personal_embedding': (
         ('supports_personal_embedding',),
         'model_fn_factory(embedding_dim > 0) gives a private personal '
@@ -110,6 +118,10 @@ CAPABILITIES: dict[str, tuple[tuple[str, ...], str]] = {
         ('has_named_head',),
         "the model's output layer is named 'head' (the personal head of "
         'FedRep and pFedMe; their head_layer option names another)'),
+    'fedperc_model': (
+        ('fedperc_model_fn_factory',),
+        "FedPerC's model: a frozen language model with personal and "
+        'context embeddings (utterances with a context)'),
 }
 
 

@@ -37,6 +37,7 @@ the same tokens.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -198,6 +199,11 @@ class FedPercModel:
     return list(self.backbone.weights)
 
   @property
+  def input_spec(self) -> collections.OrderedDict:
+    """The spec of a training batch: `ids`, `mask` [B, L] and `context` [B]."""
+    return batch_spec(self.config.max_tokens)
+
+  @property
   def has_prefix(self) -> bool:
     return self.config.variant in (EMBEDDING, GENERATED)
 
@@ -306,6 +312,14 @@ class FedPercModel:
     count = lambda vs: sum(int(v.shape.num_elements()) for v in vs)
     return count(self.private_variables) + count(
         self.shared_trainable_variables)
+
+
+def batch_spec(max_tokens: int) -> collections.OrderedDict:
+  """Element spec of batches of `max_tokens`-token utterances."""
+  return collections.OrderedDict(
+      ids=tf.TensorSpec([None, max_tokens], tf.int32),
+              mask=tf.TensorSpec([None, max_tokens], tf.int32),
+              context=tf.TensorSpec([None], tf.int32))
 
 
 def token_count_weights(batch, prompt: int, has_prefix: bool) -> Any:
