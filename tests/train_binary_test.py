@@ -259,11 +259,12 @@ def straight_run(tmp_path_factory):
   return _summary(out, 'straight')
 
 
-@pytest.mark.parametrize('backend', ['memory', 'sqlite'])
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
-                                                   straight_run, backend):
+                                                   straight_run):
+  """The binary end to end: killed from outside, refused without --resume,
+  resumed. (Every kill point on both stores: tests/fault_test.py.)"""
   del mnist_dir  # the subprocess reads ../shared/data/mnist itself
-  extra = [f'--client_state_backend={backend}']
+  extra = ['--client_state_backend=sqlite']
   workers = _kill_after_round(_cmd(tmp_path, 'killed', extra), 3)
   assert len(workers) == 1
   # The worker died with its parent (SIGKILL).
