@@ -104,7 +104,7 @@ def test_bad_client_data_is_named():
         builder, fedembed_encoder_fn=lambda c: None, num_types=2)
   task = client_data_task.ClientDataTask(
       't', _client_data(['a'], _xy(3)), _client_data(['a'], _xy(3)), builder)
-  assert task_lib.capabilities(task) == ('batches',)
+  assert task_lib.capabilities(task) == ('batches', 'split_model')
   with pytest.raises(ValueError, match=r'client index 1 is not in \[0, 1\)'):
     task.train_batches([1], 1)
   with pytest.raises(ValueError, match='has no personal embedding'):

@@ -28,7 +28,6 @@ from typing import Iterable
 
 import regex
 
-from keras_nlp.src.tokenizers import byte_pair_tokenizer
 
 END_TOKEN = '<|endoftext|>'
 
@@ -39,6 +38,8 @@ _SPLIT_RE = regex.compile(
 
 def byte_encoder() -> dict[int, str]:
   """keras-nlp's byte -> printable-unicode table (GPT-2's)."""
+  # Imported here: importing keras-nlp prints Keras Core's backend to stdout.
+  from keras_nlp.src.tokenizers import byte_pair_tokenizer  # pylint: disable=g-import-not-at-top
   byte_list, unicode_list = byte_pair_tokenizer.bytes_to_unicode()
   return {b[0]: u for b, u in zip(byte_list, unicode_list)}
 

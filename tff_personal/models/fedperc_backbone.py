@@ -25,11 +25,22 @@ import os
 import re
 from typing import Any, Sequence
 
-import keras_nlp
 import numpy as np
 import tensorflow as tf
 
-from keras_nlp.src.utils import preset_utils
+
+def _keras_nlp():
+  """keras-nlp, imported on first use: importing it starts Keras Core,
+  which prints its backend to stdout, so the library imports it only when a
+  FedPerC backbone is built or loaded."""
+  import keras_nlp  # pylint: disable=g-import-not-at-top
+  return keras_nlp
+
+
+def _preset_utils():
+  from keras_nlp.src.utils import preset_utils  # pylint: disable=g-import-not-at-top
+  return preset_utils
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +64,7 @@ class BackboneSpec:
   def max_sequence_length(self) -> int:
     return int(self.config['max_sequence_length'])
 
-  def build_backbone(self) -> keras_nlp.models.GPT2Backbone:
+  def build_backbone(self) -> 'keras_nlp.models.GPT2Backbone':
     """A fresh frozen backbone of this config, without dropout.
 
     Its weights are not loaded (graph mode); callers assign `weights` (eagerly
@@ -61,12 +72,12 @@ class BackboneSpec:
     """
     config = dict(self.config)
     config['dropout'] = 0.0
-    backbone = keras_nlp.models.GPT2Backbone(**config)
+    backbone = _keras_nlp().models.GPT2Backbone(**config)
     backbone.trainable = False
     return backbone
 
   def tokenizer(self, sequence_length: int | None = None):
-    return keras_nlp.models.GPT2Tokenizer(
+    return _keras_nlp().models.GPT2Tokenizer(
         vocabulary=dict(self.vocabulary), merges=list(self.merges),
         sequence_length=sequence_length)
 
@@ -90,18 +101,19 @@ def load_backbone(preset_or_dir: str) -> BackboneSpec:
     raise ValueError('--backbone is empty: give a keras-nlp GPT-2 preset name '
                      '(e.g. distil_gpt2_base_en) or a preset directory')
   is_dir = os.path.isdir(preset_or_dir)
-  if not is_dir and preset_or_dir not in keras_nlp.models.GPT2Backbone.presets:
+  presets = _keras_nlp().models.GPT2Backbone.presets
+  if not is_dir and preset_or_dir not in presets:
     raise ValueError(
         f'--backbone={preset_or_dir!r} is neither a directory nor a keras-nlp '
-        f'GPT-2 preset ({sorted(keras_nlp.models.GPT2Backbone.presets)}); '
+        f'GPT-2 preset ({sorted(presets)}); '
         'make a local one with `python -m binaries.pretrain_backbone`')
   if is_dir:
     for name in ('config.json', 'metadata.json', 'tokenizer.json'):
       if not os.path.exists(os.path.join(preset_or_dir, name)):
         raise ValueError(f'--backbone directory {preset_or_dir} has no {name}; '
                          'is it a keras-nlp preset directory?')
-  backbone = keras_nlp.models.GPT2Backbone.from_preset(preset_or_dir)
-  tokenizer = keras_nlp.models.GPT2Tokenizer.from_preset(preset_or_dir)
+  backbone = _keras_nlp().models.GPT2Backbone.from_preset(preset_or_dir)
+  tokenizer = _keras_nlp().models.GPT2Tokenizer.from_preset(preset_or_dir)
   return spec_from_backbone(backbone, tokenizer, name=preset_or_dir)
 
 
@@ -112,12 +124,12 @@ def random_backbone(vocabulary: dict[str, int], merges: Sequence[str], *,
                     seed: int = 0) -> BackboneSpec:
   """A randomly initialised backbone (tests; shape-only measurements)."""
   tf.keras.utils.set_random_seed(seed)
-  backbone = keras_nlp.models.GPT2Backbone(
+  backbone = _keras_nlp().models.GPT2Backbone(
       vocabulary_size=len(vocabulary), num_layers=num_layers,
       num_heads=num_heads, hidden_dim=hidden_dim,
       intermediate_dim=intermediate_dim, dropout=0.0,
       max_sequence_length=max_sequence_length)
-  tokenizer = keras_nlp.models.GPT2Tokenizer(
+  tokenizer = _keras_nlp().models.GPT2Tokenizer(
       vocabulary=dict(vocabulary), merges=list(merges))
   return spec_from_backbone(backbone, tokenizer, name='random')
 
@@ -173,6 +185,7 @@ def save_preset(backbone, tokenizer, preset_dir: str) -> None:
   `save_to_preset` itself.
   """
   os.makedirs(preset_dir, exist_ok=True)
+  preset_utils = _preset_utils()
   for layer, config_file in ((backbone, preset_utils.CONFIG_FILE),
                              (tokenizer, preset_utils.TOKENIZER_CONFIG_FILE)):
     config = tf.keras.saving.serialize_keras_object(layer)
