@@ -364,7 +364,7 @@ def _run_pipeline(task, cfg, seed, stages, log_fn) -> dict:
     saved = stages.json(f'groupfl_{g}_participation', lambda: {
         'participations': {str(c): n for c, n in extra[0].items()}})
     group_part.update({int(c): n for c, n in saved['participations'].items()})
-  group_of = dict(enumerate(task.groups))
+  group_of = dict(enumerate(task.client_groups))
 
   eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
   evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
@@ -510,7 +510,7 @@ def _relative(sums, client) -> float:
 
 def _cells(task, cfg, groups, eval_clients, sums, fl_part, group_part, sweep):
   k, k_l = cfg['local_epochs'], cfg['personalization_epochs']
-  members_of = {g: [c for c in eval_clients if task.groups[c] == g]
+  members_of = {g: [c for c in eval_clients if task.client_groups[c] == g]
                 for g in groups}
   members_of[ALL] = list(eval_clients)
   out = {}
@@ -560,7 +560,7 @@ def _cluster(task, cfg, process, weights, seed, log_fn) -> dict:
                                 for c in chunk])
     vectors += [sketch(u) for u in results]
   vectors = np.stack(vectors)
-  truth = [task.groups[c] for c in clients]
+  truth = [task.client_groups[c] for c in clients]
   big = [i for i, c in enumerate(clients) if task.num_train(c) >= 10]
   out = {}
   for center in (True, False):

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tasks import client_data_task
 from tasks import preference_task
+from tasks import shakespeare_groups
 from tasks import speaker_task
 from tasks import speech_task
 from tasks import tv_shows_task
@@ -88,6 +89,10 @@ _SPECS = (
               'batches', 'named_head'),
              'FedEmbed\'s MNIST users handed over as a TFF ClientData '
              '(the generic task)'),
+    TaskSpec('shakespeare_groups', shakespeare_groups.shakespeare_groups_task,
+             ('split_model', 'groups'),
+             'Group personalized FL: Shakespeare characters as clients, '
+             'genres as groups, a word LSTM language model'),
     TaskSpec('tv_shows', tv_shows_task.tv_shows_task,
              ('batches', 'fedperc_model'),
              'FedPerC: Friends and Game of Thrones characters\' utterances, '

@@ -125,18 +125,23 @@ def split_counts(n: int) -> tuple[int, int]:
 
 @dataclasses.dataclass
 class ShakespeareGroupsTask:
-  """Clients, their groups and encoded train / eval speeches.
+  """Clients, their groups and encoded train / eval speeches: a `Task`.
 
-  `client_ids[i]` is 'shakespeare/<play>/<NAME>'; `groups[i]` its genre.
+  `client_ids[i]` is 'shakespeare/<play>/<NAME>'; `client_groups[i]` its
+  genre. As a `core/task.Task` (client ids `0 .. population - 1`) it has
+  the capabilities `split_model` (the word LM, every variable shared) and
+  `groups` (`groups(ids)`: the genres), and `evaluate` reports the pooled
+  perplexity of every evaluated speech and of each genre's.
   """
   client_ids: list[str]
-  groups: list[str]
+  client_groups: list[str]
   train: list[dict[str, np.ndarray]]
   eval: list[dict[str, np.ndarray]]
   vocab: list[str]
   model_config: word_lm.WordLMConfig
   batch_size: int = 8
   seed: int = 0
+  local_epochs: int = 1
 
   name = 'shakespeare_groups'
 
@@ -145,16 +150,37 @@ class ShakespeareGroupsTask:
     return len(self.client_ids)
 
   @property
+  def population(self) -> int:
+    return len(self.client_ids)
+
+  @property
   def group_names(self) -> list[str]:
-    return [g for g in GROUP_NAMES if g in set(self.groups)] + sorted(
-        set(self.groups) - set(GROUP_NAMES))
+    return [g for g in GROUP_NAMES if g in set(self.client_groups)] + sorted(
+        set(self.client_groups) - set(GROUP_NAMES))
 
   def clients_of(self, group: str) -> list[int]:
-    return [i for i, g in enumerate(self.groups) if g == group]
+    return [i for i, g in enumerate(self.client_groups) if g == group]
+
+  def groups(self, client_ids: Sequence[int]) -> np.ndarray:
+    """The genre of each of `client_ids`."""
+    return np.asarray(self.client_groups, dtype=object)[
+        np.asarray(client_ids, np.int64)]
 
   @property
   def model_fn(self):
     return word_lm.model_fn_for(self.model_config)
+
+  def model_fn_factory(self, embedding_dim: int = 0):
+    """The word LM (`split_model` capability); it has no personal part."""
+    if embedding_dim:
+      raise ValueError('shakespeare_groups\' word LM has no personal '
+                       f'embedding; embedding_dim must be 0, got '
+                       f'{embedding_dim}')
+    return self.model_fn
+
+  @staticmethod
+  def metrics_fn(batch, logits):
+    return word_lm.metrics_fn(batch, logits)
 
   def num_train(self, client: int) -> int:
     return len(self.train[client]['x'])
@@ -185,6 +211,59 @@ class ShakespeareGroupsTask:
     return lambda client, round_num: self.train_dataset(client, epochs,
                                                         round_num)
 
+  def _check_ids(self, client_ids: Sequence[int]) -> None:
+    bad = [c for c in client_ids if not 0 <= int(c) < self.population]
+    if bad:
+      raise ValueError(f'shakespeare_groups: client ids {bad[:5]} are not in '
+                       f'[0, {self.population})')
+
+  def train_datasets(self, client_ids: Sequence[int],
+                     round_num: int) -> list[tf.data.Dataset]:
+    """`local_epochs` passes over each client's speeches (`train_dataset`)."""
+    self._check_ids(client_ids)
+    return [self.train_dataset(int(c), self.local_epochs, round_num)
+            for c in client_ids]
+
+  def eval_datasets(self, client_ids: Sequence[int]
+                    ) -> list[tf.data.Dataset]:
+    """Each client's evaluation speeches; a client with none (a single
+    speech, kept for training) gets one all-padding row, which scores no
+    token."""
+    self._check_ids(client_ids)
+    out = []
+    for c in client_ids:
+      arrays = self.eval[int(c)]
+      if not len(arrays['x']):
+        arrays = {k: np.zeros((1,) + v.shape[1:], v.dtype)
+                  for k, v in arrays.items()}
+      out.append(self._dataset(arrays, 1, None))
+    return out
+
+  def evaluate(self, per_client_outputs, client_ids) -> dict:
+    """Pooled perplexity over every evaluated speech (`perplexity`), per
+    genre (`perplexity/<genre>`), and the evaluated clients and tokens.
+
+    `per_client_outputs[i]['outputs']` are the word LM's `per_example_nll`
+    rows of client `client_ids[i]`.
+    """
+    rows = {g: [] for g in self.group_names}
+    clients = {g: 0 for g in self.group_names}
+    for out, group in zip(per_client_outputs, self.groups(client_ids)):
+      r = np.asarray(out['outputs'], np.float64).reshape(-1, 2)
+      rows[group].append(r)
+      clients[group] += int(r[:, 1].sum() > 0)
+    every = [r for g in rows for r in rows[g]]
+    result = collections.OrderedDict(
+        perplexity=word_lm.pooled_perplexity(
+            np.concatenate(every) if every else np.zeros((0, 2))),
+        tokens=float(sum(r[:, 1].sum() for r in every)),
+        clients=sum(clients.values()))
+    for g in self.group_names:
+      if rows[g]:
+        result[f'perplexity/{g}'] = word_lm.pooled_perplexity(
+            np.concatenate(rows[g]))
+    return result
+
 
 def load_speeches(data_dir: str) -> list[speaker_context_io.Utterance]:
   """Shakespeare speeches; `data_dir` holds `shakespeare/` or is that folder."""
@@ -202,7 +281,8 @@ def build_task(speeches: Sequence[speaker_context_io.Utterance], *,
                vocab_size: int = 3000, seq_len: int = 24,
                embedding_dim: int = 64, lstm_units: int = 128,
                lstm_layers: int = 1, batch_size: int = 8, seed: int = 0,
-               max_clients: Optional[int] = None) -> ShakespeareGroupsTask:
+               max_clients: Optional[int] = None,
+               local_epochs: int = 1) -> ShakespeareGroupsTask:
   """Splits, builds the vocabulary from train speeches, encodes.
 
   Args:
@@ -215,7 +295,11 @@ def build_task(speeches: Sequence[speaker_context_io.Utterance], *,
     seed: of the train / eval split and of local shuffling.
     max_clients: keep only this many clients (a seeded uniform sample, for
       tests and smoke runs); None keeps all.
+    local_epochs: K, passes over a client's speeches per round
+      (`train_datasets`).
   """
+  if local_epochs < 1:
+    raise ValueError(f'local_epochs must be >= 1, got {local_epochs}')
   if seq_len < 2:
     raise ValueError(f'seq_len must be >= 2, got {seq_len}')
   if batch_size < 1:
@@ -246,16 +330,36 @@ def build_task(speeches: Sequence[speaker_context_io.Utterance], *,
   ids = {w: i for i, w in enumerate(vocab)}
   return ShakespeareGroupsTask(
       client_ids=client_ids,
-      groups=[GENRES[by_client[c][0]] for c in client_ids],
+      client_groups=[GENRES[by_client[c][0]] for c in client_ids],
       train=[encode(ts, ids, seq_len) for ts in train_texts],
       eval=[encode(ts, ids, seq_len) for ts in eval_texts],
       vocab=vocab,
       model_config=word_lm.WordLMConfig(
           vocab_size=len(vocab), seq_len=seq_len, embedding_dim=embedding_dim,
           lstm_units=lstm_units, lstm_layers=lstm_layers),
-      batch_size=batch_size, seed=seed)
+      batch_size=batch_size, seed=seed, local_epochs=local_epochs)
 
 
-def shakespeare_groups_task(data_dir: str, **kwargs) -> ShakespeareGroupsTask:
-  """Loads the speeches under `data_dir` and builds the task (`build_task`)."""
-  return build_task(load_speeches(data_dir), **kwargs)
+def _default_data_dir() -> str:
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..',
+                      'shared', 'data')
+
+
+def shakespeare_groups_task(data_dir: Optional[str] = None, *,
+                            vocab_size: int = 2000, seq_len: int = 16,
+                            embedding_dim: int = 32, lstm_units: int = 64,
+                            lstm_layers: int = 1, batch_size: int = 8,
+                            local_epochs: int = 1, max_clients: int = 0,
+                            seed: int = 0) -> ShakespeareGroupsTask:
+  """Loads the speeches under `data_dir` and builds the task (`build_task`).
+
+  The defaults are the sizes of the group reproduction (`papers/group.py`).
+  `max_clients` 0 (or None) keeps every character; `data_dir` None reads
+  `../shared/data` beside the repository.
+  """
+  return build_task(load_speeches(data_dir or _default_data_dir()),
+                    vocab_size=vocab_size, seq_len=seq_len,
+                    embedding_dim=embedding_dim, lstm_units=lstm_units,
+                    lstm_layers=lstm_layers, batch_size=batch_size,
+                    seed=seed, max_clients=max_clients or None,
+                    local_epochs=local_epochs)

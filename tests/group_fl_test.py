@@ -66,7 +66,7 @@ def test_split_keeps_long_tail_and_vocab_is_from_train_only():
   speeches = _speeches()
   t = sg.build_task(speeches, vocab_size=100, seq_len=8)
   assert t.num_clients == 9  # every character kept, one-speech ones too
-  assert sorted(set(t.groups)) == sorted(_WORDS)
+  assert sorted(set(t.client_groups)) == sorted(_WORDS)
   assert [t.num_train(c) + t.num_eval(c) for c in range(9)] == [1, 4, 6] * 3
   # A client with two speeches: one is trained on, the other held out; each
   # has a word nobody else says. Only the training one is in the vocabulary.
@@ -74,7 +74,7 @@ def test_split_keeps_long_tail_and_vocab_is_from_train_only():
                                       text) for text in ('alpha .', 'omega .')]
   t2 = sg.build_task(speeches + two, vocab_size=100, seq_len=8)
   ariel = t2.client_ids.index('shakespeare/tempest/ARIEL')
-  assert t2.groups[ariel] == sg.ROMANCE
+  assert t2.client_groups[ariel] == sg.ROMANCE
   assert (t2.num_train(ariel), t2.num_eval(ariel)) == (1, 1)
   trained = t2.vocab[t2.train[ariel]['y'][0][0]]
   assert trained in ('alpha', 'omega')
@@ -222,7 +222,7 @@ def test_group_fine_tuning_only_sees_its_own_clients(task, fl_process):
 
   # Same run on a task whose other groups' speeches are replaced: identical.
   altered = sg.ShakespeareGroupsTask(
-      client_ids=task.client_ids, groups=task.groups,
+      client_ids=task.client_ids, client_groups=task.client_groups,
       train=[t if c in members else {k: np.roll(v, 1, axis=1)
                                      for k, v in t.items()}
              for c, t in enumerate(task.train)],
@@ -235,7 +235,7 @@ def test_group_fine_tuning_only_sees_its_own_clients(task, fl_process):
   assert _close(w1, w2, rtol=0)
   # ... while altering a member's data does change it (the test can fail).
   changed = sg.ShakespeareGroupsTask(
-      client_ids=task.client_ids, groups=task.groups,
+      client_ids=task.client_ids, client_groups=task.client_groups,
       train=[{k: np.roll(v, 1, axis=1) for k, v in t.items()}
              if c in members else t for c, t in enumerate(task.train)],
       eval=task.eval, vocab=task.vocab, model_config=task.model_config,

@@ -61,6 +61,11 @@ def test_declared_capabilities_of_the_text_and_speech_tasks():
                                   seed=0, max_docs=40)
   assert task_lib.capabilities(task) == (
       task_registry.spec('speaker_context').capabilities)
+  task = task_registry.build_task('shakespeare_groups', data_dir=SHARED_DATA,
+                                  seed=0, max_clients=30, vocab_size=100)
+  task_lib.check_task(task)
+  assert task_lib.capabilities(task) == (
+      task_registry.spec('shakespeare_groups').capabilities)
 
 
 def test_a_task_without_a_required_member_is_named():

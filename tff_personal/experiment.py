@@ -31,6 +31,7 @@ from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
 from tff_personal.core import stages as stages_lib
+from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
 
@@ -330,14 +331,17 @@ def probe_client_updates(task, config: ExperimentConfig, client_ids,
 
 
 def _personal_evaluator(task, proc, config: ExperimentConfig, store,
-                        num_shards: int):
+                        num_shards: int, eval_ids=None):
   """`(evaluate, eval_ids, eval_data_fn)` for `proc`'s state on `task`.
 
   `evaluate(state, datasets_fn, ids=eval_ids, fine_tune=config.eval_fine_tune,
   test=False)` tests the clients `ids` with their private states from
   `store` (after the fixed local pass of `eval_fine_tune` if `fine_tune`)
-  and returns `task.evaluate`'s metrics. Shared by training
-  (`run_experiment`) and re-evaluation (`evaluate_experiment`).
+  and returns `task.evaluate`'s metrics; `evaluate.outputs` (same
+  arguments) returns the per-client outputs instead. `eval_ids`: the
+  clients evaluated by default (None: `config.eval_clients` of them drawn
+  by the seed, `eval_client_ids`). Shared by training (`run_experiment`)
+  and re-evaluation (`evaluate_experiment`).
   """
   weights_type = proc.model_weights_type
   model_fn = getattr(proc, 'eval_model_fn', proc.model_fn)
@@ -345,7 +349,8 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
   # fine-tune) and whether the process always fine-tunes before testing.
   state_type = getattr(proc, 'eval_client_state_type', proc.client_state_type)
   always_fine_tune = getattr(proc, 'eval_fine_tune', False)
-  fine_tune_optimizer = (_private_optimizer(config) or
+  fine_tune_optimizer = (getattr(proc, 'eval_fine_tune_optimizer', None) or
+                         _private_optimizer(config) or
                          make_client_optimizer(config)) if (
           config.eval_fine_tune or config.test_fine_tune or
           always_fine_tune) else None
@@ -384,11 +389,12 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
         evaluation.build_cold_start_eval(
             model_fn, weights_type, state_type,
             fine_tune_optimizer) if fine_tune_optimizer is not None else None)
-  eval_ids = eval_client_ids(task.population, config.eval_clients,
-                             config.seed)
+  if eval_ids is None:
+    eval_ids = eval_client_ids(task.population, config.eval_clients,
+                               config.seed)
 
-  def evaluate(state, datasets_fn, ids=eval_ids,
-               fine_tune=config.eval_fine_tune, test=False):
+  def outputs_of(state, datasets_fn, ids=eval_ids,
+                 fine_tune=config.eval_fine_tune, test=False):
     fine_tune = fine_tune or always_fine_tune
     weights = proc.get_model_weights(state)
     plain, tuned = ((test_eval, test_fine_tune_eval) if test else
@@ -404,8 +410,14 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
         outputs.extend(tuned(
             weights, states, fine_tune_train_fn(chunk, config.rounds),
             datasets_fn(chunk)))
-    return task.evaluate(outputs, ids)
+    return outputs
 
+  def evaluate(state, datasets_fn, ids=eval_ids,
+               fine_tune=config.eval_fine_tune, test=False):
+    return task.evaluate(outputs_of(state, datasets_fn, ids, fine_tune, test),
+                         ids)
+
+  evaluate.outputs = outputs_of
   return evaluate, eval_ids, eval_data_fn
 
 
@@ -477,14 +489,22 @@ def run_experiment(task, config: ExperimentConfig,
     built = build_process(task, config, privacy.build_aggregator(dp), dp)
   except ValueError as e:
     raise ConfigurationError(str(e)) from e
+  proc = stages_lib.final_process(built)
+  if isinstance(built, stages_lib.Staged):
+    _check_stage_cohorts(built, config, population)
+  per_group = isinstance(built, stages_lib.Staged) and built.per_group
+  if per_group:  # Refused here, before any record or round.
+    groups = _groups_of(task, config, built.stages[-1].grouping)
   if not resuming:  # A new run's record, once its process could be built.
     os.makedirs(config.experiment_dir, exist_ok=True)
     check_or_record_run_config(config, dp, flag_values)
-  proc = stages_lib.final_process(built)
   initial_state, earlier_noised = None, 0
   if isinstance(built, stages_lib.Staged):  # e.g. FedDVA: VAE, classifier
     initial_state, earlier_noised = _run_earlier_stages(task, built, config,
                                                         dp, log_fn)
+  if per_group:  # e.g. GroupFL: one run of the last stage per group.
+    return _run_per_group(task, proc, config, dp, groups, initial_state,
+                          earlier_noised, log_fn, flag_values)
   train_proc, num_shards, store, train_data_fn = _training_parts(
       task, proc, config, dp, config.experiment_dir, log_fn)
 
@@ -550,6 +570,228 @@ def run_experiment(task, config: ExperimentConfig,
   return summary
 
 
+GROUPS_DIRNAME = 'groups'
+
+
+def group_directory(config: ExperimentConfig, group: str) -> str:
+  """Where a per-group stage's run of `group` lives."""
+  return os.path.join(config.experiment_dir, GROUPS_DIRNAME, group)
+
+
+def _check_stage_cohorts(staged, config: ExperimentConfig,
+                         population: int) -> None:
+  """Refuses a stage cohort above the population, or one that differs from
+  the experiment's under DP (one aggregator: its mean's denominator and the
+  accounting are the experiment's cohort)."""
+  for stage in staged.stages:
+    m = stage.clients_per_round
+    if not m or m == config.clients_per_round:
+      continue
+    if m > population:
+      raise ConfigurationError(
+          f'stage {stage.name!r} samples {m} clients per round from a '
+          f'population of {population}')
+    if config.dp.mechanism != 'none':
+      raise ConfigurationError(
+          f'under DP every stage samples the experiment\'s clients_per_round='
+          f'{config.clients_per_round} (one aggregator and one accounting); '
+          f'stage {stage.name!r} asks for {m}')
+
+
+# Salt of the shuffled grouping's permutation.
+_SHUFFLED_GROUPS = 0x6A0
+
+
+def _groups_of(task, config: ExperimentConfig,
+               grouping: str = 'task') -> dict[str, list[int]]:
+  """`{group name: its client ids}` of a per-group stage.
+
+  'task': the task's groups in its order (`group_names` where it has one,
+  else sorted); 'shuffled': groups of the same sizes whose members are a
+  permutation of the clients drawn by `config.seed`, named `random_<i>`;
+  'one': every client in one group, `all`. Raises ConfigurationError when
+  a group has fewer clients than a round's cohort (a group's run samples
+  `clients_per_round` of its own clients), or when DP is calibrated to a
+  target epsilon (the calibration assumes one population; give the noise
+  multiplier).
+  """
+  ids = np.arange(task.population)
+  if grouping == 'one':
+    groups = {'all': [int(i) for i in ids]}
+  else:
+    labels = [str(g) for g in task.groups(ids)]
+    order = [str(g) for g in getattr(task, 'group_names', ())] or sorted(
+        set(labels))
+    groups = {g: [int(i) for i, l in zip(ids, labels) if l == g]
+              for g in order}
+    groups = {g: m for g, m in groups.items() if m}
+    if grouping == 'shuffled':
+      perm = np.random.default_rng([config.seed, _SHUFFLED_GROUPS]
+                                   ).permutation(task.population)
+      shuffled, start = {}, 0
+      for i, members in enumerate(groups.values()):
+        shuffled[f'random_{i}'] = sorted(
+            int(c) for c in perm[start:start + len(members)])
+        start += len(members)
+      groups = shuffled
+  small = {g: len(m) for g, m in groups.items()
+           if len(m) < config.clients_per_round}
+  if small:
+    raise ConfigurationError(
+        f'{config.algorithm} runs its last stage once per group, sampling '
+        f'clients_per_round={config.clients_per_round} of the group\'s '
+        f'clients each round, but groups {small} have fewer clients; lower '
+        '--clients_per_round')
+  if config.dp.target_epsilon is not None:
+    raise ConfigurationError(
+        f'{config.algorithm} runs its last stage once per group (each '
+        'group\'s run samples from its own clients), which a target-epsilon '
+        'calibration over one population does not account; give '
+        '--dp_noise_multiplier instead (the report states epsilon per group)')
+  for g in groups:
+    if not g or '/' in g or g in ('.', '..'):
+      raise ConfigurationError(f'group name {g!r} cannot name a directory')
+  return groups
+
+
+def _run_per_group(task, proc, config: ExperimentConfig, dp, groups,
+                   initial_state, earlier_noised: int, log_fn,
+                   flag_values) -> dict:
+  """Runs a per-group last stage (`core/stages.py`) and writes the summary.
+
+  Each group's run is the one loop on `core/task.TaskSubset(task, group)`
+  in `group_directory` (its own checkpoints, store, metrics and resume),
+  from `initial_state`. The evaluation tests each evaluated client with its
+  group's final model and pools them with `task.evaluate`; each group's
+  own metrics are in `summary['groups']` and its `eval_metrics.csv`.
+  Privacy: a user took part in the earlier stages' rounds and in its own
+  group's run only; epsilon is the largest over the groups of the two
+  composed (`privacy.compute_epsilon_phases`).
+  """
+  eval_ids = eval_client_ids(task.population, config.eval_clients,
+                             config.seed)
+  eval_set = set(eval_ids)
+  outputs, per_group, results = {}, {}, {}
+  for name, members in groups.items():
+    glog = lambda s, n=name: log_fn(f'[group {n}] {s}')
+    view = task_lib.TaskSubset(task, members, name=task_lib.task_name(task))
+    directory = group_directory(config, name)
+    train_proc, num_shards, store, train_data_fn = _training_parts(
+        view, proc, config, dp, directory, glog)
+    local_eval = [i for i, c in enumerate(members) if c in eval_set]
+    try:
+      evaluate, _, eval_data_fn = _personal_evaluator(
+          view, proc, config, store, num_shards, eval_ids=local_eval)
+
+      def eval_fn(state, round_num, view=view, evaluate=evaluate,
+                  eval_data_fn=eval_data_fn, local_eval=local_eval,
+                  name=name):
+        del round_num
+        if not local_eval:
+          return {}
+        outs = evaluate.outputs(state, eval_data_fn)
+        outputs[name] = (view.global_ids(local_eval), outs)
+        return view.evaluate(outs, local_eval)
+
+      result = training_loop.run_training(
+          train_proc, store=store, train_data_fn=train_data_fn,
+          config=training_loop.LoopConfig(
+              rounds=config.rounds, clients_per_round=config.clients_per_round,
+              population=len(members), experiment_dir=directory,
+              sampling=config.sampling, seed=config.seed,
+              checkpoint_every=config.checkpoint_every,
+              eval_every=config.eval_every, resume=config.resume,
+              release_unnoised=releases_unnoised(config)),
+          eval_fn=eval_fn, log_fn=glog, initial_state=initial_state)
+    finally:
+      store.close()
+    results[name] = result
+    per_group[name] = {
+        'clients': len(members), 'eval_clients': len(local_eval),
+        'rounds_started': result.rounds_started,
+        'resumed_from_round': result.resumed_from,
+        'seconds_per_round': result.seconds_per_round,
+        'eval': result.eval_metrics,
+        'final_train_metrics': result.train_metrics}
+  ids, outs = [], []
+  for name in groups:
+    if name in outputs:
+      ids += outputs[name][0]
+      outs += list(outputs[name][1])
+  order = np.argsort(ids, kind='stable')
+  eval_metrics = task.evaluate([outs[i] for i in order],
+                               [ids[i] for i in order]) if ids else {}
+  log_fn(f'evaluation, each client on its group\'s model: '
+         f'{_short(eval_metrics)}')
+  noised = {name: max(r.rounds_completed, r.rounds_started or 0)
+            for name, r in results.items()}
+  report = run_privacy_report(config, dp, config.rounds,
+                              max(noised.values()), earlier_noised)
+  if report is not None:
+    report.update(_per_group_privacy(config, dp, groups, noised,
+                                     earlier_noised, report))
+  times = [r.seconds_per_round for r in results.values()
+           if r.seconds_per_round is not None]
+  summary = {
+      'task': task_lib.task_name(task),
+      'algorithm': config.algorithm,
+      'rounds_completed': config.rounds,
+      'rounds_run_in_this_process': sum(r.rounds_run_here
+                                        for r in results.values()),
+      'rounds_started': max(noised.values()),
+      'resumed_from_round': None,
+      'seconds_per_round': float(np.mean(times)) if times else None,
+      'first_round_seconds': None,
+      'setup_seconds': None,
+      'population': task.population,
+      'simulation_shards': None,
+      'eval': eval_metrics,
+      'test': None, 'test_fine_tuned': None, 'cold_start': None,
+      'groups': per_group,
+      'final_train_metrics': {},
+      'privacy': report,
+      'flags': flag_values if flag_values is not None else dataclasses.asdict(
+          config),
+  }
+  training_loop.write_summary(
+      os.path.join(config.experiment_dir, 'summary.json'), summary)
+  if report is not None:
+    log_fn(f'privacy: epsilon={report["epsilon"]:.4g} (the largest over '
+           f'groups) delta={report["delta"]:.3g} ({report["accountant"]}, '
+           f'noise_multiplier={report["noise_multiplier"]:.4g})')
+  return summary
+
+
+def _per_group_privacy(config: ExperimentConfig, dp, groups, noised,
+                       earlier_noised: int, report: dict) -> dict:
+  """The privacy report's per-group fields: epsilon per group (the earlier
+  stages' rounds over everyone, then the group's run over its clients) and
+  the largest of them as the run's epsilon."""
+  per_group = {}
+  for name, members in groups.items():
+    group_dp = dataclasses.replace(dp, population=len(members))
+    composed = privacy.compute_epsilon_phases(
+        [(dp, earlier_noised), (group_dp, noised[name])])
+    per_group[name] = dict(
+        epsilon=composed['epsilon'], accountant=composed['accountant'],
+        population=len(members),
+        sampling_probability=config.clients_per_round / len(members),
+        rounds_noised=noised[name])
+  worst = max(per_group, key=lambda g: per_group[g]['epsilon'])
+  return {
+      'epsilon': per_group[worst]['epsilon'],
+      'accountant': per_group[worst]['accountant'],
+      'epsilon_rdp': None, 'epsilon_pld': None,
+      'groups': per_group,
+      'rounds_noised': earlier_noised + max(noised.values()),
+      'notes': (report.get('notes', '') + ' Per-group stage: a user took '
+                f'part in the first {earlier_noised} noised rounds (cohorts '
+                'from every client) and in its own group\'s run only '
+                '(cohorts from the group\'s clients); each group\'s epsilon '
+                'composes the two, and epsilon is the largest over groups '
+                '(groups).').strip()}
+
+
 def _training_parts(task, proc, config: ExperimentConfig, dp, directory: str,
                     log_fn):
   """`(train_proc, num_shards, store, train_data_fn)` of one process run
@@ -591,7 +833,9 @@ def _run_earlier_stages(task, staged: stages_lib.Staged,
       result = training_loop.run_training(
           train_proc, store=store, train_data_fn=train_data_fn,
           config=training_loop.LoopConfig(
-              rounds=stage.rounds, clients_per_round=config.clients_per_round,
+              rounds=stage.rounds,
+              clients_per_round=(stage.clients_per_round or
+                                 config.clients_per_round),
               population=task.population, experiment_dir=directory,
               sampling=config.sampling, seed=config.seed,
               checkpoint_every=config.checkpoint_every,
@@ -754,13 +998,18 @@ def _check_rounds_not_below_completed(config: ExperimentConfig) -> None:
   states are saved); a shorter resume would report fewer. Raises
   `ResumeError` before anything is written.
   """
-  rounds = training_loop.checkpoint_rounds(config.experiment_dir)
-  if config.resume and rounds and rounds[-1] > config.rounds:
-    raise ResumeError(
-        f'{config.experiment_dir} has completed {rounds[-1]} rounds; '
-        f'--rounds={config.rounds} is below that. Rounds that ran cannot be '
-        f'undone: resume with --rounds >= {rounds[-1]}, or re-evaluate the '
-        'run with binaries.evaluate. Nothing was changed.')
+  groups_dir = os.path.join(config.experiment_dir, GROUPS_DIRNAME)
+  directories = [config.experiment_dir] + (
+      [os.path.join(groups_dir, g) for g in sorted(os.listdir(groups_dir))]
+      if os.path.isdir(groups_dir) else [])
+  for directory in directories:  # A per-group stage's runs have their own.
+    rounds = training_loop.checkpoint_rounds(directory)
+    if config.resume and rounds and rounds[-1] > config.rounds:
+      raise ResumeError(
+          f'{directory} has completed {rounds[-1]} rounds; '
+          f'--rounds={config.rounds} is below that. Rounds that ran cannot be '
+          f'undone: resume with --rounds >= {rounds[-1]}, or re-evaluate the '
+          'run with binaries.evaluate. Nothing was changed.')
 
 
 def _check_store_present(config: ExperimentConfig, population: int,
@@ -991,6 +1240,12 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
   if os.path.exists(out_path) and not overwrite:
     raise EvaluationError(f'{out_path} exists; choose another eval_name or '
                           'overwrite it on purpose')
+  if os.path.isdir(os.path.join(config.experiment_dir, GROUPS_DIRNAME)):
+    raise EvaluationError(
+        f'{config.experiment_dir} ran its last stage once per group '
+        f'({config.algorithm}); re-evaluating such a run is not supported: '
+        'its evaluation is in summary.json, each group\'s in '
+        f'{GROUPS_DIRNAME}/<group>/eval_metrics.csv')
   # The round is the last checkpoint's (the store must be committed there).
   checkpointed = training_loop.checkpoint_rounds(config.experiment_dir)
   if not checkpointed or checkpointed[-1] < 1:

@@ -30,6 +30,8 @@ def build_fedavg_ft(model_fn: split_model_lib.SplitModelFn, *,
                     server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
                     aggregator_factory=None, seed: Optional[int] = 0,
                     metrics_fn=None, train_metrics: bool = True,
+                    fine_tune_optimizer: Optional[
+                        tff.learning.optimizers.Optimizer] = None,
                     ) -> process_lib.StatefulClientProcess:
   """FedAvg+FT: FedAvg's training process, fine-tuned at evaluation.
 
@@ -38,6 +40,8 @@ def build_fedavg_ft(model_fn: split_model_lib.SplitModelFn, *,
   from the global model (`eval_private_fn`), fine-tunes every weight of a
   private copy for one local pass on its own training data, and tests the
   copy; nothing leaves the client and the global model is unchanged.
+  `fine_tune_optimizer`: that pass's optimizer (None: the experiment's,
+  `StatefulClientProcess.eval_fine_tune_optimizer`).
   """
   client_optimizer = (client_optimizer or
                       tff.learning.optimizers.build_adam(1e-3))
@@ -58,7 +62,7 @@ def build_fedavg_ft(model_fn: split_model_lib.SplitModelFn, *,
       eval_model_fn=ditto.all_private(model_fn),
       eval_private_fn=lambda w: tuple(w.trainable),
       eval_client_state_type=ditto.personal_state_type(weights.trainable),
-      eval_fine_tune=True)
+      eval_fine_tune=True, eval_fine_tune_optimizer=fine_tune_optimizer)
 
 
 def build_fedavg_ft_algorithm(model_fn_factory, *,

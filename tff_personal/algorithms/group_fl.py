@@ -24,6 +24,18 @@ model trained elsewhere:
    client's state, never aggregated), and `build_lm_evaluation` evaluates it
    there.
 
+On the one run path (`experiment.run_experiment`, `binaries.train`) the
+pipeline is two registered multi-stage algorithms (`core/stages.py`):
+`groupfl` is `fl_rounds` rounds of FedAvg (the `global` algorithm: the
+paper's `fl`) over every client, then a per-group stage: one FedAvg run per
+group from the FL model with a fresh server-optimizer state, cohorts drawn
+among the group's clients, each client evaluated with its group's model.
+`groupperfl` is the same with the group stage's evaluation fine-tuning the
+client's group model on its own data first (`fedavg_ft`'s evaluation: the
+paper's `perfl` is `fedavg_ft`). Both take the experiment's optimizers (the
+paper: client SGD, server Adam), aggregator (DP) and store; the functions
+below are the paper module's building blocks.
+
 Written by hand (TFF lacks them): the per-group driver, the personalization
 computation (TFF's `tff.learning` personalization evaluation only reports
 metrics, it does not return the personalized model) and the evaluation of
@@ -41,9 +53,12 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import federated_map
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
+from tff_personal.core import stages
 from tff_personal.core import training_loop
 from tff_personal.models import split_model as split_model_lib
 
@@ -75,6 +90,106 @@ def build_fl(model_fn: split_model_lib.SplitModelFn, *,
       client_optimizer=tff.learning.optimizers.build_sgdm(client_learning_rate),
       server_optimizer=tff.learning.optimizers.build_adam(server_learning_rate),
       aggregator_factory=aggregator_factory, metrics_fn=metrics_fn, seed=seed)
+
+
+def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
+                  embedding_dim: int, fl_clients_per_round: int,
+                  grouping: str, personalization_lr: float = 0.0,
+                  **common) -> stages.Staged:
+  if personalization_lr < 0:
+    raise ValueError('personalization_lr must be >= 0 (0: the experiment\'s '
+                     f'optimizer), got {personalization_lr}')
+  if embedding_dim:
+    raise ValueError('group personalization trains whole models; it takes '
+                     f'no personal embedding (got embedding_dim '
+                     f'{embedding_dim})')
+  if fl_rounds < 1:
+    raise ValueError(f'fl_rounds must be >= 1, got {fl_rounds}')
+  fl = fedavg.build_global(model_fn_factory, **common)
+  if personalize:
+    common = dict(common)
+    common.pop('private_optimizer', None)
+    group = fedavg_ft.build_fedavg_ft(
+        model_fn_factory(0), **common,
+        fine_tune_optimizer=tff.learning.optimizers.build_sgdm(
+            personalization_lr) if personalization_lr else None)
+  else:
+    group = fedavg.build_global(model_fn_factory, **common)
+
+  def handoff(fl_state):  # Fresh server-optimizer state, the FL model.
+    return group.set_model_weights(group.initialize(),
+                                   fl.get_model_weights(fl_state))
+
+  return stages.Staged((
+      stages.Stage('fl', fl, rounds=fl_rounds,
+                   clients_per_round=fl_clients_per_round),
+      stages.Stage('group', group, handoff=handoff, per_group=True,
+                   grouping=grouping)))
+
+
+def build_groupfl_algorithm(model_fn_factory, *,
+                            client_optimizer: tff.learning.optimizers.Optimizer,
+                            server_optimizer: tff.learning.optimizers.Optimizer,
+                            aggregator_factory=None, metrics_fn=None,
+                            train_metrics: bool = True,
+                            seed: Optional[int] = None,
+                            embedding_dim: int = 0, private_optimizer=None,
+                            fl_rounds: int = 20, fl_clients_per_round: int = 0,
+                            grouping: str = 'task') -> stages.Staged:
+  """GroupFL (Algorithms 1 and 2) as a multi-stage algorithm.
+
+  Stage 'fl': `fl_rounds` rounds of FedAvg over every client, cohorts of
+  `fl_clients_per_round` (0: the experiment's `clients_per_round`; under DP
+  it must be). Stage 'group' (the experiment's rounds and cohort, T_g):
+  per group, FedAvg from the FL model with a fresh server optimizer,
+  cohorts among the group's clients. Each client is evaluated with its own
+  group's model. `grouping`: 'task' (the task's groups), or a control:
+  'shuffled' (random groups of the same sizes), 'one' (one group of every
+  client: FL continued with a fresh server optimizer).
+
+  Example (what `binaries.train --algorithm=groupfl` runs):
+
+    staged = build_groupfl_algorithm(task.model_fn_factory,
+        client_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+        server_optimizer=tff.learning.optimizers.build_adam(0.03),
+        fl_rounds=20)
+  """
+  del private_optimizer  # Nothing private.
+  return _group_stages(
+      model_fn_factory, personalize=False, fl_rounds=fl_rounds,
+      fl_clients_per_round=fl_clients_per_round, grouping=grouping,
+      embedding_dim=embedding_dim, client_optimizer=client_optimizer,
+      server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
+      train_metrics=train_metrics, seed=seed)
+
+
+def build_groupperfl_algorithm(
+    model_fn_factory, *,
+    client_optimizer: tff.learning.optimizers.Optimizer,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    aggregator_factory=None, metrics_fn=None, train_metrics: bool = True,
+    seed: Optional[int] = None, embedding_dim: int = 0,
+    private_optimizer=None, fl_rounds: int = 20,
+    fl_clients_per_round: int = 0, grouping: str = 'task',
+    personalization_lr: float = 0.0) -> stages.Staged:
+  """GroupPerFL (Algorithms 1-3): GroupFL, then at evaluation each client
+  fine-tunes its group's model on its own training data (one pass of the
+  task's local epochs) and tests the result; nothing leaves the client.
+
+  The fine-tuning is SGD at `personalization_lr` (the paper's), or with 0
+  the experiment's private learning rate (Adam), else its client
+  optimizer. The other options are `build_groupfl_algorithm`'s.
+  """
+  del private_optimizer  # personalization_lr, or the experiment's.
+  return _group_stages(
+      model_fn_factory, personalize=True, fl_rounds=fl_rounds,
+      fl_clients_per_round=fl_clients_per_round, grouping=grouping,
+      personalization_lr=personalization_lr,
+      embedding_dim=embedding_dim, client_optimizer=client_optimizer,
+      server_optimizer=server_optimizer,
+      aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
+      train_metrics=train_metrics, seed=seed)
 
 
 def _empty_client_state():

@@ -4,7 +4,8 @@ Every entry (`AlgorithmSpec`) has a builder of one signature:
 
   builder(model_factory, *, client_optimizer, server_optimizer,
           aggregator_factory, metrics_fn, train_metrics, seed,
-          embedding_dim, private_optimizer, **options) -> StatefulClientProcess
+          embedding_dim, private_optimizer, **options)
+      -> StatefulClientProcess, or a `core/stages.Staged` of them
 
 `model_factory` is the task's `model_fn_factory` (embedding_dim -> model_fn)
 for `model='split'` entries, its `fedembed_model_fn_factory` (FedEmbedConfig
@@ -39,6 +40,7 @@ from tff_personal.algorithms import fedembed_som
 from tff_personal.algorithms import fedperc
 from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import furl
+from tff_personal.algorithms import group_fl
 from tff_personal.algorithms import pfedkm
 from tff_personal.algorithms import pfedme
 from tff_personal.core import options as options_lib
@@ -134,6 +136,16 @@ _SPECS = (
                   'dual VAE (shared encoders, private decoders), then a '
                   'classifier on its encoders',
                   stage_rounds=('pretrain_rounds',)),
+    AlgorithmSpec('groupfl', group_fl.build_groupfl_algorithm, 'split',
+                  ('groups',), 'group',
+                  'Group personalized FL: FedAvg, then one FedAvg run per '
+                  'group from its model, each client on its group\'s model',
+                  stage_rounds=('fl_rounds',)),
+    AlgorithmSpec('groupperfl', group_fl.build_groupperfl_algorithm,
+                  'split', ('groups',), 'group',
+                  'GroupFL, then each client fine-tunes its group\'s model '
+                  'locally at evaluation',
+                  stage_rounds=('fl_rounds',)),
     AlgorithmSpec('fedperc', fedperc.build_fedperc, 'fedperc', (), 'fedperc',
                   'FedPerC: private personal embedding x shared context '
                   'embeddings as a prefix of a frozen LM, fine-tuned at test '

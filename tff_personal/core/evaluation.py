@@ -59,7 +59,7 @@ def _outputs_and_labels(model, dataset):
   # The whole eval set as one batch (client eval sets are small).
   batch = dataset.unbatch().batch(1 << 30).get_single_element()
   return collections.OrderedDict(
-      outputs=model.predict(model.forward(batch, training=False)),
+      outputs=model.eval_output(batch, model.forward(batch, training=False)),
       labels=batch['y'])
 
 

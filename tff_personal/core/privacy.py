@@ -102,7 +102,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 import warnings
 
 import dp_accounting
@@ -701,6 +701,65 @@ def calibrate_noise_multiplier(config: DPConfig) -> float:
                      f'rounds {config.rounds}); for gaussian_adaptive use '
                      'more clients per round, else more epsilon.') from e
   return float(z)
+
+
+def compute_epsilon_phases(phases: Sequence[tuple[DPConfig, int]]) -> dict:
+  """(epsilon, delta) of one user over phases run one after another.
+
+  Each phase is `(config, rounds)`: `rounds` rounds of the Gaussian
+  mechanism with that configuration's sampling (its `clients_per_round` of
+  its `population`). The phases are composed in one accountant (RDP, and PLD
+  where every phase supports it), the same events as `compute_epsilon`
+  (which is the one-phase case). E.g. a per-group stage
+  (`core/stages.py`): a user of group g took part in the first stage's
+  rounds sampled from everyone, then in its group's runs sampled from the
+  group's clients only.
+
+  Args:
+    phases: at least one `(config, rounds)`; the configurations must share
+      `mechanism`, `sampling` and `target_delta` (the first one's is
+      reported).
+
+  Returns:
+    A dict with 'epsilon' (PLD where available, else RDP), 'epsilon_rdp',
+    'epsilon_pld' (None where PLD does not apply), 'accountant' and 'delta'.
+  """
+  if not phases:
+    raise ValueError('compute_epsilon_phases needs at least one phase')
+  configs = [resolve(c) for c, _ in phases]
+  first = configs[0]
+  for c in configs[1:]:
+    for field in ('mechanism', 'sampling', 'target_delta'):
+      if getattr(c, field) != getattr(first, field):
+        raise ValueError(f'phases differ in {field}: '
+                         f'{getattr(first, field)!r} and {getattr(c, field)!r}')
+  for _, rounds in phases:
+    if not _is_int(rounds) or rounds < 0:
+      raise ValueError(f'rounds must be an integer >= 0, got {rounds!r}.')
+  delta = first.target_delta
+  if not first.is_private:
+    return dict(epsilon=math.inf, epsilon_rdp=math.inf, epsilon_pld=None,
+                accountant='rdp', delta=delta)
+  zs = [effective_noise_multiplier(c) for c in configs]
+
+  def epsilon(kind):
+    if not any(r for _, r in phases):
+      return 0.0
+    if any(z == 0 and r for z, (_, r) in zip(zs, phases)):
+      return math.inf
+    accountant = _make_accountant(first, kind, min(zs))
+    for config, z, (_, rounds) in zip(configs, zs, phases):
+      if rounds:
+        accountant.compose(dp_accounting.SelfComposedDpEvent(
+            _round_event(config, z), rounds))
+    return float(accountant.get_epsilon(delta))
+
+  eps_rdp = epsilon('rdp')
+  eps_pld = (epsilon('pld') if all(_pld_supported(c) for c in configs)
+             else None)
+  return dict(epsilon=eps_pld if eps_pld is not None else eps_rdp,
+              epsilon_rdp=eps_rdp, epsilon_pld=eps_pld,
+              accountant='pld' if eps_pld is not None else 'rdp', delta=delta)
 
 
 def privacy_report(config: DPConfig, rounds_completed: int) -> Optional[dict]:

@@ -102,7 +102,9 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
                eval_model_fn: split_model_lib.SplitModelFn | None = None,
                initial_private: tuple | None = None,
                eval_client_state_type: tff.Type | None = None,
-               eval_fine_tune: bool = False):
+               eval_fine_tune: bool = False,
+               eval_fine_tune_optimizer: (
+                   tff.learning.optimizers.Optimizer | None) = None):
     super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
     self._client_state_type = client_state_type
     self._aggregation_value_type = aggregation_value_type
@@ -113,6 +115,7 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     self._initial_private = initial_private
     self._eval_client_state_type = eval_client_state_type
     self._eval_fine_tune = eval_fine_tune
+    self._eval_fine_tune_optimizer = eval_fine_tune_optimizer
 
   @property
   def initial_private(self) -> tuple | None:
@@ -134,6 +137,15 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     """Whether evaluation always fine-tunes the private state first (one
     local pass, shared weights frozen): FedAvg+FT's evaluation."""
     return self._eval_fine_tune
+
+  @property
+  def eval_fine_tune_optimizer(self
+                               ) -> tff.learning.optimizers.Optimizer | None:
+    """None, or the optimizer of the evaluation's fine-tuning pass that the
+    algorithm fixes (e.g. GroupPerFL's SGD at its personalization learning
+    rate); None: the experiment's (its private learning rate, else its
+    client optimizer)."""
+    return self._eval_fine_tune_optimizer
 
   @property
   def composition(self) -> Composition | None:

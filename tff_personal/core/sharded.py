@@ -620,7 +620,7 @@ class ShardedPersonalEval:
               model, fine_tune_optimizer,
               PackedBatches(train_shard, u, element_spec, train_wire))
         batch = user_examples(u)
-        out = model.predict(model.forward(batch, training=False))
+        out = model.eval_output(batch, model.forward(batch, training=False))
         n = tf.shape(batch['y'])[0]
         return (u + 1, outputs.write(u, pad(out)),
                 labels.write(u, pad(batch['y'])), counts.write(u, n))

@@ -12,6 +12,16 @@ experiment's `rounds`, evaluation and summary are its; the earlier stages'
 rounds count in the privacy accounting (every stage's shared update goes
 through the run's aggregator, DP included).
 
+A stage may run *per group* (`per_group=True`, the last stage only; the
+task needs the `groups` capability): then it is one independent run of its
+process per group of the task, each from the previous stage's state (through
+the handoff), sampling its cohorts among the group's clients only, in
+`<experiment>/groups/<group>/` (checkpoints, store, metrics, resumed on its
+own). Evaluation tests each client with its own group's model. This is
+Group Personalized FL's Algorithm 2: a group's run is a plain FL run, so its
+DP accounting is that of a run over the group's clients (a user belongs to
+one group and so to one run of the stage).
+
 Example:
 
   staged = stages.Staged((
@@ -37,11 +47,33 @@ class Stage:
       experiment's rounds; its `rounds` is ignored).
     handoff: `previous stage's final server state -> this stage's initial
       server state`; None for the first stage (its `initialize()`).
+    per_group: run the stage once per group of the task, each run among
+      the group's clients only (module docstring); the last stage only.
+    clients_per_round: the stage's cohort (0: the experiment's). Under DP
+      every stage takes the experiment's (one aggregator, one accounting).
+    grouping: the groups of a per-group stage: 'task' (the task's
+      `groups`), 'shuffled' (groups of the same sizes with members drawn
+      at random by the run's seed: a control) or 'one' (a single group of
+      every client: FL continued, a control).
   """
   name: str
   process: Any
   rounds: int = 0
   handoff: Optional[Callable[[Any], Any]] = None
+  per_group: bool = False
+  clients_per_round: int = 0
+  grouping: str = 'task'
+
+  def __post_init__(self):
+    if self.grouping not in GROUPINGS:
+      raise ValueError(f'stage {self.name!r}: grouping must be one of '
+                       f'{GROUPINGS}, got {self.grouping!r}')
+    if self.clients_per_round < 0:
+      raise ValueError(f'stage {self.name!r}: clients_per_round must be >= 0'
+                       f', got {self.clients_per_round}')
+
+
+GROUPINGS = ('task', 'shuffled', 'one')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +91,10 @@ class Staged:
       if stage.rounds < 1:
         raise ValueError(f'stage {stage.name!r} needs rounds >= 1, got '
                          f'{stage.rounds}')
+    for stage in self.stages[:-1]:
+      if stage.per_group:
+        raise ValueError(f'stage {stage.name!r}: only the last stage can run '
+                         'per group')
     for stage in self.stages[1:]:
       if stage.handoff is None:
         raise ValueError(f'stage {stage.name!r} needs a handoff from the '
@@ -68,6 +104,11 @@ class Staged:
   def final(self):
     """The last stage's process: the one evaluated and reported."""
     return self.stages[-1].process
+
+  @property
+  def per_group(self) -> bool:
+    """Whether the last stage runs once per group of the task."""
+    return self.stages[-1].per_group
 
   @property
   def earlier(self) -> tuple[Stage, ...]:

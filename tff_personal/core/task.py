@@ -175,3 +175,70 @@ def describe(task) -> str:
   caps = ', '.join(capabilities(task)) or 'none'
   return f'{task_name(task)}: {task.population} clients; capabilities: {caps}'
 
+
+
+# Members that take client ids first, and what their ids are mapped through.
+_ID_METHODS = ('train_datasets', 'train_batches', 'eval_datasets',
+               'eval_batches', 'test_datasets', 'groups')
+
+
+class TaskSubset:
+  """`task` restricted to some of its clients, renumbered `0 .. n - 1`.
+
+  Client `i` of the subset is client `client_ids[i]` of `task`: every
+  member that takes client ids (`train_datasets`, `train_batches`,
+  `eval_datasets`, `eval_batches`, `test_datasets`, `groups`, `evaluate`)
+  maps them, and exists only where `task` has it, so the subset has the
+  task's capabilities (but `cold_start`, whose users are not in the
+  subset). The model factories, `metrics_fn` and `wire_format` are the
+  task's. What a per-group stage (`core/stages.py`) trains and evaluates:
+  one group's clients, as a task of its own.
+
+  Example:
+
+    comedy = task_lib.TaskSubset(task, task.clients_of('comedy'))
+    comedy.train_datasets([0, 1], round_num=3)  # clients_of('comedy')[:2]
+  """
+
+  def __init__(self, task, client_ids: Sequence[int], name: str = ''):
+    ids = [int(i) for i in client_ids]
+    if not ids:
+      raise ValueError('a task subset needs at least one client')
+    if len(set(ids)) != len(ids):
+      raise ValueError('a task subset lists a client twice')
+    bad = [i for i in ids if not 0 <= i < task.population]
+    if bad:
+      raise ValueError(f'clients {bad[:5]} are not in [0, '
+                       f'{task.population}) of task {task_name(task)!r}')
+    self.task = task
+    self.client_ids = ids
+    self.name = name or task_name(task)
+    for member in _ID_METHODS:
+      method = getattr(task, member, None)
+      if method is not None:
+        setattr(self, member, self._mapped(method))
+    for member in ('model_fn_factory', 'fedembed_model_fn_factory',
+                   'fedperc_model_fn_factory', 'wire_format',
+                   'supports_personal_embedding', 'has_named_head',
+                   'has_digit_images'):
+      if hasattr(task, member):
+        setattr(self, member, getattr(task, member))
+
+  def _mapped(self, method):
+    def call(client_ids, *args, **kwargs):
+      return method(self.global_ids(client_ids), *args, **kwargs)
+    return call
+
+  def global_ids(self, client_ids: Sequence[int]) -> list[int]:
+    """The task's ids of the subset's clients `client_ids`."""
+    return [self.client_ids[int(i)] for i in client_ids]
+
+  @property
+  def population(self) -> int:
+    return len(self.client_ids)
+
+  def metrics_fn(self, batch, outputs):
+    return self.task.metrics_fn(batch, outputs)
+
+  def evaluate(self, per_client_outputs, client_ids) -> dict:
+    return self.task.evaluate(per_client_outputs, self.global_ids(client_ids))

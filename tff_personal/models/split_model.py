@@ -60,8 +60,12 @@ class SplitModel:
       FedAvg).
     loss_fn: scalar training loss of a batch given the model outputs.
     input_spec: the (batched) element spec of the client datasets.
-    predict_fn: model outputs -> the prediction tensor evaluation reports;
-      default: the outputs themselves.
+    predict_fn: model outputs -> the prediction tensor evaluation reports
+      and training metrics see; default: the outputs themselves.
+    eval_fn: optional `(batch, outputs) -> tensor`, what evaluation reports
+      per example when it needs the batch's targets to be small (e.g. a
+      language model's per-speech token NLL sum and token count instead of
+      its logits); default `predict_fn(outputs)`.
     prepare_fn: optional `(dataset) -> None`, run on the client before local
       training with the client's weights loaded (e.g. FedEmbed's
       sub-population assignment from the client's own data).
@@ -79,6 +83,7 @@ class SplitModel:
   loss_fn: LossFn
   input_spec: Any
   predict_fn: Optional[Callable[[Any], tf.Tensor]] = None
+  eval_fn: Optional[Callable[[Batch, Any], tf.Tensor]] = None
   prepare_fn: Optional[Callable[[tf.data.Dataset], Any]] = None
   embedding_variables: Sequence[tf.Variable] = ()
   private_noise: Optional['PrivateNoise'] = None
@@ -133,6 +138,12 @@ class SplitModel:
 
   def predict(self, outputs: Any) -> tf.Tensor:
     return outputs if self.predict_fn is None else self.predict_fn(outputs)
+
+  def eval_output(self, batch: Batch, outputs: Any) -> tf.Tensor:
+    """What evaluation reports per example (`eval_fn`, else `predict`)."""
+    if self.eval_fn is None:
+      return self.predict(outputs)
+    return self.eval_fn(batch, outputs)
 
   def loss(self, batch: Batch, outputs: Any) -> tf.Tensor:
     loss = self.loss_fn(batch, outputs)

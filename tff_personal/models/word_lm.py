@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
 from tff_personal.models import split_model as split_model_lib
@@ -68,6 +69,32 @@ def metrics_fn(batch, logits):
   return {'token_nll_sum': nll_sum, 'tokens': count}
 
 
+def per_example_nll(batch, logits) -> tf.Tensor:
+  """float32 [n, 2]: each example's (sum of token NLLs, number of real tokens).
+
+  What evaluation reports per speech (`SplitModel.eval_fn`): pooled over
+  speeches, clients or groups it gives a perplexity (`pooled_perplexity`).
+  """
+  labels = batch['y']
+  mask = tf.cast(tf.not_equal(labels, PAD_ID), tf.float32)
+  nll = tf.keras.losses.sparse_categorical_crossentropy(
+      labels, logits, from_logits=True)
+  return tf.stack([tf.reduce_sum(nll * mask, axis=1),
+                   tf.reduce_sum(mask, axis=1)], axis=1)
+
+
+def pooled_perplexity(rows) -> float:
+  """exp(total NLL / total tokens) over `per_example_nll` rows ([n, 2]).
+
+  NaN when there is no token.
+  """
+  rows = np.asarray(rows, np.float64).reshape(-1, 2)
+  tokens = rows[:, 1].sum()
+  if tokens <= 0:
+    return float('nan')
+  return float(np.exp(rows[:, 0].sum() / tokens))
+
+
 def build_word_lm(config: WordLMConfig) -> split_model_lib.SplitModel:
   """A fresh Keras word LM: embedding, LSTM layers, softmax over the vocab."""
   tokens = tf.keras.Input(shape=(config.seq_len,), dtype=tf.int32, name='x')
@@ -81,7 +108,8 @@ def build_word_lm(config: WordLMConfig) -> split_model_lib.SplitModel:
   spec = {'x': tf.TensorSpec([None, config.seq_len], tf.int32),
           'y': tf.TensorSpec([None, config.seq_len], tf.int32)}
   return split_model_lib.SplitModel(
-      model=model, private_variables=[], loss_fn=_loss, input_spec=spec)
+      model=model, private_variables=[], loss_fn=_loss, input_spec=spec,
+      eval_fn=per_example_nll)
 
 
 def model_fn_for(config: WordLMConfig) -> split_model_lib.SplitModelFn:

@@ -1,0 +1,264 @@
+"""GroupFL and GroupPerFL on the one run path (a per-group last stage).
+
+The one path (`experiment.run_experiment` with `groupfl` / `groupperfl`,
+`core/stages.Stage(per_group=True)`) must equal the paper's algorithms driven
+by hand with `algorithms/group_fl`'s building blocks: FedAvg over everyone,
+then per group FedAvg from the FL model with a fresh server optimizer and
+cohorts among the group's clients, each client evaluated on its group's model
+(after fine-tuning it, for GroupPerFL). Also: per-group DP accounting
+against dp_accounting directly, resume, and the refusals.
+"""
+
+import dataclasses
+import json
+import os
+
+import dp_accounting
+from dp_accounting import rdp
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tasks import shakespeare_groups as sg
+from tasks import speaker_context_io
+from tff_personal import experiment
+from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import group_fl
+from tff_personal.core import privacy
+from tff_personal.core import stages
+from tff_personal.core import task as task_lib
+from tff_personal.core import training_loop
+from tff_personal.models import word_lm
+
+_WORDS = {
+    sg.COMEDY: ('midsummer', 'merry jest fool love wedding laugh'),
+    sg.TRAGEDY: ('hamlet', 'blood death murder grave poison dagger'),
+    sg.HISTORY: ('henryv', 'king crown war england france battle'),
+}
+# Clients per genre: unequal, so the groups' privacy differs.
+_SIZES = {sg.COMEDY: 3, sg.TRAGEDY: 4, sg.HISTORY: 5}
+_LR, _SERVER_LR, _SEED = 0.5, 0.05, 1
+
+
+def _task(seed=0):
+  rng = np.random.default_rng(seed)
+  speeches = []
+  for genre, (play, words) in _WORDS.items():
+    for i in range(_SIZES[genre]):
+      for _ in range((1, 4, 6)[i % 3]):
+        speeches.append(speaker_context_io.Utterance(
+            f'shakespeare/{play}/C{i}', play,
+            ' '.join(rng.choice(words.split(), 5)) + ' .'))
+  return sg.build_task(speeches, vocab_size=30, seq_len=8, embedding_dim=4,
+                       lstm_units=4, batch_size=2, seed=seed)
+
+
+def _config(tmp_path, algorithm, name, rounds=2, options=None, **kwargs):
+  return experiment.ExperimentConfig(
+      algorithm=algorithm, rounds=rounds, clients_per_round=2,
+      root_output_dir=str(tmp_path), experiment_name=name,
+      client_optimizer='sgd', client_learning_rate=_LR,
+      server_optimizer='adam', server_learning_rate=_SERVER_LR,
+      algorithm_options={'fl_rounds': 2, **(options or {})},
+      simulation_shards=0, seed=_SEED, **kwargs)
+
+
+def _run(task, config):
+  return experiment.run_experiment(task, config, log_fn=lambda s: None)
+
+
+def _close(a, b, rtol=1e-6):
+  for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol,
+                               atol=1e-7)
+
+
+def _by_hand(task, rounds=2):
+  """The paper's stages with `group_fl`'s driver; rounds numbered from 1,
+  as the one loop numbers them (so the cohorts and shuffles are the same).
+  Returns (FL process, {group: its model})."""
+  fl = fedavg.build_global(
+      task.model_fn_factory,
+      client_optimizer=tff.learning.optimizers.build_sgdm(_LR),
+      server_optimizer=fedavg.adam(_SERVER_LR), seed=_SEED,
+      metrics_fn=task.metrics_fn)
+  train_fn = lambda c, r: task.train_dataset(c, 1, r)
+  state, _, _ = group_fl.run_rounds(
+      fl, fl.initialize(), range(task.population), train_fn, rounds=2,
+      clients_per_round=2, seed=_SEED, round_offset=1)
+  fl_weights = fl.get_model_weights(state)
+  models = {}
+  for g in task.group_names:
+    start = fl.set_model_weights(fl.initialize(), fl_weights)
+    end, _, _ = group_fl.run_rounds(
+        fl, start, task.clients_of(g), train_fn, rounds=rounds,
+        clients_per_round=2, seed=_SEED, round_offset=1)
+    models[g] = fl.get_model_weights(end)
+  return fl, models
+
+
+def _perplexities(task, sums):
+  out = {f'perplexity/{g}': group_fl.perplexity(
+      [sums[c] for c in task.clients_of(g)]) for g in task.group_names}
+  out['perplexity'] = group_fl.perplexity(list(sums.values()))
+  return out
+
+
+def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
+  task = _task()
+  summary = _run(task, _config(tmp_path, 'groupfl', 'groupfl'))
+  personal = _run(task, _config(tmp_path, 'groupperfl', 'groupperfl',
+                                options={'personalization_lr': 0.3}))
+  fl, models = _by_hand(task)
+  wtype = fl.model_weights_type
+  # Each group's checkpoint is its hand-driven model, in both algorithms.
+  for name in ('groupfl', 'groupperfl'):
+    config = _config(tmp_path, name, name)
+    for g, weights in models.items():
+      state = training_loop.load_checkpoint(
+          fl, experiment.group_directory(config, g), 2)
+      _close(fl.get_model_weights(state), weights)
+  # GroupFL: each client evaluated on its group's model.
+  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
+                                          wtype)
+  sums = {}
+  for g, weights in models.items():
+    sums.update(group_fl.evaluate_global(evaluate, weights,
+                                         task.clients_of(g),
+                                         task.eval_dataset))
+  want = _perplexities(task, sums)
+  for key, value in want.items():
+    np.testing.assert_allclose(summary['eval'][key], value, rtol=1e-5,
+                               err_msg=key)
+  # GroupPerFL: each client fine-tunes its group's model (SGD 0.3, one pass
+  # of the last round's data) and is evaluated on its own copy.
+  personalize = group_fl.build_local_personalization(
+      task.model_fn, tff.learning.optimizers.build_sgdm(0.3), wtype)
+  evaluate_personal = group_fl.build_lm_evaluation(
+      task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
+  personal_sums = {}
+  for g, weights in models.items():
+    personal_sums.update(group_fl.personalize_and_evaluate(
+        personalize, evaluate_personal, weights, task.clients_of(g),
+        lambda c: task.train_dataset(c, 1, round_num=2), task.eval_dataset))
+  want_personal = _perplexities(task, personal_sums)
+  for key, value in want_personal.items():
+    np.testing.assert_allclose(personal['eval'][key], value, rtol=1e-5,
+                               err_msg=key)
+  assert abs(want_personal['perplexity'] - want['perplexity']) > 1e-3
+  assert set(summary['groups']) == set(task.group_names)
+  assert summary['privacy'] is None
+
+
+def test_killed_between_rounds_and_resumed_equals_uninterrupted(tmp_path):
+  task = _task()
+  whole = _run(task, _config(tmp_path, 'groupfl', 'whole'))
+  _run(task, _config(tmp_path, 'groupfl', 'parts', rounds=1))
+  resumed = _run(task, _config(tmp_path, 'groupfl', 'parts', resume=True))
+  assert resumed['eval'] == whole['eval']
+  for g in task.group_names:
+    assert resumed['groups'][g]['resumed_from_round'] == 1
+    for name in ('whole', 'parts'):
+      assert training_loop.checkpoint_rounds(experiment.group_directory(
+          _config(tmp_path, 'groupfl', name), g))[-1] == 2
+  with pytest.raises(experiment.ResumeError, match='completed 2 rounds'):
+    _run(task, _config(tmp_path, 'groupfl', 'parts', rounds=1, resume=True))
+
+
+def test_dp_epsilon_per_group_is_the_composed_accounting(tmp_path):
+  task = _task()
+  dp = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0,
+                        clip_norm=0.5)
+  summary = _run(task, _config(tmp_path, 'groupfl', 'dp', dp=dp))
+  report = summary['privacy']
+  delta = report['delta']
+  assert delta == privacy.default_target_delta(task.population)
+  by_hand = {}
+  for g in task.group_names:
+    # Replace-one, fixed-size cohorts: GaussianDpEvent(z / 2).
+    accountant = rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            task.population, 2, dp_accounting.GaussianDpEvent(0.5)), 2))
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            _SIZES[g], 2, dp_accounting.GaussianDpEvent(0.5)), 2))
+    by_hand[g] = accountant.get_epsilon(delta)
+    np.testing.assert_allclose(report['groups'][g]['epsilon'], by_hand[g],
+                               rtol=1e-9)
+  # The smallest group is sampled most often: its users spend the most.
+  assert report['epsilon'] == max(by_hand.values()) == by_hand[sg.COMEDY]
+  fl_only = privacy.compute_epsilon(
+      privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0,
+                       clip_norm=0.5, clients_per_round=2,
+                       population=task.population, rounds=2), 2)['epsilon']
+  assert report['epsilon'] > fl_only
+  with open(os.path.join(tmp_path, 'dp', 'summary.json')) as f:
+    assert json.load(f)['privacy']['groups'][sg.COMEDY]['population'] == 3
+  # Under DP the training-metric sums are not released by default.
+  assert not any(k.startswith('train/') for g in summary['groups'].values()
+                 for k in g['final_train_metrics'])
+
+
+def test_refusals_name_the_problem_and_leave_nothing(tmp_path):
+  task = _task()
+  with pytest.raises(experiment.ConfigurationError,
+                     match=r"groups \{'comedy': 3\} have fewer clients"):
+    _run(task, dataclasses.replace(
+        _config(tmp_path, 'groupfl', 'big'), clients_per_round=4))
+  dp = privacy.DPConfig(mechanism='gaussian_fixed', target_epsilon=5.0,
+                        clip_norm=0.5)
+  with pytest.raises(experiment.ConfigurationError,
+                     match='give --dp_noise_multiplier'):
+    _run(task, _config(tmp_path, 'groupfl', 'target', dp=dp))
+  dp = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0)
+  with pytest.raises(experiment.ConfigurationError,
+                     match="stage 'fl' asks for 3"):
+    _run(task, _config(tmp_path, 'groupfl', 'cohort', dp=dp,
+                       options={'fl_clients_per_round': 3}))
+  with pytest.raises(ValueError, match='grouping must be one of'):
+    _run(task, _config(tmp_path, 'groupfl', 'grouping',
+                       options={'grouping': 'genre'}))
+  assert not list(tmp_path.iterdir())
+
+
+def test_control_groupings():
+  task = _task()
+  config = _config('/nonexistent', 'groupfl', 'x')
+  genres = experiment._groups_of(task, config, 'task')
+  assert {g: len(m) for g, m in genres.items()} == _SIZES
+  shuffled = experiment._groups_of(task, config, 'shuffled')
+  assert sorted(len(m) for m in shuffled.values()) == sorted(_SIZES.values())
+  assert sorted(c for m in shuffled.values() for c in m) == list(
+      range(task.population))
+  assert sorted(map(sorted, shuffled.values())) != sorted(
+      map(sorted, genres.values()))
+  assert shuffled == experiment._groups_of(task, config, 'shuffled')
+  assert experiment._groups_of(task, config, 'one') == {
+      'all': list(range(task.population))}
+
+
+def test_task_subset_maps_every_client_id():
+  task = _task()
+  members = task.clients_of(sg.TRAGEDY)
+  sub = task_lib.TaskSubset(task, members)
+  assert sub.population == len(members)
+  assert task_lib.capabilities(sub) == task_lib.capabilities(task)
+  assert list(sub.groups([0, 1])) == [sg.TRAGEDY] * 2
+  got = list(sub.train_datasets([1], round_num=3)[0].as_numpy_iterator())
+  want = list(task.train_datasets([members[1]], 3)[0].as_numpy_iterator())
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a['x'], b['x'])
+  with pytest.raises(ValueError, match='lists a client twice'):
+    task_lib.TaskSubset(task, [0, 0])
+  with pytest.raises(ValueError, match=r'clients \[99\] are not in'):
+    task_lib.TaskSubset(task, [0, 99])
+
+
+def test_only_the_last_stage_runs_per_group():
+  proc = object()
+  with pytest.raises(ValueError, match='only the last stage'):
+    stages.Staged((stages.Stage('a', proc, rounds=1, per_group=True),
+                   stages.Stage('b', proc, handoff=lambda s: s)))
