@@ -9,9 +9,14 @@ The four methods of section 5.3 on one pipeline (`algorithms/group_fl.py`):
   the genre's clients only, with a fresh FedAdam state (Algorithm 2);
 * `groupperfl`: local fine-tuning from the client's group model.
 
-All four are computed once per seed by `_pipeline` (stages cached under
-`<root>/runs/group/pipeline/<config>/seed_<n>/`, so a killed run resumes at the
-last finished stage); each cell (method, group) reads its numbers from it.
+FL and the group runs train on the one run path: one `groupfl` run
+(`train_config`: stage 'fl', then a per-group stage) under
+`<root>/runs/group/pipeline/<config digest>/seed_<n>/groupfl_task/`, resumed
+from its checkpoints if killed. The analysis below reads the FL and group
+models from that run's final checkpoints and caches each result (evaluations,
+sweep, clustering) as JSON in the same digest-keyed directory; each cell
+(method, group) reads its numbers from it. The control `fl_more` is the same
+run with `grouping='one'`.
 
 Readings of the paper, and choices made for the CPU budget
 (docs/papers/group.md):
@@ -54,6 +59,7 @@ Readings of the paper, and choices made for the CPU budget
 
 from __future__ import annotations
 
+import collections
 import glob
 import hashlib
 import json
@@ -65,10 +71,12 @@ import tensorflow_federated as tff
 
 from tasks import shakespeare_groups
 from tff_personal import atomic_io
+from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.algorithms import group_fl
 from tff_personal.algorithms import update_clustering
 from tff_personal.core import runtime
+from tff_personal.core import training_loop
 from tff_personal.models import word_lm
 
 PAPER = 'group'
@@ -188,10 +196,12 @@ def _config(f) -> dict:
       max_clients=f.group_max_clients or None,
       clustering=bool(f.group_clustering),
       cluster_clients=f.group_cluster_clients)
-  for key in ('rounds', 'group_rounds', 'local_epochs',
-              'personalization_epochs'):
-    if cfg[key] < 0:
-      raise ValueError(f'group: {key} must be >= 0, got {cfg[key]}')
+  for key in ('rounds', 'group_rounds'):
+    if cfg[key] < 1:
+      raise ValueError(f'group: {key} must be >= 1, got {cfg[key]}')
+  if cfg['personalization_epochs'] < 0:
+    raise ValueError('group: personalization_epochs must be >= 0, got '
+                     f'{cfg["personalization_epochs"]}')
   if cfg['clients_per_round'] < 1 or cfg['group_clients_per_round'] < 1:
     raise ValueError('group: clients per round must be >= 1')
   if cfg['cluster_clients'] < 0:
@@ -240,24 +250,9 @@ def _write_text(path, text):
     f.write(text)
 
 
-def _save_weights(path, weights):
-  arrays = {f't{i}': np.asarray(a) for i, a in enumerate(weights.trainable)}
-  arrays.update({f'n{i}': np.asarray(a)
-                 for i, a in enumerate(weights.non_trainable)})
-  with atomic_io.atomic_write(path, 'wb') as f:
-    np.savez(f, **arrays)
-
-
-def _load_weights(path):
-  with np.load(path) as z:
-    t = sorted((k for k in z if k[0] == 't'), key=lambda k: int(k[1:]))
-    n = sorted((k for k in z if k[0] == 'n'), key=lambda k: int(k[1:]))
-    return tff.learning.models.ModelWeights(
-        trainable=tuple(z[k] for k in t), non_trainable=tuple(z[k] for k in n))
-
-
 class _Stages:
-  """JSON / weights files of finished stages in one directory."""
+  """JSON results of finished analysis steps in one directory (keyed, like
+  the training runs beside them, by the configuration's digest)."""
 
   def __init__(self, directory):
     self.dir = directory
@@ -271,14 +266,6 @@ class _Stages:
     value = compute()
     _write_text(path, json.dumps(value, indent=1, sort_keys=True))
     return value
-
-  def weights(self, name, compute):
-    path = os.path.join(self.dir, name + '.npz')
-    if os.path.exists(path):
-      return _load_weights(path), None
-    weights, extra = compute()
-    _save_weights(path, weights)
-    return weights, extra
 
 
 def _sample_clients(task, cfg, seed):
@@ -303,6 +290,91 @@ def _config_dir(root, cfg, seed):
                       digest, f'seed_{seed}')
 
 
+def _task(cfg, seed):
+  return shakespeare_groups.shakespeare_groups_task(
+      cfg['data_dir'], vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
+      embedding_dim=cfg['embedding_dim'], lstm_units=cfg['lstm_units'],
+      lstm_layers=cfg['lstm_layers'], seed=seed,
+      max_clients=cfg['max_clients'], local_epochs=cfg['local_epochs'])
+
+
+def train_config(cfg: dict, seed: int, directory: str,
+                 grouping: str = 'task',
+                 num_groups: int = 1) -> experiment.ExperimentConfig:
+  """The one-path run (`groupfl`) behind the tables.
+
+  Stage 'fl': T rounds of `clients_per_round` over every client; then T_g
+  rounds per group of `group_clients_per_round` among the group's clients.
+  The control `fl_more` is the same run with `grouping='one'` (one group of
+  every client) and GroupFL's client budget (`group_clients_per_round` x
+  `num_groups` per round): its FL stage is the same run, hence the same FL
+  model.
+  """
+  one = grouping == 'one'
+  return experiment.ExperimentConfig(
+      algorithm='groupfl', rounds=cfg['group_rounds'],
+      clients_per_round=cfg['group_clients_per_round'] * (
+          num_groups if one else 1),
+      root_output_dir=directory,
+      experiment_name='fl_more' if one else f'groupfl_{grouping}',
+      client_optimizer='sgd', client_learning_rate=cfg['client_lr'],
+      server_optimizer='adam', server_learning_rate=cfg['server_lr'],
+      algorithm_options={'fl_rounds': cfg['rounds'],
+                         'fl_clients_per_round': cfg['clients_per_round'],
+                         'grouping': grouping},
+      seed=seed, resume=True)
+
+
+def _train(task, config, log_fn):
+  """Runs `config` on the one path unless it finished (summary.json); a
+  killed run resumes from its checkpoints."""
+  if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
+    experiment.run_experiment(
+        task, config, log_fn=lambda s: log_fn(
+            f'group {config.experiment_name}: {s}'))
+
+
+def _models(task, config, grouping):
+  """(FL model, {group: its model}, weights type) from the run's final
+  checkpoints (stage 'fl', then each group's run)."""
+  staged = experiment.build_process(task, config)
+  fl_stage = staged.stages[0]
+  state = training_loop.load_checkpoint(
+      fl_stage.process, experiment.stage_directory(config, fl_stage.name),
+      fl_stage.rounds)
+  fl_weights = fl_stage.process.get_model_weights(state)
+  models = {}
+  for g in experiment.group_members(task, config, grouping):
+    state = training_loop.load_checkpoint(
+        staged.final, experiment.group_directory(config, g), config.rounds)
+    models[g] = staged.final.get_model_weights(state)
+  return fl_weights, models, staged.final.model_weights_type
+
+
+def _participations(config, members, rounds, cohort):
+  """client -> rounds it took part in: the loop's cohorts are a pure
+  function of (seed, round) (`training_loop.sample_clients`), rounds
+  numbered from 1, drawn among `members`."""
+  out = collections.Counter()
+  for r in range(1, rounds + 1):
+    out.update(members[int(i)] for i in training_loop.sample_clients(
+        len(members), cohort, r, config.seed, config.sampling))
+  return out
+
+
+def _fl_participations(task, config, cfg):
+  return _participations(config, list(range(task.num_clients)), cfg['rounds'],
+                         cfg['clients_per_round'])
+
+
+def _group_participations(task, config, grouping):
+  out = collections.Counter()
+  for members in experiment.group_members(task, config, grouping).values():
+    out.update(_participations(config, members, config.rounds,
+                               config.clients_per_round))
+  return out
+
+
 def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
   log_fn = log_fn or (lambda s: print(s, flush=True))
   directory = _config_dir(root, cfg, seed)
@@ -312,58 +384,23 @@ def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
     with open(final) as f:
       return json.load(f)
   _write_text(os.path.join(directory, 'config.json'),
-                       json.dumps(cfg, indent=1, sort_keys=True))
-  task = shakespeare_groups.shakespeare_groups_task(
-      cfg['data_dir'], vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
-      embedding_dim=cfg['embedding_dim'], lstm_units=cfg['lstm_units'],
-      lstm_layers=cfg['lstm_layers'], seed=seed,
-      max_clients=cfg['max_clients'])
+              json.dumps(cfg, indent=1, sort_keys=True))
+  task = _task(cfg, seed)
   with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
-    result = _run_pipeline(task, cfg, seed, stages, log_fn)
+    result = _run_pipeline(task, cfg, seed, directory, stages, log_fn)
   _write_text(final, json.dumps(result, indent=1, sort_keys=True))
   make_figures(root, directory)
   return result
 
 
-def _run_pipeline(task, cfg, seed, stages, log_fn) -> dict:
+def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   groups = {g: task.clients_of(g) for g in task.group_names}
-  all_clients = list(range(task.num_clients))
-  process = group_fl.build_fl(
-      task.model_fn, client_learning_rate=cfg['client_lr'],
-      server_learning_rate=cfg['server_lr'], metrics_fn=word_lm.metrics_fn,
-      seed=seed)
-  wtype = process.model_weights_type
-  train_fn = task.train_dataset_fn(cfg['local_epochs'])
-  log = lambda prefix: (lambda s: log_fn(f'group {prefix}: {s}'))
-
-  # Stage 1: global FL.
-  def run_fl():
-    state, part, history = group_fl.run_rounds(
-        process, process.initialize(), all_clients, train_fn,
-        rounds=cfg['rounds'], clients_per_round=cfg['clients_per_round'],
-        seed=seed, log_fn=log('fl'))
-    return process.get_model_weights(state), (part, history)
-  global_weights, extra = stages.weights('fl', run_fl)
-  participation = stages.json('fl_participation', lambda: {
-      'participations': {str(c): n for c, n in extra[0].items()},
-      'train': [{k: float(v) for k, v in h.items()
-                 if np.ndim(v) == 0} for h in extra[1]]})
-  fl_part = {int(c): n for c, n in participation['participations'].items()}
-
-  # Stage 2: group fine-tuning, one independent run per group.
-  group_weights, group_part = {}, {}
-  for g, members in groups.items():
-    def run_group(members=members, g=g):
-      w, part, history = group_fl.fine_tune_group(
-          process, global_weights, members, train_fn,
-          rounds=cfg['group_rounds'],
-          clients_per_round=cfg['group_clients_per_round'], seed=seed,
-          log_fn=log(f'groupfl[{g}]'))
-      return w, (part, history)
-    group_weights[g], extra = stages.weights(f'groupfl_{g}', run_group)
-    saved = stages.json(f'groupfl_{g}_participation', lambda: {
-        'participations': {str(c): n for c, n in extra[0].items()}})
-    group_part.update({int(c): n for c, n in saved['participations'].items()})
+  # Stages 1 and 2 (FL, then one FL run per group) on the one run path.
+  config = train_config(cfg, seed, directory)
+  _train(task, config, log_fn)
+  global_weights, group_weights, wtype = _models(task, config, 'task')
+  fl_part = _fl_participations(task, config, cfg)
+  group_part = _group_participations(task, config, 'task')
   group_of = dict(enumerate(task.client_groups))
 
   eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
@@ -443,7 +480,7 @@ def _run_pipeline(task, cfg, seed, stages, log_fn) -> dict:
                                for c in eval_clients}}
   if cfg['clustering']:
     result['clustering'] = stages.json(
-        'clustering', lambda: _cluster(task, cfg, process, global_weights,
+        'clustering', lambda: _cluster(task, cfg, wtype, global_weights,
                                        seed, log_fn))
   return result
 
@@ -451,40 +488,29 @@ def _run_pipeline(task, cfg, seed, stages, log_fn) -> dict:
 def _control(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
   """`fl_more` (table `control`): GroupFL's extra client budget on global FL.
 
-  Cached as `control.json` next to the pipeline's stages, whose FL model it
-  starts from; evaluated on the same clients.
+  The one-path run `train_config(..., grouping='one')`: the same FL stage
+  (so the same FL model), then one run over every client with a cohort of
+  (clients per group round) x (groups) and a fresh FedAdam state;
+  evaluated on the same clients. Cached as `control.json`.
   """
   log_fn = log_fn or (lambda s: print(s, flush=True))
   directory = _config_dir(root, cfg, seed)
   stages = _Stages(directory)
 
   def compute():
-    task = shakespeare_groups.shakespeare_groups_task(
-        cfg['data_dir'], vocab_size=cfg['vocab_size'],
-        seq_len=cfg['seq_len'], embedding_dim=cfg['embedding_dim'],
-        lstm_units=cfg['lstm_units'], lstm_layers=cfg['lstm_layers'],
-        seed=seed, max_clients=cfg['max_clients'])
+    task = _task(cfg, seed)
     groups = {g: task.clients_of(g) for g in task.group_names}
     eval_clients, _ = _sample_clients(task, cfg, seed)
+    config = train_config(cfg, seed, directory, 'one', len(groups))
     with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
-      process = group_fl.build_fl(
-          task.model_fn, client_learning_rate=cfg['client_lr'],
-          server_learning_rate=cfg['server_lr'],
-          metrics_fn=word_lm.metrics_fn, seed=seed)
-      global_weights = _load_weights(os.path.join(directory, 'fl.npz'))
-      weights, part, _ = group_fl.fine_tune_group(
-          process, global_weights, list(range(task.num_clients)),
-          task.train_dataset_fn(cfg['local_epochs']),
-          rounds=cfg['group_rounds'],
-          clients_per_round=cfg['group_clients_per_round'] * len(groups),
-          seed=seed, log_fn=lambda s: log_fn(f'group fl_more: {s}'))
+      _train(task, config, log_fn)
+      _, models, wtype = _models(task, config, 'one')
       evaluate = group_fl.build_lm_evaluation(
-          task.model_fn, word_lm.metrics_fn, process.model_weights_type)
-      sums = group_fl.evaluate_global(evaluate, weights, eval_clients,
+          task.model_fn, word_lm.metrics_fn, wtype)
+      sums = group_fl.evaluate_global(evaluate, models['all'], eval_clients,
                                       task.eval_dataset)
-    with open(os.path.join(directory, 'fl_participation.json')) as f:
-      fl_part = {int(c): n for c, n in
-                 json.load(f)['participations'].items()}
+    fl_part = _fl_participations(task, config, cfg)
+    part = _group_participations(task, config, 'one')
     out = {}
     for g, members in list(groups.items()) + [(ALL, eval_clients)]:
       members = [c for c in members if c in sums]
@@ -542,12 +568,12 @@ def _cells(task, cfg, groups, eval_clients, sums, fl_part, group_part, sweep):
   return out
 
 
-def _cluster(task, cfg, process, weights, seed, log_fn) -> dict:
+def _cluster(task, cfg, weights_type, weights, seed, log_fn) -> dict:
   """Clusters every client with training data by its update from `weights`."""
   log_fn('group: clustering client updates')
   updates = group_fl.build_client_updates(
       task.model_fn, tff.learning.optimizers.build_sgdm(cfg['client_lr']),
-      process.model_weights_type)
+      weights_type)
   sketch = update_clustering.CountSketch(dim=4096, seed=seed)
   clients = list(range(task.num_clients))
   if cfg['cluster_clients'] and cfg['cluster_clients'] < len(clients):

@@ -10,8 +10,8 @@ import tensorflow_federated as tff
 
 from tasks import shakespeare_groups as sg
 from tasks import speaker_context_io
+from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import group_fl
-from tff_personal.core import process as process_lib
 from tff_personal.models import word_lm
 
 _WORDS = {
@@ -45,9 +45,11 @@ def task():
 
 @pytest.fixture(scope='module')
 def fl_process(task):
-  return group_fl.build_fl(task.model_fn, client_learning_rate=0.5,
-                           server_learning_rate=0.05,
-                           metrics_fn=word_lm.metrics_fn, seed=1)
+  return fedavg.build_global(
+      task.model_fn_factory,
+      client_optimizer=tff.learning.optimizers.build_sgdm(0.5),
+      server_optimizer=fedavg.adam(0.05), metrics_fn=word_lm.metrics_fn,
+      seed=1)
 
 
 def _close(a, b, rtol=1e-6):
@@ -141,26 +143,10 @@ def test_perplexity_is_exp_of_keras_token_cross_entropy(task, fl_process):
 # ----------------------------------------------------------------- stages
 
 
-def test_three_stages_on_tiny_data(task, fl_process):
-  clients = list(range(task.num_clients))
-  train_fn = task.train_dataset_fn(1)
-  state0 = fl_process.initialize()
-  state, part, history = group_fl.run_rounds(
-      fl_process, state0, clients, train_fn, rounds=3, clients_per_round=4,
-      seed=0)
-  assert sum(part.values()) == 12 and len(history) == 3
-  global_w = fl_process.get_model_weights(state)
-  assert not _close(global_w, fl_process.get_model_weights(state0))
-
+def test_personalization_lowers_each_clients_training_loss(task,
+                                                           fl_process):
   groups = {g: task.clients_of(g) for g in task.group_names}
-  out = group_fl.fine_tune_groups(fl_process, global_w, groups, train_fn,
-                                  rounds=2, clients_per_round=2, seed=0)
-  assert set(out) == set(groups)
-  for g, (w, gpart) in out.items():
-    assert set(gpart) <= set(groups[g]) and sum(gpart.values()) == 4
-    assert not _close(w, global_w)
-  assert not _close(out[sg.COMEDY][0], out[sg.TRAGEDY][0])
-
+  out = {sg.HISTORY: (fl_process.get_model_weights(fl_process.initialize()),)}
   # Local personalization from the group model lowers each client's loss
   # on its own training data (what it fine-tuned on).
   wtype = fl_process.model_weights_type
@@ -201,112 +187,8 @@ def test_personalized_models_and_updates_stay_at_clients(task, fl_process):
   assert ev.type_signature.result.placement == tff.CLIENTS
 
 
-def test_group_fine_tuning_only_sees_its_own_clients(task, fl_process):
-  """Requests only group members; other groups' data cannot change it."""
-  weights = fl_process.get_model_weights(fl_process.initialize())
-  members = task.clients_of(sg.COMEDY)
-  requested = []
-
-  def dataset_fn(replace_others):
-    def fn(client, round_num):
-      requested.append(client)
-      if replace_others and client not in members:
-        raise AssertionError('a non-member was asked for data')
-      return task.train_dataset(client, 1, round_num)
-    return fn
-
-  w1, part, _ = group_fl.fine_tune_group(
-      fl_process, weights, members, dataset_fn(False), rounds=3,
-      clients_per_round=2, seed=3)
-  assert set(requested) <= set(members) and set(part) <= set(members)
-
-  # Same run on a task whose other groups' speeches are replaced: identical.
-  altered = sg.ShakespeareGroupsTask(
-      client_ids=task.client_ids, client_groups=task.client_groups,
-      train=[t if c in members else {k: np.roll(v, 1, axis=1)
-                                     for k, v in t.items()}
-             for c, t in enumerate(task.train)],
-      eval=task.eval, vocab=task.vocab, model_config=task.model_config,
-      batch_size=task.batch_size, seed=task.seed)
-  w2, _, _ = group_fl.fine_tune_group(
-      fl_process, weights, members,
-      lambda c, r: altered.train_dataset(c, 1, r), rounds=3,
-      clients_per_round=2, seed=3)
-  assert _close(w1, w2, rtol=0)
-  # ... while altering a member's data does change it (the test can fail).
-  changed = sg.ShakespeareGroupsTask(
-      client_ids=task.client_ids, client_groups=task.client_groups,
-      train=[{k: np.roll(v, 1, axis=1) for k, v in t.items()}
-             if c in members else t for c, t in enumerate(task.train)],
-      eval=task.eval, vocab=task.vocab, model_config=task.model_config,
-      batch_size=task.batch_size, seed=task.seed)
-  w3, _, _ = group_fl.fine_tune_group(
-      fl_process, weights, members,
-      lambda c, r: changed.train_dataset(c, 1, r), rounds=3,
-      clients_per_round=2, seed=3)
-  assert not _close(w1, w3)
-  with pytest.raises(ValueError, match='shares clients'):
-    group_fl.fine_tune_groups(fl_process, weights, {'a': [0, 1], 'b': [1]},
-                              dataset_fn(False), rounds=1,
-                              clients_per_round=1, seed=0)
-
-
-def test_one_group_equals_continuing_fl(task):
-  """One group holding everyone: GroupFL = FL continued for T_g rounds.
-
-  With a stateless server optimizer (SGD, i.e. FedAvg) exactly; with FedAdam
-  it equals FL continued from a fresh optimizer state (each group has its own
-  server-optimizer state) and differs from FL continued with the old one.
-  """
-  clients = list(range(task.num_clients))
-  unshuffled = lambda c, r: task._dataset(task.train[c], 1, None)  # pylint: disable=protected-access
-  t, t_g = 2, 2
-  sgd = process_lib.build_split_model_process(
-      task.model_fn, client_optimizer=tff.learning.optimizers.build_sgdm(0.5),
-      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=1)
-  full, _, _ = group_fl.run_rounds(sgd, sgd.initialize(), clients, unshuffled,
-                                   rounds=t + t_g, clients_per_round=100,
-                                   seed=0)
-  mid, _, _ = group_fl.run_rounds(sgd, sgd.initialize(), clients, unshuffled,
-                                  rounds=t, clients_per_round=100, seed=0)
-  grouped = group_fl.fine_tune_groups(
-      sgd, sgd.get_model_weights(mid), {'all': clients}, unshuffled,
-      rounds=t_g, clients_per_round=100, seed=0)
-  assert _close(grouped['all'][0], sgd.get_model_weights(full), rtol=1e-5)
-
-  adam = group_fl.build_fl(task.model_fn, client_learning_rate=0.5,
-                           server_learning_rate=0.05, seed=1)
-  mid, _, _ = group_fl.run_rounds(adam, adam.initialize(), clients,
-                                  unshuffled, rounds=t, clients_per_round=100,
-                                  seed=0)
-  fresh = adam.set_model_weights(adam.initialize(),
-                                 adam.get_model_weights(mid))
-  restarted, _, _ = group_fl.run_rounds(adam, fresh, clients, unshuffled,
-                                        rounds=t_g, clients_per_round=100,
-                                        seed=0)
-  continued, _, _ = group_fl.run_rounds(adam, mid, clients, unshuffled,
-                                        rounds=t_g, clients_per_round=100,
-                                        seed=0, round_offset=t)
-  grouped = group_fl.fine_tune_groups(
-      adam, adam.get_model_weights(mid), {'all': clients}, unshuffled,
-      rounds=t_g, clients_per_round=100, seed=0)
-  assert _close(grouped['all'][0], adam.get_model_weights(restarted),
-                rtol=1e-5)
-  assert not _close(grouped['all'][0], adam.get_model_weights(continued))
-
-
 def test_costs():
   assert group_fl.communication_cost(0) == 1
   assert group_fl.communication_cost(20) == 41
   assert group_fl.computation_cost(20, 1, 5) == 25
   assert group_fl.computation_cost(3, 2) == 6
-
-
-def test_build_fl_rejects_bad_input(task):
-  with pytest.raises(ValueError, match='learning rates'):
-    group_fl.build_fl(task.model_fn, client_learning_rate=0.0)
-  with pytest.raises(ValueError, match='at least one client'):
-    group_fl.run_rounds(None, None, [], None, rounds=1, clients_per_round=1,
-                        seed=0)
-  with pytest.raises(ValueError, match='vocab_size'):
-    sg.build_task(_speeches(), vocab_size=3)

@@ -1,15 +1,19 @@
 """End-to-end test of the group paper module on a few real Shakespeare clients."""
 
+import glob
 import json
 import os
 import types
 
+import numpy as np
 import pytest
 
 from papers import group
 from tasks import shakespeare_groups as sg
 from tests import conftest
+from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal.core import client_state as client_state_lib
 
 
 def _flags(**overrides):
@@ -88,7 +92,41 @@ def test_reproduction_records_every_method_and_group(registered, tmp_path):
   assert -1.0 <= ari['adjusted_rand_index'] <= 1.0 and ari['clients'] == 8
   assert os.path.exists(os.path.join(root, 'figures',
                                      'group_relative_change_hist.png'))
+  _check_runs_share_the_fl_model_and_counts(f, root)
   # Rerunning finds every cell done, and the tables are rebuilt from the file.
   p = reporting.plan('group', 'table4_computation', root, f)
   assert not p.pending
   assert os.path.exists(os.path.join(root, 'tables', 'group', 'table3.md'))
+
+
+def _check_runs_share_the_fl_model_and_counts(f, root):
+  """The control's run repeats the main run's FL stage exactly, and the
+  participation counts the costs use (from the sampling function) are the
+  client-state stores' own."""
+  cfg = group._config(f)
+  (directory,) = glob.glob(os.path.join(root, 'runs', 'group', 'pipeline',
+                                        '*', 'seed_0'))
+  task = group._task(cfg, 0)
+  main = group.train_config(cfg, 0, directory)
+  control = group.train_config(cfg, 0, directory, 'one',
+                               len(task.group_names))
+  fl_main, _, _ = group._models(task, main, 'task')
+  fl_control, models, _ = group._models(task, control, 'one')
+  assert list(models) == ['all']
+  for x, y in zip(fl_main.trainable, fl_control.trainable, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  fl_stage = experiment.build_process(task, main).stages[0]
+  store = client_state_lib.make_store(
+      main.client_state_backend,
+      experiment.initial_client_state_fn(fl_stage.process, main),
+      population=task.population, directory=os.path.join(
+          experiment.stage_directory(main, 'fl'), 'client_states'))
+  try:
+    store.restore(cfg['rounds'])  # The states committed at the last round.
+    stored = [int(s['rounds_participated'])
+              for s in store.load(list(range(task.population)))]
+  finally:
+    store.close()
+  counted = group._fl_participations(task, main, cfg)
+  assert stored == [counted.get(c, 0) for c in range(task.population)]
+  assert sum(stored) == cfg['rounds'] * cfg['clients_per_round']

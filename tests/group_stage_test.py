@@ -9,6 +9,7 @@ cohorts among the group's clients, each client evaluated on its group's model
 against dp_accounting directly, resume, and the refusals.
 """
 
+import collections
 import dataclasses
 import json
 import os
@@ -74,26 +75,39 @@ def _close(a, b, rtol=1e-6):
                                atol=1e-7)
 
 
+def _rounds_by_hand(process, state, clients, train_fn, rounds):
+  """FedAvg rounds driven by hand: cohorts of 2 drawn among `clients` by
+  `training_loop.sample_clients`, rounds numbered from 1 (as the loop does,
+  so the cohorts and local shuffles are the same)."""
+  for r in range(1, rounds + 1):
+    cohort = [clients[i] for i in training_loop.sample_clients(
+        len(clients), 2, r, _SEED)]
+    states = [collections.OrderedDict(private=(),
+                                      rounds_participated=np.int32(0))
+              for _ in cohort]
+    state, _, _ = process.next(state, states,
+                               [train_fn(c, r) for c in cohort])
+  return state
+
+
 def _by_hand(task, rounds=2):
-  """The paper's stages with `group_fl`'s driver; rounds numbered from 1,
-  as the one loop numbers them (so the cohorts and shuffles are the same).
-  Returns (FL process, {group: its model})."""
+  """The paper's Algorithms 1 and 2 by hand: FedAvg over everyone, then per
+  group FedAvg from the FL model with a fresh server optimizer (a new
+  `initialize()`), among the group's clients. Returns (FL process,
+  {group: its model})."""
   fl = fedavg.build_global(
       task.model_fn_factory,
       client_optimizer=tff.learning.optimizers.build_sgdm(_LR),
       server_optimizer=fedavg.adam(_SERVER_LR), seed=_SEED,
       metrics_fn=task.metrics_fn)
   train_fn = lambda c, r: task.train_dataset(c, 1, r)
-  state, _, _ = group_fl.run_rounds(
-      fl, fl.initialize(), range(task.population), train_fn, rounds=2,
-      clients_per_round=2, seed=_SEED, round_offset=1)
+  state = _rounds_by_hand(fl, fl.initialize(), list(range(task.population)),
+                          train_fn, 2)
   fl_weights = fl.get_model_weights(state)
   models = {}
   for g in task.group_names:
     start = fl.set_model_weights(fl.initialize(), fl_weights)
-    end, _, _ = group_fl.run_rounds(
-        fl, start, task.clients_of(g), train_fn, rounds=rounds,
-        clients_per_round=2, seed=_SEED, round_offset=1)
+    end = _rounds_by_hand(fl, start, task.clients_of(g), train_fn, rounds)
     models[g] = fl.get_model_weights(end)
   return fl, models
 
@@ -107,7 +121,18 @@ def _perplexities(task, sums):
 
 def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
   task = _task()
+  requests = []  # Training data asked for, call by call.
+  train_datasets = task.train_datasets
+  task.train_datasets = lambda ids, r: (requests.append(list(ids)),
+                                        train_datasets(ids, r))[1]
   summary = _run(task, _config(tmp_path, 'groupfl', 'groupfl'))
+  # Two FL rounds over everyone, then each group's two rounds ask for its
+  # own clients' data only.
+  assert len(requests) == 2 + 2 * len(task.group_names)
+  for i, g in enumerate(task.group_names):
+    for ids in requests[2 + 2 * i:4 + 2 * i]:
+      assert set(ids) <= set(task.clients_of(g)), (g, ids)
+  del task.train_datasets
   personal = _run(task, _config(tmp_path, 'groupperfl', 'groupperfl',
                                 options={'personalization_lr': 0.3}))
   fl, models = _by_hand(task)
@@ -211,7 +236,7 @@ def test_refusals_name_the_problem_and_leave_nothing(tmp_path):
   dp = privacy.DPConfig(mechanism='gaussian_fixed', target_epsilon=5.0,
                         clip_norm=0.5)
   with pytest.raises(experiment.ConfigurationError,
-                     match='give --dp_noise_multiplier'):
+                     match='give --noise_multiplier'):
     _run(task, _config(tmp_path, 'groupfl', 'target', dp=dp))
   dp = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0)
   with pytest.raises(experiment.ConfigurationError,
@@ -227,16 +252,16 @@ def test_refusals_name_the_problem_and_leave_nothing(tmp_path):
 def test_control_groupings():
   task = _task()
   config = _config('/nonexistent', 'groupfl', 'x')
-  genres = experiment._groups_of(task, config, 'task')
+  genres = experiment.group_members(task, config, 'task')
   assert {g: len(m) for g, m in genres.items()} == _SIZES
-  shuffled = experiment._groups_of(task, config, 'shuffled')
+  shuffled = experiment.group_members(task, config, 'shuffled')
   assert sorted(len(m) for m in shuffled.values()) == sorted(_SIZES.values())
   assert sorted(c for m in shuffled.values() for c in m) == list(
       range(task.population))
   assert sorted(map(sorted, shuffled.values())) != sorted(
       map(sorted, genres.values()))
-  assert shuffled == experiment._groups_of(task, config, 'shuffled')
-  assert experiment._groups_of(task, config, 'one') == {
+  assert shuffled == experiment.group_members(task, config, 'shuffled')
+  assert experiment.group_members(task, config, 'one') == {
       'all': list(range(task.population))}
 
 

@@ -494,7 +494,7 @@ def run_experiment(task, config: ExperimentConfig,
     _check_stage_cohorts(built, config, population)
   per_group = isinstance(built, stages_lib.Staged) and built.per_group
   if per_group:  # Refused here, before any record or round.
-    groups = _groups_of(task, config, built.stages[-1].grouping)
+    groups = group_members(task, config, built.stages[-1].grouping)
   if not resuming:  # A new run's record, once its process could be built.
     os.makedirs(config.experiment_dir, exist_ok=True)
     check_or_record_run_config(config, dp, flag_values)
@@ -602,7 +602,7 @@ def _check_stage_cohorts(staged, config: ExperimentConfig,
 _SHUFFLED_GROUPS = 0x6A0
 
 
-def _groups_of(task, config: ExperimentConfig,
+def group_members(task, config: ExperimentConfig,
                grouping: str = 'task') -> dict[str, list[int]]:
   """`{group name: its client ids}` of a per-group stage.
 
@@ -647,7 +647,7 @@ def _groups_of(task, config: ExperimentConfig,
         f'{config.algorithm} runs its last stage once per group (each '
         'group\'s run samples from its own clients), which a target-epsilon '
         'calibration over one population does not account; give '
-        '--dp_noise_multiplier instead (the report states epsilon per group)')
+        '--noise_multiplier instead (the report states epsilon per group)')
   for g in groups:
     if not g or '/' in g or g in ('.', '..'):
       raise ConfigurationError(f'group name {g!r} cannot name a directory')

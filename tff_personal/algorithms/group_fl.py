@@ -1,52 +1,39 @@
 """Group personalized FL (Algorithms 1-3 of Group Personalized FL).
 
-Three stages that compose through model weights, so each can start from a
-model trained elsewhere:
+Three stages that compose through model weights:
 
-1. Global FL (`fl`, Algorithm 1): `build_fl` is FedAvg-style training with
-   client SGD (K local epochs: the client datasets repeat K times) and the
-   FedAdam server optimizer (`tff.learning.optimizers.build_adam`); it is our
-   `StatefulClientProcess` with no private variables, so `next` is
-   `(S, C, D*) -> (S, C, M)` with a trivial client state and
-   `get_model_weights` / `set_model_weights` expose the model.
-2. Group FL fine-tuning (`groupfl`, Algorithm 2): `fine_tune_group` starts a
-   *new* process state from the global model (`initialize` then
-   `set_model_weights`, so each group has its own, fresh server-optimizer
-   state) and runs T_g rounds sampling only the group's clients;
-   `fine_tune_groups` does it for every group. Groups are independent (no
-   state is shared), so each may run in its own job; here they run one after
-   the other in one program.
+1. Global FL (`fl`, Algorithm 1): FedAvg over every client (the `global`
+   algorithm with the paper's client SGD and FedAdam server optimizer).
+2. Group FL (`groupfl`, Algorithm 2): per group, a new FedAvg run from the
+   global model (`initialize` then `set_model_weights`, so each group has
+   its own, fresh server-optimizer state), cohorts drawn among the group's
+   clients only. Groups are independent (no state is shared), so each may
+   run in its own job.
 3. Local personalization (`perfl` from the global model, `groupperfl` from
-   the group model; Algorithm 3): `build_local_personalization` is a TFF
-   computation `(ModelWeights@SERVER, D*@CLIENTS) -> ModelWeights@CLIENTS`:
-   each client fine-tunes the broadcast model on its own data for K_l epochs
-   with SGD; the personalized model is returned at CLIENTS (it is that
-   client's state, never aggregated), and `build_lm_evaluation` evaluates it
-   there.
+   the group model; Algorithm 3): each client fine-tunes the model on its
+   own data; the personalized model stays at CLIENTS, never aggregated.
 
-On the one run path (`experiment.run_experiment`, `binaries.train`) the
-pipeline is two registered multi-stage algorithms (`core/stages.py`):
-`groupfl` is `fl_rounds` rounds of FedAvg (the `global` algorithm: the
-paper's `fl`) over every client, then a per-group stage: one FedAvg run per
-group from the FL model with a fresh server-optimizer state, cohorts drawn
-among the group's clients, each client evaluated with its group's model.
-`groupperfl` is the same with the group stage's evaluation fine-tuning the
-client's group model on its own data first (`fedavg_ft`'s evaluation: the
-paper's `perfl` is `fedavg_ft`). Both take the experiment's optimizers (the
-paper: client SGD, server Adam), aggregator (DP) and store; the functions
-below are the paper module's building blocks.
+On the one run path (`experiment.run_experiment`, `binaries.train`) these
+are two registered multi-stage algorithms (`core/stages.py`): `groupfl` is
+`fl_rounds` rounds of FedAvg over every client, then a per-group stage (one
+FedAvg run per group from the FL model, each client evaluated with its
+group's model); `groupperfl` is the same with the group stage's evaluation
+fine-tuning the client's group model on its own data first (`fedavg_ft`'s
+evaluation; the paper's `perfl` is `fedavg_ft`). Both take the experiment's
+optimizers, aggregator (DP) and store. `grouping` gives the controls:
+shuffled groups of the same sizes, or one group of everyone.
 
-Written by hand (TFF lacks them): the per-group driver, the personalization
-computation (TFF's `tff.learning` personalization evaluation only reports
-metrics, it does not return the personalized model) and the evaluation of
-client-placed models. Sampling is `training_loop.sample_clients` (a pure
-function of seed and round); cohorts are drawn among the clients passed in,
-so a group's fine-tuning can only ever see its own clients.
+The computations below are the building blocks of the paper's analysis
+(`papers/group.py`): personalization with K_l local epochs that returns the
+personalized model at CLIENTS (TFF's `tff.learning` personalization
+evaluation only reports metrics), the evaluation of server- or
+client-placed models as per-client token NLL sums, and client updates for
+clustering clients by the direction of their updates. Written by hand:
+TFF lacks them.
 """
 
 from __future__ import annotations
 
-import collections
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -56,40 +43,11 @@ import tensorflow_federated as tff
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import federated_map
-from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
 from tff_personal.core import stages
-from tff_personal.core import training_loop
 from tff_personal.models import split_model as split_model_lib
 
 ModelWeights = tff.learning.models.ModelWeights
-# (client index, round number) -> the client's dataset for that round.
-DatasetFn = Callable[[int, int], tf.data.Dataset]
-
-
-def build_fl(model_fn: split_model_lib.SplitModelFn, *,
-             client_learning_rate: float = 1.0,
-             server_learning_rate: float = 1e-3,
-             aggregator_factory=None, metrics_fn=None,
-             seed: Optional[int] = None
-             ) -> process_lib.StatefulClientProcess:
-  """Algorithm 1: client SGD, weighted mean of updates, FedAdam server.
-
-  The paper's defaults: client SGD lr 1.0, FedAdam lr 1e-3. K local epochs
-  are the client datasets' repeats.
-  """
-  if client_learning_rate <= 0 or server_learning_rate <= 0:
-    raise ValueError('learning rates must be positive, got client '
-                     f'{client_learning_rate}, server {server_learning_rate}')
-  with tf.Graph().as_default():
-    if model_fn().private_variables:
-      raise ValueError('group FL trains whole models; model_fn declares '
-                       'private variables')
-  return process_lib.build_split_model_process(
-      model_fn,
-      client_optimizer=tff.learning.optimizers.build_sgdm(client_learning_rate),
-      server_optimizer=tff.learning.optimizers.build_adam(server_learning_rate),
-      aggregator_factory=aggregator_factory, metrics_fn=metrics_fn, seed=seed)
 
 
 def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
@@ -190,96 +148,6 @@ def build_groupperfl_algorithm(
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
       train_metrics=train_metrics, seed=seed)
-
-
-def _empty_client_state():
-  return collections.OrderedDict([
-      (process_lib.CLIENT_STATE_PRIVATE, ()),
-      (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))])
-
-
-def run_rounds(process: process_lib.StatefulClientProcess, state,
-               clients: Sequence[int], dataset_fn: DatasetFn, *,
-               rounds: int, clients_per_round: int, seed: int,
-               round_offset: int = 0,
-               log_fn: Optional[Callable[[str], None]] = None):
-  """Runs `rounds` rounds of `process`, cohorts drawn among `clients` only.
-
-  Round r (absolute number `round_offset + r`) samples
-  `min(clients_per_round, len(clients))` of `clients` with
-  `training_loop.sample_clients(len(clients), ..., round, seed)`.
-
-  Returns:
-    `(state, participations, metrics)`: the final server state, a Counter
-    client -> rounds it took part in, and the per-round training metrics.
-  """
-  clients = list(clients)
-  if not clients:
-    raise ValueError('run_rounds needs at least one client')
-  if rounds < 0 or clients_per_round < 1:
-    raise ValueError(f'rounds must be >= 0 and clients_per_round >= 1, got '
-                     f'{rounds}, {clients_per_round}')
-  cohort_size = min(clients_per_round, len(clients))
-  participations = collections.Counter()
-  history = []
-  for r in range(round_offset, round_offset + rounds):
-    cohort = [clients[i] for i in training_loop.sample_clients(
-        len(clients), cohort_size, r, seed)]
-    data = [dataset_fn(c, r) for c in cohort]
-    states = [_empty_client_state() for _ in cohort]
-    state, _, metrics = process.next(state, states, data)
-    participations.update(cohort)
-    flat = training_loop.flatten_metrics(metrics)
-    history.append(flat)
-    if log_fn is not None:
-      loss = flat.get('train/loss')
-      log_fn(f'round {r}: {len(cohort)} clients, train loss '
-             f'{loss if loss is None else round(float(loss), 4)}')
-  return state, participations, history
-
-
-def fine_tune_group(process: process_lib.StatefulClientProcess,
-                    initial_weights: ModelWeights,
-                    clients: Sequence[int], dataset_fn: DatasetFn, *,
-                    rounds: int, clients_per_round: int, seed: int,
-                    log_fn=None):
-  """Algorithm 2 for one group: T_g rounds from `initial_weights`.
-
-  A new server state (`process.initialize()`: fresh FedAdam moments) takes
-  the given weights; rounds are numbered from 0 and cohorts come only from
-  `clients`. Returns `(group weights, participations, metrics)`.
-  """
-  state = process.set_model_weights(process.initialize(), initial_weights)
-  state, participations, history = run_rounds(
-      process, state, clients, dataset_fn, rounds=rounds,
-      clients_per_round=clients_per_round, seed=seed, log_fn=log_fn)
-  return process.get_model_weights(state), participations, history
-
-
-def fine_tune_groups(process: process_lib.StatefulClientProcess,
-                     initial_weights: ModelWeights,
-                     groups: Mapping[str, Sequence[int]],
-                     dataset_fn: DatasetFn, *, rounds: int,
-                     clients_per_round: int, seed: int, log_fn=None):
-  """`fine_tune_group` for every group; `{group: (weights, participations)}`.
-
-  Groups must be disjoint (a client belongs to one group).
-  """
-  seen = set()
-  for name, members in groups.items():
-    overlap = seen & set(members)
-    if overlap:
-      raise ValueError(f'group {name!r} shares clients {sorted(overlap)[:5]} '
-                       'with another group')
-    seen |= set(members)
-  out = {}
-  for name, members in groups.items():
-    log = None if log_fn is None else (lambda s, n=name: log_fn(f'[{n}] {s}'))
-    weights, participations, _ = fine_tune_group(
-        process, initial_weights, members, dataset_fn, rounds=rounds,
-        clients_per_round=clients_per_round, seed=seed, log_fn=log)
-    out[name] = (weights, participations)
-  return out
 
 
 def _data_type(model_fn):

@@ -455,7 +455,7 @@ def run_training(
           lambda v, r: release(v, r, eval_release))
       flat_eval = flatten_metrics(eval_metrics)
       shown = ', '.join(f'{k} {v:.4f}' for k, v in flat_eval.items()
-                        if k in ('f1', 'accuracy', 'auc'))
+                        if k in ('f1', 'accuracy', 'auc', 'perplexity'))
       line += f' | eval {shown}'
     log_fn(line)
 
