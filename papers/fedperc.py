@@ -20,15 +20,18 @@ Tables (each row a `--algorithm` value):
   own show's context and moved to the other's, from the trained `fedperc`
   model; written to `<root>/tables/fedperc/table4.md`.
 
-Training (section 4, Appendix B): 10 local steps of 15 sampled utterances
-per client per round, local Adam lr 1e-3, FedProx mu = 1, server update =
-the averaged delta (Algorithm 1; `--fedperc_server_optimizer=adam` for
-Appendix B's Adam lr 1). One training per (variant, seed) serves both tables:
+Training (section 4, Appendix B) runs on the one run path: one
+`run_experiment` of the variant's registered algorithm on the `tv_shows`
+task (`train_config`): 10 local steps of 15 sampled utterances per client
+per round, local Adam lr 1e-3, FedProx mu = 1, server update = the averaged
+delta (Algorithm 1; `--fedperc_server_optimizer=adam` for Appendix B's Adam
+lr 1). One training per (variant, seed) serves both tables:
 it runs on the users that are not withheld (`tasks/tv_shows.py`), so the
 known-user table is over the 15 trained users and the withheld-user table
 over the 4 withheld ones (the paper trains twice; this halves the CPU cost).
-`fedperc` and `fedperc_frozen` share one training. The trained state is
-cached under `<root>/runs/fedperc/_trained/<digest of the paper's flags>/`.
+`fedperc` and `fedperc_frozen` share one training. The run (checkpoints,
+client-state store, metrics) lives under
+`<root>/runs/fedperc/_trained/<digest of the paper's flags>/<variant>_seed<n>/`.
 
 Test time: `fine_tune` methods take `--fedperc_fine_tune_steps` (15, as
 Appendix B) local Adam steps (lr 1e-3) on their adaptable variables, each on
@@ -46,6 +49,7 @@ initialisation).
 from __future__ import annotations
 
 import collections
+import csv
 import hashlib
 import json
 import os
@@ -60,11 +64,16 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tasks import tv_shows
+from tasks import tv_shows_task
 from tff_personal import atomic_io
+from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.algorithms import fedperc as fedperc_alg
+from tff_personal.algorithms import registry
+from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
+from tff_personal.core import training_loop
 from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc
 from tff_personal.models import fedperc_backbone
@@ -292,77 +301,88 @@ def _root(out_dir: str) -> str:
 # ------------------------------------------------------------ training
 
 
-def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-  with atomic_io.atomic_write(path, 'wb') as f:
-    np.savez(f, **arrays)
+
+def _method_of(variant: str) -> str:
+  """The registered algorithm that trains `variant` (the first listed)."""
+  return next(m for m in METHODS
+              if fedperc_alg.algorithm(m).variant == variant)
+
+
+def task_of(flag_values, seed: int) -> tv_shows_task.TvShowsTask:
+  """The `tv_shows` task under the paper's flags (users from `_users`)."""
+  return tv_shows_task.TvShowsTask(
+      _spec(flag_values), _users(flag_values, seed),
+      max_tokens=flag_values.fedperc_max_tokens,
+      local_steps=flag_values.fedperc_local_steps,
+      batch_size=flag_values.fedperc_batch_size,
+      generator_tokens=flag_values.fedperc_generator_tokens, seed=seed)
+
+
+def train_config(variant: str, flag_values, seed: int,
+                 cache_dir: str) -> experiment.ExperimentConfig:
+  """The one-path run that trains `variant` (section 4, Appendix B)."""
+  method = _method_of(variant)
+  options = {'proximal_mu': flag_values.fedperc_proximal_mu}
+  if 'fine_tune_steps' in registry.algorithm_options(method):
+    options['fine_tune_steps'] = flag_values.fedperc_fine_tune_steps
+  return experiment.ExperimentConfig(
+      algorithm=method, rounds=flag_values.fedperc_rounds,
+      clients_per_round=min(flag_values.fedperc_clients_per_round,
+                            len(tv_shows.training_users(withheld=True))),
+      root_output_dir=cache_dir, experiment_name=f'{variant}_seed{seed}',
+      client_optimizer='adam',
+      client_learning_rate=flag_values.fedperc_client_learning_rate,
+      server_optimizer=flag_values.fedperc_server_optimizer,
+      server_learning_rate=flag_values.fedperc_server_learning_rate,
+      algorithm_options=options, seed=seed, resume=True)
 
 
 def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
-  """Trains one variant on the non-withheld users; cached on disk.
+  """Trains one variant on the non-withheld users on the one run path.
 
-  Returns dict(weights=ModelWeights (numpy), states={user: private tuple},
-  seconds=..., train_loss=[...]).
+  One `run_experiment` of the variant's registered algorithm on the
+  `tv_shows` task (`train_config`, in `cache_dir`, itself keyed by the
+  digest of the paper's flags); a killed run resumes, a finished one is
+  read back. Returns dict(weights=ModelWeights (numpy), states={user:
+  private tuple}, seconds=the rounds' wall time, train_loss=[per round]).
   """
-  path = os.path.join(cache_dir, f'{variant}_seed{seed}.npz')
-  spec = _spec(flag_values)
-  config = _config(variant, flag_values)
-  weights, private = fedperc_alg.initial_weights(spec, config, seed)
-  if os.path.exists(path):
-    data = np.load(path)
-    trainable = tuple(data[f'w{i}'] for i in range(len(weights.trainable)))
-    states = {u: tuple(data[f'{u}|{i}'] for i in range(len(private)))
-              for u in tv_shows.training_users(True)}
-    meta = json.loads(str(data['meta']))
-    return dict(weights=weights._replace(trainable=trainable), states=states,
-                **meta)
-  users = _users(flag_values, seed)
-  process = fedperc_alg.build_process(
-      spec, config, client_learning_rate=flag_values.fedperc_client_learning_rate,
-      server_optimizer=flag_values.fedperc_server_optimizer,
-      server_learning_rate=flag_values.fedperc_server_learning_rate,
-      proximal_mu=flag_values.fedperc_proximal_mu, seed=seed)
-  names = tv_shows.training_users(withheld=True)
-  states = {u: fedperc_alg.initial_client_state(private) for u in names}
-  losses = []
-  start = time.perf_counter()
-  with runtime.local_runtime():
-    state = process.initialize()
-    for r in range(flag_values.fedperc_rounds):
-      rng = np.random.default_rng([seed, r])
-      cohort = sorted(rng.choice(
-          len(names), min(flag_values.fedperc_clients_per_round, len(names)),
-          replace=False))
-      cohort = [names[i] for i in cohort]
-      data = [tv_shows.round_dataset(
-          users[u].splits['train'], steps=flag_values.fedperc_local_steps,
-          batch_size=flag_values.fedperc_batch_size,
-          rng=np.random.default_rng([seed, r, names.index(u)]))
-              for u in cohort]
-      state, new_states, metrics = process.next(
-          state, [states[u] for u in cohort], data)
-      for u, s in zip(cohort, new_states):
-        states[u] = s
-      losses.append(float(metrics['train']['loss']))
-      print(f'fedperc {variant} seed {seed} round {r + 1}: '
-            f'loss {losses[-1]:.3f}', flush=True)
-  seconds = time.perf_counter() - start
+  task = task_of(flag_values, seed)
+  config = train_config(variant, flag_values, seed, cache_dir)
+  if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
+    with runtime.local_runtime():
+      experiment.run_experiment(
+          task, config, log_fn=lambda s: print(
+              f'fedperc {variant} seed {seed}: {s}', flush=True))
+  process = experiment.build_process(task, config)
+  state = training_loop.load_checkpoint(process, config.experiment_dir,
+                                        config.rounds)
   trained = process.get_model_weights(state)
-  trainable = tuple(np.asarray(w) for w in trained.trainable)
-  for a, b in zip(trained.non_trainable, weights.non_trainable):
-    if not np.array_equal(np.asarray(a), b):
+  initial = process.get_model_weights(process.initialize())
+  for a, b in zip(trained.non_trainable, initial.non_trainable, strict=True):
+    if not np.array_equal(np.asarray(a), np.asarray(b)):
       raise AssertionError('the frozen backbone changed during training')
-  private_states = {u: tuple(np.asarray(p) for p in s[
-      process_lib.CLIENT_STATE_PRIVATE]) for u, s in states.items()}
-  meta = dict(seconds=seconds, train_loss=losses)
-  arrays = {f'w{i}': w for i, w in enumerate(trainable)}
-  for u, p in private_states.items():
-    for i, v in enumerate(p):
-      arrays[f'{u}|{i}'] = v
-  arrays['meta'] = np.asarray(json.dumps(meta))
-  os.makedirs(cache_dir, exist_ok=True)
-  _save_npz(path, arrays)
-  return dict(weights=weights._replace(trainable=trainable),
-              states=private_states, **meta)
+  store = client_state_lib.make_store(
+      config.client_state_backend,
+      experiment.initial_client_state_fn(process, config),
+      population=task.population,
+      directory=os.path.join(config.experiment_dir, 'client_states'))
+  try:
+    store.restore(config.rounds)
+    loaded = store.load(list(range(task.population)))
+  finally:
+    store.close()
+  states = {name: tuple(np.asarray(p) for p in s[
+      process_lib.CLIENT_STATE_PRIVATE])
+            for name, s in zip(task.client_names, loaded)}
+  with open(os.path.join(config.experiment_dir, 'train_metrics.csv')) as f:
+    rows = sorted(csv.DictReader(f), key=lambda r: int(r['round']))
+  return dict(
+      weights=tff.learning.models.ModelWeights(
+          trainable=tuple(np.asarray(w) for w in trained.trainable),
+          non_trainable=tuple(np.asarray(w) for w in trained.non_trainable)),
+      states=states,
+      seconds=float(sum(float(r['round_seconds']) for r in rows)),
+      train_loss=[float(r['train/loss']) for r in rows])
 
 
 def dp_new_user_state(states: dict[str, tuple], flag_values,

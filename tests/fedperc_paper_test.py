@@ -1,8 +1,16 @@
 """The FedPerC paper module: what its cells share is keyed by its flags."""
 
+import collections
 import types
 
+import numpy as np
+
 from papers import fedperc as paper
+from tasks import tv_shows_task
+from tests import fedperc_testdata
+from tests import tv_shows_task_test
+from tff_personal import experiment
+from tff_personal.models import fedperc
 
 
 def _flags(**overrides):
@@ -27,3 +35,53 @@ def test_trained_models_are_shared_only_under_the_same_flags(tmp_path):
                       ('data_dir', '/elsewhere')):
     assert paper.trained_cache_dir(root, _flags(**{name: value})) != base, (
         name)
+
+
+def _tiny_flags(rounds=2, clients=15):
+  return _flags(fedperc_rounds=rounds, fedperc_clients_per_round=clients,
+                fedperc_local_steps=2, fedperc_batch_size=3,
+                fedperc_max_tokens=fedperc_testdata.MAX_TOKENS,
+                fedperc_generator_tokens=4, fedperc_proximal_mu=1.0,
+                fedperc_fine_tune_steps=2, fedperc_client_learning_rate=0.05,
+                fedperc_server_learning_rate=1.0)
+
+
+def test_training_is_the_registered_algorithm_on_the_one_path(
+    tmp_path, monkeypatch):
+  """`train` is one run of the registered algorithm on the tv_shows task:
+  its weights, private states and losses are those of the same process
+  driven by hand over the task's rounds (full cohorts), read back from the
+  run's checkpoint, store and metrics."""
+  task = tv_shows_task.TvShowsTask(
+      fedperc_testdata.spec(), tv_shows_task_test._users(),
+      max_tokens=fedperc_testdata.MAX_TOKENS, local_steps=2, batch_size=3,
+      generator_tokens=4, seed=0)
+  monkeypatch.setattr(paper, 'task_of', lambda flag_values, seed: task)
+  flags = _tiny_flags()
+  trained = paper.train(fedperc.EMBEDDING, flags, 0, str(tmp_path))
+  again = paper.train(fedperc.EMBEDDING, flags, 0, str(tmp_path))  # Read back.
+  config = paper.train_config(fedperc.EMBEDDING, flags, 0, str(tmp_path))
+  assert config.algorithm == 'fedperc'
+  assert config.algorithm_options == {'proximal_mu': 1.0,
+                                      'fine_tune_steps': 2}
+  process = experiment.build_process(task, config)
+  state = process.initialize()
+  states = [collections.OrderedDict(
+      private=process.initial_private, rounds_participated=np.int32(0))
+            for _ in range(task.population)]
+  losses = []
+  for r in (1, 2):
+    state, states, metrics = process.next(
+        state, states, task.train_datasets(range(task.population), r))
+    losses.append(float(metrics['train']['loss']))
+  want = process.get_model_weights(state)
+  for got in (trained, again):
+    for x, y in zip(got['weights'].trainable, want.trainable, strict=True):
+      np.testing.assert_allclose(x, np.asarray(y), rtol=1e-5, atol=1e-6)
+    for name, s in zip(task.client_names, states, strict=True):
+      for x, y in zip(got['states'][name], s['private'], strict=True):
+        np.testing.assert_allclose(x, np.asarray(y), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got['train_loss'], losses, rtol=1e-5)
+  assert any(not np.allclose(x, y) for x, y in zip(
+      want.trainable, process.get_model_weights(
+          process.initialize()).trainable))

@@ -16,13 +16,13 @@ Algorithms (the `--algorithm` values of the FedPerC paper module):
 
 Every process is a `core.process.StatefulClientProcess` (TFF broadcast, any
 `tff.aggregators` factory, TFF's optimizer finalizer) whose client work is
-`models/fedperc_training.local_train`. `build_process` composes it from one
-TFF client work (the paper module's loop); `build_step_process` from a
-per-user client step (`fedperc_client_step_factory`), so it also runs
-sharded, and evaluates with `FedPercEvalModel` (test-time adaptation, then
-per-utterance NLL sums): that is what the registry's builders
-(`build_fedperc`, `build_fedperc_generated`, ...; model kind 'fedperc') give
-the one run path (`binaries.train --task=tv_shows`). The frozen backbone is the shared
+`models/fedperc_training.local_train` as a per-user client step
+(`fedperc_client_step_factory`, so it also runs sharded), built by
+`build_step_process`, and which evaluates with `FedPercEvalModel`
+(test-time adaptation, then per-utterance NLL sums): that is what the
+registry's builders (`build_fedperc`, `build_fedperc_generated`, ...; model
+kind 'fedperc') give the one run path (`binaries.train --task=tv_shows`,
+and the paper module's training). The frozen backbone is the shared
 *non-trainable* part of `ModelWeights`: it is broadcast, gets no update and
 the finalizer leaves it unchanged.
 
@@ -122,55 +122,6 @@ def initial_client_state(private) -> collections.OrderedDict:
       (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))])
 
 
-def build_server_optimizer(name: str, learning_rate: float):
-  if name == 'sgd':
-    return tff.learning.optimizers.build_sgdm(learning_rate)
-  if name == 'adam':
-    return tff.learning.optimizers.build_adam(learning_rate)
-  raise ValueError(f'server optimizer must be sgd or adam, got {name!r}')
-
-
-def build_process(spec: fedperc_backbone.BackboneSpec,
-                  config: fedperc.FedPercConfig, *,
-                  client_learning_rate: float = 1e-3,
-                  server_optimizer: str = 'sgd',
-                  server_learning_rate: float = 1.0,
-                  proximal_mu: float = 1.0,
-                  aggregator_factory=None,
-                  train_metrics: bool = True,
-                  seed: int = 0) -> process_lib.StatefulClientProcess:
-  """The FedPerC (or baseline) training process for `config.variant`."""
-  if proximal_mu < 0:
-    raise ValueError(f'proximal_mu must be >= 0, got {proximal_mu}')
-  if client_learning_rate <= 0 or server_learning_rate <= 0:
-    raise ValueError('learning rates must be positive')
-  model_fn = make_model_fn(spec, config, seed)
-  weights, private = initial_weights(spec, config, seed)
-  weights_type = process_lib.model_weights_type(weights)
-  state_type = client_state_type(private)
-  optimizer = tff.learning.optimizers.build_adam(client_learning_rate)
-
-  @tff.tensorflow.computation(weights_type, state_type,
-                              data_type(config.max_tokens))
-  def client_work(weights, client_state, dataset):
-    model = model_fn()
-    train = tf.function(lambda w, p, d: fedperc_training.local_train(
-        model, optimizer, w, p, d, proximal_mu))
-    update, weight, new_private, metrics = train(
-        weights, tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]),
-        dataset)
-    return process_lib.client_step_result(
-        update, weight, new_private, client_state, metrics)
-
-  return process_lib.compose_stateful_client_process(
-      initial_model_weights=weights, client_state_type=state_type,
-      client_work=client_work,
-      aggregator_factory=aggregator_factory or tff.aggregators.MeanFactory(),
-      server_optimizer=build_server_optimizer(server_optimizer,
-                                              server_learning_rate),
-      train_metrics=train_metrics)
-
-
 # ------------------------------------------------- the one run path
 
 # The eval batches' role feature: 0 for a fine-tuning utterance (read by the
@@ -268,6 +219,12 @@ class FedPercEvalModel:
 
   def predict(self, outputs: tf.Tensor) -> tf.Tensor:
     return outputs
+
+  def eval_output(self, batch, outputs: tf.Tensor) -> tf.Tensor:
+    """What evaluation reports per utterance (`SplitModel.eval_output`):
+    the scored rows themselves."""
+    del batch
+    return self.predict(outputs)
 
 
 def pooled_perplexity(per_client_outputs) -> collections.OrderedDict:
