@@ -8,7 +8,6 @@ import numpy as np
 from papers import fedperc as paper
 from tasks import tv_shows_task
 from tests import fedperc_testdata
-from tests import tv_shows_task_test
 from tff_personal import experiment
 from tff_personal.models import fedperc
 
@@ -53,7 +52,7 @@ def test_training_is_the_registered_algorithm_on_the_one_path(
   driven by hand over the task's rounds (full cohorts), read back from the
   run's checkpoint, store and metrics."""
   task = tv_shows_task.TvShowsTask(
-      fedperc_testdata.spec(), tv_shows_task_test._users(),
+      fedperc_testdata.spec(), fedperc_testdata.tv_show_users(),
       max_tokens=fedperc_testdata.MAX_TOKENS, local_steps=2, batch_size=3,
       generator_tokens=4, seed=0)
   monkeypatch.setattr(paper, 'task_of', lambda flag_values, seed: task)

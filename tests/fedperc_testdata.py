@@ -74,3 +74,17 @@ def eval_datasets(sizes) -> list:
     rows[fedperc_alg.ROLE] = (np.arange(n) >= n // 2).astype(np.int32)
     out.append(tf.data.Dataset.from_tensor_slices(rows).batch(4))
   return out
+
+
+def tv_show_users():
+  """Every user of the task with the tiny backbone's utterances."""
+  out = {}
+  for i, user in enumerate(tv_shows.USERS):
+    data = arrays(i % 2)
+    rows = np.random.default_rng(i).permutation(len(data['ids']))
+    parts = dict(train=rows[:4], fine_tune=rows[4:6], test=rows[6:])
+    out[user] = tv_shows.UserData(
+        user=user, context=i % 2,
+        splits={s: {k: v[idx] for k, v in data.items()}
+                for s, idx in parts.items()}, texts={})
+  return out

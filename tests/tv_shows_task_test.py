@@ -21,17 +21,7 @@ from tff_personal.models import fedperc_training
 
 
 def _users():
-  """Every user of the task with the tiny backbone's utterances."""
-  out = {}
-  for i, user in enumerate(tv_shows.USERS):
-    data = fedperc_testdata.arrays(i % 2)
-    rows = np.random.default_rng(i).permutation(len(data['ids']))
-    parts = dict(train=rows[:4], fine_tune=rows[4:6], test=rows[6:])
-    out[user] = tv_shows.UserData(
-        user=user, context=i % 2,
-        splits={s: {k: v[idx] for k, v in data.items()}
-                for s, idx in parts.items()}, texts={})
-  return out
+  return fedperc_testdata.tv_show_users()
 
 
 @pytest.fixture(scope='module')
