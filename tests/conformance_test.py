@@ -93,11 +93,15 @@ def _run(proc, client_states, sizes, rounds=2, typed=True,
 
 
 def _close(a, b, what):
+  """Equal up to float32 summation order. Adam's first steps divide by the
+  gradient's own scale, so an element whose gradient is near zero can move
+  by a few 1e-5 more in one form than in the other (seen on some CPUs'
+  oneDNN kernels); a wiring error moves weights by the learning rate."""
   flat_a, flat_b = tf.nest.flatten(a), tf.nest.flatten(b)
   assert len(flat_a) == len(flat_b), what
   for i, (x, y) in enumerate(zip(flat_a, flat_b)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4,
-                               atol=1e-5, err_msg=f'{what}: leaf {i}')
+                               atol=5e-5, err_msg=f'{what}: leaf {i}')
 
 
 def _check_new_clients(name, proc, tmp_path):

@@ -552,15 +552,23 @@ def run_experiment(task, config: ExperimentConfig,
       'eval': result.eval_metrics,
       **finals,
       'final_train_metrics': result.train_metrics,
-      'privacy': report,
-      'flags': flag_values if flag_values is not None else dataclasses.asdict(
-          config),
   }
+  return _write_summary(config, summary, report, flag_values, log_fn)
+
+
+def _write_summary(config: ExperimentConfig, summary: dict,
+                   report: Optional[dict], flag_values, log_fn) -> dict:
+  """Adds the privacy report and the flags, writes summary.json, logs the
+  privacy spent; returns the summary."""
+  summary = dict(summary, privacy=report, flags=(
+      flag_values if flag_values is not None else dataclasses.asdict(config)))
   training_loop.write_summary(
       os.path.join(config.experiment_dir, 'summary.json'), summary)
   if report is not None:
-    log_fn(f'privacy: epsilon={report["epsilon"]:.4g} delta={report["delta"]:.3g} '
-           f'({report["accountant"]}, {report["sampling"]} sampling, '
+    where = (' (the largest over groups)' if 'groups' in report else
+             f', {report["sampling"]} sampling')
+    log_fn(f'privacy: epsilon={report["epsilon"]:.4g}{where} '
+           f'delta={report["delta"]:.3g} ({report["accountant"]}, '
            f'noise_multiplier={report["noise_multiplier"]:.4g})')
     if 'personal_heads' in report:
       heads = report['personal_heads']
@@ -749,17 +757,8 @@ def _run_per_group(task, proc, config: ExperimentConfig, dp, groups,
       'test': None, 'test_fine_tuned': None, 'cold_start': None,
       'groups': per_group,
       'final_train_metrics': {},
-      'privacy': report,
-      'flags': flag_values if flag_values is not None else dataclasses.asdict(
-          config),
   }
-  training_loop.write_summary(
-      os.path.join(config.experiment_dir, 'summary.json'), summary)
-  if report is not None:
-    log_fn(f'privacy: epsilon={report["epsilon"]:.4g} (the largest over '
-           f'groups) delta={report["delta"]:.3g} ({report["accountant"]}, '
-           f'noise_multiplier={report["noise_multiplier"]:.4g})')
-  return summary
+  return _write_summary(config, summary, report, flag_values, log_fn)
 
 
 def _per_group_privacy(config: ExperimentConfig, dp, groups, noised,

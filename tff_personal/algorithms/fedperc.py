@@ -45,6 +45,7 @@ only.
 from __future__ import annotations
 
 import collections
+import inspect
 import dataclasses
 import math
 from typing import Callable, Optional
@@ -326,33 +327,26 @@ def _registered(name: str):
         fine_tune_optimizer=private_optimizer or client_optimizer,
         fine_tune_steps=fine_tune_steps)
 
-  if algo.adapt == 'fine_tune':
-    def builder(model_factory, *, client_optimizer, server_optimizer,
-                aggregator_factory=None, metrics_fn=None,
-                train_metrics: bool = True, seed: Optional[int] = None,
-                embedding_dim: int = 0, private_optimizer=None,
-                proximal_mu: float = 1.0, fine_tune_steps: int = 15):
-      return build(model_factory, client_optimizer=client_optimizer,
-                   server_optimizer=server_optimizer,
-                   aggregator_factory=aggregator_factory,
-                   metrics_fn=metrics_fn, train_metrics=train_metrics,
-                   seed=seed, embedding_dim=embedding_dim,
-                   private_optimizer=private_optimizer,
-                   proximal_mu=proximal_mu, fine_tune_steps=fine_tune_steps)
-  else:
-    def builder(model_factory, *, client_optimizer, server_optimizer,
-                aggregator_factory=None, metrics_fn=None,
-                train_metrics: bool = True, seed: Optional[int] = None,
-                embedding_dim: int = 0, private_optimizer=None,
-                proximal_mu: float = 1.0):
-      return build(model_factory, client_optimizer=client_optimizer,
-                   server_optimizer=server_optimizer,
-                   aggregator_factory=aggregator_factory,
-                   metrics_fn=metrics_fn, train_metrics=train_metrics,
-                   seed=seed, embedding_dim=embedding_dim,
-                   private_optimizer=private_optimizer,
-                   proximal_mu=proximal_mu, fine_tune_steps=1)
+  def builder(model_factory, *, client_optimizer, server_optimizer,
+              aggregator_factory=None, metrics_fn=None,
+              train_metrics: bool = True, seed: Optional[int] = None,
+              embedding_dim: int = 0, private_optimizer=None,
+              proximal_mu: float = 1.0, fine_tune_steps: int = 15):
+    return build(model_factory, client_optimizer=client_optimizer,
+                 server_optimizer=server_optimizer,
+                 aggregator_factory=aggregator_factory,
+                 metrics_fn=metrics_fn, train_metrics=train_metrics,
+                 seed=seed, embedding_dim=embedding_dim,
+                 private_optimizer=private_optimizer,
+                 proximal_mu=proximal_mu,
+                 fine_tune_steps=(fine_tune_steps
+                                  if algo.adapt == 'fine_tune' else 1))
 
+  if algo.adapt != 'fine_tune':  # No test-time steps: not an option.
+    signature = inspect.signature(builder)
+    builder.__signature__ = signature.replace(parameters=[
+        p for p in signature.parameters.values()
+        if p.name != 'fine_tune_steps'])
   builder.__name__ = builder.__qualname__ = f'build_{name}'
   builder.__doc__ = (
       f'`{name}` on a task\'s FedPerC model (`registry`\'s uniform signature).'
