@@ -49,8 +49,8 @@ def test_speaker_task_holds_out_cold_users():
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, 'friends')),
                     reason='shared data not found')
 def test_personalized_fl_cell_end_to_end(tmp_path):
-  # Users with at least 300 documents: 25 (23 warm, 2 cold), 3 rounds of an
-  # epoch (150 documents: 74 users, 7 rounds).
+  # Users with at least 300 documents (the most a user keeps): 25, of them
+  # 23 warm and 2 cold, so one epoch is 3 rounds (at 150: 74 users, 7).
   flag_values = types.SimpleNamespace(
       data_dir=DATA, seeds=1, furl_min_docs=_E2E_MIN_DOCS, furl_fl_epochs=1,
       furl_server_epochs=1, furl_client_learning_rate=3e-3,
