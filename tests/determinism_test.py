@@ -12,7 +12,6 @@ batch, in each schedule and decoder mode.
 """
 
 import collections
-import functools
 
 import numpy as np
 import pytest
@@ -59,10 +58,6 @@ def _fedperc_datasets(num=3, n=6):
           for d in fedperc_testdata.datasets([n] * num, 0)]
 
 
-# The two forms of one algorithm are adjacent tests: the sharded one wraps
-# the process the one-user-per-client test built (building is most of a
-# test's time; a built process is immutable).
-@functools.lru_cache(maxsize=1)
 def _build(name):
   optimizers = dict(
       client_optimizer=tff.learning.optimizers.build_adam(1e-2),
