@@ -2,22 +2,28 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from binaries import benchmark
+from tests import process_utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_small_run_writes_consistent_records(tmp_path):
+@pytest.fixture(scope='module')
+def binary():
+  """`python -m binaries.benchmark`, each run a process of its own forked
+  from one that imported the binary once (its runs are subprocesses)."""
+  with process_utils.ForkServer('binaries.benchmark', REPO) as server:
+    yield server
+
+
+def test_small_run_writes_consistent_records(binary, tmp_path):
   out = tmp_path / 'bench'
-  result = subprocess.run(
-      [sys.executable, '-m', 'binaries.benchmark', f'--output_dir={out}',
-       '--systems=global,keras_central', '--cohorts=4', '--rounds=2'],
-      cwd=REPO, capture_output=True, text=True, timeout=900)
+  result = binary.run(
+      [f'--output_dir={out}', '--systems=global,keras_central',
+       '--cohorts=4', '--rounds=2'], timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   records = json.loads((out / 'benchmark.json').read_text())
   assert [(r['name'], r['cohort']) for r in records] == [
@@ -56,10 +62,8 @@ def test_render_markdown_ratios():
   assert global_row.endswith('| 6.00x | 0.50x | - | 1/2 |')
 
 
-def test_unknown_system_is_a_usage_error(tmp_path):
-  result = subprocess.run(
-      [sys.executable, '-m', 'binaries.benchmark', f'--output_dir={tmp_path}',
-       '--systems=nope'], cwd=REPO, capture_output=True, text=True,
-      timeout=300)
+def test_unknown_system_is_a_usage_error(binary, tmp_path):
+  result = binary.run([f'--output_dir={tmp_path}', '--systems=nope'],
+                      timeout=300)
   assert result.returncode != 0
   assert 'unknown --systems' in result.stderr

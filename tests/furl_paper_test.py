@@ -12,6 +12,7 @@ from tasks import speaker_task
 from tff_personal import reporting
 
 DATA = os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data')
+_E2E_MIN_DOCS = 300
 
 
 def test_cells_skip_server_dp():
@@ -48,8 +49,10 @@ def test_speaker_task_holds_out_cold_users():
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, 'friends')),
                     reason='shared data not found')
 def test_personalized_fl_cell_end_to_end(tmp_path):
+  # Users with at least 300 documents (the most a user keeps): 25, of them
+  # 23 warm and 2 cold, so one epoch is 3 rounds (at 150: 74 users, 7).
   flag_values = types.SimpleNamespace(
-      data_dir=DATA, seeds=1, furl_min_docs=150, furl_fl_epochs=1,
+      data_dir=DATA, seeds=1, furl_min_docs=_E2E_MIN_DOCS, furl_fl_epochs=1,
       furl_server_epochs=1, furl_client_learning_rate=3e-3,
       furl_private_learning_rate=0.05,
       furl_server_learning_rate=3e-3, furl_target_epsilon=10.0,
@@ -67,7 +70,8 @@ def test_personalized_fl_cell_end_to_end(tmp_path):
     summary = json.load(f)
   assert summary['test_fine_tuned']['num_clients'] == (
       summary['test']['num_clients'])
-  task = furl._task(DATA, 0, 150)  # pylint: disable=protected-access
+  task = furl._task(DATA, 0, _E2E_MIN_DOCS)  # pylint: disable=protected-access
+  assert len(task.cold_client_ids) >= 1 and task.population > 10
   assert metrics['rounds'] == -(-task.population // 10)
   with np.load(os.path.join(out_dir, 'embeddings.npz')) as z:
     assert z['embeddings'].shape == (task.population, 32)

@@ -188,13 +188,18 @@ def test_noised_personal_heads_report_their_own_epsilon(tmp_path, mnist_dir):
     assert json.load(f)['config']['dp_personal_heads'] == 'noised'
 
 
+def _kill_values(out_dir, name, **extra):
+  return dict(task='mnist_preference', algorithm='global_plus',
+              data_dir=os.path.join(REPO, '..', 'shared', 'data', 'mnist'),
+              num_users=60, rounds=6, clients_per_round=8,
+              server_learning_rate=0.01, seed=7, root_output_dir=str(out_dir),
+              experiment_name=name, **extra)
+
+
 def _cmd(out_dir, name, extra=()):
-  return [sys.executable, '-m', 'binaries.train', '--task=mnist_preference',
-          '--algorithm=global_plus',
-          f'--data_dir={os.path.join(REPO, "..", "shared", "data", "mnist")}',
-          '--num_users=60', '--rounds=6', '--clients_per_round=8',
-          '--server_learning_rate=0.01', '--seed=7',
-          f'--root_output_dir={out_dir}', f'--experiment_name={name}', *extra]
+  return [sys.executable, '-m', 'binaries.train'] + [
+      f'--{k}={v}' for k, v in _kill_values(out_dir, name).items()] + list(
+          extra)
 
 
 def _run(cmd, timeout=300):
@@ -253,14 +258,19 @@ def _summary(out_dir, name):
 
 @pytest.fixture(scope='module')
 def straight_run(tmp_path_factory):
-  """One uninterrupted run; the store backend does not change the numbers."""
+  """One uninterrupted run of the binary's main, in this process (the
+  killed and the resumed run are processes of their own); the store
+  backend does not change the numbers."""
+  _parse_flags()
   out = tmp_path_factory.mktemp('straight')
-  _run(_cmd(out, 'straight', ['--client_state_backend=memory']))
+  with flagsaver.flagsaver(**_kill_values(out, 'straight',
+                                          client_state_backend='memory')):
+    assert train.main(['train']) == 0
   return _summary(out, 'straight')
 
 
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
-                                                   straight_run):
+                                                   straight_run, capsys):
   """The binary end to end: killed from outside, refused without --resume,
   resumed. (Every kill point on both stores: tests/fault_test.py.)"""
   del mnist_dir  # the subprocess reads ../shared/data/mnist itself
@@ -269,10 +279,13 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
   assert len(workers) == 1
   # The worker died with its parent (SIGKILL).
   assert process_utils.wait_dead(workers[0])
-  # Without --resume the existing run is refused, and left untouched.
-  refused = subprocess.run(_cmd(tmp_path, 'killed', extra), cwd=REPO,
-                           capture_output=True, text=True, timeout=300)
-  assert refused.returncode == 3 and '--resume' in refused.stderr
+  # Without --resume the existing run is refused (by the binary's main,
+  # here).
+  capsys.readouterr()
+  with flagsaver.flagsaver(**_kill_values(tmp_path, 'killed',
+                                          client_state_backend='sqlite')):
+    assert train.main(['train']) == 3
+  assert '--resume' in capsys.readouterr().err
   resumed = _run(_cmd(tmp_path, 'killed', extra + ['--resume']))
   assert 'resumed from round' in resumed.stdout
   straight, killed = straight_run, _summary(tmp_path, 'killed')
