@@ -311,6 +311,8 @@ def _damage(run_dir, backend, damage):
     # naming it); SQLite: the database fails to open.
     return ((training_loop.CheckpointError,
              client_state_lib.ClientStateStoreError), name)
+  if damage == 'no --resume':  # Nothing damaged: the flag is missing.
+    return (training_loop.CheckpointError, 'pass --resume')
   assert damage == 'edited record'
   path = os.path.join(run_dir, experiment.RUN_CONFIG_FILENAME)
   with open(path) as f:
@@ -324,18 +326,21 @@ def _damage(run_dir, backend, damage):
 @pytest.mark.parametrize('backend', BACKENDS)
 def test_a_killed_run_with_a_damaged_store_or_record_is_refused(
     killed, tmp_path, mnist_dir, backend):
-  """Deleted or corrupted client-state store, an edited run record: the
-  resume is refused naming the problem, and changes nothing."""
+  """Deleted or corrupted client-state store, an edited run record, or a
+  restart without --resume: refused naming the problem, changing nothing
+  (the SQLite database included: it is not opened)."""
   values, _, _ = killed[f'mid_round-{backend}']
   source = os.path.join(values['root_output_dir'], f'damaged-{backend}')
-  for damage in ('deleted store', 'corrupted store', 'edited record'):
-    run_dir = tmp_path / damage.replace(' ', '_')
+  for damage in ('deleted store', 'corrupted store', 'edited record',
+                 'no --resume'):
+    run_dir = tmp_path / damage.replace(' ', '_').replace('-', '')
     shutil.copytree(source, run_dir)
     error, message = _damage(str(run_dir), backend, damage)
     before = _digest(run_dir)
     with pytest.raises(error, match=message):
       _train_here(dict(values, root_output_dir=str(tmp_path),
-                       experiment_name=run_dir.name, resume=True), mnist_dir)
+                       experiment_name=run_dir.name,
+                       resume=damage != 'no --resume'), mnist_dir)
     assert _digest(run_dir) == before, damage
 
 

@@ -801,6 +801,13 @@ def _training_parts(task, proc, config: ExperimentConfig, dp, directory: str,
                                    getattr(task, 'wire_format', None))
   log_fn(f'simulation: {num_shards} shards per round' if num_shards else
          'simulation: one user per TFF client')
+  rounds = training_loop.checkpoint_rounds(directory)
+  if rounds and not config.resume:  # Before the store is opened: SQLite
+    # would fold a killed run's write-ahead log into the database.
+    raise training_loop.CheckpointError(
+        f'{os.path.join(directory, "checkpoints")} already holds checkpoints '
+        f'(rounds {rounds}); pass --resume to continue that run, or choose a '
+        'new --experiment_name. Nothing was changed.')
   _check_store_present(config, task.population, directory)
   store = client_state_lib.make_store(
       config.client_state_backend, initial_client_state_fn(proc, config),
