@@ -348,16 +348,18 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
   """
   task = task_of(flag_values, seed)
   config = train_config(variant, flag_values, seed, cache_dir)
-  if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
-    with runtime.local_runtime():
+  # Every TFF call (the read-back's too) in a runtime this program owns.
+  with runtime.local_runtime():
+    if not os.path.exists(os.path.join(config.experiment_dir,
+                                       'summary.json')):
       experiment.run_experiment(
           task, config, log_fn=lambda s: print(
               f'fedperc {variant} seed {seed}: {s}', flush=True))
-  process = experiment.build_process(task, config)
-  state = training_loop.load_checkpoint(process, config.experiment_dir,
-                                        config.rounds)
-  trained = process.get_model_weights(state)
-  initial = process.get_model_weights(process.initialize())
+    process = experiment.build_process(task, config)
+    state = training_loop.load_checkpoint(process, config.experiment_dir,
+                                          config.rounds)
+    trained = process.get_model_weights(state)
+    initial = process.get_model_weights(process.initialize())
   for a, b in zip(trained.non_trainable, initial.non_trainable, strict=True):
     if not np.array_equal(np.asarray(a), np.asarray(b)):
       raise AssertionError('the frozen backbone changed during training')
