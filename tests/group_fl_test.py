@@ -1,4 +1,5 @@
-"""Tests of group personalized FL: stages, group isolation, degenerate cases."""
+"""Tests of group personalized FL's building blocks: the task, perplexity,
+personalization at CLIENTS, costs (the one-path stages: group_stage_test)."""
 
 import collections
 import math
@@ -140,15 +141,13 @@ def test_perplexity_is_exp_of_keras_token_cross_entropy(task, fl_process):
       math.exp(nll / count), rel=1e-4)
 
 
-# ----------------------------------------------------------------- stages
+# ------------------------------------------------------- personalization
 
 
 def test_personalization_lowers_each_clients_training_loss(task,
                                                            fl_process):
-  groups = {g: task.clients_of(g) for g in task.group_names}
-  out = {sg.HISTORY: (fl_process.get_model_weights(fl_process.initialize()),)}
-  # Local personalization from the group model lowers each client's loss
-  # on its own training data (what it fine-tuned on).
+  """Local personalization (Algorithm 3) lowers each client's loss on its
+  own training data (what it fine-tuned on) and keeps a model per client."""
   wtype = fl_process.model_weights_type
   personalize = group_fl.build_local_personalization(
       task.model_fn, tff.learning.optimizers.build_sgdm(0.5), wtype)
@@ -156,8 +155,8 @@ def test_personalization_lowers_each_clients_training_loss(task,
                                           wtype)
   evaluate_personal = group_fl.build_lm_evaluation(
       task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
-  members = groups[sg.HISTORY]
-  start = out[sg.HISTORY][0]
+  members = task.clients_of(sg.HISTORY)
+  start = fl_process.get_model_weights(fl_process.initialize())
   kept = {}
   sums = group_fl.personalize_and_evaluate(
       personalize, evaluate_personal, start, members,
