@@ -56,7 +56,7 @@ import os
 import pickle
 import sys
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from absl import flags
 import numpy as np
