@@ -48,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from tasks import speaker_context_io
+from tff_personal.core import evaluation
 from tff_personal.models import word_lm
 
 COMEDY = 'comedy'
@@ -240,28 +241,21 @@ class ShakespeareGroupsTask:
     return out
 
   def evaluate(self, per_client_outputs, client_ids) -> dict:
-    """Pooled perplexity over every evaluated speech (`perplexity`), per
-    genre (`perplexity/<genre>`), and the evaluated clients and tokens.
+    """Pooled perplexity over every evaluated speech (`perplexity`, with
+    the tokens, the clients with a token and their mean perplexity:
+    `core/evaluation.pooled_perplexity`) and per genre
+    (`perplexity/<genre>`).
 
     `per_client_outputs[i]['outputs']` are the word LM's `per_example_nll`
     rows of client `client_ids[i]`.
     """
-    rows = {g: [] for g in self.group_names}
-    clients = {g: 0 for g in self.group_names}
-    for out, group in zip(per_client_outputs, self.groups(client_ids)):
-      r = np.asarray(out['outputs'], np.float64).reshape(-1, 2)
-      rows[group].append(r)
-      clients[group] += int(r[:, 1].sum() > 0)
-    every = [r for g in rows for r in rows[g]]
-    result = collections.OrderedDict(
-        perplexity=word_lm.pooled_perplexity(
-            np.concatenate(every) if every else np.zeros((0, 2))),
-        tokens=float(sum(r[:, 1].sum() for r in every)),
-        clients=sum(clients.values()))
+    result = evaluation.pooled_perplexity(per_client_outputs)
+    groups = self.groups(client_ids)
     for g in self.group_names:
-      if rows[g]:
-        result[f'perplexity/{g}'] = word_lm.pooled_perplexity(
-            np.concatenate(rows[g]))
+      outputs = [o for o, h in zip(per_client_outputs, groups) if h == g]
+      if outputs:
+        result[f'perplexity/{g}'] = evaluation.pooled_perplexity(
+            outputs)['perplexity']
     return result
 
 

@@ -515,12 +515,7 @@ def run_experiment(task, config: ExperimentConfig,
     del round_num
     return evaluate(state, eval_data_fn)
 
-  loop_config = training_loop.LoopConfig(
-      rounds=config.rounds, clients_per_round=config.clients_per_round,
-      population=population, experiment_dir=config.experiment_dir,
-      sampling=config.sampling, seed=config.seed,
-      checkpoint_every=config.checkpoint_every, eval_every=config.eval_every,
-      resume=config.resume, release_unnoised=releases_unnoised(config))
+  loop_config = _loop_config(config, config.experiment_dir, population)
   setup_seconds = time.perf_counter() - t_start
   try:
     result = training_loop.run_training(
@@ -576,6 +571,23 @@ def _write_summary(config: ExperimentConfig, summary: dict,
              f'delta={heads["delta"]:.3g} over at most {heads["passes"]} '
              'noised local passes per user (rdp, no subsampling)')
   return summary
+
+
+def _loop_config(config: ExperimentConfig, directory: str, population: int,
+                 rounds: int = 0, clients_per_round: int = 0,
+                 eval_every: Optional[int] = None) -> training_loop.LoopConfig:
+  """The loop's configuration of one run in `directory` (the experiment's,
+  an earlier stage's or a group's): the experiment's settings, with a
+  stage's own `rounds` and `clients_per_round` where given (0: the
+  experiment's)."""
+  return training_loop.LoopConfig(
+      rounds=rounds or config.rounds,
+      clients_per_round=clients_per_round or config.clients_per_round,
+      population=population, experiment_dir=directory,
+      sampling=config.sampling, seed=config.seed,
+      checkpoint_every=config.checkpoint_every,
+      eval_every=config.eval_every if eval_every is None else eval_every,
+      resume=config.resume, release_unnoised=releases_unnoised(config))
 
 
 GROUPS_DIRNAME = 'groups'
@@ -703,13 +715,7 @@ def _run_per_group(task, proc, config: ExperimentConfig, dp, groups,
 
       result = training_loop.run_training(
           train_proc, store=store, train_data_fn=train_data_fn,
-          config=training_loop.LoopConfig(
-              rounds=config.rounds, clients_per_round=config.clients_per_round,
-              population=len(members), experiment_dir=directory,
-              sampling=config.sampling, seed=config.seed,
-              checkpoint_every=config.checkpoint_every,
-              eval_every=config.eval_every, resume=config.resume,
-              release_unnoised=releases_unnoised(config)),
+          config=_loop_config(config, directory, len(members)),
           eval_fn=eval_fn, log_fn=glog, initial_state=initial_state)
     finally:
       store.close()
@@ -838,15 +844,9 @@ def _run_earlier_stages(task, staged: stages_lib.Staged,
     try:
       result = training_loop.run_training(
           train_proc, store=store, train_data_fn=train_data_fn,
-          config=training_loop.LoopConfig(
-              rounds=stage.rounds,
-              clients_per_round=(stage.clients_per_round or
-                                 config.clients_per_round),
-              population=task.population, experiment_dir=directory,
-              sampling=config.sampling, seed=config.seed,
-              checkpoint_every=config.checkpoint_every,
-              resume=config.resume,
-              release_unnoised=releases_unnoised(config)),
+          config=_loop_config(
+              config, directory, task.population, rounds=stage.rounds,
+              clients_per_round=stage.clients_per_round, eval_every=0),
           log_fn=stage_log, initial_state=state)
     finally:
       store.close()

@@ -55,6 +55,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
 from tff_personal.models import fedperc
 from tff_personal.models import fedperc_backbone
@@ -228,22 +229,8 @@ class FedPercEvalModel:
     return self.predict(outputs)
 
 
-def pooled_perplexity(per_client_outputs) -> collections.OrderedDict:
-  """Pooled perplexity exp(sum NLL / tokens) over every user's scored
-  tokens, the mean of the users' own perplexities, and the counts, from
-  `FedPercEvalModel` outputs."""
-  nll, tokens, per_user = 0.0, 0.0, []
-  for out in per_client_outputs:
-    rows = np.asarray(out['outputs'], np.float64).reshape(-1, 2)
-    user_nll, user_tokens = rows[:, 0].sum(), rows[:, 1].sum()
-    nll, tokens = nll + user_nll, tokens + user_tokens
-    if user_tokens:
-      per_user.append(float(np.exp(user_nll / user_tokens)))
-  return collections.OrderedDict(
-      perplexity=float(np.exp(nll / tokens)) if tokens else float('nan'),
-      perplexity_user_mean=float(np.mean(per_user)) if per_user
-      else float('nan'),
-      tokens=float(tokens), clients=len(per_user))
+# Pooled perplexity of `FedPercEvalModel` outputs (rows of NLL sum, tokens).
+pooled_perplexity = evaluation.pooled_perplexity
 
 
 def fedperc_client_step_factory(

@@ -120,6 +120,29 @@ def classification_metrics(per_client: Sequence[Mapping[str, Any]]
           'num_clients': len(per_client), 'num_examples': total}
 
 
+def pooled_perplexity(per_client_outputs) -> collections.OrderedDict:
+  """Perplexity of per-example (sum of token NLLs, number of tokens) rows.
+
+  `per_client_outputs[i]['outputs']` are client i's rows ([n, 2]; e.g. a
+  language model's `eval_fn`). Returns the pooled perplexity
+  exp(sum NLL / tokens) over every client's tokens, the mean of the
+  clients' own perplexities, the tokens and the clients with a token (NaN
+  perplexities when there is none).
+  """
+  nll, tokens, per_user = 0.0, 0.0, []
+  for out in per_client_outputs:
+    rows = np.asarray(out['outputs'], np.float64).reshape(-1, 2)
+    user_nll, user_tokens = rows[:, 0].sum(), rows[:, 1].sum()
+    nll, tokens = nll + user_nll, tokens + user_tokens
+    if user_tokens:
+      per_user.append(float(np.exp(user_nll / user_tokens)))
+  return collections.OrderedDict(
+      perplexity=float(np.exp(nll / tokens)) if tokens else float('nan'),
+      perplexity_user_mean=float(np.mean(per_user)) if per_user
+      else float('nan'),
+      tokens=float(tokens), clients=len(per_user))
+
+
 def binary_f1(labels: np.ndarray, predictions: np.ndarray) -> float:
   """F1 of the positive class; 0 when there are no true positives."""
   labels = np.asarray(labels).astype(bool)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import tensorflow as tf
 
 from tff_personal.models import split_model as split_model_lib
@@ -48,13 +47,19 @@ class WordLMConfig:
       raise ValueError('WordLMConfig.vocab_size must hold padding and a word')
 
 
-def token_nll_sums(batch, logits) -> tuple[tf.Tensor, tf.Tensor]:
-  """(sum of next-token negative log-likelihoods, number of real tokens)."""
+def _masked_nll(batch, logits) -> tuple[tf.Tensor, tf.Tensor]:
+  """[B, L] next-token NLLs with padding zeroed, and the [B, L] token mask."""
   labels = batch['y']
   mask = tf.cast(tf.not_equal(labels, PAD_ID), tf.float32)
   nll = tf.keras.losses.sparse_categorical_crossentropy(
       labels, logits, from_logits=True)
-  return tf.reduce_sum(nll * mask), tf.reduce_sum(mask)
+  return nll * mask, mask
+
+
+def token_nll_sums(batch, logits) -> tuple[tf.Tensor, tf.Tensor]:
+  """(sum of next-token negative log-likelihoods, number of real tokens)."""
+  nll, mask = _masked_nll(batch, logits)
+  return tf.reduce_sum(nll), tf.reduce_sum(mask)
 
 
 def _loss(batch, logits) -> tf.Tensor:
@@ -73,26 +78,12 @@ def per_example_nll(batch, logits) -> tf.Tensor:
   """float32 [n, 2]: each example's (sum of token NLLs, number of real tokens).
 
   What evaluation reports per speech (`SplitModel.eval_fn`): pooled over
-  speeches, clients or groups it gives a perplexity (`pooled_perplexity`).
+  speeches, clients or groups it gives a perplexity
+  (`core/evaluation.pooled_perplexity`).
   """
-  labels = batch['y']
-  mask = tf.cast(tf.not_equal(labels, PAD_ID), tf.float32)
-  nll = tf.keras.losses.sparse_categorical_crossentropy(
-      labels, logits, from_logits=True)
-  return tf.stack([tf.reduce_sum(nll * mask, axis=1),
-                   tf.reduce_sum(mask, axis=1)], axis=1)
-
-
-def pooled_perplexity(rows) -> float:
-  """exp(total NLL / total tokens) over `per_example_nll` rows ([n, 2]).
-
-  NaN when there is no token.
-  """
-  rows = np.asarray(rows, np.float64).reshape(-1, 2)
-  tokens = rows[:, 1].sum()
-  if tokens <= 0:
-    return float('nan')
-  return float(np.exp(rows[:, 0].sum() / tokens))
+  nll, mask = _masked_nll(batch, logits)
+  return tf.stack([tf.reduce_sum(nll, axis=1), tf.reduce_sum(mask, axis=1)],
+                  axis=1)
 
 
 def build_word_lm(config: WordLMConfig) -> split_model_lib.SplitModel:
