@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import os
 import shutil
@@ -80,6 +81,7 @@ from tff_personal.core import runtime
 from tff_personal.core import training_loop
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
+from tff_personal.models import feddva_recipes
 from tff_personal.models import feddva_training
 from tff_personal.models import pooled_vae
 
@@ -113,6 +115,8 @@ _VARIANT_NAMES = (
     ('mixture_kl', '{} mixture KL', '_{}_mixture_kl', '_{}mix'),
     ('constraint_weight', 'constraint weight {:g}', '_constraint_weight{:g}',
      '_cw{:g}'),
+    ('recipe', '{} recipe', '_{}_recipe', '_{}rec'),
+    ('ablate', 'without {}', '_without_{}', '_no{}'),
 )
 _LABEL, _FIGURE, _CACHE = 1, 2, 3
 
@@ -258,6 +262,18 @@ def define_flags():
          'R_c = KL(q||q(c)) + rho relu(xi + KL(q||p_bar_k) - KL(q||q(c))); '
          "1 is the paper's max form; rho > 1 enforces Inequation 5 as the "
          "authors' code does (cells get setting constraint_weight=rho).")
+  define_enum(
+      'feddva_recipe', 'paper', feddva_recipes.RECIPES,
+      "FedDVA's training recipe (models/feddva_recipes.py): 'paper', "
+      "'authors' (the authors' released code: three passes, local c prior, "
+      'KL floor, detached Eq. 26 reference, focal criterion, their weights; '
+      'cells get setting recipe=authors; their dims are 1: pass '
+      "--feddva_probe_dim=1) or 'sampled_mixture_kl' (the same cells as "
+      '--feddva_mixture_kl=sampled). It sets the loss and the schedule, so '
+      'the loss and schedule flags must keep their defaults.')
+  define('list', 'feddva_ablate', [],
+         "FedDVA: elements of the 'authors' recipe switched back to the "
+         "paper's (feddva_recipes.ELEMENTS; cells get setting ablate=a+b).")
   define('integer', 'feddva_checkpoint_every', 10,
          'FedDVA: checkpoint the FedDVA pre-training every this many rounds '
          '(0: never), so that a killed run resumes from its last checkpoint; '
@@ -306,6 +322,7 @@ def cells(table: str, f) -> list[reporting.Cell]:
   if not _constraint_weight(f) >= 0:
     raise ValueError('--feddva_constraint_weight must be >= 0, got '
                      f'{_constraint_weight(f)}')
+  _check_recipe(f)
   if getattr(f, 'feddva_checkpoint_every', 0) < 0:
     raise ValueError('--feddva_checkpoint_every must be >= 0, got '
                      f'{f.feddva_checkpoint_every}')
@@ -348,6 +365,52 @@ def _constraint_weight(f) -> float:
   return float(getattr(f, 'feddva_constraint_weight', 1.0))
 
 
+def _recipe(f) -> str:
+  """--feddva_recipe ('paper' where the flags predate it)."""
+  return getattr(f, 'feddva_recipe', 'paper')
+
+
+def _ablate(f) -> tuple[str, ...]:
+  """--feddva_ablate, sorted (() where the flags predate it)."""
+  return tuple(sorted(getattr(f, 'feddva_ablate', None) or ()))
+
+
+# The flags a recipe other than the paper's sets itself, with their defaults.
+_RECIPE_SETS = (('feddva_schedule', 'paper'), ('feddva_mixture_kl', 'bound'),
+                ('feddva_constraint_weight', 1.0), ('feddva_alpha', 1.0),
+                ('feddva_beta', 0.75), ('feddva_xi', None))
+
+
+def _check_recipe(f) -> None:
+  """Refuses a recipe beside the flags it sets, or a bad ablation."""
+  feddva_recipes.recipe(_recipe(f), _ablate(f))  # Names the bad input.
+  if _recipe(f) == 'paper':
+    return
+  clash = [name for name, default in _RECIPE_SETS
+           if getattr(f, name, default) != default]
+  if clash:
+    raise ValueError(
+        f'--feddva_recipe={_recipe(f)} sets the loss and the schedule; '
+        f'{", ".join("--" + c for c in clash)} must keep their defaults '
+        '(switch an element of the authors\' recipe off with '
+        '--feddva_ablate)')
+
+
+def _training(f):
+  """(LossConfig, schedule, resamples) of the FedDVA pre-training."""
+  if _recipe(f) == 'paper':
+    return (feddva_losses.LossConfig(
+        alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi,
+        mixture_kl=_mixture_kl(f), constraint_weight=_constraint_weight(f)),
+            _schedule(f), 1)
+  chosen = feddva_recipes.recipe(_recipe(f), _ablate(f))
+  return chosen.loss, chosen.schedule, chosen.resamples
+
+
+def _reconstruction(f) -> str:
+  return _training(f)[0].reconstruction
+
+
 def _marks(f) -> str:
   """--feddva_marks ('fixed' where the flags predate it)."""
   return getattr(f, 'feddva_marks', 'fixed')
@@ -356,7 +419,8 @@ def _marks(f) -> str:
 def _variant_setting(f) -> dict:
   """The setting keys of a FedDVA variant: any of {'decoder': 'shared'},
   {'schedule': 'reference'}, {'mixture_kl': 'sampled' or 'moment'},
-  {'constraint_weight': rho}; {} for the paper's
+  {'constraint_weight': rho}, {'recipe': 'authors'} and its
+  {'ablate': 'a+b'}; {} for the paper's
   FedDVA (so that cells run before these flags existed keep their
   identity)."""
   variant = {}
@@ -368,6 +432,12 @@ def _variant_setting(f) -> dict:
     variant['mixture_kl'] = _mixture_kl(f)
   if _constraint_weight(f) != 1.0:
     variant['constraint_weight'] = _constraint_weight(f)
+  if _recipe(f) == 'sampled_mixture_kl':
+    variant['mixture_kl'] = 'sampled'
+  elif _recipe(f) == 'authors':
+    variant['recipe'] = 'authors'
+    if _ablate(f):
+      variant['ablate'] = '+'.join(_ablate(f))
   return variant
 
 
@@ -585,13 +655,11 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
       meta = json.load(fh)
     return dict(encoders=encoders, decoders=decoders, **meta)
   config = _config(f, dim)
-  loss_config = feddva_losses.LossConfig(
-      alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi,
-      mixture_kl=_mixture_kl(f), constraint_weight=_constraint_weight(f))
+  loss_config, schedule, resamples = _training(f)
   process = feddva.build_feddva(
       config, loss_config, decoder_optimizer=_adam(f),
       encoder_optimizer=_adam(f), seed=seed, decoder=decoder,
-      schedule=_schedule(f))
+      schedule=schedule, resamples=resamples)
   _, decoder0 = feddva.initial_weights(config, seed)
   states = [feddva.initial_client_state(
       decoder0 if decoder == 'private' else ())
@@ -801,7 +869,9 @@ def _run_probe(cell, f, out_dir) -> dict:
     if mine.sum() < 2:
       continue
     decoder_k = feddva_model(config, pre['encoders'], pre['decoders'][k])
-    effects.append(decoder_effects(decoder_k.decode_mean, reps['z'][mine],
+    decode = functools.partial(decoder_k.decode_mean,
+                               reconstruction=_reconstruction(f))
+    effects.append(decoder_effects(decode, reps['z'][mine],
                                    reps['c'][mine], cell.seed))
   for name in ('c', 'z'):
     metrics[f'decoder_{name}_effect'] = (
@@ -1063,7 +1133,7 @@ def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:
     mu_z, _, _, _ = model.encode(task.clients[k].test_x[:size])
     z = np.repeat(mu_z.numpy(), len(c_columns), axis=0)
     c = np.tile(c_columns, (size, 1))
-    images = model.decode_mean(z, c).numpy()[..., 0]
+    images = model.decode_mean(z, c, _reconstruction(f)).numpy()[..., 0]
     grid = images.reshape(size, len(c_columns), 28, 28).transpose(
         0, 2, 1, 3).reshape(size * 28, len(c_columns) * 28)
     ax = axes[k // ncols][k % ncols]

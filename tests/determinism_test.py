@@ -24,6 +24,8 @@ from tff_personal.algorithms import feddva
 from tff_personal.algorithms import registry
 from tff_personal.core import sharded
 from tff_personal.models import feddva as feddva_lib
+from tff_personal.models import feddva_losses
+from tff_personal.models import feddva_recipes
 from tff_personal.models import feddva_training
 from tff_personal.models import fedembed_mnist
 
@@ -107,11 +109,17 @@ _FEDDVA = feddva_lib.FeddvaConfig(z_dim=2, c_dim=2, channels=(2, 2, 2, 3),
 
 
 @pytest.mark.parametrize('schedule, decoder', [
-    ('paper', 'private'), ('reference', 'private'), ('paper', 'shared')])
+    ('paper', 'private'), ('reference', 'private'), ('paper', 'shared'),
+    ('authors', 'private')])
 def test_feddva_round_twice_is_bit_identical(schedule, decoder):
   """FedDVA samples z and c every batch: its noise is seeded too."""
+  # The authors' schedule runs with the rest of their recipe, resampled.
+  authors = feddva_recipes.recipe('authors')
+  extra = (dict(resamples=2) if schedule == 'authors' else {})
   proc = feddva.build_feddva(
-      _FEDDVA, schedule=schedule, decoder=decoder, seed=4,
+      _FEDDVA, authors.loss if schedule == 'authors' else
+      feddva_losses.LossConfig(), **extra,
+      schedule=schedule, decoder=decoder, seed=4,
       decoder_optimizer=tff.learning.optimizers.build_adam(1e-2),
       encoder_optimizer=tff.learning.optimizers.build_adam(1e-2))
   _, decoder0 = feddva.initial_weights(_FEDDVA, seed=4)

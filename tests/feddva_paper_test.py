@@ -304,6 +304,41 @@ def test_variant_cells_carry_their_keys_and_have_table_columns(variant):
              & set(c.setting) for c in plain)
 
 
+def test_recipe_flags_mark_cells_and_refuse_the_flags_they_set():
+  authors = paper.cells('classification', _flags(
+      rounds=5, feddva_recipe='authors', feddva_ablate=['kl_floor',
+                                                        'c_prior']))
+  marked = {(c.method, c.setting['task']) for c in authors
+            if c.setting.get('recipe') == 'authors'
+            and c.setting.get('ablate') == 'c_prior+kl_floor'}
+  assert marked == {('probe', 'marked_mnist')} | {
+      ('feddva', t) for t in paper.TASK_NAMES}
+  column = paper.TABLES['probes'].column_for(authors[0].setting)
+  assert column is not None and 'authors recipe' in column.name
+  # The recipe 'sampled_mixture_kl' is the cells of --feddva_mixture_kl.
+  by_recipe = paper.cells('classification', _flags(
+      rounds=5, feddva_recipe='sampled_mixture_kl'))
+  by_flag = paper.cells('classification', _flags(
+      rounds=5, feddva_mixture_kl='sampled'))
+  assert [c.setting for c in by_recipe] == [c.setting for c in by_flag]
+  with pytest.raises(ValueError, match='--feddva_beta must keep'):
+    paper.cells('probes', _flags(feddva_recipe='authors', feddva_beta=0.5))
+  with pytest.raises(ValueError, match="only the 'authors' recipe"):
+    paper.cells('probes', _flags(feddva_ablate=['c_prior']))
+  with pytest.raises(ValueError, match='unknown FedDVA recipe elements'):
+    paper.cells('probes', _flags(feddva_recipe='authors',
+                                 feddva_ablate=['floor']))
+  # The pre-training cache keys apart the recipe and each ablation.
+  keys = {paper.pretrain_key('marked_mnist', 4, _run_flags(
+      '/unused', '/unused', feddva_schedule='paper', **extra), 8, 0)
+          for extra in ({}, dict(feddva_recipe='authors'),
+                        dict(feddva_recipe='authors',
+                             feddva_ablate=['c_prior']),
+                        dict(feddva_recipe='authors',
+                             feddva_ablate=['kl_floor']))}
+  assert len(keys) == 4
+
+
 def test_pretrain_key_changes_with_everything_training_depends_on():
   f = _run_flags('/unused', '/unused')
   base = paper.pretrain_key('marked_mnist', 4, f, 8, 0)

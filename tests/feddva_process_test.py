@@ -220,9 +220,9 @@ def test_shared_decoder_ablation_averages_the_decoder_weighted_by_data(
   """
   def fake_update(model, dec_opt, enc_opt, encoder_weights, decoder_weights,
                   dataset, loss_config, decoder_first=True, schedule='paper',
-                  seed=None):
+                  seed=None, resamples=1):
     del model, dec_opt, enc_opt, loss_config, decoder_first
-    assert schedule == 'paper' and seed.shape == [2]
+    assert schedule == 'paper' and seed.shape == [2] and resamples == 1
     total, count = dataset.reduce(
         (0.0, 0), lambda s, b: (s[0] + tf.reduce_sum(b['x']),
                                 s[1] + tf.shape(b['x'])[0]))

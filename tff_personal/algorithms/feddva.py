@@ -41,6 +41,7 @@ digit images (`binaries.train --task=marked_mnist --algorithm=feddva`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from typing import Optional
 
@@ -52,6 +53,7 @@ from tff_personal.core import process as process_lib
 from tff_personal.core import stages
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
+from tff_personal.models import feddva_recipes
 from tff_personal.models import feddva_training
 
 ModelWeights = tff.learning.models.ModelWeights
@@ -100,6 +102,7 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
                  decoder_first: bool = True,
                  decoder: str = 'private',
                  schedule: str = 'paper',
+                 resamples: int = 1,
                  ) -> process_lib.StatefulClientProcess:
   """The FedDVA process (defaults: appendix H's Adam lr 1e-3 on clients).
 
@@ -110,8 +113,10 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
   ablation of the module docstring: the server's trainable weights are the
   encoders followed by the decoder, all averaged; client state
   `initial_client_state(())`; `split_shared_weights` separates them).
-  `schedule`: 'paper' (Algorithm 1: decoder pass, then encoders pass) or
-  'reference' (the authors' code's three passes; `feddva_training`).
+  `schedule`: 'paper' (Algorithm 1: decoder pass, then encoders pass),
+  'reference' or 'authors' (the authors' code's three passes;
+  `feddva_training`). `resamples`: copies of each batch per local step
+  (`feddva_training`; `models/feddva_recipes.py` has whole recipes).
   `seed` seeds the initial weights and the clients' reparameterisation
   noise (`feddva_training.client_seed`): equal inputs give equal rounds.
   """
@@ -120,6 +125,8 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
   if schedule not in feddva_training.SCHEDULES:
     raise ValueError(f'schedule must be one of {feddva_training.SCHEDULES}, '
                      f'got {schedule!r}')
+  if resamples < 1:
+    raise ValueError(f'resamples must be >= 1, got {resamples}')
   decoder_optimizer = decoder_optimizer or _adam(1e-3)
   encoder_optimizer = encoder_optimizer or _adam(1e-3)
   server_optimizer = server_optimizer or tff.learning.optimizers.build_sgdm(1.0)
@@ -148,7 +155,8 @@ def build_feddva(config: feddva_lib.FeddvaConfig,
       update_fn = functools.partial(
           feddva_training.client_update, model, decoder_optimizer,
           encoder_optimizer, loss_config=loss_config,
-          decoder_first=decoder_first, schedule=schedule, seed=noise_seed)
+          decoder_first=decoder_first, schedule=schedule, seed=noise_seed,
+          resamples=resamples)
       if is_shared:
         encoders, broadcast_decoder = (trainable[:num_encoders],
                                        trainable[num_encoders:])
@@ -229,12 +237,22 @@ def build_feddva_algorithm(model_fn_factory, *,
                            train_metrics: bool = True,
                            seed: Optional[int] = None, embedding_dim: int = 0,
                            private_optimizer=None,
-                           pretrain_rounds: int = 30, dim: int = 8,
+                           pretrain_rounds: int = 30,
+                           recipe: str = 'paper', ablate: str = '',
+                           dim: Optional[int] = None,
                            channels: str = '16,16,32,32', hidden: int = 128,
-                           alpha: float = 1.0, beta: float = 0.75,
+                           alpha: Optional[float] = None,
+                           beta: Optional[float] = None,
                            xi: Optional[float] = None,
-                           mixture_kl: str = 'bound',
-                           schedule: str = 'paper', decoder: str = 'private'
+                           mixture_kl: Optional[str] = None,
+                           constraint_weight: Optional[float] = None,
+                           schedule: Optional[str] = None,
+                           c_prior: Optional[str] = None,
+                           kl_floor: Optional[float] = None,
+                           detach_reference: Optional[bool] = None,
+                           reconstruction: Optional[str] = None,
+                           resamples: Optional[int] = None,
+                           decoder: str = 'private'
                            ) -> stages.Staged:
   """FedDVA as the one run path runs it: two stages, one loop.
 
@@ -243,6 +261,12 @@ def build_feddva_algorithm(model_fn_factory, *,
   `build_feddva_classifier_process`, started from the pre-trained encoders
   (`with_encoders`), for the experiment's rounds; it is evaluated. Both
   stages' shared updates go through `aggregator_factory` (DP included).
+
+  The pre-training follows a recipe (`models/feddva_recipes.py`): 'paper',
+  'authors' (the authors' released code) or 'sampled_mixture_kl' (ours);
+  `ablate` switches named elements of the authors' recipe back to the
+  paper's, and every element option below left at None takes the recipe's
+  value. For example `--algorithm_options=recipe=authors,ablate=c_prior`.
 
   Args:
     model_fn_factory: unused: FedDVA builds its own models on the task's
@@ -254,11 +278,17 @@ def build_feddva_algorithm(model_fn_factory, *,
     embedding_dim: must be 0 (FedDVA's personal part is its decoder).
     private_optimizer: the decoders' (default `client_optimizer`).
     pretrain_rounds: rounds of the dual-VAE stage.
+    recipe: one of `feddva_recipes.RECIPES`.
+    ablate: '+'-separated elements (`feddva_recipes.ELEMENTS`) of the
+      authors' recipe to switch back to the paper's.
     dim: the sizes of z and of c.
     channels: the four convolutions' channels, comma-separated.
     hidden: the fully connected width.
-    alpha, beta, xi, mixture_kl: the loss (`feddva_losses.LossConfig`).
-    schedule: 'paper' or 'reference' (`feddva_training.SCHEDULES`).
+    alpha, beta, xi, mixture_kl, constraint_weight, c_prior, kl_floor,
+      detach_reference, reconstruction: the loss
+      (`feddva_losses.LossConfig`).
+    schedule: `feddva_training.SCHEDULES`.
+    resamples: copies of each batch per local step.
     decoder: 'private' (FedDVA) or 'shared' (the ablation).
 
   Returns:
@@ -273,15 +303,25 @@ def build_feddva_algorithm(model_fn_factory, *,
   except ValueError:
     raise ValueError('feddva channels must be comma-separated integers, got '
                      f'{channels!r}') from None
-  config = feddva_lib.FeddvaConfig(z_dim=dim, c_dim=dim, channels=widths,
+  base = feddva_recipes.recipe(
+      recipe, tuple(e for e in ablate.split('+') if e))
+  overrides = dict(alpha=alpha, beta=beta, xi=xi, mixture_kl=mixture_kl,
+                   constraint_weight=constraint_weight, c_prior=c_prior,
+                   kl_floor=kl_floor, detach_reference=detach_reference,
+                   reconstruction=reconstruction)
+  loss_config = dataclasses.replace(
+      base.loss, **{k: v for k, v in overrides.items() if v is not None})
+  size = base.dim if dim is None else dim
+  config = feddva_lib.FeddvaConfig(z_dim=size, c_dim=size, channels=widths,
                                    hidden=hidden)
   pretrain = build_feddva(
-      config, feddva_losses.LossConfig(alpha=alpha, beta=beta, xi=xi,
-                                       mixture_kl=mixture_kl),
+      config, loss_config,
       decoder_optimizer=private_optimizer or client_optimizer,
       encoder_optimizer=client_optimizer, server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
-      seed=seed, decoder=decoder, schedule=schedule)
+      seed=seed, decoder=decoder,
+      schedule=base.schedule if schedule is None else schedule,
+      resamples=base.resamples if resamples is None else resamples)
   classifier = build_feddva_classifier_process(
       config, client_optimizer=client_optimizer,
       server_optimizer=server_optimizer,

@@ -200,9 +200,11 @@ class FeddvaModel:
     return feddva_losses.feddva_loss(x, outputs, loss_config,
                                      self.config.c_dim)
 
-  def decode_mean(self, z, c):
-    """Pixel means (sigmoid of the logits) of p_k(x | z, c)."""
-    return tf.sigmoid(self.decoder([z, c], training=False))
+  def decode_mean(self, z, c, reconstruction: str = 'bernoulli'):
+    """The decoded image of p_k(x | z, c): the pixel means (sigmoid of the
+    logits) or, for the authors' `reconstruction='focal'`, tanh of them."""
+    return feddva_losses.decoder_mean(self.decoder([z, c], training=False),
+                                      reconstruction)
 
 
 def _normal(shape, seed):

@@ -73,6 +73,25 @@ Readings of the paper, written down here:
   cross-entropy summed over pixels), the usual MNIST VAE choice; one
   reparameterised sample of z and of c per example.
 
+The elements of the authors' released training recipe
+(`models/feddva_recipes.py` says which lines of their code each follows) are
+`LossConfig` fields, each off by default:
+
+* `kl_floor`: every closed-form KL adds this floor to the prior's variance,
+  0.5 sum[(mu_q - mu_p)^2 / (var_p + f) - (logvar_q - logvar_p)
+  + var_q / (var_p + f) - 1] (their Eq. 24 with f = 0.01). It is no longer
+  a KL for f > 0 (the log term keeps the unfloored variance), as theirs.
+* `detach_reference`: in Eq. 26's bound the reference side q_j gets no
+  gradient; only q_i, the posterior being regularised, moves.
+* `c_prior='local'`: the slack regularizer's prior is N(m, I), m the mean of
+  the batch's mu_c with no gradient, instead of q(c) = N(0, I); the hinge
+  still compares against KL(q || N(0, I)). So R_c = KL(q || N(m, I))
+  + rho relu(xi + KL(q || p_bar_k) - KL(q || N(0, I))).
+* `reconstruction='focal'`: their criterion, a focal loss of gamma
+  `focal_gamma` on a unit Gaussian likelihood of the decoder's tanh output:
+  per pixel -(1 - p)^gamma log p with log p = -(x_hat - x)^2 / 2
+  - log(2 pi) / 2, summed over pixels (`decoder_mean` gives x_hat).
+
 All terms are per example, summed over dimensions; the loss is their mean
 over the batch. Everything is closed form and differentiable; written by
 hand because tfp is not a dependency (the formulas are three lines each).
@@ -90,23 +109,49 @@ import tensorflow as tf
 # How KL(q(c|x,z) || p_bar_k(c)) is computed: 'bound' (the paper's Eq. 26),
 # 'sampled' or 'moment' (our variants; see the module docstring).
 MIXTURE_KL = ('bound', 'sampled', 'moment')
+# The likelihood: 'bernoulli' (sigmoid of the logits; the paper's MNIST
+# reading) or 'focal' (the authors' code's criterion on tanh of the logits).
+RECONSTRUCTIONS = ('bernoulli', 'focal')
+# The slack regularizer's prior on c: 'standard' (q(c) = N(0, I), Eq. 7) or
+# 'local' (N(batch mean of mu_c, I), the authors' code).
+C_PRIORS = ('standard', 'local')
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Eq. 4's weights. `xi=None` means the paper's default 8 x dim(c);
-  `mixture_kl` one of MIXTURE_KL; `constraint_weight` the weight rho of
-  Eq. 7's hinge against its slack regularizer (1: the paper's max form)."""
+  """Eq. 4's weights and the readings of its terms.
+
+  Attributes:
+    alpha: the weight of R_z.
+    beta: the weight of R_c.
+    xi: xi_k of Eq. 7; None means the paper's default 8 x dim(c).
+    mixture_kl: one of MIXTURE_KL.
+    constraint_weight: the weight rho of Eq. 7's hinge against its slack
+      regularizer (1 with `c_prior='standard'`: the paper's max form).
+    kl_floor: added to the prior's variance in every closed-form KL (0: the
+      true KL; the authors' code: 0.01).
+    detach_reference: Eq. 26's reference side q_j gets no gradient.
+    c_prior: one of C_PRIORS, the slack regularizer's prior.
+    reconstruction: one of RECONSTRUCTIONS.
+    focal_gamma: the focal loss's gamma (`reconstruction='focal'`).
+  """
   alpha: float = 1.0
   beta: float = 0.75
   xi: float | None = None
   mixture_kl: str = 'bound'
   constraint_weight: float = 1.0
+  kl_floor: float = 0.0
+  detach_reference: bool = False
+  c_prior: str = 'standard'
+  reconstruction: str = 'bernoulli'
+  focal_gamma: float = 5.0
 
   def __post_init__(self):
-    if self.mixture_kl not in MIXTURE_KL:
-      raise ValueError(f'mixture_kl must be one of {MIXTURE_KL}, got '
-                       f'{self.mixture_kl!r}')
+    for name, allowed in (('mixture_kl', MIXTURE_KL), ('c_prior', C_PRIORS),
+                          ('reconstruction', RECONSTRUCTIONS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f'{name} must be one of {allowed}, got '
+                         f'{getattr(self, name)!r}')
     if self.alpha < 0 or self.beta < 0:
       raise ValueError(f'alpha and beta must be >= 0, got alpha={self.alpha}, '
                        f'beta={self.beta}')
@@ -116,38 +161,70 @@ class LossConfig:
     if self.xi is not None and self.xi < 0:
       raise ValueError(f'xi must be >= 0 (or None for 8 x dim(c)), got '
                        f'{self.xi}')
+    if not self.kl_floor >= 0:
+      raise ValueError(f'kl_floor must be >= 0, got {self.kl_floor}')
+    if not self.focal_gamma >= 0:
+      raise ValueError(f'focal_gamma must be >= 0, got {self.focal_gamma}')
+    if self.mixture_kl == 'sampled' and (self.kl_floor or
+                                         self.detach_reference):
+      raise ValueError("kl_floor and detach_reference apply to closed-form "
+                       "KLs; mixture_kl='sampled' is a log-density estimate "
+                       'and takes neither')
+    if self.detach_reference and self.mixture_kl != 'bound':
+      raise ValueError("detach_reference is a reading of Eq. 26's bound; it "
+                       f"needs mixture_kl='bound', got {self.mixture_kl!r}")
 
   def xi_for(self, c_dim: int) -> float:
     return 8.0 * c_dim if self.xi is None else float(self.xi)
 
 
-def gaussian_kl(mu_q, logvar_q, mu_p, logvar_p):
+def gaussian_kl(mu_q, logvar_q, mu_p, logvar_p, floor: float = 0.0):
   """KL(N(mu_q, diag e^logvar_q) || N(mu_p, diag e^logvar_p)), Eq. 24.
 
-  Summed over the last axis; broadcasts over the leading ones.
+  Summed over the last axis; broadcasts over the leading ones. With
+  `floor` > 0, the authors' code's form: `floor` is added to the prior's
+  variance where it divides (module docstring).
   """
+  if floor:
+    var_p = tf.exp(logvar_p) + floor
+    return 0.5 * tf.reduce_sum(
+        tf.square(mu_q - mu_p) / var_p - (logvar_q - logvar_p)
+        + tf.exp(logvar_q) / var_p - 1.0, axis=-1)
   return 0.5 * tf.reduce_sum(
       tf.square(mu_q - mu_p) * tf.exp(-logvar_p)
       + tf.exp(logvar_q - logvar_p) - (logvar_q - logvar_p) - 1.0, axis=-1)
 
 
-def kl_to_standard_normal(mu, logvar):
-  """KL(N(mu, diag e^logvar) || N(0, I)) per example (Eq. 6)."""
+def kl_to_standard_normal(mu, logvar, floor: float = 0.0):
+  """KL(N(mu, diag e^logvar) || N(0, I)) per example (Eq. 6).
+
+  `floor` as in `gaussian_kl`.
+  """
+  if floor:
+    return gaussian_kl(mu, logvar, tf.zeros_like(mu), tf.zeros_like(logvar),
+                       floor)
   return 0.5 * tf.reduce_sum(
       tf.square(mu) + tf.exp(logvar) - logvar - 1.0, axis=-1)
 
 
-def mixture_kl_upper_bound(mu, logvar):
+def mixture_kl_upper_bound(mu, logvar, floor: float = 0.0,
+                           detach_reference: bool = False):
   """Eq. 26: for each i, mean_j KL(q_i || q_j) >= KL(q_i || mixture of q_j).
 
   Args:
     mu, logvar: [n, d] posterior parameters of the n samples of a client.
+    floor: as in `gaussian_kl` (0: Eq. 24's KL).
+    detach_reference: no gradient flows to the reference side q_j.
 
   Returns:
     [n] upper bounds of KL(q_i || (1/n) sum_j q_j).
   """
+  ref_mu, ref_logvar = mu, logvar
+  if detach_reference:
+    ref_mu, ref_logvar = tf.stop_gradient(mu), tf.stop_gradient(logvar)
   pairwise = gaussian_kl(mu[:, None, :], logvar[:, None, :],
-                         mu[None, :, :], logvar[None, :, :])  # [i, j]
+                         ref_mu[None, :, :], ref_logvar[None, :, :],
+                         floor)  # [i, j]
   return tf.reduce_mean(pairwise, axis=1)
 
 
@@ -176,11 +253,12 @@ def mixture_kl_sampled(c, mu, logvar):
   return own - (tf.reduce_logsumexp(cross, axis=1) - tf.math.log(n))
 
 
-def mixture_kl_moment(mu, logvar):
+def mixture_kl_moment(mu, logvar, floor: float = 0.0):
   """KL(q_i || N(m, diag s^2)), the Gaussian moment-matched to the mixture.
 
   Args:
     mu, logvar: [n, d] posterior parameters of the n samples of a client.
+    floor: as in `gaussian_kl`.
 
   Returns:
     [n] KLs to N(m, diag s^2), m = mean_j mu_j, s^2 = mean_j (sigma_j^2 +
@@ -190,26 +268,55 @@ def mixture_kl_moment(mu, logvar):
   m = tf.reduce_mean(mu, axis=0, keepdims=True)
   s2 = tf.reduce_mean(tf.exp(logvar) + tf.square(mu - m), axis=0,
                       keepdims=True)
-  return gaussian_kl(mu, logvar, m, tf.math.log(s2))
+  return gaussian_kl(mu, logvar, m, tf.math.log(s2), floor)
 
 
-def slack_regularizer(kl_prior, kl_mixture, xi, constraint_weight=1.0):
+def slack_regularizer(kl_prior, kl_mixture, xi, constraint_weight=1.0,
+                      kl_slack=None):
   """Eq. 7, element-wise.
 
-  With `constraint_weight` 1, the paper's max(xi + KL(q || p_bar_k),
-  KL(q || q(c))); otherwise KL(q || q(c)) + constraint_weight *
-  relu(xi + KL(q || p_bar_k) - KL(q || q(c))), which equals it at weight 1
-  (see the module docstring for this reading).
+  With `constraint_weight` 1 and no `kl_slack`, the paper's
+  max(xi + KL(q || p_bar_k), KL(q || q(c))); otherwise
+  kl_slack + constraint_weight * relu(xi + KL(q || p_bar_k) - KL(q || q(c))),
+  `kl_slack` defaulting to `kl_prior` (then it equals the max form at
+  weight 1; see the module docstring for both readings).
   """
-  if constraint_weight == 1.0:
+  if constraint_weight == 1.0 and kl_slack is None:
     return tf.maximum(xi + kl_mixture, kl_prior)
-  return kl_prior + constraint_weight * tf.nn.relu(xi + kl_mixture - kl_prior)
+  slack = kl_prior if kl_slack is None else kl_slack
+  return slack + constraint_weight * tf.nn.relu(xi + kl_mixture - kl_prior)
 
 
 def bernoulli_nll(x, logits):
   """-log p(x | logits) per example, summed over all non-batch axes."""
   nll = tf.nn.sigmoid_cross_entropy_with_logits(labels=x, logits=logits)
   return tf.reduce_sum(tf.reshape(nll, [tf.shape(nll)[0], -1]), axis=1)
+
+
+def focal_gaussian_nll(x, logits, gamma: float):
+  """The authors' code's focal criterion per example (module docstring).
+
+  Args:
+    x: images in [0, 1].
+    logits: the decoder's outputs; the reconstruction is tanh(logits).
+    gamma: the focal exponent (0: the unit Gaussian NLL).
+
+  Returns:
+    [n] sums over the non-batch axes of -(1 - p)^gamma log p per pixel.
+  """
+  diff = tf.tanh(logits) - x
+  log_p = -0.5 * tf.square(diff) - 0.5 * math.log(2.0 * math.pi)
+  per_pixel = -tf.pow(1.0 - tf.exp(log_p), gamma) * log_p
+  return tf.reduce_sum(tf.reshape(per_pixel, [tf.shape(per_pixel)[0], -1]),
+                       axis=1)
+
+
+def decoder_mean(logits, reconstruction: str = 'bernoulli'):
+  """The decoded image under `reconstruction`: sigmoid or tanh of logits."""
+  if reconstruction not in RECONSTRUCTIONS:
+    raise ValueError(f'reconstruction must be one of {RECONSTRUCTIONS}, got '
+                     f'{reconstruction!r}')
+  return tf.tanh(logits) if reconstruction == 'focal' else tf.sigmoid(logits)
 
 
 def feddva_loss(x, outputs, config: LossConfig, c_dim: int):
@@ -231,19 +338,30 @@ def feddva_loss(x, outputs, config: LossConfig, c_dim: int):
     (the fraction of the batch satisfying Inequation 5).
   """
   xi = config.xi_for(c_dim)
-  reconstruction = bernoulli_nll(x, outputs['logits'])
-  kl_z = kl_to_standard_normal(outputs['mu_z'], outputs['logvar_z'])
-  kl_c_prior = kl_to_standard_normal(outputs['mu_c'], outputs['logvar_c'])
-  if config.mixture_kl == 'sampled':
-    kl_c_mixture = mixture_kl_sampled(outputs['c'], outputs['mu_c'],
-                                      outputs['logvar_c'])
-  elif config.mixture_kl == 'moment':
-    kl_c_mixture = mixture_kl_moment(outputs['mu_c'], outputs['logvar_c'])
+  floor = config.kl_floor
+  if config.reconstruction == 'focal':
+    reconstruction = focal_gaussian_nll(x, outputs['logits'],
+                                        config.focal_gamma)
   else:
-    kl_c_mixture = mixture_kl_upper_bound(outputs['mu_c'],
-                                          outputs['logvar_c'])
+    reconstruction = bernoulli_nll(x, outputs['logits'])
+  kl_z = kl_to_standard_normal(outputs['mu_z'], outputs['logvar_z'], floor)
+  mu_c, logvar_c = outputs['mu_c'], outputs['logvar_c']
+  kl_c_prior = kl_to_standard_normal(mu_c, logvar_c, floor)
+  if config.mixture_kl == 'sampled':
+    kl_c_mixture = mixture_kl_sampled(outputs['c'], mu_c, logvar_c)
+  elif config.mixture_kl == 'moment':
+    kl_c_mixture = mixture_kl_moment(mu_c, logvar_c, floor)
+  else:
+    kl_c_mixture = mixture_kl_upper_bound(mu_c, logvar_c, floor,
+                                          config.detach_reference)
+  kl_slack = None
+  if config.c_prior == 'local':
+    local_mean = tf.stop_gradient(tf.reduce_mean(mu_c, axis=0,
+                                                 keepdims=True))
+    kl_slack = gaussian_kl(mu_c, logvar_c, local_mean,
+                           tf.zeros_like(local_mean), floor)
   r_c = slack_regularizer(kl_c_prior, kl_c_mixture, xi,
-                          config.constraint_weight)
+                          config.constraint_weight, kl_slack)
   per_example = reconstruction + config.beta * r_c + config.alpha * kl_z
   mean = tf.reduce_mean
   return collections.OrderedDict(

@@ -36,6 +36,17 @@ two:
 
 The update is the change of both encoders; the new decoder is the one after
 pass 3; metrics and the example weight are pass 3's.
+
+`schedule='authors'` is exactly the round of the authors' released client
+(`FedClientDVAUnsupervised.py`, `fit`): as 'reference', except that pass 1
+also reads c drawn from the prior (their decoder loop calls the model with
+`on_c=False`), so the c-encoder is not run until pass 3. 'reference' is our
+earlier reading (pass 1 on the encoders' c), kept for its recorded cells.
+
+`resamples=r > 1` feeds every batch r times over, tiled (the authors'
+`n_resamples`: each image gets r draws of z and c in one step, and the
+client's mixture of Eq. 26 is over the tiled batch); the example weight and
+the metrics count each image once.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ import tensorflow_federated as tff
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
 
-SCHEDULES = ('paper', 'reference')
+SCHEDULES = ('paper', 'reference', 'authors')
 METRIC_NAMES = ('loss', 'reconstruction', 'kl_z', 'r_c', 'kl_c_prior',
                 'kl_c_mixture', 'constraint_met')
 
@@ -83,11 +94,12 @@ def client_seed(seed: int, rounds_participated, dataset: tf.data.Dataset
 
 
 def _optimise(loss_fn, variables, optimizer, dataset, with_metrics: bool,
-              seed):
+              seed, resamples: int = 1):
   """One pass over `dataset` updating `variables` only.
 
   `loss_fn(x, seed)` returns the loss dict of `feddva_losses.feddva_loss`;
-  batch i gets the seed `stateless_fold_in(seed, i)`.
+  batch i gets the seed `stateless_fold_in(seed, i)`; with `resamples` > 1
+  the loss reads the batch tiled that many times (module docstring).
   """
   specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
 
@@ -95,8 +107,11 @@ def _optimise(loss_fn, variables, optimizer, dataset, with_metrics: bool,
     num_examples, sums, opt_state, step = state
     batch_seed = (None if seed is None else
                   tf.random.experimental.stateless_fold_in(seed, step))
+    x = batch['x']
+    if resamples > 1:
+      x = tf.tile(x, [resamples, 1, 1, 1])
     with tf.GradientTape() as tape:
-      losses = loss_fn(batch['x'], seed=batch_seed)
+      losses = loss_fn(x, seed=batch_seed)
     grads = tape.gradient(losses['loss'], variables)
     grads = tuple(tf.zeros_like(v) if g is None else g
                   for g, v in zip(grads, variables))
@@ -125,7 +140,7 @@ def client_update(model: feddva_lib.FeddvaModel,
                   encoder_weights, decoder_weights, dataset: tf.data.Dataset,
                   loss_config: feddva_losses.LossConfig,
                   decoder_first: bool = True,
-                  schedule: str = 'paper', seed=None):
+                  schedule: str = 'paper', seed=None, resamples: int = 1):
   """Algorithm 1's ClientUpdate; returns (update, weight, decoder, metrics).
 
   `seed`: the round's [2] integer noise seed (`client_seed`); pass k of
@@ -133,11 +148,13 @@ def client_update(model: feddva_lib.FeddvaModel,
 
   `decoder_first=False` swaps the passes (encoders, then decoder); it exists
   only for the test that the order matters. `schedule`: 'paper' (Algorithm
-  1's two passes) or 'reference' (the authors' code's three passes, module
-  docstring).
+  1's two passes), 'reference' or 'authors' (three passes, module
+  docstring). `resamples`: copies of each batch per step (module docstring).
   """
   if schedule not in SCHEDULES:
     raise ValueError(f'schedule must be one of {SCHEDULES}, got {schedule!r}')
+  if resamples < 1:
+    raise ValueError(f'resamples must be >= 1, got {resamples}')
   encoders = model.shared_variables
   decoder = model.decoder_variables
   _assign(encoders, encoder_weights)
@@ -147,27 +164,26 @@ def client_update(model: feddva_lib.FeddvaModel,
   if seed is not None:
     seeds = [tf.random.experimental.stateless_fold_in(seed, k)
              for k in range(3)]
-  if schedule == 'reference':
-    _optimise(full_loss, decoder, decoder_optimizer, dataset, False,
-              seeds[0])
-    _optimise(functools.partial(model.loss, loss_config=loss_config,
-                                c_from_prior=True),
-              model.encoder_z.trainable_variables, encoder_optimizer,
-              dataset, False, seeds[1])
-    num_examples, sums = _optimise(
+  optimise = functools.partial(_optimise, resamples=resamples)
+  prior_c_loss = functools.partial(model.loss, loss_config=loss_config,
+                                   c_from_prior=True)
+  if schedule in ('reference', 'authors'):
+    optimise(prior_c_loss if schedule == 'authors' else full_loss, decoder,
+             decoder_optimizer, dataset, False, seeds[0])
+    optimise(prior_c_loss, model.encoder_z.trainable_variables,
+             encoder_optimizer, dataset, False, seeds[1])
+    num_examples, sums = optimise(
         functools.partial(model.loss, loss_config=loss_config, stop_z=True),
         model.encoder_c.trainable_variables + decoder, encoder_optimizer,
         dataset, True, seeds[2])
   elif decoder_first:
-    _optimise(full_loss, decoder, decoder_optimizer, dataset, False,
-              seeds[0])
-    num_examples, sums = _optimise(full_loss, encoders, encoder_optimizer,
-                                   dataset, True, seeds[1])
+    optimise(full_loss, decoder, decoder_optimizer, dataset, False, seeds[0])
+    num_examples, sums = optimise(full_loss, encoders, encoder_optimizer,
+                                  dataset, True, seeds[1])
   else:
-    num_examples, sums = _optimise(full_loss, encoders, encoder_optimizer,
-                                   dataset, True, seeds[1])
-    _optimise(full_loss, decoder, decoder_optimizer, dataset, False,
-              seeds[0])
+    num_examples, sums = optimise(full_loss, encoders, encoder_optimizer,
+                                  dataset, True, seeds[1])
+    optimise(full_loss, decoder, decoder_optimizer, dataset, False, seeds[0])
   update = tuple(tf.subtract(a, b.read_value())
                  for a, b in zip(encoder_weights, encoders))
   new_decoder = tuple(v.read_value() for v in decoder)
