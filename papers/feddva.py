@@ -29,11 +29,25 @@
   `pretrain_rounds`; they are extra communication rounds the baselines do not
   get), and a 2-FC head on [mu_z; mu_c], tuned together by FedAvg.
 
+Every method trains on the one run path (`experiment.run_experiment`): the
+baselines are the registered `global` (FedAvg), `fedavg_ft` (its evaluation
+fine-tunes one local pass, the task's local epochs) and `ditto`, each run in
+its cell's directory; FedDVA is one run of the registered `feddva`
+algorithm per task, dims, variant and seed (`feddva_config`, under
+<root>/runs/_feddva/), whose 'pretrain' stage the probe cell reads and
+whose 'classifier' stage is the `feddva` classification cell, so a probe
+and a classification cell of the same dims share it. Every run is
+evaluated after every round (its eval_metrics.csv is the curve), resumes
+after a kill, and takes the run path's DP, store and sharding.
+
 All clients take part in every round (`--feddva_clients_per_round` samples a
 cohort instead). Local training is Adam (lr 1e-3, appendix H) for
 `feddva_local_epochs` epochs; server SGD lr 1 (FedAvg). Sizes, rounds and
 batch size are flags; the paper's are larger (200 rounds of 5 epochs, batch
-256); docs/papers/feddva.md states what was run.
+256); docs/papers/feddva.md states what was run. `--feddva_recipe` picks the
+FedDVA training recipe (`models/feddva_recipes.py`: the paper's, the
+authors' released code's, or our sampled mixture KL) and `--feddva_ablate`
+switches elements of the authors' back to the paper's.
 
 Figures (rebuilt after every cell into <root_output_dir>/figures/):
 `feddva_reconstructions.png` (per client: rows vary z, columns vary c, the
@@ -55,27 +69,23 @@ sample instead of Eq. 26's bound; ours) `_sampled_mixture_kl`, with
 
 from __future__ import annotations
 
-import asyncio
-import collections
+import csv
 import functools
 import json
 import os
-import shutil
 import time
 from typing import Any
 
 from absl import flags
 import numpy as np
-import tensorflow as tf
-import tensorflow_federated as tff
 
+from tasks import client_data_task
 from tasks import feddva_tasks
 from tff_personal import atomic_io
+from tff_personal import experiment
 from tff_personal import reporting
-from tff_personal.algorithms import ditto
 from tff_personal.algorithms import feddva
-from tff_personal.algorithms import fedavg_ft
-from tff_personal.core import evaluation
+from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
@@ -90,7 +100,8 @@ TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
 # Flags that the cells' settings carry (reporting.run_config leaves them out).
 SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule',
                  'feddva_marks', 'feddva_mixture_kl',
-                 'feddva_constraint_weight')
+                 'feddva_constraint_weight', 'feddva_recipe',
+                 'feddva_ablate')
 # Flags that change how a run is carried out, not what it computes
 # (reporting.run_config leaves them out, so changing one is not a conflict).
 OPERATIONAL_FLAGS = ('feddva_checkpoint_every',)
@@ -101,8 +112,7 @@ METHODS = ('fedavg', 'fedavg_ft', 'ditto', 'feddva')
 PROBE_METHODS = ('probe', 'probe_vae')
 DEFAULT_CLASS_ROUNDS = 20
 DEFAULT_VAE_ROUNDS = 30
-_PRETRAIN_DIRNAME = '_feddva_pretrain'
-_PROGRESS_DIRNAME = 'progress'
+_FEDDVA_DIRNAME = '_feddva'
 
 
 # A FedDVA variant's setting keys, in order, with how each value is named in
@@ -278,8 +288,6 @@ def define_flags():
          'FedDVA: checkpoint the FedDVA pre-training every this many rounds '
          '(0: never), so that a killed run resumes from its last checkpoint; '
          'a resumed run computes what an uninterrupted one does.')
-  define('integer', 'feddva_ft_epochs', 1,
-         'FedDVA: local fine-tuning epochs of fedavg_ft.')
   define('integer', 'feddva_clients_per_round', 0,
          'FedDVA: cohort size (0: every client every round).')
   define_enum(
@@ -498,10 +506,6 @@ def _config(f, dim: int) -> feddva_lib.FeddvaConfig:
       hidden=f.feddva_hidden)
 
 
-def _adam(f):
-  return tff.learning.optimizers.build_adam(f.feddva_learning_rate)
-
-
 def _root_of(out_dir: str) -> str:
   root = out_dir
   while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
@@ -514,99 +518,80 @@ def _write_json(path: str, value: Any) -> None:
     fh.write(json.dumps(value, indent=1, sort_keys=True))
 
 
-def _cohorts(num_clients: int, rounds: int, cohort: int, seed: int):
-  for r in range(rounds):
-    if cohort <= 0 or cohort >= num_clients:
-      yield list(range(num_clients))
-    else:
-      rng = np.random.default_rng([seed, r, 101])
-      yield sorted(rng.choice(num_clients, cohort, replace=False).tolist())
+def _cohort(f, num_clients: int) -> int:
+  """Clients per round: --feddva_clients_per_round, or every client."""
+  n = f.feddva_clients_per_round
+  return num_clients if n <= 0 or n >= num_clients else n
 
 
-def _train_data(task, clients, f, round_num, seed):
-  return [task.dataset(k, 'train', f.feddva_batch_size, f.feddva_local_epochs,
-                       shuffle_seed=seed * 100003 + round_num * 1009 + k)
-          for k in clients]
+def run_task(task: feddva_tasks.FeddvaTask, f, seed: int
+             ) -> client_data_task.ClientDataTask:
+  """`task`'s clients as the run path's Task (the same images), batched and
+  repeated by the FedDVA flags, classified by Appendix G's CNN."""
+  return client_data_task.from_feddva_task(
+      task.name, task, batch_size=f.feddva_batch_size,
+      local_epochs=f.feddva_local_epochs, seed=seed,
+      channels=tuple(int(c) for c in f.feddva_channels),
+      hidden=f.feddva_hidden)
 
 
-def _test_data(task):
-  return [task.dataset(k, 'test', 1024) for k in range(task.num_clients)]
+def _base_config(algorithm: str, task, f, seed: int, root_output_dir: str,
+                 experiment_name: str, options: dict
+                 ) -> experiment.ExperimentConfig:
+  """The classification rounds of `algorithm` on the one path: Adam on the
+  clients, FedAvg's server (SGD lr 1), evaluated after every round."""
+  return experiment.ExperimentConfig(
+      algorithm=algorithm, rounds=_class_rounds(f),
+      clients_per_round=_cohort(f, task.num_clients),
+      root_output_dir=root_output_dir, experiment_name=experiment_name,
+      client_optimizer='adam', client_learning_rate=f.feddva_learning_rate,
+      algorithm_options=options, seed=seed, eval_every=1,
+      checkpoint_every=max(1, int(getattr(f, 'feddva_checkpoint_every', 0)
+                                  or _class_rounds(f) + f.feddva_vae_rounds)),
+      resume=True)
 
 
-def _per_client_accuracy(outputs) -> list[float]:
-  return [float(np.mean(np.asarray(o['outputs']).argmax(-1)
-                        == np.asarray(o['labels']))) for o in outputs]
+def _feddva_options(f, dim: int) -> dict:
+  """The registered `feddva` algorithm's options under the paper's flags."""
+  options = dict(pretrain_rounds=f.feddva_vae_rounds, dim=dim,
+                 channels=','.join(str(c) for c in f.feddva_channels),
+                 hidden=f.feddva_hidden, decoder=_decoder(f),
+                 recipe=_recipe(f))
+  if _recipe(f) == 'paper':
+    options.update(alpha=float(f.feddva_alpha), beta=float(f.feddva_beta),
+                   xi=None if f.feddva_xi is None else float(f.feddva_xi),
+                   mixture_kl=_mixture_kl(f),
+                   constraint_weight=_constraint_weight(f),
+                   schedule=_schedule(f))
+  elif _ablate(f):
+    options['ablate'] = '+'.join(_ablate(f))
+  return options
 
 
-# ------------------------------------------------------------ FedDVA (VAE)
+def feddva_config(task, f, dim: int, seed: int, root: str
+                  ) -> experiment.ExperimentConfig:
+  """The one-path run of FedDVA on `task`: the `feddva` algorithm's
+  'pretrain' stage (`--feddva_vae_rounds` rounds of the dual VAE) and its
+  'classifier' stage (the classification rounds), in
+  <root>/runs/_feddva/<pretrain_key>_c<rounds>."""
+  name = (pretrain_key(task.name, task.num_clients, f, dim, seed)
+          + f'_c{_class_rounds(f)}')
+  return _base_config('feddva', task, f, seed,
+                      os.path.join(root, reporting.RUNS_DIRNAME,
+                                   _FEDDVA_DIRNAME),
+                      name, _feddva_options(f, dim))
 
 
-class _PretrainProgress:
-  """Round checkpoints of one FedDVA pre-training, so that a killed run
-  resumes where it stopped instead of from round 0.
+def _read_csv(path: str) -> list[dict]:
+  with open(path) as fh:
+    return sorted(csv.DictReader(fh), key=lambda r: int(r['round']))
 
-  The server state, every client's state (private decoders and rounds
-  participated) and the round are saved with TFF's
-  `tff.program.FileProgramStateManager` (an atomic directory rename per
-  version; the last two kept); the per-round training curve goes to a JSON
-  file written *before* the state, so it always has at least as many rounds
-  as the newest state and is cut back to it on restore. The data order, the
-  cohorts and the sampling noise depend only on the round, the client's
-  rounds participated and the seed, so a resumed run computes exactly what
-  an uninterrupted one does (tested). The directory lives inside the
-  pre-training's cache directory, whose name holds everything training
-  depends on, so a checkpoint is only ever resumed by the same training.
-  """
 
-  def __init__(self, directory: str):
-    self.directory = directory
-    self._manager = tff.program.FileProgramStateManager(
-        directory, keep_total=2, keep_first=False)
-    self._curve_path = os.path.join(directory, 'curve.json')
-
-  def restore(self, initial_state, initial_client_states):
-    """(rounds done, server state, client states, curve, seconds spent)."""
-    if not os.path.isdir(self.directory):
-      return 0, initial_state, initial_client_states, [], 0.0
-    versions = asyncio.run(self._manager.get_versions()) or []
-    if not versions:
-      return 0, initial_state, initial_client_states, [], 0.0
-    done = max(versions)
-    try:
-      saved = asyncio.run(self._manager.load(done, {
-          'server_state': initial_state, 'round_num': 0,
-          'client_states': list(initial_client_states), 'seconds': 0.0}))
-      with open(self._curve_path) as fh:
-        curve = json.load(fh)
-    except Exception as e:  # pylint: disable=broad-except
-      raise training_loop.CheckpointError(
-          f'FedDVA pre-training checkpoint of round {done} in '
-          f'{self.directory} cannot be read ({type(e).__name__}: {e}). '
-          'Nothing was changed; remove that directory to train from round '
-          '0.') from e
-    if int(saved['round_num']) != done or len(curve) < done:
-      raise training_loop.CheckpointError(
-          f'FedDVA pre-training checkpoint in {self.directory} is '
-          f'inconsistent (version {done} holds round {saved["round_num"]}, '
-          f'curve has {len(curve)} rounds). Nothing was changed; remove '
-          'that directory to train from round 0.')
-    return (done, saved['server_state'], list(saved['client_states']),
-            curve[:done], float(saved['seconds']))
-
-  def save(self, rounds_done: int, state, client_states, curve,
-           seconds: float) -> None:
-    os.makedirs(self.directory, exist_ok=True)
-    _write_json(self._curve_path, curve)  # First: never shorter than state.
-    asyncio.run(self._manager.save({
-        'server_state': tf.nest.map_structure(np.asarray, state),
-        'round_num': rounds_done,
-        'client_states': [tf.nest.map_structure(np.asarray, s)
-                          for s in client_states],
-        'seconds': float(seconds)}, rounds_done))
-
-  def remove(self) -> None:
-    if os.path.isdir(self.directory):
-      shutil.rmtree(self.directory)
+def _train(task, config, log_fn) -> None:
+  """Runs `config` unless it finished (summary.json); a killed run resumes
+  from its checkpoints. Call inside a runtime this program owns."""
+  if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
+    experiment.run_experiment(task, config, log_fn=log_fn)
 
 
 def pretrain_key(task_name: str, num_clients: int, f, dim: int,
@@ -628,94 +613,69 @@ def pretrain_key(task_name: str, num_clients: int, f, dim: int,
 
 
 def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
-  """FedDVA on `task`, cached under <root>/runs/_feddva_pretrain/...
+  """FedDVA on `task` on the one path (`feddva_config`), run or read back.
 
-  With `--feddva_checkpoint_every` > 0 the training saves a round checkpoint
-  in the cache directory (`_PretrainProgress`) and, if killed, the next call
-  resumes from it.
+  A killed run resumes from its last checkpoint (`--feddva_checkpoint_every`
+  rounds). The pre-trained model is read from the 'pretrain' stage's final
+  checkpoint and client-state store once, and kept beside the run
+  (`pretrained.npz`, `pretrained.json`), so later reads need no TFF. Call
+  inside a runtime this program owns.
 
   Returns {'encoders': tuple of arrays, 'decoders': [tuple per client],
-  'curve': per-round training metrics, 'seconds_per_round'}.
+  'curve': per-round training metrics of the pre-training,
+  'seconds_per_round' (of the pre-training), 'config': the run's
+  `ExperimentConfig`}.
   """
-  decoder = _decoder(f)
-  cache = os.path.join(root, reporting.RUNS_DIRNAME, _PRETRAIN_DIRNAME,
-                       pretrain_key(task.name, task.num_clients, f, dim, seed))
-  weights_path = os.path.join(cache, 'weights.npz')
-  if os.path.exists(weights_path):
-    # A kill between writing the weights and removing the checkpoints
-    # leaves them behind; the weights are final, so they are garbage.
-    shutil.rmtree(os.path.join(cache, _PROGRESS_DIRNAME), ignore_errors=True)
-    with np.load(weights_path) as data:
-      n_enc = int(data['num_encoders'])
-      n_dec = int(data['num_decoder'])
-      encoders = tuple(data[f'e{i}'] for i in range(n_enc))
-      decoders = [tuple(data[f'd{k}_{i}'] for i in range(n_dec))
-                  for k in range(task.num_clients)]
-    with open(os.path.join(cache, 'curve.json')) as fh:
-      meta = json.load(fh)
-    return dict(encoders=encoders, decoders=decoders, **meta)
-  config = _config(f, dim)
-  loss_config, schedule, resamples = _training(f)
-  process = feddva.build_feddva(
-      config, loss_config, decoder_optimizer=_adam(f),
-      encoder_optimizer=_adam(f), seed=seed, decoder=decoder,
-      schedule=schedule, resamples=resamples)
-  _, decoder0 = feddva.initial_weights(config, seed)
-  states = [feddva.initial_client_state(
-      decoder0 if decoder == 'private' else ())
-            for _ in range(task.num_clients)]
-  state = process.initialize()
-  every = int(getattr(f, 'feddva_checkpoint_every', 0) or 0)
-  progress = _PretrainProgress(os.path.join(cache, _PROGRESS_DIRNAME))
-  done, state, states, curve, seconds_before = progress.restore(
-      state, states)
-  if done:
-    print(f'feddva {task.name} dim {dim} seed {seed}: resuming the FedDVA '
-          f'training after round {done} from {progress.directory}',
-          flush=True)
-  start = time.perf_counter()
-  for r, cohort in enumerate(_cohorts(task.num_clients, f.feddva_vae_rounds,
-                                      f.feddva_clients_per_round, seed)):
-    if r < done:  # Trained before the restart; cohorts are drawn per round.
-      continue
-    state, new_states, metrics = process.next(
-        state, [states[k] for k in cohort], _train_data(task, cohort, f, r,
-                                                        seed))
-    for k, s in zip(cohort, new_states):
-      states[k] = s
-    curve.append({k: float(v) for k, v in metrics['train'].items()})
-    elapsed = seconds_before + time.perf_counter() - start
-    if every and (r + 1) % every == 0 and r + 1 < f.feddva_vae_rounds:
-      progress.save(r + 1, state, states, curve, elapsed)
-    if (r + 1) % 10 == 0 or r + 1 == f.feddva_vae_rounds:
-      print(f'feddva {task.name} dim {dim} seed {seed}: FedDVA round '
-            f'{r + 1}/{f.feddva_vae_rounds}, loss '
-            f'{curve[-1].get("loss", float("nan")):.1f}, '
-            f'{elapsed / (r + 1):.1f} s/round', flush=True)
-  seconds = ((seconds_before + time.perf_counter() - start)
-             / max(f.feddva_vae_rounds, 1))
-  encoders, shared_decoder = feddva.split_shared_weights(
-      config, [np.asarray(w)
-               for w in process.get_model_weights(state).trainable])
-  if decoder == 'private':
-    decoders = [tuple(np.asarray(w)
-                      for w in s[process_lib.CLIENT_STATE_PRIVATE])
-                for s in states]
-  else:  # One decoder for every client.
-    decoders = [shared_decoder] * task.num_clients
-  os.makedirs(cache, exist_ok=True)
-  arrays = {f'e{i}': w for i, w in enumerate(encoders)}
-  for k, dec in enumerate(decoders):
-    arrays.update({f'd{k}_{i}': w for i, w in enumerate(dec)})
-  with atomic_io.atomic_write(weights_path + '.pending', 'wb') as fh:
-    np.savez(fh, num_encoders=len(encoders), num_decoder=len(decoders[0]),
-             **arrays)
-  meta = {'curve': curve, 'seconds_per_round': seconds, 'dim': dim,
-          'client_names': task.client_names}
-  _write_json(os.path.join(cache, 'curve.json'), meta)
-  os.replace(weights_path + '.pending', weights_path)  # Last: marks done.
-  progress.remove()
-  return dict(encoders=encoders, decoders=decoders, **meta)
+  config = feddva_config(task, f, dim, seed, root)
+  weights_path = os.path.join(config.experiment_dir, 'pretrained.npz')
+  meta_path = os.path.join(config.experiment_dir, 'pretrained.json')
+  if not os.path.exists(meta_path):
+    run = run_task(task, f, seed)
+    _train(run, config, lambda s: print(
+        f'feddva {task.name} dim {dim} seed {seed}: {s}', flush=True))
+    staged = experiment.build_process(run, config)
+    stage = staged.stages[0]
+    directory = experiment.stage_directory(config, stage.name)
+    state = training_loop.load_checkpoint(stage.process, directory,
+                                          stage.rounds)
+    encoders, shared_decoder = feddva.split_shared_weights(
+        _config(f, dim), [np.asarray(w) for w in
+                          stage.process.get_model_weights(state).trainable])
+    if _decoder(f) == 'private':
+      store = client_state_lib.make_store(
+          config.client_state_backend,
+          experiment.initial_client_state_fn(stage.process, config),
+          population=run.population,
+          directory=os.path.join(directory, 'client_states'))
+      try:
+        store.restore(stage.rounds)
+        decoders = [tuple(np.asarray(w) for w in s[
+            process_lib.CLIENT_STATE_PRIVATE])
+                    for s in store.load(list(range(run.population)))]
+      finally:
+        store.close()
+    else:  # One decoder for every client.
+      decoders = [shared_decoder] * run.population
+    rows = _read_csv(os.path.join(directory, 'train_metrics.csv'))
+    curve = [{k[len('train/'):]: float(v) for k, v in row.items()
+              if k.startswith('train/') and v != ''} for row in rows]
+    seconds = float(np.mean([float(r['round_seconds']) for r in rows]))
+    arrays = {f'e{i}': w for i, w in enumerate(encoders)}
+    for k, dec in enumerate(decoders):
+      arrays.update({f'd{k}_{i}': w for i, w in enumerate(dec)})
+    with atomic_io.atomic_write(weights_path, 'wb') as fh:
+      np.savez(fh, num_encoders=len(encoders), num_decoder=len(decoders[0]),
+               **arrays)
+    _write_json(meta_path, {'curve': curve, 'seconds_per_round': seconds,
+                            'dim': dim, 'client_names': task.client_names})
+  with np.load(weights_path) as data:
+    n_enc, n_dec = int(data['num_encoders']), int(data['num_decoder'])
+    encoders = tuple(data[f'e{i}'] for i in range(n_enc))
+    decoders = [tuple(data[f'd{k}_{i}'] for i in range(n_dec))
+                for k in range(task.num_clients)]
+  with open(meta_path) as fh:
+    meta = json.load(fh)
+  return dict(encoders=encoders, decoders=decoders, config=config, **meta)
 
 
 def feddva_model(config, encoders, decoder=None) -> feddva_lib.FeddvaModel:
@@ -914,69 +874,38 @@ def _run_vae_probe(cell, f, out_dir) -> dict:
 # --------------------------------------------------------- classification
 
 
-def _classification_run(method, task, f, seed, root):
-  """Trains `method`; returns the per-round per-client accuracy curve."""
-  config = _config(f, f.feddva_class_dim)
-  model_fn = lambda: feddva_lib.build_cnn_classifier(config)
-  n = task.num_clients
-  rounds = _class_rounds(f)
+# The baselines' registered algorithms (FedAvg is 'global': the task's
+# model, all of it shared).
+_BASELINES = {'fedavg': 'global', 'fedavg_ft': 'fedavg_ft', 'ditto': 'ditto'}
+
+
+def _classification_run(method, task, f, seed, root, out_dir):
+  """Trains `method` on the one path; returns (per-round mean and spread of
+  the clients' test accuracy, extra metrics).
+
+  The baselines run in the cell's directory; `feddva` is the classifier
+  stage of FedDVA's run (`pretrain_feddva`), which the probe cell of the
+  same dims shares.
+  """
   extra = {}
   if method == 'feddva':
-    pre = pretrain_feddva(task, f, f.feddva_class_dim, seed, root)
+    config = pretrain_feddva(task, f, f.feddva_class_dim, seed,
+                             root)['config']
     extra['pretrain_rounds'] = f.feddva_vae_rounds
-    model_fn = lambda: feddva_lib.build_feddva_classifier(config)
-    process = feddva.build_feddva_classifier_process(
-        config, client_optimizer=_adam(f), seed=seed)
-    state = feddva.with_encoders(process, process.initialize(),
-                                 pre['encoders'])
-  elif method in ('fedavg', 'fedavg_ft'):
-    process = fedavg_ft.build_fedavg_ft(model_fn, client_optimizer=_adam(f),
-                                        seed=seed)
-    state = process.initialize()
-  elif method == 'ditto':
-    process = ditto.build_ditto(model_fn, lam=f.feddva_ditto_lambda,
-                                client_optimizer=_adam(f), seed=seed)
-    state = process.initialize()
+  elif method in _BASELINES:
+    options = {'lam': f.feddva_ditto_lambda} if method == 'ditto' else {}
+    config = _base_config(_BASELINES[method], task, f, seed, out_dir, 'run',
+                          options)
+    _train(run_task(task, f, seed), config, lambda s: print(
+        f'feddva {method} {task.name} seed {seed}: {s}', flush=True))
   else:
     raise ValueError(f'unknown method {method!r}')
-
-  if method == 'ditto':
-    weights0 = process.get_model_weights(state).trainable
-    states = [ditto.initial_client_state(weights0) for _ in range(n)]
-    personal_eval = ditto.build_personal_model_eval(model_fn, process)
-    evaluate = lambda state: personal_eval(ditto.empty_weights(), states,
-                                           _test_data(task))
-  else:
-    states = [collections.OrderedDict([
-        (process_lib.CLIENT_STATE_PRIVATE, ()),
-        (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))]) for _ in range(n)]
-    if method == 'fedavg_ft':
-      ft_eval = fedavg_ft.build_fine_tune_eval(model_fn, process, _adam(f))
-      evaluate = lambda state: ft_eval(
-          ditto.empty_weights(), fedavg_ft.fine_tune_states(process, state, n),
-          [task.dataset(k, 'train', f.feddva_batch_size, f.feddva_ft_epochs,
-                        shuffle_seed=seed + k) for k in range(n)],
-          _test_data(task))
-    else:
-      global_eval = evaluation.build_personal_eval(
-          model_fn, process.model_weights_type, process.client_state_type)
-      evaluate = lambda state: global_eval(
-          process.get_model_weights(state), states, _test_data(task))
-
-  per_round, start, train_seconds = [], time.perf_counter(), 0.0
-  for r, cohort in enumerate(_cohorts(n, rounds, f.feddva_clients_per_round,
-                                      seed)):
-    t0 = time.perf_counter()
-    state, new_states, _ = process.next(
-        state, [states[k] for k in cohort], _train_data(task, cohort, f, r,
-                                                        seed))
-    train_seconds += time.perf_counter() - t0
-    for k, s in zip(cohort, new_states):
-      states[k] = s
-    per_round.append(_per_client_accuracy(evaluate(state)))
-  extra['seconds_per_round'] = train_seconds / rounds
-  extra['seconds_total'] = time.perf_counter() - start
-  return per_round, extra
+  rows = _read_csv(os.path.join(config.experiment_dir, 'eval_metrics.csv'))
+  train = _read_csv(os.path.join(config.experiment_dir, 'train_metrics.csv'))
+  extra['seconds_per_round'] = float(np.mean(
+      [float(r['round_seconds']) for r in train]))
+  return ([float(r['accuracy']) for r in rows],
+          [float(r['accuracy_std_across_clients']) for r in rows]), extra
 
 
 def _curve_path(root, method, setting, seed) -> str:
@@ -995,13 +924,11 @@ def rounds_to_reach(means, target) -> int | None:
 def _run_classification(cell, f, out_dir) -> dict:
   task = _task(cell.setting['task'], f, cell.seed)
   root = _root_of(out_dir)
-  per_round, extra = _classification_run(cell.method, task, f, cell.seed,
-                                         root)
-  means = [float(np.mean(a)) for a in per_round]
-  stds = [float(np.std(a)) for a in per_round]
+  (means, stds), extra = _classification_run(cell.method, task, f,
+                                             cell.seed, root, out_dir)
   _write_json(os.path.join(out_dir, 'curve.json'), {
       'round': list(range(1, len(means) + 1)), 'mean': means, 'std': stds,
-      'per_client': per_round, 'client_names': task.client_names})
+      'client_names': task.client_names})
   fedavg_path = _curve_path(root, 'fedavg',
                             _class_setting('fedavg', cell.setting['task'], f),
                             cell.seed)
@@ -1159,21 +1086,33 @@ def _reconstruction_grid(plt, task, f, pre, fig_dir, size=6) -> str:
 
 
 def _tsne(plt, reps_path, task, fig_dir, suffix='', max_points=800) -> str:
+  """t-SNE of z and of c, coloured by client; a latent of one or two
+  dimensions is drawn as it is (one: its value against the client)."""
   from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
   with np.load(reps_path) as data:
     reps = {k: data[k] for k in data.files}
   idx = np.random.default_rng(0).permutation(len(reps['client']))[:max_points]
+  jitter = np.random.default_rng(1).uniform(-0.3, 0.3, len(idx))
   fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
   for ax, key in zip(axes, ('z', 'c')):
-    emb = TSNE(n_components=2, random_state=0, init='pca',
-               perplexity=30).fit_transform(reps[key][idx])
+    values = reps[key][idx]
+    if values.shape[1] == 1:
+      emb = np.stack([values[:, 0], reps['client'][idx] + jitter], axis=1)
+      title = f'{key} (posterior mean, 1 dim) by client'
+    elif values.shape[1] == 2:
+      emb, title = values, f'{key} (posterior means, 2 dims)'
+    else:
+      emb = TSNE(n_components=2, random_state=0, init='pca',
+                 perplexity=30).fit_transform(values)
+      title = f't-SNE of {key} (posterior means)'
     for k in range(task.num_clients):
       sel = reps['client'][idx] == k
       ax.scatter(emb[sel, 0], emb[sel, 1], s=5,
                  label=f'client {k} ({task.client_names[k]})')
-    ax.set_title(f't-SNE of {key} (posterior means), coloured by client')
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set_title(f'{title}, coloured by client')
+    if values.shape[1] > 2:
+      ax.set_xticks([])
+      ax.set_yticks([])
   axes[1].legend(markerscale=3, fontsize=7)
   fig.tight_layout()
   path = os.path.join(fig_dir, f'feddva_tsne{suffix}.png')

@@ -320,9 +320,12 @@ def _feddva_cnn(channels: Sequence[int], hidden: int) -> ModelBuilder:
   return build
 
 
-def _feddva_task(name: str, feddva_task, *, batch_size: int,
-                 local_epochs: int, seed: int, channels, hidden: int
-                 ) -> ClientDataTask:
+def from_feddva_task(name: str, feddva_task, *, batch_size: int,
+                     local_epochs: int, seed: int, channels, hidden: int
+                     ) -> ClientDataTask:
+  """A `tasks/feddva_tasks` task's clients as a `ClientDataTask` (the same
+  images and labels), classified by Appendix G's CNN with `channels` (four
+  ints) and `hidden`."""
   train, test = from_client_arrays(
       [dict(x=c.train_x, y=c.train_y) for c in feddva_task.clients],
       [dict(x=c.test_x, y=c.test_y) for c in feddva_task.clients],
@@ -344,7 +347,7 @@ def label_skew_mnist_task(data_dir: Optional[str], *, num_clients: int = 20,
   """FedDVA's classification task: MNIST with Dirichlet(alpha) label skew,
   classified by Appendix G's CNN (`channels` of its four convolutions)."""
   from tasks import feddva_tasks  # pylint: disable=g-import-not-at-top
-  return _feddva_task('label_skew_mnist', feddva_tasks.label_skew_mnist(
+  return from_feddva_task('label_skew_mnist', feddva_tasks.label_skew_mnist(
       data_dir, num_clients=num_clients, train_per_client=train_per_client,
       test_per_client=test_per_client, alpha=alpha, seed=seed),
                       batch_size=batch_size, local_epochs=local_epochs,
@@ -361,7 +364,7 @@ def marked_mnist_task(data_dir: Optional[str], *, num_clients: int = 4,
   """FedDVA's marked MNIST (each client's images carry its own kind of
   mark), classified by Appendix G's CNN."""
   from tasks import feddva_tasks  # pylint: disable=g-import-not-at-top
-  return _feddva_task('marked_mnist', feddva_tasks.marked_mnist(
+  return from_feddva_task('marked_mnist', feddva_tasks.marked_mnist(
       data_dir, num_clients=num_clients, train_per_client=train_per_client,
       test_per_client=test_per_client, seed=seed, marks=marks),
                       batch_size=batch_size, local_epochs=local_epochs,

@@ -1,5 +1,7 @@
 """The FedDVA paper module: cells, records' settings, probes, speed metric."""
 
+import csv
+import json
 import os
 import types
 
@@ -8,9 +10,15 @@ import pytest
 
 from binaries import reproduce
 from papers import feddva as paper
+from tasks import client_data_task
+from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal.algorithms import registry
+from tff_personal.core import runtime
 from tff_personal.core import training_loop
 from tff_personal.models import feddva as feddva_lib
+from tff_personal.models import feddva_losses as losses
+from tff_personal.models import feddva_recipes as recipes
 
 
 def _flags(**overrides):
@@ -391,7 +399,7 @@ def _run_flags(root, mnist_dir, **overrides):
       feddva_probe_dim=2, feddva_class_dim=2, feddva_xi=None,
       feddva_alpha=1.0, feddva_beta=0.75, feddva_learning_rate=1e-3,
       feddva_ditto_lambda=0.1, feddva_decoder='private',
-      feddva_schedule='reference', feddva_ft_epochs=1,
+      feddva_schedule='reference',
       feddva_clients_per_round=0, feddva_marked_clients=4,
       feddva_marked_train=40, feddva_marked_test=40, feddva_skew_clients=4,
       feddva_skew_train=40, feddva_skew_test=20, feddva_dirichlet_alpha=0.5)
@@ -404,9 +412,12 @@ def test_probe_cell_end_to_end_records_probes_and_config(tmp_path, mnist_dir,
   """The reference schedule through TFF on varied marks, the probes, the
   recorded config, and a rerun under another paper flag refused before any
   work."""
-  assert reproduce.run(_run_flags(tmp_path, mnist_dir,
+  assert reproduce.run(_run_flags(tmp_path, mnist_dir, rounds=1,
                                   feddva_marks='varied')) == 0
-  assert 'FedDVA round 2/2' in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert 'feddva marked_mnist dim 2 seed 0: [pretrain] round 2/2' in out
+  # The run's classifier stage (the classification cell of these dims).
+  assert 'feddva marked_mnist dim 2 seed 0: round 1/1' in out
   records = reporting.ResultsFile(
       str(tmp_path / 'results.jsonl')).records()
   assert len(records) == 1
@@ -430,7 +441,7 @@ def test_probe_cell_end_to_end_records_probes_and_config(tmp_path, mnist_dir,
   assert 'feddva_marks' not in record['config']
   before = (tmp_path / 'results.jsonl').read_bytes()
   capsys.readouterr()
-  assert reproduce.run(_run_flags(tmp_path, mnist_dir, seeds=2,
+  assert reproduce.run(_run_flags(tmp_path, mnist_dir, seeds=2, rounds=1,
                                   feddva_marks='varied',
                                   feddva_local_epochs=3)) == 2
   assert '--feddva_local_epochs: 1 in the recorded cell probe' in (
@@ -470,71 +481,93 @@ class _Killed(Exception):
   pass
 
 
-def test_pretraining_killed_mid_run_resumes_to_the_uninterrupted_result(
-    tmp_path, mnist_dir, monkeypatch, capsys):
-  """Round checkpoints: a run killed after round 2 of 3 resumes from its
-  checkpoint and ends with exactly the encoders, decoders and curve of a run
-  that was never interrupted; the checkpoints are removed once the weights
-  are written. Fails if any part of the state (server state, a client's
-  decoder or its rounds participated, the curve) is not restored."""
-  f = _run_flags(tmp_path, mnist_dir, feddva_vae_rounds=3,
+def test_feddva_run_killed_mid_pretraining_resumes_to_the_uninterrupted_result(
+    tmp_path, mnist_dir, monkeypatch):
+  """FedDVA runs on the one path: a run killed in round 2 of 3 of its
+  pre-training resumes from its checkpoint and ends with exactly the
+  encoders, decoders and curve of a run that was never interrupted, read
+  back from the 'pretrain' stage's checkpoint and client-state store."""
+  f = _run_flags(tmp_path, mnist_dir, rounds=1, feddva_vae_rounds=3,
                  feddva_schedule='paper', feddva_marks='varied',
                  feddva_checkpoint_every=1)
   task = paper._task('marked_mnist', f, 0)
-  whole = paper.pretrain_feddva(task, f, 2, 0, str(tmp_path / 'whole'))
+  with runtime.local_runtime():
+    whole = paper.pretrain_feddva(task, f, 2, 0, str(tmp_path / 'whole'))
+    # Training reads the task's batches (sharded) or datasets: both fail
+    # in round 2.
+    cls = client_data_task.ClientDataTask
+    real = {name: getattr(cls, name)
+            for name in ('train_batches', 'train_datasets')}
 
-  real_train_data = paper._train_data
+    def killed_in_round_2(name):
+      def read(self, client_ids, round_num):
+        if round_num == 2:
+          raise _Killed()
+        return real[name](self, client_ids, round_num)
+      return read
 
-  def killed_at_round_2(task_, cohort, f_, round_num, seed):
-    if round_num == 2:
-      raise _Killed()
-    return real_train_data(task_, cohort, f_, round_num, seed)
-
-  root = str(tmp_path / 'killed')
-  monkeypatch.setattr(paper, '_train_data', killed_at_round_2)
-  with pytest.raises(_Killed):
-    paper.pretrain_feddva(task, f, 2, 0, root)
-  cache = os.path.join(root, reporting.RUNS_DIRNAME, paper._PRETRAIN_DIRNAME,
-                       paper.pretrain_key('marked_mnist', 4, f, 2, 0))
-  progress = os.path.join(cache, paper._PROGRESS_DIRNAME)
-  assert os.path.isdir(progress)
-  assert not os.path.exists(os.path.join(cache, 'weights.npz'))
-  monkeypatch.setattr(paper, '_train_data', real_train_data)
-  # A checkpoint that cannot be read is refused, naming it, and left as is.
-  curve_path = os.path.join(progress, 'curve.json')
-  with open(curve_path) as fh:
-    curve_text = fh.read()
-  with open(curve_path, 'w') as fh:
-    fh.write('{not json')
-  with pytest.raises(training_loop.CheckpointError, match=progress):
-    paper.pretrain_feddva(task, f, 2, 0, root)
-  with open(curve_path) as fh:
-    assert fh.read() == '{not json'
-  with open(curve_path, 'w') as fh:
-    fh.write(curve_text)
-  capsys.readouterr()
-  resumed = paper.pretrain_feddva(task, f, 2, 0, root)
-  assert 'resuming the FedDVA training after round 2' in (
-      capsys.readouterr().out)
-  assert not os.path.exists(progress)
+    root = str(tmp_path / 'killed')
+    for name in real:
+      monkeypatch.setattr(cls, name, killed_in_round_2(name))
+    with pytest.raises(_Killed):
+      paper.pretrain_feddva(task, f, 2, 0, root)
+    for name, method in real.items():
+      monkeypatch.setattr(cls, name, method)
+    config = paper.feddva_config(task, f, 2, 0, root)
+    assert training_loop.checkpoint_rounds(experiment.stage_directory(
+        config, 'pretrain'))[-1] == 1
+    resumed = paper.pretrain_feddva(task, f, 2, 0, root)
   for a, b in zip(whole['encoders'], resumed['encoders'], strict=True):
     np.testing.assert_array_equal(a, b)
   for dec_a, dec_b in zip(whole['decoders'], resumed['decoders'],
                           strict=True):
     for a, b in zip(dec_a, dec_b, strict=True):
       np.testing.assert_array_equal(a, b)
-  assert resumed['curve'] == whole['curve']
-  assert len(resumed['curve']) == 3
-  # Checkpoints left by a kill after the weights were written are removed
-  # by the next call, which returns the final weights.
-  os.makedirs(progress)
-  again = paper.pretrain_feddva(task, f, 2, 0, root)
-  assert not os.path.exists(progress)
-  assert again['curve'] == resumed['curve']
-  # The three rounds did train: the encoders moved from their start.
-  start, _ = paper.feddva.initial_weights(paper._config(f, 2), 0)
+  assert resumed['curve'] == whole['curve'] and len(whole['curve']) == 3
+  assert 'reconstruction' in whole['curve'][-1]
+  # The three rounds did train: the encoders and each decoder moved.
+  start, decoder0 = paper.feddva.initial_weights(paper._config(f, 2), 0)
   assert any(not np.array_equal(a, b)
              for a, b in zip(start, resumed['encoders']))
+  for dec in resumed['decoders']:
+    assert any(not np.array_equal(a, b) for a, b in zip(decoder0, dec))
+
+
+def test_classification_cells_run_on_the_one_path_and_share_feddva_s_run(
+    tmp_path, mnist_dir):
+  """A baseline's curve is its run's eval_metrics.csv; FedDVA's classifier
+  is the classifier stage of the run the probe cell of the same dims made
+  (one FedDVA run for both)."""
+  common = dict(rounds=2, settings=['task=marked_mnist'],
+                feddva_marks='varied', feddva_schedule='paper')
+  assert reproduce.run(_run_flags(tmp_path, mnist_dir, table='probes',
+                                  methods=['probe'], **common)) == 0
+  assert reproduce.run(_run_flags(tmp_path, mnist_dir,
+                                  table='classification',
+                                  methods=['fedavg', 'feddva'],
+                                  **common)) == 0
+  runs = os.listdir(os.path.join(tmp_path, reporting.RUNS_DIRNAME,
+                                 paper._FEDDVA_DIRNAME))
+  assert len(runs) == 1
+  records = {r['method']: r for r in reporting.ResultsFile(
+      str(tmp_path / 'results.jsonl')).records()}
+  assert set(records) == {'probe', 'fedavg', 'feddva'}
+  for method in ('fedavg', 'feddva'):
+    out_dir = records[method]['out_dir']
+    with open(os.path.join(out_dir, 'curve.json')) as fh:
+      curve = json.load(fh)
+    assert curve['round'] == [1, 2]
+    metrics = records[method]['metrics']
+    assert metrics['final_accuracy'] == curve['mean'][-1]
+    assert metrics['accuracy_std_across_clients'] == curve['std'][-1]
+  run_dir = os.path.join(tmp_path, reporting.RUNS_DIRNAME,
+                         paper._FEDDVA_DIRNAME, runs[0])
+  with open(os.path.join(run_dir, 'eval_metrics.csv')) as fh:
+    rows = list(csv.DictReader(fh))
+  assert [float(r['accuracy']) for r in rows] == curve['mean']
+  assert records['feddva']['metrics']['pretrain_rounds'] == 2
+  assert records['feddva']['metrics']['fedavg_final_accuracy'] == (
+      records['fedavg']['metrics']['final_accuracy'])
 
 
 def test_checkpoint_interval_is_not_a_config_change(tmp_path):
@@ -549,27 +582,35 @@ def test_checkpoint_interval_is_not_a_config_change(tmp_path):
 
 
 @pytest.mark.parametrize('overrides, expect', [
-    ({}, ('bound', 1.0)),
-    ({'feddva_mixture_kl': 'sampled'}, ('sampled', 1.0)),
-    ({'feddva_constraint_weight': 10.0}, ('bound', 10.0)),
-    ({'feddva_mixture_kl': 'moment'}, ('moment', 1.0))])
-def test_pretraining_builds_the_loss_its_flags_ask_for(tmp_path, monkeypatch,
-                                                       overrides, expect):
+    ({}, (losses.LossConfig(), 'paper')),
+    ({'feddva_mixture_kl': 'sampled'},
+     (losses.LossConfig(mixture_kl='sampled'), 'paper')),
+    ({'feddva_constraint_weight': 10.0, 'feddva_schedule': 'reference'},
+     (losses.LossConfig(constraint_weight=10.0), 'reference')),
+    ({'feddva_mixture_kl': 'moment', 'feddva_xi': 3.0, 'feddva_beta': 0.5},
+     (losses.LossConfig(mixture_kl='moment', xi=3.0, beta=0.5), 'paper')),
+    ({'feddva_recipe': 'authors'},
+     (recipes.recipe('authors').loss, 'authors')),
+    ({'feddva_recipe': 'authors', 'feddva_ablate': ['kl_floor']},
+     (recipes.recipe('authors', ('kl_floor',)).loss, 'authors'))])
+def test_the_run_builds_the_loss_its_flags_ask_for(tmp_path, monkeypatch,
+                                                   overrides, expect):
   seen = []
 
   def build(config, loss_config, **kwargs):
-    del config, kwargs
-    seen.append((loss_config.mixture_kl, loss_config.constraint_weight))
+    seen.append((loss_config, kwargs['schedule'], config.z_dim))
     raise _Killed()
 
   monkeypatch.setattr(paper.feddva, 'build_feddva', build)
-  task = types.SimpleNamespace(name='marked_mnist', num_clients=4)
   f = _run_flags(tmp_path, '/unused', **{
       'feddva_schedule': 'paper', 'feddva_mixture_kl': 'bound',
       'feddva_marks': 'varied', **overrides})
+  options = paper._feddva_options(f, 3)
+  registry.check_algorithm_options('feddva', options)
   with pytest.raises(_Killed):
-    paper.pretrain_feddva(task, f, 2, 0, str(tmp_path))
-  assert seen == [expect]
+    registry.build('feddva', None, client_optimizer=None,
+                   server_optimizer=None, **options)
+  assert seen == [(*expect, 3)]
 
 
 def test_negative_constraint_weight_is_refused_before_any_cell():
