@@ -86,6 +86,7 @@ from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.algorithms import feddva
 from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
@@ -101,7 +102,8 @@ TASK_NAMES = ('marked_mnist', 'label_skew_mnist')
 SETTING_FLAGS = ('rounds', 'feddva_decoder', 'feddva_schedule',
                  'feddva_marks', 'feddva_mixture_kl',
                  'feddva_constraint_weight', 'feddva_recipe',
-                 'feddva_ablate')
+                 'feddva_ablate', 'feddva_dp_noise_multiplier',
+                 'feddva_dp_clip')
 # Flags that change how a run is carried out, not what it computes
 # (reporting.run_config leaves them out, so changing one is not a conflict).
 OPERATIONAL_FLAGS = ('feddva_checkpoint_every',)
@@ -150,16 +152,23 @@ def _task_label(task: str, marks: str) -> str:
   return f'{task} ({"no" if marks == "none" else marks} marks)'
 
 
-def _class_columns(rounds: int, variant: dict, marks: str):
-  columns = [reporting.Column(_task_label(t, marks),
-                              {**task_setting(t, marks), 'rounds': rounds})
+def _class_columns(rounds: int, variant: dict, marks: str, dp: dict):
+  label = lambda t: _task_label(t, marks) + _dp_label(dp)
+  columns = [reporting.Column(label(t),
+                              {**task_setting(t, marks), 'rounds': rounds,
+                               **dp})
              for t in TASK_NAMES]
   if variant:  # Only feddva's row fills these.
     columns += [reporting.Column(
-        f'{_task_label(t, marks)}{variant_label(variant)}',
-        {**task_setting(t, marks), 'rounds': rounds, **variant})
+        f'{label(t)}{variant_label(variant)}',
+        {**task_setting(t, marks), 'rounds': rounds, **variant, **dp})
                 for t in TASK_NAMES]
   return columns
+
+
+def _dp_label(dp: dict) -> str:
+  return (f', DP z={dp["noise_multiplier"]:g} C={dp["clip_norm"]:g}'
+          if dp else '')
 
 
 def task_setting(task: str, marks: str) -> dict:
@@ -174,17 +183,22 @@ def task_setting(task: str, marks: str) -> dict:
 
 
 def _tables(class_rounds: int, vae_rounds: int,
-            variant: dict | None = None, marks: str = 'varied') -> dict:
-  """The tables; `variant` (e.g. {'decoder': 'shared'}) adds its columns."""
+            variant: dict | None = None, marks: str = 'varied',
+            dp: dict | None = None) -> dict:
+  """The tables; `variant` (e.g. {'decoder': 'shared'}) adds its columns;
+  `dp` (`_dp_setting`) is in every column of a DP run."""
   variant = dict(variant or {'decoder': 'shared'})
-  columns = _class_columns(class_rounds, variant, marks)
+  dp = dict(dp or {})
+  columns = _class_columns(class_rounds, variant, marks, dp)
+  marked = _task_label('marked_mnist', marks) + _dp_label(dp)
   probe_columns = [
-      reporting.Column(_task_label('marked_mnist', marks), {
-          **task_setting('marked_mnist', marks), 'rounds': vae_rounds}),
+      reporting.Column(marked, {
+          **task_setting('marked_mnist', marks), 'rounds': vae_rounds,
+          **dp}),
       reporting.Column(
-          f'{_task_label("marked_mnist", marks)}{variant_label(variant)}', {
+          f'{marked}{variant_label(variant)}', {
               **task_setting('marked_mnist', marks), 'rounds': vae_rounds,
-              **variant})]
+              **variant, **dp})]
   common = dict(paper=PAPER, methods=METHODS, columns=columns)
   note = ('The paper reports these as curves only (Figures 6, 7), so there '
           'are no paper numbers. feddva also ran pretrain_rounds rounds of '
@@ -288,6 +302,13 @@ def define_flags():
          'FedDVA: checkpoint the FedDVA pre-training every this many rounds '
          '(0: never), so that a killed run resumes from its last checkpoint; '
          'a resumed run computes what an uninterrupted one does.')
+  define('float', 'feddva_dp_noise_multiplier', None,
+         'FedDVA: user-level DP of every run\'s shared update (FedDVA\'s '
+         'encoders in both stages, the baselines\' models) with this noise '
+         'multiplier (None: no DP; cells get setting dp=gaussian_fixed, '
+         'noise_multiplier, clip_norm; epsilon is in results.jsonl).')
+  define('float', 'feddva_dp_clip', 1.0,
+         'FedDVA: L2 clip of a client\'s update under DP.')
   define('integer', 'feddva_clients_per_round', 0,
          'FedDVA: cohort size (0: every client every round).')
   define_enum(
@@ -338,12 +359,18 @@ def cells(table: str, f) -> list[reporting.Cell]:
     raise ValueError(f'--feddva_channels needs 4 values, got '
                      f'{f.feddva_channels}')
   # The tables' columns carry the rounds run.
+  z = getattr(f, 'feddva_dp_noise_multiplier', None)
+  clip = getattr(f, 'feddva_dp_clip', 1.0)
+  if (z is not None and not z >= 0) or not clip > 0:
+    raise ValueError('--feddva_dp_noise_multiplier must be >= 0 and '
+                     f'--feddva_dp_clip > 0, got {z}, {clip}')
   TABLES.update(_tables(_class_rounds(f), f.feddva_vae_rounds,
-                        _variant_setting(f), _marks(f)))
+                        _variant_setting(f), _marks(f), _dp_setting(f)))
   out = [reporting.Cell(PAPER, 'probe', probe_setting(f), s)
          for s in range(f.seeds)]
-  out += [reporting.Cell(PAPER, 'probe_vae', vae_probe_setting(f), s)
-          for s in range(f.seeds)]
+  if not _dp_setting(f):  # The pooled VAE is not federated: no DP version.
+    out += [reporting.Cell(PAPER, 'probe_vae', vae_probe_setting(f), s)
+            for s in range(f.seeds)]
   for method in METHODS:
     for task in TASK_NAMES:
       for s in range(f.seeds):
@@ -457,12 +484,24 @@ def vae_probe_setting(f) -> dict:
 
 
 def probe_setting(f) -> dict:
-  """FedDVA's probe cell: the plain VAE's setting and the variant's keys."""
-  return {**vae_probe_setting(f), **_variant_setting(f)}
+  """FedDVA's probe cell: the plain VAE's setting and the variant's and
+  DP's keys."""
+  return {**vae_probe_setting(f), **_variant_setting(f), **_dp_setting(f)}
+
+
+def _dp_setting(f) -> dict:
+  """{} without DP, else {'dp': 'gaussian_fixed', 'noise_multiplier': z,
+  'clip_norm': C}: every cell of a DP run carries them."""
+  z = getattr(f, 'feddva_dp_noise_multiplier', None)
+  if z is None:
+    return {}
+  return {'dp': 'gaussian_fixed', 'noise_multiplier': float(z),
+          'clip_norm': float(getattr(f, 'feddva_dp_clip', 1.0))}
 
 
 def _class_setting(method: str, task: str, f) -> dict:
-  setting = {**task_setting(task, _marks(f)), 'rounds': _class_rounds(f)}
+  setting = {**task_setting(task, _marks(f)), 'rounds': _class_rounds(f),
+             **_dp_setting(f)}
   if method == 'feddva':  # Only FedDVA's classifier depends on the decoder.
     setting.update(_variant_setting(f))
   return setting
@@ -540,7 +579,12 @@ def _base_config(algorithm: str, task, f, seed: int, root_output_dir: str,
                  ) -> experiment.ExperimentConfig:
   """The classification rounds of `algorithm` on the one path: Adam on the
   clients, FedAvg's server (SGD lr 1), evaluated after every round."""
+  dp = _dp_setting(f)
   return experiment.ExperimentConfig(
+      dp=privacy.DPConfig(mechanism=dp['dp'],
+                          noise_multiplier=dp['noise_multiplier'],
+                          clip_norm=dp['clip_norm']) if dp else
+      privacy.DPConfig(),
       algorithm=algorithm, rounds=_class_rounds(f),
       clients_per_round=_cohort(f, task.num_clients),
       root_output_dir=root_output_dir, experiment_name=experiment_name,
@@ -582,6 +626,17 @@ def feddva_config(task, f, dim: int, seed: int, root: str
                       name, _feddva_options(f, dim))
 
 
+def privacy_metrics(config) -> dict:
+  """epsilon, delta and rounds_noised of a DP run (its summary.json), or {}:
+  epsilon covers every round the run noised, both stages for FedDVA."""
+  with open(os.path.join(config.experiment_dir, 'summary.json')) as fh:
+    report = json.load(fh).get('privacy')
+  if not report:
+    return {}
+  return {k: report[k] for k in ('epsilon', 'delta', 'rounds_noised',
+                                 'noise_multiplier', 'clip_norm')}
+
+
 def _read_csv(path: str) -> list[dict]:
   with open(path) as fh:
     return sorted(csv.DictReader(fh), key=lambda r: int(r['round']))
@@ -609,7 +664,9 @@ def pretrain_key(task_name: str, num_clients: int, f, dim: int,
           f'_xi{f.feddva_xi}_a{f.feddva_alpha}_b{f.feddva_beta}'
           f'_n{num_clients}_seed{seed}_tr{train}'
           f'_lr{f.feddva_learning_rate}_cpr{f.feddva_clients_per_round}'
-          + ''.join(_variant_names(_variant_setting(f), _CACHE)))
+          + ''.join(_variant_names(_variant_setting(f), _CACHE))
+          + ''.join(f'_dp{v["noise_multiplier"]:g}c{v["clip_norm"]:g}'
+                    for v in [_dp_setting(f)] if v))
 
 
 def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
@@ -633,7 +690,9 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
     run = run_task(task, f, seed)
     _train(run, config, lambda s: print(
         f'feddva {task.name} dim {dim} seed {seed}: {s}', flush=True))
-    staged = experiment.build_process(run, config)
+    dp = experiment.validate(config, run.population)
+    staged = experiment.build_process(run, config,
+                                      privacy.build_aggregator(dp), dp)
     stage = staged.stages[0]
     directory = experiment.stage_directory(config, stage.name)
     state = training_loop.load_checkpoint(stage.process, directory,
@@ -839,6 +898,7 @@ def _run_probe(cell, f, out_dir) -> dict:
                          weights=[e['images'] for e in effects]))
         if effects else None)
   metrics['seconds_per_round'] = pre['seconds_per_round']
+  metrics.update(privacy_metrics(pre['config']))
   last = pre['curve'][-1] if pre['curve'] else {}
   for k in ('reconstruction', 'kl_z', 'kl_c_prior', 'kl_c_mixture',
             'constraint_met'):
@@ -902,6 +962,7 @@ def _classification_run(method, task, f, seed, root, out_dir):
     raise ValueError(f'unknown method {method!r}')
   rows = _read_csv(os.path.join(config.experiment_dir, 'eval_metrics.csv'))
   train = _read_csv(os.path.join(config.experiment_dir, 'train_metrics.csv'))
+  extra.update(privacy_metrics(config))
   extra['seconds_per_round'] = float(np.mean(
       [float(r['round_seconds']) for r in train]))
   return ([float(r['accuracy']) for r in rows],

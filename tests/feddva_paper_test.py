@@ -581,6 +581,36 @@ def test_checkpoint_interval_is_not_a_config_change(tmp_path):
                                      feddva_checkpoint_every=-1))
 
 
+def test_dp_cells_carry_the_dp_setting_and_report_epsilon_of_every_stage(
+    tmp_path, mnist_dir):
+  """Under --feddva_dp_noise_multiplier every cell carries the DP keys (no
+  pooled-VAE cell: it has no federated version) and reports the (epsilon,
+  delta) of its run: FedDVA's covers both stages' rounds."""
+  f = _flags(rounds=5, feddva_dp_noise_multiplier=1.0, feddva_dp_clip=0.5)
+  cells = paper.cells('classification', f)
+  dp = {'dp': 'gaussian_fixed', 'noise_multiplier': 1.0, 'clip_norm': 0.5}
+  assert 'probe_vae' not in {c.method for c in cells}
+  for cell in cells:
+    assert dp.items() <= cell.setting.items(), cell
+    table = 'probes' if cell.method == 'probe' else 'classification'
+    assert paper.TABLES[table].column_for(cell.setting) is not None, cell
+  with pytest.raises(ValueError, match='feddva_dp_clip > 0'):
+    paper.cells('probes', _flags(feddva_dp_noise_multiplier=1.0,
+                                 feddva_dp_clip=0.0))
+  flags_ = _run_flags(tmp_path, mnist_dir, rounds=1, feddva_vae_rounds=2,
+                      table='classification', methods=['fedavg', 'feddva'],
+                      settings=['task=marked_mnist'], feddva_marks='varied',
+                      feddva_schedule='paper', feddva_dp_noise_multiplier=1.0,
+                      feddva_dp_clip=0.5)
+  assert reproduce.run(flags_) == 0
+  records = {r['method']: r['metrics'] for r in reporting.ResultsFile(
+      str(tmp_path / 'results.jsonl')).records()}
+  assert records['fedavg']['rounds_noised'] == 1
+  assert records['feddva']['rounds_noised'] == 3
+  assert records['feddva']['epsilon'] > records['fedavg']['epsilon'] > 0
+  assert records['feddva']['clip_norm'] == 0.5
+
+
 @pytest.mark.parametrize('overrides, expect', [
     ({}, (losses.LossConfig(), 'paper')),
     ({'feddva_mixture_kl': 'sampled'},
