@@ -1,5 +1,6 @@
 """FedEmbed-SOM: map arithmetic, best-scoring aggregation, FedAvg reduction,
-clustering of a known synthetic population, DP, privacy."""
+clustering of a known synthetic population, the SOM alone of the paper
+module against the algorithm's map, DP, privacy."""
 
 import collections
 import functools
@@ -9,6 +10,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from papers import fedembed as fedembed_paper
 from tests import fedembed_testdata
 from tff_personal.algorithms import fedembed_som
 from tff_personal.algorithms import registry
@@ -163,6 +165,41 @@ def test_som_separates_a_known_clustering(clustered, update):
   assert len(set(heads[:3])) == 1 and len(set(heads[3:])) == 1, heads
   assert heads[0] != heads[3]
 
+
+@pytest.mark.parametrize('update,winner', [('best', 'least_similar'),
+                                           ('best', 'most_similar'),
+                                           ('mean', 'least_similar')])
+def test_som_alone_replays_the_algorithms_map(update, winner):
+  """`papers/fedembed.som_alone` on fixed embeddings moves the map as the
+  process does when nothing else trains (every client in every round, past
+  the end of the decay)."""
+  rng = np.random.default_rng(5)
+  embeddings = rng.normal(0.0, 0.5, (6, 28)).astype(np.float32)
+  cfg = fedembed_som.SomConfig(update=update, winner=winner, decay_rounds=3)
+  proc = fedembed_som.build_fedembed_som(
+      factory, client_optimizer=sgd(0.0), server_optimizer=sgd(1.0), seed=2,
+      num_subpopulations=4, private_optimizer=sgd(0.0), som_config=cfg,
+      allow_unprotected_best_client=update == 'best')
+  with tf.Graph().as_default():
+    names = [v.name for v in proc.model_fn().shared_non_trainable_variables]
+  state = proc.initialize()
+  start = dict(zip(names, state.global_model_weights.non_trainable))[
+      'som/nodes:0']
+  states = states_with_embeddings(proc, embeddings)
+  rounds = 5
+  for r in range(rounds):
+    state, states, _ = proc.next(state, states, datasets([1] * 6, seed=r))
+  ours = dict(zip(names, state.global_model_weights.non_trainable))[
+      'som/nodes:0']
+  alone = fedembed_paper.som_alone(
+      embeddings, start, rounds=rounds, cohort_size=6,
+      config=cfg.resolve(tff.aggregators.MeanFactory()),
+      cohorts=[range(6)] * rounds)
+  assert not np.allclose(alone, start)
+  np.testing.assert_allclose(alone, ours, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(
+      fedembed_paper.node_assignment(alone, embeddings),
+      [int(np.argmin(((ours - e) ** 2).sum(-1))) for e in embeddings])
 
 def test_dp_refuses_best_scoring_and_covers_the_som_statistics():
   dp = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0,
