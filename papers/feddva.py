@@ -390,7 +390,10 @@ def _schedule(f) -> str:
 
 
 def _mixture_kl(f) -> str:
-  """--feddva_mixture_kl ('bound' where the flags predate it)."""
+  """--feddva_mixture_kl ('bound' where the flags predate it), or 'sampled'
+  under --feddva_recipe=sampled_mixture_kl (the same training)."""
+  if _recipe(f) == 'sampled_mixture_kl':
+    return 'sampled'
   return getattr(f, 'feddva_mixture_kl', 'bound')
 
 
@@ -431,19 +434,11 @@ def _check_recipe(f) -> None:
         '--feddva_ablate)')
 
 
-def _training(f):
-  """(LossConfig, schedule, resamples) of the FedDVA pre-training."""
-  if _recipe(f) == 'paper':
-    return (feddva_losses.LossConfig(
-        alpha=f.feddva_alpha, beta=f.feddva_beta, xi=f.feddva_xi,
-        mixture_kl=_mixture_kl(f), constraint_weight=_constraint_weight(f)),
-            _schedule(f), 1)
-  chosen = feddva_recipes.recipe(_recipe(f), _ablate(f))
-  return chosen.loss, chosen.schedule, chosen.resamples
-
-
 def _reconstruction(f) -> str:
-  return _training(f)[0].reconstruction
+  """The decoder's likelihood of the recipe ('bernoulli' or 'focal')."""
+  if _recipe(f) != 'authors':
+    return 'bernoulli'
+  return feddva_recipes.recipe('authors', _ablate(f)).loss.reconstruction
 
 
 def _marks(f) -> str:
@@ -467,9 +462,7 @@ def _variant_setting(f) -> dict:
     variant['mixture_kl'] = _mixture_kl(f)
   if _constraint_weight(f) != 1.0:
     variant['constraint_weight'] = _constraint_weight(f)
-  if _recipe(f) == 'sampled_mixture_kl':
-    variant['mixture_kl'] = 'sampled'
-  elif _recipe(f) == 'authors':
+  if _recipe(f) == 'authors':
     variant['recipe'] = 'authors'
     if _ablate(f):
       variant['ablate'] = '+'.join(_ablate(f))
@@ -599,16 +592,18 @@ def _feddva_options(f, dim: int) -> dict:
   """The registered `feddva` algorithm's options under the paper's flags."""
   options = dict(pretrain_rounds=f.feddva_vae_rounds, dim=dim,
                  channels=','.join(str(c) for c in f.feddva_channels),
-                 hidden=f.feddva_hidden, decoder=_decoder(f),
-                 recipe=_recipe(f))
-  if _recipe(f) == 'paper':
-    options.update(alpha=float(f.feddva_alpha), beta=float(f.feddva_beta),
+                 hidden=f.feddva_hidden, decoder=_decoder(f))
+  if _recipe(f) != 'authors':  # The paper's, or its sampled mixture KL.
+    options.update(recipe='paper',
+                   alpha=float(f.feddva_alpha), beta=float(f.feddva_beta),
                    xi=None if f.feddva_xi is None else float(f.feddva_xi),
                    mixture_kl=_mixture_kl(f),
                    constraint_weight=_constraint_weight(f),
                    schedule=_schedule(f))
-  elif _ablate(f):
-    options['ablate'] = '+'.join(_ablate(f))
+  else:
+    options['recipe'] = 'authors'
+    if _ablate(f):
+      options['ablate'] = '+'.join(_ablate(f))
   return options
 
 
@@ -651,9 +646,10 @@ def _train(task, config, log_fn) -> None:
 
 def pretrain_key(task_name: str, num_clients: int, f, dim: int,
                  seed: int) -> str:
-  """The cache directory name of a FedDVA pre-training: everything it
-  depends on (task and its training data, sizes, loss weights, optimizer,
-  cohort, decoder mode, schedule, seed)."""
+  """The name of a FedDVA run (`feddva_config` adds the classification
+  rounds): everything its pre-training depends on (task and its training
+  data, sizes, loss weights, optimizer, cohort, decoder mode, schedule,
+  recipe, DP, seed)."""
   train = (f'{f.feddva_marked_train}'
            + ('' if _marks(f) == 'fixed' else f'_{_marks(f)}marks')
            if task_name == 'marked_mnist'

@@ -329,6 +329,14 @@ def test_recipe_flags_mark_cells_and_refuse_the_flags_they_set():
   by_flag = paper.cells('classification', _flags(
       rounds=5, feddva_mixture_kl='sampled'))
   assert [c.setting for c in by_recipe] == [c.setting for c in by_flag]
+  # ...and the same run: options and name (a resume finds either).
+  runs = [_run_flags('/unused', '/unused', feddva_schedule='paper', **extra)
+          for extra in (dict(feddva_recipe='sampled_mixture_kl'),
+                        dict(feddva_mixture_kl='sampled'))]
+  assert paper._feddva_options(runs[0], 8) == paper._feddva_options(
+      runs[1], 8)
+  assert paper.pretrain_key('marked_mnist', 4, runs[0], 8, 0) == (
+      paper.pretrain_key('marked_mnist', 4, runs[1], 8, 0))
   with pytest.raises(ValueError, match='--feddva_beta must keep'):
     paper.cells('probes', _flags(feddva_recipe='authors', feddva_beta=0.5))
   with pytest.raises(ValueError, match="only the 'authors' recipe"):
