@@ -49,7 +49,10 @@ Recipes (`RECIPES`):
   optimizer, set by the run (docs/papers/feddva.md gives the command). The
   networks stay ours (`models/feddva.py`): their backbones use batch norm
   and leaky ReLU at widths 64-512, and their c-encoder reads x and z as two
-  28 x 28 channels.
+  28 x 28 channels. One more difference is the optimizer: their decoder
+  keeps one Adam state from pass 1 into pass 3 of a round (one optimizer
+  per module, made at the start of `fit`), where every pass here starts a
+  fresh one (`feddva_training`).
 * 'sampled_mixture_kl': the paper's recipe with Eq. 7's mixture KL
   estimated without bias instead of bounded (`LossConfig.mixture_kl=
   'sampled'`; ours, not the paper's).
