@@ -85,7 +85,6 @@ from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.algorithms import feddva
-from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
@@ -697,18 +696,11 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
         _config(f, dim), [np.asarray(w) for w in
                           stage.process.get_model_weights(state).trainable])
     if _decoder(f) == 'private':
-      store = client_state_lib.make_store(
-          config.client_state_backend,
-          experiment.initial_client_state_fn(stage.process, config),
-          population=run.population,
-          directory=os.path.join(directory, 'client_states'))
-      try:
-        store.restore(stage.rounds)
-        decoders = [tuple(np.asarray(w) for w in s[
-            process_lib.CLIENT_STATE_PRIVATE])
-                    for s in store.load(list(range(run.population)))]
-      finally:
-        store.close()
+      decoders = [tuple(np.asarray(w) for w in s[
+          process_lib.CLIENT_STATE_PRIVATE])
+                  for s in experiment.load_client_states(
+                      stage.process, config, run.population, directory,
+                      stage.rounds)]
     else:  # One decoder for every client.
       decoders = [shared_decoder] * run.population
     rows = _read_csv(os.path.join(directory, 'train_metrics.csv'))

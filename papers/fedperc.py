@@ -70,7 +70,6 @@ from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.algorithms import registry
-from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
@@ -363,16 +362,8 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
   for a, b in zip(trained.non_trainable, initial.non_trainable, strict=True):
     if not np.array_equal(np.asarray(a), np.asarray(b)):
       raise AssertionError('the frozen backbone changed during training')
-  store = client_state_lib.make_store(
-      config.client_state_backend,
-      experiment.initial_client_state_fn(process, config),
-      population=task.population,
-      directory=os.path.join(config.experiment_dir, 'client_states'))
-  try:
-    store.restore(config.rounds)
-    loaded = store.load(list(range(task.population)))
-  finally:
-    store.close()
+  loaded = experiment.load_client_states(
+      process, config, task.population, config.experiment_dir, config.rounds)
   states = {name: tuple(np.asarray(p) for p in s[
       process_lib.CLIENT_STATE_PRIVATE])
             for name, s in zip(task.client_names, loaded)}

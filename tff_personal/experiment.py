@@ -824,6 +824,25 @@ def _training_parts(task, proc, config: ExperimentConfig, dp, directory: str,
   return train_proc, num_shards, store, train_data_fn
 
 
+def load_client_states(proc, config: ExperimentConfig, population: int,
+                       directory: str, rounds: int) -> list:
+  """Every client's state as committed at round `rounds` by the run of
+  `proc` in `directory` (its `client_states/` store), read only.
+
+  For reading back a finished run (or a stage of one): the store is opened,
+  restored to that round's snapshot, read and closed; nothing is written.
+  """
+  store = client_state_lib.make_store(
+      config.client_state_backend, initial_client_state_fn(proc, config),
+      population=population,
+      directory=os.path.join(directory, 'client_states'))
+  try:
+    store.restore(rounds)
+    return store.load(list(range(population)))
+  finally:
+    store.close()
+
+
 def stage_directory(config: ExperimentConfig, name: str) -> str:
   """Where an earlier stage of a multi-stage algorithm runs."""
   return os.path.join(config.experiment_dir, 'stages', name)
