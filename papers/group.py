@@ -51,19 +51,33 @@ Readings of the paper, and choices made for the CPU budget
   `--group_cluster_clients` clients from the FL model, count-sketched,
   centred, spherical k-means into 4 clusters; the adjusted Rand index against
   the genres (and, with one cluster per play, against the plays).
-* Control (table `control`, not in the paper): `fl_more` spends GroupFL's
-  extra client budget (T_g rounds of groups x per-group cohort clients) on
-  global FL from the same FL model, to separate group knowledge from more
-  training.
+* Controls (tables `control`, `control_margin`, `control_rounds`; not in
+  the paper), to separate group knowledge from more training:
+  - FL is first trained until its validation perplexity plateaus
+    (`plateau_round`: every `--group_plateau_eval_every` rounds, on
+    `--group_validation_clients_per_group` clients per genre disjoint from
+    the evaluated and sweep clients; T is the first evaluated round after
+    which no evaluation of the next `--group_plateau_window` rounds is more
+    than `--group_plateau_tolerance` (relative) below it);
+  - `fl_more` / `perfl_more`: FL continued from that model for T_g rounds
+    with GroupFL's client budget (groups x per-group cohort clients a
+    round, fresh FedAdam state), then (perfl_more) personalized;
+  - `groupfl_shuffled` / `groupperfl_shuffled`: GroupFL / GroupPerFL on
+    random groups of the genres' sizes;
+  - `margin` (groupfl, groupperfl rows of `control_margin`): the method's
+    perplexity minus the lower of its two controls'; negative where the
+    genre groups beat both.
 """
 
 from __future__ import annotations
 
 import collections
+import csv
 import glob
 import hashlib
 import json
 import os
+from typing import Mapping, Optional
 
 from absl import flags
 import numpy as np
@@ -82,8 +96,16 @@ from tff_personal.models import word_lm
 PAPER = 'group'
 METHODS = ('fl', 'perfl', 'groupfl', 'groupperfl')
 ALL = 'all'
+# The controls' methods, and each group method's two controls.
+CONTROL_METHODS = ('fl', 'fl_more', 'groupfl', 'groupfl_shuffled',
+                   'perfl', 'perfl_more', 'groupperfl', 'groupperfl_shuffled')
+CONTROLS_OF = {'groupfl': ('fl_more', 'groupfl_shuffled'),
+               'groupperfl': ('perfl_more', 'groupperfl_shuffled')}
+PLATEAU = 'plateau'  # The setting of the controls' cells: FL to a plateau.
 _COLUMNS = [reporting.Column(g, {'group': g})
             for g in shakespeare_groups.GROUP_NAMES + (ALL,)]
+_CONTROL_COLUMNS = [reporting.Column(g, {'group': g, 'fl': PLATEAU})
+                    for g in shakespeare_groups.GROUP_NAMES + (ALL,)]
 _PAPER_NOTE = ('Paper (wiki, Table 6): GroupPerFL beats PerFL by 2-12% on '
                'every topic; video (Table 3): 5-20% on most categories. Our '
                'groups are genres of Shakespeare plays.')
@@ -120,12 +142,27 @@ TABLES = {
         title='Data-driven groups vs genres (adjusted Rand index)'),
     'control': reporting.Table(
         name='control', paper=PAPER, metric='perplexity',
-        methods=('fl', 'fl_more', 'groupfl'), columns=_COLUMNS, digits=1,
-        title='Control: GroupFL vs the same extra rounds spent on global FL',
-        notes='fl_more: FL continued from the FL model for T_g rounds with '
-              'a fresh FedAdam state and a cohort of (clients per group '
-              'round) x (groups), i.e. the client budget of GroupFL, on all '
-              'clients. Not in the paper.'),
+        methods=CONTROL_METHODS, columns=_CONTROL_COLUMNS, digits=1,
+        title='Controls: FL trained to a validation plateau; GroupFL and '
+              'GroupPerFL against equal-budget FL and shuffled groups',
+        notes='fl: FL at the plateau round T (table control_rounds). '
+              '*_more: FL continued from it for T_g rounds with GroupFL\'s '
+              'client budget (then personalized for perfl_more). '
+              '*_shuffled: the group method on random groups of the genres\' '
+              'sizes. Not in the paper.'),
+    'control_margin': reporting.Table(
+        name='control_margin', paper=PAPER, metric='margin',
+        methods=tuple(CONTROLS_OF), columns=_CONTROL_COLUMNS, digits=1,
+        title='Group method minus the better of its two controls '
+              '(perplexity; negative: the genre groups beat both)',
+        notes='groupfl against fl_more and groupfl_shuffled; groupperfl '
+              'against perfl_more and groupperfl_shuffled; per seed, then '
+              'mean ± std. Not in the paper.'),
+    'control_rounds': reporting.Table(
+        name='control_rounds', paper=PAPER, metric='fl_rounds',
+        methods=('fl',), columns=[_CONTROL_COLUMNS[-1]], digits=0,
+        title='T: FL rounds to the validation plateau',
+        notes='The rule: papers/group.py, plateau_round.'),
 }
 
 
@@ -163,6 +200,18 @@ def define_flags():
          'Group: also cluster client updates (table grouping).')
   define('integer', 'group_cluster_clients', 60,
          'Group: clients (seeded uniform sample) clustered (0: all).')
+  define('integer', 'group_plateau_max_rounds', 800,
+         'Group controls: most FL rounds searched for the plateau.')
+  define('integer', 'group_plateau_eval_every', 10,
+         'Group controls: FL rounds between validation evaluations.')
+  define('integer', 'group_plateau_window', 50,
+         'Group controls: rounds after T in which no validation perplexity '
+         'may be more than the tolerance below T\'s.')
+  define('float', 'group_plateau_tolerance', 0.01,
+         'Group controls: relative improvement that counts as progress.')
+  define('integer', 'group_validation_clients_per_group', 25,
+         'Group controls: validation clients per genre (disjoint from the '
+         'evaluated and sweep clients) that decide the plateau.')
 
 
 def cells(table: str, flag_values) -> list[reporting.Cell]:
@@ -195,7 +244,14 @@ def _config(f) -> dict:
       sweep_clients_per_group=f.group_sweep_clients_per_group,
       max_clients=f.group_max_clients or None,
       clustering=bool(f.group_clustering),
-      cluster_clients=f.group_cluster_clients)
+      cluster_clients=f.group_cluster_clients,
+      plateau=dict(
+          max_rounds=f.group_plateau_max_rounds,
+          eval_every=f.group_plateau_eval_every,
+          window=f.group_plateau_window,
+          tolerance=f.group_plateau_tolerance,
+          validation_clients_per_group=(
+              f.group_validation_clients_per_group)))
   for key in ('rounds', 'group_rounds'):
     if cfg[key] < 1:
       raise ValueError(f'group: {key} must be >= 1, got {cfg[key]}')
@@ -216,6 +272,18 @@ def _config(f) -> dict:
   if cfg['eval_clients_per_group'] < 0 or cfg['sweep_clients_per_group'] < 1:
     raise ValueError('group: eval clients must be >= 0 and sweep clients '
                      '>= 1 per group')
+  plateau = cfg['plateau']
+  if plateau['eval_every'] < 1 or plateau['window'] < plateau['eval_every']:
+    raise ValueError('group: plateau eval_every must be >= 1 and the window '
+                     f'at least one evaluation, got {plateau}')
+  if plateau['max_rounds'] < plateau['eval_every'] + plateau['window']:
+    raise ValueError('group: plateau max_rounds must leave room for one '
+                     f'evaluation and its window, got {plateau}')
+  if not 0 <= plateau['tolerance'] < 1:
+    raise ValueError('group: plateau tolerance must be in [0, 1), got '
+                     f'{plateau["tolerance"]}')
+  if plateau['validation_clients_per_group'] < 1:
+    raise ValueError('group: validation clients per group must be >= 1')
   if not os.path.isdir(cfg['data_dir']):
     raise ValueError(f'group: data dir {cfg["data_dir"]} does not exist')
   return cfg
@@ -231,10 +299,10 @@ def _root_of(out_dir: str) -> str:
 def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   cfg = _config(flag_values)
   root = _root_of(out_dir)
-  result = _pipeline(cfg, cell.seed, root)
   group = cell.setting['group']
-  if cell.method == 'fl_more':
-    return dict(_control(cfg, cell.seed, root)[group])
+  if cell.setting.get('fl') == PLATEAU:
+    return dict(_controls(cfg, cell.seed, root)[cell.method][group])
+  result = _pipeline(cfg, cell.seed, root)
   if cell.method == 'update_clustering':
     if 'clustering' not in result:
       raise ValueError('group: clustering is off (--group_clustering)')
@@ -283,9 +351,15 @@ def _sample_clients(task, cfg, seed):
   return sorted(eval_clients), sorted(sweep_clients)
 
 
+def _digest(value) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True).encode()
+                        ).hexdigest()[:10]
+
+
 def _config_dir(root, cfg, seed):
-  digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()
-                          ).hexdigest()[:10]
+  """The pipeline's directory: keyed by the configuration without the
+  controls' plateau rule (which the tables of the paper do not use)."""
+  digest = _digest({k: v for k, v in cfg.items() if k != 'plateau'})
   return os.path.join(root, reporting.RUNS_DIRNAME, PAPER, 'pipeline',
                       digest, f'seed_{seed}')
 
@@ -406,8 +480,6 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
   evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
                                           wtype)
-  evaluate_personal = group_fl.build_lm_evaluation(
-      task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
   eval_set = set(eval_clients)
 
   def eval_global(name, weights_of):
@@ -425,48 +497,12 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
           'groupfl': eval_global('groupfl', lambda g: group_weights[g])}
 
   # Stage 3: local personalization; lr selected on the sweep clients.
-  k_l = cfg['personalization_epochs']
-  personal_train = lambda c: task.train_dataset(c, k_l, round_num=10**6)
-  start_of = {'perfl': lambda g: global_weights,
-              'groupperfl': lambda g: group_weights[g]}
   sweep = {}
-  for method, start in start_of.items():
-    sweep[method] = {}
-    for lr in cfg['personalization_lrs']:
-      personalize = group_fl.build_local_personalization(
-          task.model_fn, tff.learning.optimizers.build_sgdm(lr), wtype)
-
-      def compute(clients, personalize=personalize, start=start):
-        out = {}
-        for g in groups:
-          members = [c for c in clients if group_of[c] == g]
-          out.update(group_fl.personalize_and_evaluate(
-              personalize, evaluate_personal, start(g), members,
-              personal_train, task.eval_dataset))
-        return {str(c): v for c, v in out.items()}
-      log_fn(f'group: {method} sweep lr={lr}')
-      result = stages.json(f'sweep_{method}_lr{lr:g}',
-                           lambda: compute(sweep_clients))
-      sweep[method][lr] = group_fl.perplexity(list(result.values()))
-    best = min(sweep[method], key=lambda lr: (sweep[method][lr], lr))
-    log_fn(f'group: {method} personalization lr {best} (sweep {sweep[method]})')
-    personalize = group_fl.build_local_personalization(
-        task.model_fn, tff.learning.optimizers.build_sgdm(best), wtype)
-
-    def compute_eval(personalize=personalize, start=start):
-      out = {}
-      for g in groups:
-        members = [c for c in eval_clients if group_of[c] == g]
-        out.update(group_fl.personalize_and_evaluate(
-            personalize, evaluate_personal, start(g), members,
-            personal_train, task.eval_dataset))
-      return {str(c): v for c, v in out.items()}
-    log_fn(f'group: {method} on the evaluation clients')
-    sums[method] = {int(c): v for c, v in stages.json(
-        f'eval_{method}', compute_eval).items()}
-    sweep[method] = {'perplexity_by_lr': {f'{k:g}': v for k, v in
-                                          sweep[method].items()},
-                     'lr': best}
+  for method, models in (('perfl', {g: global_weights for g in groups}),
+                         ('groupperfl', group_weights)):
+    sums[method], sweep[method] = _personalize(
+        task, cfg, stages, method, models, group_of, eval_clients,
+        sweep_clients, wtype, log_fn)
 
   result = {'cells': _cells(task, cfg, groups, eval_clients, sums, fl_part,
                             group_part, sweep),
@@ -485,48 +521,216 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   return result
 
 
-def _control(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
-  """`fl_more` (table `control`): GroupFL's extra client budget on global FL.
+def _personalize(task, cfg, stages, method, models, key_of, eval_clients,
+                 sweep_clients, wtype, log_fn):
+  """Local personalization (K_l epochs of SGD) from each client's model.
 
-  The one-path run `train_config(..., grouping='one')`: the same FL stage
-  (so the same FL model), then one run over every client with a cohort of
-  (clients per group round) x (groups) and a fresh FedAdam state;
-  evaluated on the same clients. Cached as `control.json`.
+  Client `c` starts from `models[key_of[c]]`. The learning rate is the one
+  of `cfg['personalization_lrs']` with the lowest pooled perplexity on
+  `sweep_clients`; the evaluated clients are then personalized with it.
+  Each step is cached in `stages` (`sweep_<method>_lr<lr>`,
+  `eval_<method>`). Returns `({eval client: its sums}, {'perplexity_by_lr',
+  'lr'})`.
+  """
+  evaluate_personal = group_fl.build_lm_evaluation(
+      task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
+  k_l = cfg['personalization_epochs']
+  personal_train = lambda c: task.train_dataset(c, k_l, round_num=10**6)
+
+  def run(lr, clients):
+    personalize = group_fl.build_local_personalization(
+        task.model_fn, tff.learning.optimizers.build_sgdm(lr), wtype)
+    out = {}
+    for key, weights in models.items():
+      members = [c for c in clients if key_of[c] == key]
+      out.update(group_fl.personalize_and_evaluate(
+          personalize, evaluate_personal, weights, members, personal_train,
+          task.eval_dataset))
+    return {str(c): v for c, v in out.items()}
+
+  by_lr = {}
+  for lr in cfg['personalization_lrs']:
+    log_fn(f'group: {method} sweep lr={lr}')
+    result = stages.json(f'sweep_{method}_lr{lr:g}',
+                         lambda lr=lr: run(lr, sweep_clients))
+    by_lr[lr] = group_fl.perplexity(list(result.values()))
+  best = min(by_lr, key=lambda lr: (by_lr[lr], lr))
+  log_fn(f'group: {method} personalization lr {best} (sweep {by_lr})')
+  log_fn(f'group: {method} on the evaluation clients')
+  sums = {int(c): v for c, v in stages.json(
+      f'eval_{method}', lambda: run(best, eval_clients)).items()}
+  return sums, {'perplexity_by_lr': {f'{k:g}': v for k, v in by_lr.items()},
+                'lr': best}
+
+
+def plateau_round(curve: Mapping[int, float], window: int,
+                  tolerance: float) -> Optional[int]:
+  """The round at which a validation curve has plateaued, or None.
+
+  The first evaluated round T such that no evaluation in (T, T + window]
+  is more than `tolerance` (relative) below the value at T, among the
+  rounds whose whole window the curve covers (lower is better, e.g.
+  perplexity).
+
+  Example: plateau_round({10: 200, 20: 150, 30: 149, 40: 149.5}, 20, 0.01)
+  is 20 (149 is within 1% of 150).
+  """
+  rounds = sorted(curve)
+  for t in rounds:
+    if t + window > rounds[-1]:
+      break
+    later = [curve[r] for r in rounds if t < r <= t + window]
+    if later and min(later) >= curve[t] * (1.0 - tolerance):
+      return t
+  return None
+
+
+def _validation_clients(task, cfg, seed) -> list[int]:
+  """Per genre, `validation_clients_per_group` clients with evaluation
+  speeches after the sweep and evaluated ones of `_sample_clients` (the
+  same seeded order), so disjoint from both."""
+  n_val = cfg['plateau']['validation_clients_per_group']
+  out = []
+  for g in task.group_names:
+    members = [c for c in task.clients_of(g) if task.num_eval(c) > 0]
+    order = np.random.default_rng([seed, 0xE7, len(g)] + [ord(ch) for ch in g]
+                                  ).permutation(members).tolist()
+    n_sweep = min(cfg['sweep_clients_per_group'], len(order) // 2)
+    n_eval = cfg['eval_clients_per_group'] or len(order)
+    rest = order[n_sweep + n_eval:]
+    if not rest:
+      raise ValueError(f'group: genre {g} has no client left for validation '
+                       'after the sweep and evaluated ones; lower '
+                       '--group_eval_clients_per_group')
+    out += rest[:n_val]
+  return sorted(out)
+
+
+def _find_plateau(task, cfg, seed, directory, validation, log_fn) -> dict:
+  """Trains FL (the registered `global`: stage 'fl' of `groupfl` on its
+  own) for up to `max_rounds`, evaluating the validation clients every
+  `eval_every` rounds, and applies `plateau_round` to that curve."""
+  p = cfg['plateau']
+  config = experiment.ExperimentConfig(
+      algorithm='global', rounds=p['max_rounds'],
+      clients_per_round=cfg['clients_per_round'], root_output_dir=directory,
+      experiment_name='fl_curve', client_optimizer='sgd',
+      client_learning_rate=cfg['client_lr'], server_optimizer='adam',
+      server_learning_rate=cfg['server_lr'], eval_every=p['eval_every'],
+      seed=seed, resume=True)
+  if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
+    experiment.run_experiment(
+        task, config, eval_ids=validation,
+        log_fn=lambda s: log_fn(f'group fl_curve: {s}'))
+  with open(os.path.join(config.experiment_dir, 'eval_metrics.csv')) as f:
+    curve = {int(r['round']): float(r['perplexity'])
+             for r in csv.DictReader(f) if r.get('perplexity')}
+  rounds = plateau_round(curve, p['window'], p['tolerance'])
+  log_fn(f'group: FL validation plateau at round {rounds} '
+         f'(searched {p["max_rounds"]})')
+  return {'rounds': rounds or p['max_rounds'], 'reached': rounds is not None,
+          'curve': {str(r): v for r, v in sorted(curve.items())},
+          'validation_clients': len(validation)}
+
+
+def _controls(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
+  """The controls' cells (tables `control*`): `{method: {group: metrics}}`.
+
+  FL trained to its validation plateau (`_find_plateau`); from that FL
+  model, the one-path `groupfl` runs with the genres, with shuffled groups
+  of the same sizes and with one group of every client at GroupFL's client
+  budget (`fl_more`); each personalized as in the tables. Every client is
+  evaluated on the clients of `_sample_clients`. Cached as `controls.json`
+  (each step before it too) under the pipeline's directory, keyed by the
+  plateau rule.
   """
   log_fn = log_fn or (lambda s: print(s, flush=True))
-  directory = _config_dir(root, cfg, seed)
+  directory = os.path.join(_config_dir(root, cfg, seed),
+                           'controls_' + _digest(cfg['plateau']))
   stages = _Stages(directory)
+  final = os.path.join(directory, 'controls.json')
+  if os.path.exists(final):
+    with open(final) as f:
+      return json.load(f)
+  _write_text(os.path.join(directory, 'config.json'),
+              json.dumps(cfg, indent=1, sort_keys=True))
+  task = _task(cfg, seed)
+  with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
+    result = _run_controls(task, cfg, seed, directory, stages, log_fn)
+  _write_text(final, json.dumps(result, indent=1, sort_keys=True))
+  return result
 
-  def compute():
-    task = _task(cfg, seed)
-    groups = {g: task.clients_of(g) for g in task.group_names}
-    eval_clients, _ = _sample_clients(task, cfg, seed)
-    config = train_config(cfg, seed, directory, 'one', len(groups))
-    with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
-      _train(task, config, log_fn)
-      _, models, wtype = _models(task, config, 'one')
-      evaluate = group_fl.build_lm_evaluation(
-          task.model_fn, word_lm.metrics_fn, wtype)
-      sums = group_fl.evaluate_global(evaluate, models['all'], eval_clients,
-                                      task.eval_dataset)
-    fl_part = _fl_participations(task, config, cfg)
-    part = _group_participations(task, config, 'one')
-    out = {}
-    for g, members in list(groups.items()) + [(ALL, eval_clients)]:
-      members = [c for c in members if c in sums]
-      counts = [fl_part.get(c, 0) + part.get(c, 0) for c in members]
-      out[g] = {
-          'perplexity': group_fl.perplexity([sums[c] for c in members]),
-          'communication': float(np.mean(
-              [group_fl.communication_cost(n) for n in counts])),
-          'computation': float(np.mean(
-              [group_fl.computation_cost(n, cfg['local_epochs'])
-               for n in counts])),
-          'clients': len(members)}
-    return out
 
-  return stages.json('control', compute)
+def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
+  eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
+  validation = _validation_clients(task, cfg, seed)
+  plateau = stages.json('plateau', lambda: _find_plateau(
+      task, cfg, seed, directory, validation, log_fn))
+  cfg_t = dict(cfg, rounds=plateau['rounds'])
+  num_groups = len(task.group_names)
+  starts = {}  # method -> ({model key: weights}, {client: model key})
+  wtype = None
+  for grouping, name in (('task', 'groupfl'), ('shuffled', 'groupfl_shuffled'),
+                         ('one', 'fl_more')):
+    config = train_config(cfg_t, seed, directory, grouping, num_groups)
+    _train(task, config, log_fn)
+    fl_weights, models, wtype = _models(task, config, grouping)
+    members = experiment.group_members(task, config, grouping)
+    starts[name] = (models, {c: g for g, ms in members.items() for c in ms})
+    if grouping == 'task':
+      starts['fl'] = ({ALL: fl_weights},
+                      {c: ALL for c in range(task.population)})
+  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
+                                          wtype)
+  sums, sweep = {}, {}
+  for method in ('fl', 'fl_more', 'groupfl', 'groupfl_shuffled'):
+    models, key_of = starts[method]
 
+    def compute(models=models, key_of=key_of):
+      out = {}
+      for key, weights in models.items():
+        out.update(group_fl.evaluate_global(
+            evaluate, weights, [c for c in eval_clients if key_of[c] == key],
+            task.eval_dataset))
+      return {str(c): v for c, v in out.items()}
+    log_fn(f'group: evaluating {method}')
+    sums[method] = {int(c): v for c, v in stages.json(
+        f'eval_{method}', compute).items()}
+  for method, start in (('perfl', 'fl'), ('perfl_more', 'fl_more'),
+                        ('groupperfl', 'groupfl'),
+                        ('groupperfl_shuffled', 'groupfl_shuffled')):
+    models, key_of = starts[start]
+    sums[method], sweep[method] = _personalize(
+        task, cfg, stages, method, models, key_of, eval_clients,
+        sweep_clients, wtype, log_fn)
+  return _control_cells(task, eval_clients, sums, sweep, plateau['rounds'])
+
+
+def _control_cells(task, eval_clients, sums, sweep, rounds) -> dict:
+  """`{method: {group: metrics}}` of the controls, with each group
+  method's `margin` over the better of its controls (`CONTROLS_OF`)."""
+  members_of = {g: [c for c in eval_clients if task.client_groups[c] == g]
+                for g in task.group_names}
+  members_of[ALL] = list(eval_clients)
+  out = {}
+  for method in CONTROL_METHODS:
+    out[method] = {}
+    for g, members in members_of.items():
+      metrics = {
+          'perplexity': group_fl.perplexity([sums[method][c]
+                                             for c in members]),
+          'clients': len(members),
+          'eval_tokens': float(sum(sums[method][c]['tokens']
+                                   for c in members)),
+          'fl_rounds': rounds}
+      if method in sweep:
+        metrics['personalization_lr'] = sweep[method]['lr']
+      out[method][g] = metrics
+  for method, controls in CONTROLS_OF.items():
+    for g, metrics in out[method].items():
+      metrics['margin'] = metrics['perplexity'] - min(
+          out[c][g]['perplexity'] for c in controls)
+  return out
 
 def _relative(sums, client) -> float:
   per = group_fl.perplexity([sums['perfl'][client]])

@@ -25,8 +25,11 @@ def _flags(**overrides):
       group_group_clients_per_round=2, group_local_epochs=1,
       group_client_lr=1.0, group_server_lr=0.01,
       group_personalization_epochs=2, group_personalization_lrs=['0.1', '1'],
-      group_eval_clients_per_group=2, group_sweep_clients_per_group=1,
-      group_max_clients=30, group_clustering=True, group_cluster_clients=8)
+      group_eval_clients_per_group=1, group_sweep_clients_per_group=1,
+      group_max_clients=30, group_clustering=True, group_cluster_clients=8,
+      group_plateau_max_rounds=6, group_plateau_eval_every=2,
+      group_plateau_window=2, group_plateau_tolerance=0.01,
+      group_validation_clients_per_group=2)
   values.update(overrides)
   return types.SimpleNamespace(**values)
 
@@ -58,7 +61,8 @@ def test_reproduction_records_every_method_and_group(registered, tmp_path):
     reporting.reproduce(p, f, root, log_fn=lambda s: None)
   with open(os.path.join(root, 'results.jsonl')) as fh:
     records = [json.loads(line) for line in fh]
-  cells = {(r['method'], r['setting']['group']): r for r in records}
+  cells = {(r['method'], r['setting']['group']): r for r in records
+           if 'fl' not in r['setting']}
   groups = list(sg.GROUP_NAMES) + ['all']
   for method in group.METHODS:
     for g in groups:
@@ -81,13 +85,7 @@ def test_reproduction_records_every_method_and_group(registered, tmp_path):
   # 'all' pools the groups' clients.
   assert cells[('fl', 'all')]['metrics']['clients'] == sum(
       cells[('fl', g)]['metrics']['clients'] for g in sg.GROUP_NAMES)
-  # The control spends GroupFL's extra client budget on global FL.
-  for g in groups:
-    more = cells[('fl_more', g)]['metrics']
-    assert more['perplexity'] == more['perplexity']
-    assert more['communication'] >= cells[('fl', g)]['metrics'][
-        'communication']
-    assert more['clients'] == cells[('fl', g)]['metrics']['clients']
+  _check_controls(f, root, records)
   ari = cells[('update_clustering', 'all')]['metrics']
   assert -1.0 <= ari['adjusted_rand_index'] <= 1.0 and ari['clients'] == 8
   assert os.path.exists(os.path.join(root, 'figures',
@@ -99,22 +97,85 @@ def test_reproduction_records_every_method_and_group(registered, tmp_path):
   assert os.path.exists(os.path.join(root, 'tables', 'group', 'table3.md'))
 
 
+def _check_controls(f, root, records):
+  """The controls' cells: every method and group, T from the plateau rule
+  on the recorded curve, margins over the better control, and the three
+  control runs (genres, shuffled, one group) on the same FL model."""
+  cfg = group._config(f)
+  cells = {(r['method'], r['setting']['group']): r['metrics']
+           for r in records if r['setting'].get('fl') == group.PLATEAU}
+  groups = list(sg.GROUP_NAMES) + ['all']
+  assert set(cells) == {(m, g) for m in group.CONTROL_METHODS for g in groups}
+  (directory,) = glob.glob(os.path.join(root, 'runs', 'group', 'pipeline',
+                                        '*', 'seed_0', 'controls_*'))
+  with open(os.path.join(directory, 'plateau.json')) as fh:
+    plateau = json.load(fh)
+  curve = {int(r): v for r, v in plateau['curve'].items()}
+  assert sorted(curve) == [2, 4, 6]  # Every eval_every rounds, to the end.
+  expected = group.plateau_round(curve, 2, 0.01) or 6
+  assert plateau['rounds'] == expected
+  for (method, g), m in cells.items():
+    assert m['fl_rounds'] == expected and m['perplexity'] == m['perplexity']
+    assert m['clients'] == cells[('fl', g)]['clients']
+    if method in group.CONTROLS_OF:
+      assert m['margin'] == pytest.approx(m['perplexity'] - min(
+          cells[(c, g)]['perplexity'] for c in group.CONTROLS_OF[method]))
+  task = group._task(cfg, 0)
+  cfg_t = dict(cfg, rounds=expected)
+  fl_weights = []
+  for grouping in ('task', 'shuffled', 'one'):
+    config = group.train_config(cfg_t, 0, directory, grouping,
+                                len(task.group_names))
+    fl, models, _ = group._models(task, config, grouping)
+    fl_weights.append(fl)
+    sizes = sorted(len(m) for m in experiment.group_members(
+        task, config, grouping).values())
+    if grouping == 'shuffled':
+      assert sizes == sorted(len(task.clients_of(g))
+                             for g in task.group_names)
+  for other in fl_weights[1:]:
+    for x, y in zip(fl_weights[0].trainable, other.trainable, strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_validation_clients_are_disjoint_from_evaluated_and_sweep(
+    registered):
+  cfg = group._config(_flags())
+  task = group._task(cfg, 0)
+  eval_clients, sweep = group._sample_clients(task, cfg, 0)
+  validation = group._validation_clients(task, cfg, 0)
+  assert validation and not set(validation) & (set(eval_clients) | set(sweep))
+  assert all(task.num_eval(c) > 0 for c in validation)
+  with pytest.raises(ValueError, match='no client left for validation'):
+    group._validation_clients(task, dict(cfg, eval_clients_per_group=0), 0)
+
+
+def test_plateau_round():
+  curve = {10: 200.0, 20: 150.0, 30: 149.0, 40: 149.5, 50: 140.0}
+  # 149 is within 1% of 150 over (20, 40]; at 30 the window (30, 50] holds
+  # 140, more than 1% below.
+  assert group.plateau_round(curve, 20, 0.01) == 20
+  # With no tolerance 149.0 beats 150.0; later windows hold 140.
+  assert group.plateau_round(curve, 20, 0.0) is None
+  # A window of 30 from round 20 reaches 140.
+  assert group.plateau_round(curve, 30, 0.01) is None
+  # Still falling by more than the tolerance everywhere: no plateau.
+  falling = {r: 100.0 * 0.9 ** (r // 10) for r in range(10, 110, 10)}
+  assert group.plateau_round(falling, 20, 0.05) is None
+  # Only rounds whose whole window the curve covers can be T.
+  assert group.plateau_round({10: 100.0, 20: 100.0}, 20, 0.01) is None
+  assert group.plateau_round({10: 100.0, 20: 100.0, 30: 100.0}, 20,
+                             0.01) == 10
+
+
 def _check_runs_share_the_fl_model_and_counts(f, root):
-  """The control's run repeats the main run's FL stage exactly, and the
-  participation counts the costs use (from the sampling function) are the
-  client-state stores' own."""
+  """The participation counts the costs use (from the sampling function)
+  are the client-state stores' own."""
   cfg = group._config(f)
   (directory,) = glob.glob(os.path.join(root, 'runs', 'group', 'pipeline',
                                         '*', 'seed_0'))
   task = group._task(cfg, 0)
   main = group.train_config(cfg, 0, directory)
-  control = group.train_config(cfg, 0, directory, 'one',
-                               len(task.group_names))
-  fl_main, _, _ = group._models(task, main, 'task')
-  fl_control, models, _ = group._models(task, control, 'one')
-  assert list(models) == ['all']
-  for x, y in zip(fl_main.trainable, fl_control.trainable, strict=True):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   fl_stage = experiment.build_process(task, main).stages[0]
   store = client_state_lib.make_store(
       main.client_state_backend,

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -421,6 +421,21 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
   return evaluate, eval_ids, eval_data_fn
 
 
+def _checked_eval_ids(eval_ids: Sequence[int], population: int) -> list[int]:
+  """`eval_ids` as a sorted list of ints; refuses repeats, clients outside
+  [0, population) and an empty list."""
+  ids = [int(i) for i in eval_ids]
+  if not ids:
+    raise ConfigurationError('eval_ids is empty: give at least one client')
+  if len(set(ids)) != len(ids):
+    raise ConfigurationError('eval_ids repeats clients')
+  outside = [i for i in ids if not 0 <= i < population]
+  if outside:
+    raise ConfigurationError(f'eval_ids {outside[:5]} are outside the '
+                             f'population [0, {population})')
+  return sorted(ids)
+
+
 def eval_client_ids(population: int, eval_clients: int, seed: int
                     ) -> list[int]:
   """The users a run evaluates: `eval_clients` of them drawn by `seed`
@@ -463,8 +478,13 @@ def _holding_lock(create: bool):
 def run_experiment(task, config: ExperimentConfig,
                    log_fn: Callable[[str], None] = print,
                    flag_values: Optional[dict[str, Any]] = None,
-                   export_private_states: bool = False) -> dict:
+                   export_private_states: bool = False,
+                   eval_ids: Optional[Sequence[int]] = None) -> dict:
   """Trains and evaluates; writes and returns the summary (summary.json).
+
+  `eval_ids`: the clients every evaluation tests (sorted, distinct, in the
+  population), e.g. a validation sample disjoint from the clients a report
+  tests; None: `config.eval_clients` of them drawn by the seed.
 
   With `export_private_states`, the final private states of the evaluated
   clients are written to `private_states.npz` (ids and each private tensor)
@@ -474,6 +494,8 @@ def run_experiment(task, config: ExperimentConfig,
   registry.check_compatible(config.algorithm, task, config.algorithm_options)
   population = task.population
   dp = validate(config, population)
+  if eval_ids is not None:
+    eval_ids = _checked_eval_ids(eval_ids, population)
   _check_rounds_not_below_completed(config)
   resuming = bool(training_loop.checkpoint_rounds(config.experiment_dir))
   if resuming:  # Checks against the record; writes nothing.
@@ -504,12 +526,12 @@ def run_experiment(task, config: ExperimentConfig,
                                                         dp, log_fn)
   if per_group:  # e.g. GroupFL: one run of the last stage per group.
     return _run_per_group(task, proc, config, dp, groups, initial_state,
-                          earlier_noised, log_fn, flag_values)
+                          earlier_noised, log_fn, flag_values, eval_ids)
   train_proc, num_shards, store, train_data_fn = _training_parts(
       task, proc, config, dp, config.experiment_dir, log_fn)
 
   evaluate, eval_ids, eval_data_fn = _personal_evaluator(
-      task, proc, config, store, num_shards)
+      task, proc, config, store, num_shards, eval_ids)
 
   def eval_fn(state, round_num):
     del round_num
@@ -676,7 +698,7 @@ def group_members(task, config: ExperimentConfig,
 
 def _run_per_group(task, proc, config: ExperimentConfig, dp, groups,
                    initial_state, earlier_noised: int, log_fn,
-                   flag_values) -> dict:
+                   flag_values, eval_ids=None) -> dict:
   """Runs a per-group last stage (`core/stages.py`) and writes the summary.
 
   Each group's run is the one loop on `core/task.TaskSubset(task, group)`
@@ -688,8 +710,9 @@ def _run_per_group(task, proc, config: ExperimentConfig, dp, groups,
   group's run only; epsilon is the largest over the groups of the two
   composed (`privacy.compute_epsilon_phases`).
   """
-  eval_ids = eval_client_ids(task.population, config.eval_clients,
-                             config.seed)
+  if eval_ids is None:
+    eval_ids = eval_client_ids(task.population, config.eval_clients,
+                               config.seed)
   eval_set = set(eval_ids)
   outputs, per_group, results = {}, {}, {}
   for name, members in groups.items():
