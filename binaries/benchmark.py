@@ -19,8 +19,15 @@ of each round drawn from (seed, round)). Systems:
   by default one thread per op and one inter-op thread per CPU),
   driven as `binaries.train` drives them: a client-state store, per-user
   `tf.data` datasets, `next`, states saved back (no checkpoints, no eval).
-* `keras_central`: plain training of the same model on the same examples of
-  each cohort (the same batches, one pass), no federation: the ceiling.
+* `tf_ceiling`: the arithmetic ceiling. FedAvg's arithmetic on each
+  cohort (every client: the global weights, local Adam over its batches,
+  its delta; the mean delta applied with SGD 1) as one `tf.function` of
+  `tf.while_loop`s in one process: no federation, no TFF, no `tf.data`
+  (`build_ceiling_round`; a test holds it equal to the `global` process's
+  round). Every system is reported as a fraction of it.
+* `keras_central`: Keras `fit` once per round over the cohort's examples
+  (the same batches, one pass, one optimizer state): what plain Keras costs,
+  per-call set-up included. Not a ceiling.
 * `pfl_fedavg` (with `--peer_python`): Apple's pfl-research on the same
   workload, run by `bench/peers/pfl_fedavg.py` in its own environment.
 
@@ -56,6 +63,7 @@ import psutil
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from binaries import benchmark_families
 from tasks import preference_task
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
@@ -70,7 +78,9 @@ from tff_personal.models import fedembed_mnist
 FLAGS = flags.FLAGS
 
 SYSTEMS = ('tff_fedavg', 'global', 'global_plus', 'fedembed_prototype',
-           'keras_central')
+           'tf_ceiling', 'keras_central')
+CEILING = 'tf_ceiling'
+LOCAL_LEARNING_RATE = 1e-3
 EXAMPLES_PER_CLIENT = 20
 BATCH_SIZE = 10
 POPULATION = 1000
@@ -78,7 +88,7 @@ POPULATION = 1000
 def define_flags():
   """Defines the binary's flags (at run time, so tests can import this)."""
   flags.DEFINE_string('output_dir', None, 'Where benchmark.json/.md go.')
-  flags.DEFINE_list('cohorts', ['50', '200'], 'Cohort sizes.')
+  flags.DEFINE_list('cohorts', ['10', '50', '200'], 'Cohort sizes.')
   flags.DEFINE_list('systems', list(SYSTEMS), 'Systems to run.')
   flags.DEFINE_integer('rounds', 12, 'Rounds per (system, cohort); the first '
                        'is start-up, the rest give the steady-state rate.')
@@ -106,6 +116,16 @@ def define_flags():
                       'Python of an environment with pfl-research installed '
                       '(bench/peers/setup_pfl_env.sh); runs pfl_fedavg.')
   flags.DEFINE_integer('seed', 0, 'Workload and sampling seed.')
+  flags.DEFINE_list('families', [],
+                    'Family rows: each algorithm on its own task, sharded '
+                    'and one user per TFF client (binaries/'
+                    'benchmark_families.py; e.g. ditto,feddva,fedperc,'
+                    'groupfl,furl).')
+  flags.DEFINE_integer('family_rounds', 6,
+                       'Rounds of each family run (round 1 is start-up).')
+  flags.DEFINE_string('data_dir', None,
+                      'The shared data directory the family rows read '
+                      '(default: ../shared/data from the repository).')
   flags.DEFINE_float('timeout_s', 1800, 'Per-run time limit.')
   # Internal: one run in a child process.
   flags.DEFINE_string('child', None, 'Internal: system to run in this process.')
@@ -163,7 +183,7 @@ def _run_tff_fedavg(data, cohort, rounds, seed, rss_at):
 
   tf.keras.utils.set_random_seed(seed)
   proc = tff.learning.algorithms.build_weighted_fed_avg(
-      model_fn, client_optimizer_fn=fedavg.adam(1e-3),
+      model_fn, client_optimizer_fn=fedavg.adam(LOCAL_LEARNING_RATE),
       server_optimizer_fn=tff.learning.optimizers.build_sgdm(1.0))
   state = proc.initialize()
   times = []
@@ -176,7 +196,9 @@ def _run_tff_fedavg(data, cohort, rounds, seed, rss_at):
   return times, {}
 
 
-def _run_project(name, data, cohort, rounds, seed, shards, rss_at):
+def build_project_process(name: str, seed: int):
+  """The registered algorithm `name` on the benchmark's model and optimizers
+  (local Adam, server SGD 1), as the project's runs build it."""
 
   class Workload:  # The PreferenceData interface the task's models need.
     num_subpopulations = 10
@@ -187,11 +209,15 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at):
       model_builder=lambda dim, input_spec:
       fedembed_mnist.build_preference_model(dim, input_spec=input_spec),
       batch_size=BATCH_SIZE, seed=seed)
-  proc = registry.build(
+  return registry.build(
       name, registry.model_factory(name, task),
-      client_optimizer=fedavg.adam(1e-3),
+      client_optimizer=fedavg.adam(LOCAL_LEARNING_RATE),
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
       metrics_fn=task.metrics_fn, seed=seed)
+
+
+def _run_project(name, data, cohort, rounds, seed, shards, rss_at):
+  proc = build_project_process(name, seed)
   num_shards = sharded.resolve_num_shards(proc, shards)
   train = sharded.maybe_shard(proc, num_shards)
   element_spec = tff.types.type_to_tf_tensor_specs(
@@ -219,10 +245,10 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at):
 
 
 def _run_keras_central(data, cohort, rounds, seed, rss_at):
-  """The ceiling: Keras `fit` over the cohort's examples, same batches."""
+  """Keras `fit` once per round over the cohort's examples, same batches."""
   tf.keras.utils.set_random_seed(seed)
   model = fedembed_mnist.build_preference_model(0).model
-  model.compile(optimizer=tf.keras.optimizers.Adam(1e-3),
+  model.compile(optimizer=tf.keras.optimizers.Adam(LOCAL_LEARNING_RATE),
                 loss=tf.keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True))
   times = []
@@ -233,6 +259,91 @@ def _run_keras_central(data, cohort, rounds, seed, rss_at):
     y = data['y'][ids].reshape((-1,))
     model.fit(x, y, batch_size=BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0)
+    times.append(time.perf_counter() - t)
+    rss_at(r)
+  return times, {}
+
+
+def build_ceiling_round(keras_model: tf.keras.Model,
+                        client_optimizer: tff.learning.optimizers.Optimizer):
+  """One FedAvg round's arithmetic as a single `tf.function`.
+
+  Returns `round_fn(global_weights, x, y) -> new global weights`, where
+  `x` is `[clients, steps, batch, ...]` and `y` `[clients, steps, batch]`:
+  each client starts from `global_weights`, takes `steps` steps of
+  `client_optimizer` (TFF's functional optimizer, the one the processes
+  use, with a fresh state per client) on the sparse softmax cross-entropy
+  of `keras_model`, and the new global weights are the old ones plus the
+  clients' mean delta (server SGD with lr 1; every client has the same
+  number of examples, so the weighted mean is the mean). Written by hand:
+  neither TF nor TFF ships FedAvg without federation. Trainable weights
+  only (the benchmark's model has no non-trainable ones).
+
+  Example:
+    round_fn = build_ceiling_round(model, fedavg.adam(1e-3))
+    weights = round_fn(weights, x, y)
+  """
+  variables = keras_model.trainable_variables
+  if keras_model.non_trainable_variables:
+    raise ValueError('the ceiling handles trainable weights only')
+  specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
+  loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  @tf.function
+  def round_fn(global_weights, x, y):
+    global_weights = tuple(global_weights)
+    clients, steps = tf.shape(x)[0], tf.shape(x)[1]
+
+    def client(c, total):
+      for v, g in zip(variables, global_weights):
+        v.assign(g)
+
+      def step(b, state):
+        with tf.GradientTape() as tape:
+          loss = loss_fn(y[c, b], keras_model(x[c, b], training=True))
+        grads = tape.gradient(loss, variables)
+        state, new = client_optimizer.next(state, tuple(variables),
+                                           tuple(grads))
+        for v, n in zip(variables, new):
+          v.assign(n)
+        return b + 1, state
+
+      tf.while_loop(lambda b, _: b < steps, step,
+                    (tf.constant(0), client_optimizer.initialize(specs)))
+      return c + 1, tuple(t + (v - g) for t, v, g in
+                          zip(total, variables, global_weights))
+
+    zeros = tuple(tf.zeros_like(g) for g in global_weights)
+    _, total = tf.while_loop(lambda c, _: c < clients, client,
+                             (tf.constant(0), zeros))
+    n = tf.cast(clients, total[0].dtype)
+    return tuple(g + t / n for g, t in zip(global_weights, total))
+
+  return round_fn
+
+
+def _cohort_arrays(data, ids):
+  """The cohort's examples as `[clients, steps, batch, ...]` (the visiting
+  order and batches of the federated runs)."""
+  steps = EXAMPLES_PER_CLIENT // BATCH_SIZE
+  x = data['x'][ids]
+  y = data['y'][ids]
+  return (x.reshape((len(ids), steps, BATCH_SIZE) + x.shape[2:]),
+          y.reshape((len(ids), steps, BATCH_SIZE)))
+
+
+def _run_tf_ceiling(data, cohort, rounds, seed, rss_at):
+  tf.keras.utils.set_random_seed(seed)
+  model = fedembed_mnist.build_preference_model(0).model
+  round_fn = build_ceiling_round(model, fedavg.adam(LOCAL_LEARNING_RATE))
+  weights = tuple(tf.constant(v.numpy()) for v in model.trainable_variables)
+  times = []
+  for r in range(1, rounds + 1):
+    t = time.perf_counter()
+    ids = cohort_of(r, cohort, seed)
+    x, y = _cohort_arrays(data, ids)
+    weights = round_fn(weights, x, y)
+    weights[0].numpy()  # Waits for the round.
     times.append(time.perf_counter() - t)
     rss_at(r)
   return times, {}
@@ -271,6 +382,8 @@ def child_main(f) -> None:
                              inter_op_threads=threads[1]):
     if f.child == 'tff_fedavg':
       times, extra = _run_tff_fedavg(data, f.cohort, f.rounds, f.seed, rss_at)
+    elif f.child == CEILING:
+      times, extra = _run_tf_ceiling(data, f.cohort, f.rounds, f.seed, rss_at)
     elif f.child == 'keras_central':
       times, extra = _run_keras_central(data, f.cohort, f.rounds, f.seed,
                                         rss_at)
@@ -336,25 +449,28 @@ def _ratio(a, b):
 def _threads(record) -> str:
   """'intra/inter' of the run's worker_binary ('-' without a worker)."""
   t = record.get('worker_threads')
-  if not t or record['name'] == 'keras_central':
+  if not t or record['name'] in ('keras_central', CEILING):
     return '-'
   show = lambda n: 'TF default' if n is None else str(n)
   return f"{show(t['intra_op'])}/{show(t['inter_op'])}"
 
 
 def render_markdown(records, machine: str, command: str) -> str:
-  """The table, with ratios to tff_fedavg and keras_central per cohort."""
+  """The tables: systems with ratios to tff_fedavg, the arithmetic ceiling
+  and pfl per cohort; family rows, sharded against one user per client."""
   lines = [f'Machine: {machine}', '', f'Command: `{command}`', '',
            '| system | cohort | client updates/s | examples/s | s/round | '
-           'start-up s | peak RSS MiB | vs tff_fedavg | vs keras_central | '
+           'start-up s | peak RSS MiB | vs tff_fedavg | vs tf_ceiling | '
            'vs pfl_fedavg | worker threads (intra/inter) |',
            '|' + '---|' * 11]
+  families = [r for r in records if r.get('form')]
+  records = [r for r in records if not r.get('form')]
   by_key = {(r['name'], r['cohort']): r for r in records}
   for r in records:
     if 'rss_mib_after_round_20' in r and r.get('memory_run'):
       continue
     ref = by_key.get(('tff_fedavg', r['cohort']), {})
-    ceiling = by_key.get(('keras_central', r['cohort']), {})
+    ceiling = by_key.get((CEILING, r['cohort']), {})
     peer = by_key.get(('pfl_fedavg', r['cohort']), {})
     u = r['client_updates_per_s']
     lines.append(
@@ -366,6 +482,24 @@ def render_markdown(records, machine: str, command: str) -> str:
         f"{_ratio(u, ceiling.get('client_updates_per_s'))} | "
         f"{_ratio(u, peer.get('client_updates_per_s'))} | "
         f"{_threads(r)} |")
+  if families:
+    lines += ['', 'Families, each on its own task (binaries.train; rounds 2 '
+              'and later of the timed stage):', '',
+              '| algorithm | task | stage | cohort | form | client updates/s '
+              '| examples/s | s/round | sharded vs per client |',
+              '|' + '---|' * 9]
+    forms = {(r['name'], r['form']): r for r in families}
+    for r in families:
+      other = forms.get((r['name'], 'per_client'), {})
+      examples = r.get('examples_per_s')
+      lines.append(
+          f"| {r['name']} | {r['workload']} | {r.get('stage') or '-'} | "
+          f"{r['cohort']} | {r['form']} | {r['client_updates_per_s']:.2f} | "
+          f"{'-' if examples is None else f'{examples:.0f}'} | "
+          f"{r['seconds_per_round']:.3f} | " + (
+              _ratio(r['client_updates_per_s'],
+                     other.get('client_updates_per_s'))
+              if r['form'] == 'sharded' else '1.00x') + ' |')
   memory = [r for r in records if r.get('memory_run')]
   for r in memory:
     a = r.get('rss_mib_after_round_20')
@@ -401,6 +535,10 @@ def parent_main(f) -> int:
   peer_script = os.path.join(root, 'bench', 'peers', 'pfl_fedavg.py')
   if f.peer_python:
     runs += [('pfl_fedavg', c, f.rounds) for c in cohorts]
+  unknown = set(f.families) - set(benchmark_families.FAMILIES)
+  if unknown:
+    raise app.UsageError(f'unknown --families {sorted(unknown)}; known: '
+                         f'{list(benchmark_families.FAMILIES)}')
   for i, (system, cohort, rounds) in enumerate(runs):
     record_path = os.path.join(f.output_dir, f'.record_{i}.json')
     if system == 'pfl_fedavg':
@@ -429,6 +567,12 @@ def parent_main(f) -> int:
           f"{record.get('startup_s', float('nan')):.1f} s, peak RSS "
           f'{peak:.0f} MiB', flush=True)
     records.append(record)
+  if f.families:
+    records += benchmark_families.run(
+        f.families, f.family_rounds,
+        f.data_dir or os.path.join(root, '..', 'shared', 'data'),
+        os.path.join(f.output_dir, 'families'), f.timeout_s,
+        log=lambda s: print(s, flush=True))
   del root
   machine = (f'{platform.node()} {platform.machine()}, {os.cpu_count()} '
              f'CPUs, Python {platform.python_version()}, load average '
@@ -440,7 +584,8 @@ def parent_main(f) -> int:
   with open(os.path.join(f.output_dir, 'benchmark.md'), 'w') as out:
     out.write(markdown)
   print(markdown, flush=True)
-  return 0 if len(records) == len(runs) else 1
+  expected = len(runs) + len(f.families) * len(benchmark_families.FORMS)
+  return 0 if len(records) == expected else 1
 
 
 def main(argv):

@@ -22,7 +22,6 @@ import sys
 from absl import app
 from absl import flags
 
-from tff_personal import atomic_io
 from tff_personal.models import fedperc_backbone
 
 FLAGS = flags.FLAGS
@@ -64,24 +63,12 @@ def main(argv):
   except ValueError as e:
     print(f'error: --vocabulary_size: {e}', file=sys.stderr)
     return 2
-  spec = fedperc_backbone.random_backbone(
-      vocabulary, source.merges, num_layers=FLAGS.num_layers,
-      num_heads=FLAGS.num_heads, hidden_dim=FLAGS.hidden_dim,
-      intermediate_dim=FLAGS.intermediate_dim,
-      max_sequence_length=FLAGS.max_sequence_length, seed=FLAGS.seed)
-  backbone = spec.build_backbone()
-  backbone.set_weights(spec.weights)
-  summary = dict(
-      random_weights=True, tokenizer_from=FLAGS.tokenizer_from,
-      trained_tokens=len(source.vocabulary), config=spec.config,
-      parameters=int(backbone.count_params()),
-      note='Random weights: for time and memory measurements only.')
-  # The marker goes first: a preset written halfway is still marked random.
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  with atomic_io.atomic_write(os.path.join(
-      FLAGS.output_dir, fedperc_backbone.RANDOM_WEIGHTS_FILE)) as f:
-    f.write(json.dumps(summary, indent=2))
-  fedperc_backbone.save_preset(backbone, spec.tokenizer(), FLAGS.output_dir)
+  summary = fedperc_backbone.write_random_preset(
+      vocabulary, source.merges, FLAGS.output_dir,
+      num_layers=FLAGS.num_layers, num_heads=FLAGS.num_heads,
+      hidden_dim=FLAGS.hidden_dim, intermediate_dim=FLAGS.intermediate_dim,
+      max_sequence_length=FLAGS.max_sequence_length, seed=FLAGS.seed,
+      provenance={'tokenizer_from': FLAGS.tokenizer_from})
   print(json.dumps(summary, indent=2))
   return 0
 

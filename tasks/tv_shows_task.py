@@ -180,6 +180,7 @@ def tv_shows_task(data_dir: Optional[str] = None, *,
                   backbone: Optional[str] = None, max_tokens: int = 24,
                   max_utterances: int = 200, local_steps: int = 10,
                   batch_size: int = 15, generator_tokens: int = 12,
+                  allow_random_backbone: bool = False,
                   seed: int = 0) -> TvShowsTask:
   """Builds the tv_shows task.
 
@@ -194,6 +195,9 @@ def tv_shows_task(data_dir: Optional[str] = None, *,
       per step.
     generator_tokens: tokens of each utterance the embedding generators read
       (0: all).
+    allow_random_backbone: accept a random-weight backbone (one marked by
+      `fedperc_backbone.write_random_preset`), for time and memory
+      measurements only: its perplexities mean nothing.
     seed: the data seed: the users' splits and the rounds' batches.
   """
   if not backbone:
@@ -203,10 +207,12 @@ def tv_shows_task(data_dir: Optional[str] = None, *,
   if max_utterances < 0:
     raise ValueError(f'max_utterances must be >= 0, got {max_utterances}')
   spec = fedperc_backbone.load_backbone(backbone)
-  if fedperc_backbone.has_random_weights(backbone):
+  if (fedperc_backbone.has_random_weights(backbone) and
+      not allow_random_backbone):
     raise ValueError(f'backbone {backbone} has random weights '
                      f'({fedperc_backbone.RANDOM_WEIGHTS_FILE}): it cannot '
-                     'model language; pre-train one')
+                     'model language; pre-train one (or, for time and '
+                     'memory measurements only, allow_random_backbone=True)')
   if max_tokens + 1 > spec.max_sequence_length:
     raise ValueError(f'max_tokens {max_tokens} + 1 prefix token exceeds the '
                      f'backbone\'s max_sequence_length '

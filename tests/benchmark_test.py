@@ -3,10 +3,17 @@
 import json
 import os
 
+import numpy as np
 import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
 
 from binaries import benchmark
+from tests import conftest
 from tests import process_utils
+from tff_personal.algorithms import fedavg
+from tff_personal.core import client_state
+from tff_personal.models import fedembed_mnist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,13 +28,29 @@ def binary():
 
 def test_small_run_writes_consistent_records(binary, tmp_path):
   out = tmp_path / 'bench'
+  has_mnist = os.path.isdir(os.path.join(conftest.SHARED_DATA, 'mnist'))
   result = binary.run(
-      [f'--output_dir={out}', '--systems=global,keras_central',
-       '--cohorts=4', '--rounds=2'], timeout=900)
+      [f'--output_dir={out}', '--systems=global,tf_ceiling',
+       '--cohorts=4', '--rounds=2', f'--data_dir={conftest.SHARED_DATA}']
+      + (['--families=ditto', '--family_rounds=2'] if has_mnist else []),
+      timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   records = json.loads((out / 'benchmark.json').read_text())
+  families = [r for r in records if r.get('form')]
+  records = [r for r in records if not r.get('form')]
   assert [(r['name'], r['cohort']) for r in records] == [
-      ('global', 4), ('keras_central', 4)]
+      ('global', 4), ('tf_ceiling', 4)]
+  # The family row: binaries.train on the family's task in both forms.
+  assert [(r['name'], r['workload'], r['form']) for r in families] == [
+      ('ditto', 'label_skew_mnist', 'sharded'),
+      ('ditto', 'label_skew_mnist', 'per_client')][:2 * has_mnist]
+  if has_mnist:
+    assert families[0]['simulation_shards'] >= 1
+    assert families[1]['simulation_shards'] == 0
+  for r in families:
+    assert r['rounds'] == 2 and r['cohort'] == 10
+    assert r['client_updates_per_s'] == pytest.approx(
+        10 / r['seconds_per_round'])
   for r in records:
     assert r['client_updates_per_s'] == pytest.approx(
         4 / r['seconds_per_round'])
@@ -40,7 +63,39 @@ def test_small_run_writes_consistent_records(binary, tmp_path):
   # The project's systems run the worker with one thread per op.
   assert records[0]['worker_threads']['intra_op'] == 1
   table = (out / 'benchmark.md').read_text()
-  assert '| global | 4 |' in table and 'keras_central' in table
+  assert '| global | 4 |' in table and '| tf_ceiling | 4 |' in table
+  assert ('| ditto | label_skew_mnist |' in table) == has_mnist
+
+
+def test_ceiling_round_is_the_global_processs_round():
+  """The ceiling computes what the federated `global` computes: one round
+  from the same weights on the same cohort gives the same new weights."""
+  rng = np.random.default_rng(1)
+  n = benchmark.EXAMPLES_PER_CLIENT
+  data = dict(x=rng.random((3, n, 28, 28, 1), dtype=np.float32),
+              y=rng.integers(0, 2, (3, n)).astype(np.int32),
+              type=rng.integers(0, 10, (3, n)).astype(np.int32))
+  ids = [0, 1, 2]
+  proc = benchmark.build_project_process('global', seed=0)
+  state = proc.initialize()
+  start = [np.asarray(w) for w in proc.get_model_weights(state).trainable]
+  template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  states = [client_state.seeded_initial_state_fn(template, 0, 'normal',
+                                                 0.1)(i) for i in ids]
+  state, _, _ = proc.next(state, states,
+                          benchmark._datasets(data, ids, ('x', 'y', 'type')))
+  federated = [np.asarray(w) for w in proc.get_model_weights(state).trainable]
+
+  model = fedembed_mnist.build_preference_model(0).model
+  round_fn = benchmark.build_ceiling_round(
+      model, fedavg.adam(benchmark.LOCAL_LEARNING_RATE))
+  x, y = benchmark._cohort_arrays(data, ids)
+  ceiling = round_fn(tuple(tf.constant(w) for w in start), x, y)
+  assert len(ceiling) == len(federated)
+  moved = max(float(np.max(np.abs(f - s))) for f, s in zip(federated, start))
+  assert moved > 1e-4  # The round changed the weights.
+  for c, f in zip(ceiling, federated):
+    np.testing.assert_allclose(np.asarray(c), f, rtol=1e-4, atol=1e-6)
 
 
 def test_render_markdown_ratios():
@@ -52,14 +107,23 @@ def test_render_markdown_ratios():
            examples_per_s=1200.0, seconds_per_round=0.83, startup_s=9.0,
            peak_rss_mib=1000.0,
            worker_threads={'intra_op': 1, 'inter_op': 2}),
-      dict(name='keras_central', cohort=50, client_updates_per_s=120.0,
+      dict(name='tf_ceiling', cohort=50, client_updates_per_s=120.0,
            examples_per_s=2400.0, seconds_per_round=0.4, startup_s=5.0,
            peak_rss_mib=600.0),
+      dict(name='ditto', workload='label_skew_mnist', form='sharded',
+           cohort=10, stage='', client_updates_per_s=30.0,
+           examples_per_s=600.0, seconds_per_round=0.33),
+      dict(name='ditto', workload='label_skew_mnist', form='per_client',
+           cohort=10, stage='', client_updates_per_s=6.0,
+           examples_per_s=120.0, seconds_per_round=1.67),
   ]
   table = benchmark.render_markdown(records, 'test machine', 'cmd')
   global_row = [line for line in table.splitlines()
                 if line.startswith('| global |')][0]
   assert global_row.endswith('| 6.00x | 0.50x | - | 1/2 |')
+  sharded_row = [line for line in table.splitlines()
+                 if line.startswith('| ditto |') and 'sharded' in line][0]
+  assert sharded_row.endswith('| 5.00x |')
 
 
 def test_unknown_system_is_a_usage_error(binary, tmp_path):

@@ -1,6 +1,7 @@
 """The tv_shows task on the run path: its batches, roles and perplexity."""
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import tensorflow_federated as tff
 from tasks import registry as task_registry
 from tasks import tv_shows
 from tasks import tv_shows_task
+from tests import conftest
 from tests import fedperc_testdata
 from tff_personal import experiment
 from tff_personal.algorithms import fedperc as fedperc_alg
@@ -17,6 +19,7 @@ from tff_personal.algorithms import registry
 from tff_personal.core import evaluation
 from tff_personal.core import task as task_lib
 from tff_personal.models import fedperc
+from tff_personal.models import fedperc_backbone
 from tff_personal.models import fedperc_training
 
 
@@ -139,3 +142,24 @@ def test_fine_tuning_adapts_inside_a_tf_function(task):
   assert tuned[:2].sum() == 0
   np.testing.assert_array_equal(plain[:, 1], tuned[:, 1])
   assert not np.allclose(plain[2:, 0], tuned[2:, 0])
+
+
+def test_random_backbone_only_when_allowed(tmp_path):
+  """A random-weight preset is refused unless the run says it only
+  measures time or memory (the benchmark's fedperc row)."""
+  data = conftest.SHARED_DATA
+  if not os.path.isdir(os.path.join(data, 'friends')):
+    pytest.skip('tv-show transcripts not found')
+  spec = fedperc_testdata.spec()
+  preset = str(tmp_path / 'random')
+  fedperc_backbone.write_random_preset(
+      spec.vocabulary, spec.merges, preset, hidden_dim=8, num_heads=2,
+      intermediate_dim=16, max_sequence_length=32)
+  with pytest.raises(ValueError, match='random weights'):
+    tv_shows_task.tv_shows_task(data, backbone=preset, max_utterances=20)
+  task = tv_shows_task.tv_shows_task(data, backbone=preset, max_utterances=20,
+                                     allow_random_backbone=True)
+  assert task.population > 0
+  # The marker refuses to overwrite the preset.
+  with pytest.raises(ValueError, match='not empty'):
+    fedperc_backbone.write_random_preset(spec.vocabulary, spec.merges, preset)

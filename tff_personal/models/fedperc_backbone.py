@@ -28,6 +28,8 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tff_personal import atomic_io
+
 
 def _keras_nlp():
   """keras-nlp, imported on first use: importing it starts Keras Core,
@@ -197,6 +199,42 @@ def save_preset(backbone, tokenizer, preset_dir: str) -> None:
       os.path.join(preset_dir, preset_utils.MODEL_WEIGHTS_FILE))
   preset_utils.save_metadata(backbone, preset_dir)
   preset_utils.save_tokenizer_assets(tokenizer, preset_dir)
+
+
+def write_random_preset(vocabulary: dict[str, int], merges: Sequence[str],
+                        preset_dir: str, note: str = '',
+                        provenance: dict[str, Any] | None = None,
+                        **shape) -> dict[str, Any]:
+  """Writes a random-weight preset directory, marked as random.
+
+  `shape`: `random_backbone`'s keyword arguments (num_layers, num_heads,
+  hidden_dim, intermediate_dim, max_sequence_length, seed). The marker file
+  (`RANDOM_WEIGHTS_FILE`, read by `has_random_weights`) is written first, so
+  a preset written halfway is still marked random. Refuses a non-empty
+  directory (never overwrites a trained preset). `provenance` (e.g. where
+  the tokenizer came from) goes into the marker. Returns the marker's
+  summary (config, parameter count, note, provenance).
+
+  Example:
+    vocabulary, merges = bpe_trainer.train_bpe(texts, 500)
+    write_random_preset(vocabulary, merges, '/tmp/tiny', hidden_dim=32)
+  """
+  if os.path.isdir(preset_dir) and os.listdir(preset_dir):
+    raise ValueError(f'{preset_dir} exists and is not empty')
+  spec = random_backbone(vocabulary, merges, **shape)
+  backbone = spec.build_backbone()
+  backbone.set_weights(spec.weights)
+  summary = dict(random_weights=True, **(provenance or {}),
+                 trained_tokens=len(vocabulary),
+                 config=spec.config, parameters=int(backbone.count_params()),
+                 note=note or 'Random weights: for time and memory '
+                 'measurements only.')
+  os.makedirs(preset_dir, exist_ok=True)
+  with atomic_io.atomic_write(os.path.join(preset_dir,
+                                          RANDOM_WEIGHTS_FILE)) as f:
+    f.write(json.dumps(summary, indent=2))
+  save_preset(backbone, spec.tokenizer(), preset_dir)
+  return summary
 
 
 def lm_logits(backbone, hidden: tf.Tensor) -> tf.Tensor:
