@@ -205,14 +205,19 @@ def pfedme_local_train(model: split_model_lib.SplitModel,
 
   def reduce_fn(state, batch):
     opt_state = state[3]
-    inner_state = inner_optimizer.initialize(_specs(theta))
-    for _ in tf.range(inner_steps):  # a graph loop (one trace per step)
+
+    def inner_step(i, inner_state):
       with tf.GradientTape() as tape:
         loss = model.loss(batch, model.forward(batch, training=True))
       grads = tape.gradient(loss, theta)
       inner_state, updated = inner_optimizer.next(inner_state, tuple(theta),
                                                   tuple(grads))
       _assign(theta, updated)
+      return i + 1, inner_state
+
+    # A graph loop written out (steps are traced without AutoGraph).
+    tf.while_loop(lambda i, _: i < inner_steps, inner_step,
+                  (tf.constant(0), inner_optimizer.initialize(_specs(theta))))
     with tf.GradientTape() as tape:
       outputs = model.forward(batch, training=True)
       loss = model.loss(batch, outputs)

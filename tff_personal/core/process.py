@@ -52,6 +52,11 @@ CLIENT_STATE_ROUNDS = 'rounds_participated'
 # OrderedDict(update, update_weight, client_state, metrics)`, pure TF logic that
 # may be called repeatedly (once per user of a simulation shard, see
 # `core/sharded.py`): it must (re)assign every variable it reads on entry.
+# Steps are traced without AutoGraph (`tf.function(autograph=False)`: about
+# half of a process's tracing time goes to AutoGraph's source conversion),
+# so their graph loops are written out (`tf.while_loop`, `Dataset.reduce`)
+# and Python `if`/`for` act at trace time only; a Python loop over a tensor
+# fails loudly when the process is built.
 ClientStepFactory = Callable[[], Callable[..., Any]]
 
 
@@ -520,8 +525,10 @@ def client_work_from_step(make_step: ClientStepFactory, weights_type: tff.Type,
   @tff.tensorflow.computation(weights_type, client_state_type, data_type)
   def client_work(weights, client_state, dataset):
     # tf.function for automatic control dependencies between the variable
-    # assignments and reads (TFF traces computations in graph mode).
-    return tf.function(make_step())(weights, client_state, dataset)
+    # assignments and reads (TFF traces computations in graph mode); no
+    # AutoGraph (`ClientStepFactory`).
+    return tf.function(make_step(), autograph=False)(weights, client_state,
+                                                     dataset)
 
   return client_work
 

@@ -286,7 +286,7 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
   def shard_work(weights, states, shard):
     step = make_step()
 
-    @tf.function
+    @tf.function(autograph=False)  # As the one-user form: no AutoGraph.
     def run(weights, states, shard):
       num_users = tf.shape(shard[SHARD_NUM_BATCHES])[0]
       zeros = lambda s: tf.zeros(s.shape, s.dtype)
