@@ -41,8 +41,12 @@ rounds and records the RSS after round 20 and after round N.
 
 Writes `<output_dir>/benchmark.json` (a list of records: name, cohort,
 client_updates_per_s, examples_per_s, seconds_per_round, startup_s,
-peak_rss_mib, ...) and `<output_dir>/benchmark.md`, and prints the table with
-ratios against `tff_fedavg` (the reference) and `keras_central` (the ceiling).
+peak_rss_mib, ...; family rows also have workload, form, stage),
+`benchmark_run.json` (machine, command and the records: what
+`tools/readme_tables.py` reads from `docs/benchmark/`) and `benchmark.md`,
+and prints the tables (`binaries/benchmark_report.py`) with ratios against
+`tff_fedavg` (the reference), `tf_ceiling` (the arithmetic ceiling) and
+pfl.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Sequence
 
 from absl import app
 from absl import flags
@@ -64,6 +69,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from binaries import benchmark_families
+from binaries import benchmark_report
 from tasks import preference_task
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
@@ -79,7 +85,8 @@ FLAGS = flags.FLAGS
 
 SYSTEMS = ('tff_fedavg', 'global', 'global_plus', 'fedembed_prototype',
            'tf_ceiling', 'keras_central')
-CEILING = 'tf_ceiling'
+CEILING = benchmark_report.CEILING
+render_markdown = benchmark_report.render_markdown
 LOCAL_LEARNING_RATE = 1e-3
 EXAMPLES_PER_CLIENT = 20
 BATCH_SIZE = 10
@@ -264,7 +271,7 @@ def _run_keras_central(data, cohort, rounds, seed, rss_at):
   return times, {}
 
 
-def build_ceiling_round(keras_model: tf.keras.Model,
+def build_ceiling_round(keras_models: Sequence[tf.keras.Model],
                         client_optimizer: tff.learning.optimizers.Optimizer):
   """One FedAvg round's arithmetic as a single `tf.function`.
 
@@ -273,25 +280,31 @@ def build_ceiling_round(keras_model: tf.keras.Model,
   each client starts from `global_weights`, takes `steps` steps of
   `client_optimizer` (TFF's functional optimizer, the one the processes
   use, with a fresh state per client) on the sparse softmax cross-entropy
-  of `keras_model`, and the new global weights are the old ones plus the
+  of the model, and the new global weights are the old ones plus the
   clients' mean delta (server SGD with lr 1; every client has the same
-  number of examples, so the weighted mean is the mean). Written by hand:
-  neither TF nor TFF ships FedAvg without federation. Trainable weights
-  only (the benchmark's model has no non-trainable ones).
+  number of examples, so the weighted mean is the mean). The clients are
+  split into one contiguous part per model in `keras_models` (copies of one
+  architecture), each part a `tf.while_loop` on its own model's variables,
+  so the parts run concurrently on TensorFlow's inter-op threads, as the
+  sharded simulation runs its shards. Written by hand: neither TF nor TFF
+  ships FedAvg without federation. Trainable weights only (the benchmark's
+  model has no non-trainable ones).
 
   Example:
-    round_fn = build_ceiling_round(model, fedavg.adam(1e-3))
+    models = [build_model() for _ in range(os.cpu_count())]
+    round_fn = build_ceiling_round(models, fedavg.adam(1e-3))
     weights = round_fn(weights, x, y)
   """
-  variables = keras_model.trainable_variables
-  if keras_model.non_trainable_variables:
+  if not keras_models:
+    raise ValueError('give at least one model')
+  if any(m.non_trainable_variables for m in keras_models):
     raise ValueError('the ceiling handles trainable weights only')
-  specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
   loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-  @tf.function
-  def round_fn(global_weights, x, y):
-    global_weights = tuple(global_weights)
+  def part_total(model, global_weights, x, y):
+    """The summed client deltas of one part, on `model`'s variables."""
+    variables = model.trainable_variables
+    specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
     clients, steps = tf.shape(x)[0], tf.shape(x)[1]
 
     def client(c, total):
@@ -300,7 +313,7 @@ def build_ceiling_round(keras_model: tf.keras.Model,
 
       def step(b, state):
         with tf.GradientTape() as tape:
-          loss = loss_fn(y[c, b], keras_model(x[c, b], training=True))
+          loss = loss_fn(y[c, b], model(x[c, b], training=True))
         grads = tape.gradient(loss, variables)
         state, new = client_optimizer.next(state, tuple(variables),
                                            tuple(grads))
@@ -309,15 +322,26 @@ def build_ceiling_round(keras_model: tf.keras.Model,
         return b + 1, state
 
       tf.while_loop(lambda b, _: b < steps, step,
-                    (tf.constant(0), client_optimizer.initialize(specs)))
+                    (tf.constant(0), client_optimizer.initialize(specs)),
+                    parallel_iterations=1)
       return c + 1, tuple(t + (v - g) for t, v, g in
                           zip(total, variables, global_weights))
 
     zeros = tuple(tf.zeros_like(g) for g in global_weights)
-    _, total = tf.while_loop(lambda c, _: c < clients, client,
-                             (tf.constant(0), zeros))
-    n = tf.cast(clients, total[0].dtype)
-    return tuple(g + t / n for g, t in zip(global_weights, total))
+    # One client at a time on the part's variables.
+    return tf.while_loop(lambda c, _: c < clients, client,
+                         (tf.constant(0), zeros), parallel_iterations=1)[1]
+
+  @tf.function(autograph=False)
+  def round_fn(global_weights, x, y):
+    global_weights = tuple(global_weights)
+    clients = x.shape[0]  # Static: one trace per cohort size.
+    parts = min(len(keras_models), clients)
+    bounds = [clients * k // parts for k in range(parts + 1)]
+    totals = [part_total(m, global_weights, x[a:b], y[a:b])
+              for m, a, b in zip(keras_models, bounds[:-1], bounds[1:])]
+    return tuple(g + tf.add_n(list(t)) / clients
+                 for g, *t in zip(global_weights, *totals))
 
   return round_fn
 
@@ -332,11 +356,19 @@ def _cohort_arrays(data, ids):
           y.reshape((len(ids), steps, BATCH_SIZE)))
 
 
-def _run_tf_ceiling(data, cohort, rounds, seed, rss_at):
+def _run_tf_ceiling(data, cohort, rounds, seed, rss_at, threads):
+  """The ceiling in this process, with the thread pools the project's
+  worker gets and one part of the cohort per inter-op thread."""
+  intra = worker_threads.resolve(threads[0], 'intra')
+  inter = worker_threads.resolve(threads[1], 'inter')
+  tf.config.threading.set_intra_op_parallelism_threads(intra or 0)
+  tf.config.threading.set_inter_op_parallelism_threads(inter or 0)
   tf.keras.utils.set_random_seed(seed)
-  model = fedembed_mnist.build_preference_model(0).model
-  round_fn = build_ceiling_round(model, fedavg.adam(LOCAL_LEARNING_RATE))
-  weights = tuple(tf.constant(v.numpy()) for v in model.trainable_variables)
+  models = [fedembed_mnist.build_preference_model(0).model
+            for _ in range(inter or os.cpu_count())]
+  round_fn = build_ceiling_round(models, fedavg.adam(LOCAL_LEARNING_RATE))
+  weights = tuple(tf.constant(v.numpy())
+                  for v in models[0].trainable_variables)
   times = []
   for r in range(1, rounds + 1):
     t = time.perf_counter()
@@ -346,7 +378,7 @@ def _run_tf_ceiling(data, cohort, rounds, seed, rss_at):
     weights[0].numpy()  # Waits for the round.
     times.append(time.perf_counter() - t)
     rss_at(r)
-  return times, {}
+  return times, {'parts': len(models)}
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -369,8 +401,11 @@ def child_main(f) -> None:
   """Runs one (system, cohort) and writes its record."""
   rss = {}
   marks = {20, f.rounds}
+  first_round_end = []
 
-  def rss_at(r):
+  def rss_at(r):  # Called at the end of each round.
+    if r == 1:
+      first_round_end.append(time.time())
     if r in marks:
       rss[f'rss_mib_after_round_{r}'] = tree_rss_mib(os.getpid())
 
@@ -383,7 +418,8 @@ def child_main(f) -> None:
     if f.child == 'tff_fedavg':
       times, extra = _run_tff_fedavg(data, f.cohort, f.rounds, f.seed, rss_at)
     elif f.child == CEILING:
-      times, extra = _run_tf_ceiling(data, f.cohort, f.rounds, f.seed, rss_at)
+      times, extra = _run_tf_ceiling(data, f.cohort, f.rounds, f.seed, rss_at,
+                                     threads)
     elif f.child == 'keras_central':
       times, extra = _run_keras_central(data, f.cohort, f.rounds, f.seed,
                                         rss_at)
@@ -392,7 +428,8 @@ def child_main(f) -> None:
                                   f.simulation_shards, rss_at)
   steady = times[1:] or times
   per_round = float(np.mean(steady))
-  startup = (time.time() - f.t0 - sum(times[1:])) if f.t0 else times[0]
+  # From the parent's spawn to the end of round 1 (not the shut-down).
+  startup = (first_round_end[0] - f.t0) if f.t0 else times[0]
   record = dict(
       name=f.child, cohort=f.cohort, rounds=f.rounds,
       seconds_per_round=per_round,
@@ -440,74 +477,6 @@ def _run_child(cmd, record_path, timeout_s):
     record = json.load(f)
   os.remove(record_path)
   return record, peak[0], None
-
-
-def _ratio(a, b):
-  return f'{a / b:.2f}x' if a and b else '-'
-
-
-def _threads(record) -> str:
-  """'intra/inter' of the run's worker_binary ('-' without a worker)."""
-  t = record.get('worker_threads')
-  if not t or record['name'] in ('keras_central', CEILING):
-    return '-'
-  show = lambda n: 'TF default' if n is None else str(n)
-  return f"{show(t['intra_op'])}/{show(t['inter_op'])}"
-
-
-def render_markdown(records, machine: str, command: str) -> str:
-  """The tables: systems with ratios to tff_fedavg, the arithmetic ceiling
-  and pfl per cohort; family rows, sharded against one user per client."""
-  lines = [f'Machine: {machine}', '', f'Command: `{command}`', '',
-           '| system | cohort | client updates/s | examples/s | s/round | '
-           'start-up s | peak RSS MiB | vs tff_fedavg | vs tf_ceiling | '
-           'vs pfl_fedavg | worker threads (intra/inter) |',
-           '|' + '---|' * 11]
-  families = [r for r in records if r.get('form')]
-  records = [r for r in records if not r.get('form')]
-  by_key = {(r['name'], r['cohort']): r for r in records}
-  for r in records:
-    if 'rss_mib_after_round_20' in r and r.get('memory_run'):
-      continue
-    ref = by_key.get(('tff_fedavg', r['cohort']), {})
-    ceiling = by_key.get((CEILING, r['cohort']), {})
-    peer = by_key.get(('pfl_fedavg', r['cohort']), {})
-    u = r['client_updates_per_s']
-    lines.append(
-        f"| {r['name']} | {r['cohort']} | {u:.1f} | "
-        f"{r['examples_per_s']:.0f} | {r['seconds_per_round']:.3f} | "
-        f"{r.get('startup_s', float('nan')):.1f} | "
-        f"{r.get('peak_rss_mib', float('nan')):.0f} | "
-        f"{_ratio(u, ref.get('client_updates_per_s'))} | "
-        f"{_ratio(u, ceiling.get('client_updates_per_s'))} | "
-        f"{_ratio(u, peer.get('client_updates_per_s'))} | "
-        f"{_threads(r)} |")
-  if families:
-    lines += ['', 'Families, each on its own task (binaries.train; rounds 2 '
-              'and later of the timed stage):', '',
-              '| algorithm | task | stage | cohort | form | client updates/s '
-              '| examples/s | s/round | sharded vs per client |',
-              '|' + '---|' * 9]
-    forms = {(r['name'], r['form']): r for r in families}
-    for r in families:
-      other = forms.get((r['name'], 'per_client'), {})
-      examples = r.get('examples_per_s')
-      lines.append(
-          f"| {r['name']} | {r['workload']} | {r.get('stage') or '-'} | "
-          f"{r['cohort']} | {r['form']} | {r['client_updates_per_s']:.2f} | "
-          f"{'-' if examples is None else f'{examples:.0f}'} | "
-          f"{r['seconds_per_round']:.3f} | " + (
-              _ratio(r['client_updates_per_s'],
-                     other.get('client_updates_per_s'))
-              if r['form'] == 'sharded' else '1.00x') + ' |')
-  memory = [r for r in records if r.get('memory_run')]
-  for r in memory:
-    a = r.get('rss_mib_after_round_20')
-    b = r.get(f"rss_mib_after_round_{r['rounds']}")
-    lines += ['', f"Memory over rounds ({r['name']}, cohort {r['cohort']}): "
-              f"RSS after round 20 {a:.0f} MiB, after round {r['rounds']} "
-              f"{b:.0f} MiB ({(b / a - 1) * 100:+.1f}%)."]
-  return '\n'.join(lines) + '\n'
 
 
 def parent_main(f) -> int:
@@ -580,6 +549,9 @@ def parent_main(f) -> int:
   command = 'python -m binaries.benchmark ' + ' '.join(sys.argv[1:])
   with open(os.path.join(f.output_dir, 'benchmark.json'), 'w') as out:
     json.dump(records, out, indent=2)
+  with open(os.path.join(f.output_dir, 'benchmark_run.json'), 'w') as out:
+    json.dump(dict(machine=machine, command=command, records=records), out,
+              indent=2)
   markdown = render_markdown(records, machine, command)
   with open(os.path.join(f.output_dir, 'benchmark.md'), 'w') as out:
     out.write(markdown)

@@ -69,13 +69,14 @@ def test_small_run_writes_consistent_records(binary, tmp_path):
 
 def test_ceiling_round_is_the_global_processs_round():
   """The ceiling computes what the federated `global` computes: one round
-  from the same weights on the same cohort gives the same new weights."""
+  from the same weights on the same cohort, split in two parts, gives the
+  same new weights."""
   rng = np.random.default_rng(1)
   n = benchmark.EXAMPLES_PER_CLIENT
-  data = dict(x=rng.random((3, n, 28, 28, 1), dtype=np.float32),
-              y=rng.integers(0, 2, (3, n)).astype(np.int32),
-              type=rng.integers(0, 10, (3, n)).astype(np.int32))
-  ids = [0, 1, 2]
+  data = dict(x=rng.random((5, n, 28, 28, 1), dtype=np.float32),
+              y=rng.integers(0, 2, (5, n)).astype(np.int32),
+              type=rng.integers(0, 10, (5, n)).astype(np.int32))
+  ids = [0, 1, 2, 3, 4]
   proc = benchmark.build_project_process('global', seed=0)
   state = proc.initialize()
   start = [np.asarray(w) for w in proc.get_model_weights(state).trainable]
@@ -86,9 +87,10 @@ def test_ceiling_round_is_the_global_processs_round():
                           benchmark._datasets(data, ids, ('x', 'y', 'type')))
   federated = [np.asarray(w) for w in proc.get_model_weights(state).trainable]
 
-  model = fedembed_mnist.build_preference_model(0).model
+  # Two parts (clients 0-1 and 2-4) on two copies of the model.
+  models = [fedembed_mnist.build_preference_model(0).model for _ in range(2)]
   round_fn = benchmark.build_ceiling_round(
-      model, fedavg.adam(benchmark.LOCAL_LEARNING_RATE))
+      models, fedavg.adam(benchmark.LOCAL_LEARNING_RATE))
   x, y = benchmark._cohort_arrays(data, ids)
   ceiling = round_fn(tuple(tf.constant(w) for w in start), x, y)
   assert len(ceiling) == len(federated)

@@ -4,11 +4,14 @@ The README holds copies of both tables between marker comments:
 
   <!-- matrix:begin --> ... <!-- matrix:end -->
   <!-- results:begin --> ... <!-- results:end -->
+  <!-- performance:begin --> ... <!-- performance:end -->
 
 The matrix comes from `tasks.registry.format_matrix()` (each algorithm
 and task linked to its code, each algorithm to its test); the results table
 from `docs/papers/targets.json` (one entry per paper target: paper, target,
-ours, paper_value, met, report). `tests/docs_test.py` fails when the
+ours, paper_value, met, report); the performance summary from the committed
+benchmark runs in `docs/benchmark/`
+(`binaries/benchmark_report.readme_markdown`). `tests/docs_test.py` fails when the
 README's copies differ from what this module produces.
 
 Usage (from the repository root):
@@ -27,9 +30,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, 'README.md')
 TARGETS = os.path.join(ROOT, 'docs', 'papers', 'targets.json')
+# The committed benchmark runs (each `binaries.benchmark`'s
+# benchmark_run.json, ratios within a run): the systems, then the family
+# rows.
+BENCHMARK_RUNS = tuple(
+    os.path.join(ROOT, 'docs', 'benchmark', name)
+    for name in ('systems_run.json', 'families_run.json'))
 
 MET_LABELS = {True: 'met', False: 'not met', 'partly': 'partly'}
-SECTIONS = ('matrix', 'results')
+SECTIONS = ('matrix', 'results', 'performance')
 
 
 def matrix_markdown() -> str:
@@ -86,8 +95,21 @@ def readme_section(text: str, name: str) -> str:
   return match.group(2).strip('\n')
 
 
+def performance_markdown(paths=BENCHMARK_RUNS) -> str:
+  """The benchmark summaries of the committed runs."""
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+  from binaries import benchmark_report  # pylint: disable=g-import-not-at-top
+  parts = []
+  for path in paths:
+    with open(path) as f:
+      parts.append(benchmark_report.readme_markdown(json.load(f)))
+  return '\n'.join(parts).rstrip('\n')
+
+
 def generated() -> dict[str, str]:
-  return {'matrix': matrix_markdown(), 'results': results_markdown()}
+  return {'matrix': matrix_markdown(), 'results': results_markdown(),
+          'performance': performance_markdown()}
 
 
 def rewrite(text: str, tables: dict[str, str]) -> str:

@@ -1,0 +1,132 @@
+"""The benchmark's tables, from its records (no TensorFlow needed).
+
+`binaries.benchmark` writes `benchmark.json` (its records) and
+`benchmark_run.json` (machine, command, records); `render_markdown` makes
+its full tables and `readme_markdown` the README's summary, which
+`tools/readme_tables.py` builds from the committed `docs/benchmark/`.
+"""
+
+from __future__ import annotations
+
+CEILING = 'tf_ceiling'
+NO_WORKER = ('keras_central', CEILING)
+# The README's summary: these systems, every cohort, as a fraction of the
+# ceiling.
+README_SYSTEMS = ('fedembed_prototype', 'global', 'pfl_fedavg', 'tff_fedavg',
+                  'keras_central', CEILING)
+
+
+def _ratio(a, b):
+  return f'{a / b:.2f}x' if a and b else '-'
+
+
+def _threads(record) -> str:
+  """'intra/inter' of the run's worker_binary ('-' without a worker)."""
+  t = record.get('worker_threads')
+  if not t or record['name'] in NO_WORKER:
+    return '-'
+  show = lambda n: 'TF default' if n is None else str(n)
+  return f"{show(t['intra_op'])}/{show(t['inter_op'])}"
+
+
+def render_markdown(records, machine: str, command: str) -> str:
+  """The tables: systems with ratios to tff_fedavg, the arithmetic ceiling
+  and pfl per cohort; family rows, sharded against one user per client."""
+  lines = [f'Machine: {machine}', '', f'Command: `{command}`', '',
+           '| system | cohort | client updates/s | examples/s | s/round | '
+           'start-up s | peak RSS MiB | vs tff_fedavg | vs tf_ceiling | '
+           'vs pfl_fedavg | worker threads (intra/inter) |',
+           '|' + '---|' * 11]
+  families = [r for r in records if r.get('form')]
+  records = [r for r in records if not r.get('form')]
+  by_key = {(r['name'], r['cohort']): r for r in records}
+  for r in records:
+    if 'rss_mib_after_round_20' in r and r.get('memory_run'):
+      continue
+    ref = by_key.get(('tff_fedavg', r['cohort']), {})
+    ceiling = by_key.get((CEILING, r['cohort']), {})
+    peer = by_key.get(('pfl_fedavg', r['cohort']), {})
+    u = r['client_updates_per_s']
+    lines.append(
+        f"| {r['name']} | {r['cohort']} | {u:.1f} | "
+        f"{r['examples_per_s']:.0f} | {r['seconds_per_round']:.3f} | "
+        f"{r.get('startup_s', float('nan')):.1f} | "
+        f"{r.get('peak_rss_mib', float('nan')):.0f} | "
+        f"{_ratio(u, ref.get('client_updates_per_s'))} | "
+        f"{_ratio(u, ceiling.get('client_updates_per_s'))} | "
+        f"{_ratio(u, peer.get('client_updates_per_s'))} | "
+        f"{_threads(r)} |")
+  if families:
+    lines += ['', 'Families, each on its own task (binaries.train; rounds 2 '
+              'and later of the timed stage):', '',
+              '| algorithm | task | stage | cohort | form | client updates/s '
+              '| examples/s | s/round | sharded vs per client |',
+              '|' + '---|' * 9]
+    forms = {(r['name'], r['form']): r for r in families}
+    for r in families:
+      other = forms.get((r['name'], 'per_client'), {})
+      examples = r.get('examples_per_s')
+      lines.append(
+          f"| {r['name']} | {r['workload']} | {r.get('stage') or '-'} | "
+          f"{r['cohort']} | {r['form']} | {r['client_updates_per_s']:.2f} | "
+          f"{'-' if examples is None else f'{examples:.0f}'} | "
+          f"{r['seconds_per_round']:.3f} | " + (
+              _ratio(r['client_updates_per_s'],
+                     other.get('client_updates_per_s'))
+              if r['form'] == 'sharded' else '1.00x') + ' |')
+  memory = [r for r in records if r.get('memory_run')]
+  for r in memory:
+    a = r.get('rss_mib_after_round_20')
+    b = r.get(f"rss_mib_after_round_{r['rounds']}")
+    lines += ['', f"Memory over rounds ({r['name']}, cohort {r['cohort']}): "
+              f"RSS after round 20 {a:.0f} MiB, after round {r['rounds']} "
+              f"{b:.0f} MiB ({(b / a - 1) * 100:+.1f}%)."]
+  return '\n'.join(lines) + '\n'
+
+
+def readme_markdown(run: dict) -> str:
+  """The README's performance tables from a `benchmark_run.json`."""
+  records = [r for r in run['records'] if not r.get('memory_run')]
+  systems = [r for r in records if not r.get('form')]
+  cohorts = sorted({r['cohort'] for r in systems})
+  by_key = {(r['name'], r['cohort']): r for r in systems}
+  lines = []
+  if systems:
+    lines = ['Client updates per second (and the fraction of the arithmetic '
+             'ceiling `tf_ceiling`, FedAvg\'s arithmetic in one '
+             '`tf.function`) by cohort:', '',
+             '| system | ' + ' | '.join(f'cohort {c}' for c in cohorts) + ' |',
+             '|---|' + '---:|' * len(cohorts)]
+  for name in README_SYSTEMS if systems else ():
+    row = [by_key.get((name, c)) for c in cohorts]
+    if not any(row):
+      continue
+    cells = []
+    for r, c in zip(row, cohorts):
+      ceiling = by_key.get((CEILING, c), {})
+      cells.append('-' if r is None else (
+          f"{r['client_updates_per_s']:.0f} "
+          f"({_ratio(r['client_updates_per_s'], ceiling.get('client_updates_per_s'))})"))
+    lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  families = [r for r in records if r.get('form') == 'sharded']
+  if families:
+    per_client = {r['name']: r for r in records
+                  if r.get('form') == 'per_client'}
+    lines += ['' if lines else None, 'Each family on its own task, sharded '
+              'against one user per TFF client (rounds 2 and later of the '
+              'stage that trains it):', '',
+              '| algorithm | task | cohort | sharded updates/s | per-client '
+              'updates/s | ratio |', '|---|---|---:|---:|---:|---:|']
+    for r in families:
+      other = per_client.get(r['name'], {})
+      u = other.get('client_updates_per_s')
+      lines.append(
+          f"| {r['name']} | {r['workload']} | {r['cohort']} | "
+          f"{r['client_updates_per_s']:.1f} | "
+          f"{'-' if u is None else f'{u:.1f}'} | "
+          f"{_ratio(r['client_updates_per_s'], u)} |")
+  # The machine, without the run's load (the README is no lab notebook).
+  machine = run['machine'].split(', load average')[0]
+  lines += ['', f'Machine: {machine}.', '',
+            f"Command: `{run['command']}`"]
+  return '\n'.join(line for line in lines if line is not None) + '\n'
