@@ -39,6 +39,8 @@ def render_markdown(records, machine: str, command: str) -> str:
            '|' + '---|' * 11]
   families = [r for r in records if r.get('form')]
   records = [r for r in records if not r.get('form')]
+  if not records:  # Family rows only.
+    lines = lines[:4]
   by_key = {(r['name'], r['cohort']): r for r in records}
   for r in records:
     if 'rss_mib_after_round_20' in r and r.get('memory_run'):
