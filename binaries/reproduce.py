@@ -26,6 +26,7 @@ from absl import logging
 import tensorflow as tf
 
 from tff_personal import reporting
+from tff_personal.core import runtime
 
 FLAGS = flags.FLAGS
 
@@ -72,6 +73,10 @@ def define_flags():
   _define('list', 'settings', None,
           'Comma-separated table column names and/or key=value conditions '
           '(default: every setting).')
+  _define('list', 'workers', [],
+          'host:port of running TFF workers (`python -m binaries.worker`) '
+          'to run every cell on; empty: a local worker. Results do not '
+          'depend on it.')
   _define('bool', 'dry_run', False,
           'Print the cells that would run and the table from existing '
           'results; run nothing.')
@@ -90,6 +95,12 @@ def define_flags():
 def run(f: Any, log_fn: Callable[[str], None] = print) -> int:
   """Plans (validating everything first), then runs; returns the exit code."""
   try:
+    workers = getattr(f, 'workers', None) or []
+    workers = runtime.parse_workers(workers) if workers else []
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  try:
     plan = reporting.plan(
         f.paper, f.table, f.root_output_dir, f, seeds=f.seeds,
         methods=_as_list(f.methods), settings=_as_list(f.settings),
@@ -98,8 +109,9 @@ def run(f: Any, log_fn: Callable[[str], None] = print) -> int:
   except reporting.ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  reporting.reproduce(plan, f, f.root_output_dir, dry_run=f.dry_run,
-                      log_fn=log_fn)
+  with runtime.default_workers(workers):
+    reporting.reproduce(plan, f, f.root_output_dir, dry_run=f.dry_run,
+                        log_fn=log_fn)
   return 0
 
 

@@ -658,6 +658,7 @@ def _controls(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
   with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
     result = _run_controls(task, cfg, seed, directory, stages, log_fn)
   _write_text(final, json.dumps(result, indent=1, sort_keys=True))
+  make_plateau_figure(root, os.path.dirname(directory))
   return result
 
 
@@ -845,4 +846,47 @@ def make_figures(root_output_dir: str, pipeline_dir: str) -> None:
   out = os.path.join(root_output_dir, 'figures')
   os.makedirs(out, exist_ok=True)
   fig.savefig(os.path.join(out, 'group_relative_change_hist.png'), dpi=120)
+  plt.close(fig)
+
+
+def make_plateau_figure(root_output_dir: str, seed_dir: str) -> None:
+  """FL's validation perplexity over rounds (the controls' plateau runs):
+  the mean over the finished seeds with a band of one standard deviation,
+  each seed's plateau round T marked. Reads every sibling seed's
+  `controls_*/plateau.json` under the pipeline's directory."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  curves, rounds = [], []
+  name = None
+  for path in sorted(glob.glob(os.path.join(
+      os.path.dirname(seed_dir), 'seed_*', 'controls_*', 'plateau.json'))):
+    name = name or os.path.basename(os.path.dirname(path))
+    if os.path.basename(os.path.dirname(path)) != name:
+      continue  # Another plateau rule.
+    with open(path) as f:
+      plateau = json.load(f)
+    curves.append({int(r): v for r, v in plateau['curve'].items()})
+    rounds.append(plateau['rounds'])
+  if not curves:
+    return
+  common = sorted(set.intersection(*(set(c) for c in curves)))
+  values = np.array([[c[r] for r in common] for c in curves])
+  mean, std = values.mean(0), values.std(0, ddof=1) if len(curves) > 1 else 0
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(common, mean, color='tab:blue',
+          label=f'FL, mean of {len(curves)} seed(s)')
+  ax.fill_between(common, mean - std, mean + std, color='tab:blue',
+                  alpha=0.25, label='± 1 std')
+  for i, t in enumerate(rounds):
+    ax.axvline(t, color='tab:red', linewidth=0.8, alpha=0.7,
+               label='plateau round T per seed' if i == 0 else None)
+  ax.set_xlabel('FL round')
+  ax.set_ylabel('validation perplexity')
+  ax.set_ylim(top=float(np.percentile(mean, 95)))
+  ax.legend()
+  fig.tight_layout()
+  out = os.path.join(root_output_dir, 'figures')
+  os.makedirs(out, exist_ok=True)
+  fig.savefig(os.path.join(out, 'group_fl_plateau.png'), dpi=120)
   plt.close(fig)

@@ -133,6 +133,7 @@ def _check_controls(f, root, records):
     if grouping == 'shuffled':
       assert sizes == sorted(len(task.clients_of(g))
                              for g in task.group_names)
+  assert os.path.exists(os.path.join(root, 'figures', 'group_fl_plateau.png'))
   for other in fl_weights[1:]:
     for x, y in zip(fl_weights[0].trainable, other.trainable, strict=True):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

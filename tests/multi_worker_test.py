@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import types
 
 from absl import flags
 from absl.testing import flagsaver
@@ -16,9 +17,12 @@ import portpicker
 import pytest
 import tensorflow_federated as tff
 
+from binaries import benchmark
 from binaries import train
 from tests import process_utils
+from tff_personal.core import client_state
 from tff_personal.core import runtime
+from tff_personal.core import sharded
 
 FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,3 +195,72 @@ def test_workers_shut_down_on_sigterm(workers):
     assert code == 0, out
     assert 'stopped' in out
     assert process_utils.wait_dead(w.service_pid)
+
+
+def test_sharded_round_trains_each_shard_once_on_one_worker(workers):
+  """With workers, each shard's work runs once (on one worker) and the
+  round equals the local one: the same server weights and client states."""
+  rng = np.random.default_rng(3)
+  n = benchmark.EXAMPLES_PER_CLIENT
+  data = dict(x=rng.random((4, n, 28, 28, 1), dtype=np.float32),
+              y=rng.integers(0, 2, (4, n)).astype(np.int32),
+              type=rng.integers(0, 10, (4, n)).astype(np.int32))
+  ids = [0, 1, 2, 3]
+  proc = sharded.ShardedProcess(
+      benchmark.build_project_process('global_plus', seed=0), num_shards=2)
+  spec = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  states = [client_state.seeded_initial_state_fn(spec, 0, 'normal', 0.1)(i)
+            for i in ids]
+  element_spec = tff.types.type_to_tf_tensor_specs(
+      proc.base_process.client_data_type.element)
+  batches = benchmark._client_batches(data, ids, tuple(element_spec),
+                                      element_spec)
+
+  def one_round():
+    state, new_states, _ = proc.next(proc.initialize(), states, batches)
+    return ([np.asarray(w) for w in proc.get_model_weights(state).trainable],
+            [np.asarray(s['private'][0]) for s in new_states])
+
+  local = one_round()
+  shard_calls = []
+  with runtime.WorkersRuntime([w.address for w in workers]) as rt:
+    for i, ctx in enumerate(rt.context._contexts):  # pylint: disable=protected-access
+      original = ctx.invoke
+
+      async def spy(comp, arg, original=original, i=i):
+        if comp is proc._shard_work:  # pylint: disable=protected-access
+          shard_calls.append(i)
+        return await original(comp, arg)
+
+      ctx.invoke = spy
+    remote = one_round()
+  assert shard_calls == [0, 1]  # Shard 0 on worker 0, shard 1 on worker 1.
+  for a, b in zip(local[0] + local[1], remote[0] + remote[1]):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+  # Training moved the states (the comparison is not of initial values).
+  assert not np.allclose(local[1][0], states[0]['private'][0])
+
+
+def test_default_workers_route_every_runtime_of_the_block(workers):
+  """`binaries.reproduce --workers`: paper modules open their runtimes
+  themselves, and inside `default_workers` those run on the workers."""
+  addresses = [w.address for w in workers]
+  with runtime.default_workers(addresses):
+    with runtime.local_runtime(handle_sigterm=False) as rt:
+      assert isinstance(rt, runtime.WorkersRuntime)
+      assert rt.addresses == addresses
+      assert runtime.worker_map() is not None
+  assert runtime.worker_map() is None  # The session's local runtime again.
+  with pytest.raises(ValueError, match='host:port'):
+    with runtime.default_workers(['nonsense']):
+      pass
+
+
+def test_reproduce_refuses_bad_workers(tmp_path, capsys):
+  from binaries import reproduce  # pylint: disable=g-import-not-at-top
+  # Refused before anything is planned or run.
+  f = types.SimpleNamespace(workers=['localhost:0'],
+                            root_output_dir=str(tmp_path))
+  assert reproduce.run(f) == 2
+  assert 'port in 1..65535' in capsys.readouterr().err
+  assert not os.listdir(tmp_path)

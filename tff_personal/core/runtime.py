@@ -314,6 +314,32 @@ class _OrderedMergeableContext(_context_base.SyncContext):
         result, form.after_merge.type_signature.result)
     return _tf_computation.transform_result(result)
 
+  def map_unplaced(self, comp, args: Sequence) -> list:
+    """`[comp(*a) for a in args]`, the calls spread over the workers.
+
+    `comp` takes no placed values (e.g. a TensorFlow computation). The
+    calls go to the workers in contiguous blocks (the first
+    `ceil(len / workers)` to the first worker, and so on), run
+    concurrently, and come back in the order of `args`. What the sharded
+    simulation runs its shards with (`core/sharded.py`): each shard's work
+    once, on one worker.
+    """
+    args = list(args)
+    if not args:
+      return []
+    per = -(-len(args) // len(self._contexts))
+
+    async def run_all():
+      return await asyncio.gather(*(
+          self._contexts[i // per].invoke(
+              comp, _structure.Struct.unnamed(*a) if len(a) > 1 else a[0])
+          for i, a in enumerate(args)))
+
+    results = self._runner.run_coro_and_return_result(run_all())
+    return [_tf_computation.transform_result(
+        _type_conversions.type_to_py_container(
+            r, comp.type_signature.result)) for r in results]
+
   async def _run(self, form, slices):
     contexts = self._contexts[:len(slices)]
     partials = await asyncio.gather(*(
@@ -435,6 +461,37 @@ class WorkersRuntime:
     self.close()
 
 
+_default_workers: list[str] = []
+
+
+@contextlib.contextmanager
+def default_workers(workers) -> Iterator[None]:
+  """Within the block, `local_runtime()` called without `workers` runs on
+  these services (validated by `parse_workers`; empty: a local worker).
+
+  What `binaries.reproduce --workers` uses: the paper modules open their
+  runtimes themselves.
+  """
+  global _default_workers
+  previous = _default_workers
+  _default_workers = parse_workers(workers) if workers else []
+  try:
+    yield
+  finally:
+    _default_workers = previous
+
+
+def worker_map():
+  """The installed multi-worker context's `map_unplaced`, or None.
+
+  None when TFF's current context is not a `WorkersRuntime`'s (a local
+  run): callers then run their work in one call.
+  """
+  context = _context_stack_impl.context_stack.current
+  return context.map_unplaced if isinstance(
+      context, _OrderedMergeableContext) else None
+
+
 @contextlib.contextmanager
 def local_runtime(log_path: Optional[str] = None,
                   handle_sigterm: bool = True,
@@ -453,10 +510,13 @@ def local_runtime(log_path: Optional[str] = None,
   With `handle_sigterm`, SIGTERM becomes `SystemExit` so that the `finally`
   clauses of the program (checkpoint files, the store) run before exit.
 
-  With `workers` (`'host:port,...'` or a sequence; see `parse_workers`), no
-  local worker is started: the block runs on those services through a
-  `WorkersRuntime`, released at the end of the block.
+  With `workers` (`'host:port,...'` or a sequence; see `parse_workers`;
+  default: those of an enclosing `default_workers` block), no local worker
+  is started: the block runs on those services through a `WorkersRuntime`,
+  released at the end of the block.
   """
+  if workers is None:
+    workers = _default_workers or None
   previous = None
   if handle_sigterm and threading.current_thread() is threading.main_thread():
     def _on_sigterm(signum, frame):

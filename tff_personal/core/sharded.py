@@ -81,6 +81,7 @@ from tff_personal.core import client_data
 from tff_personal.core import federated_map
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
+from tff_personal.core import runtime
 from tff_personal.core import split_training
 from tff_personal.core import statistics_process
 
@@ -423,13 +424,38 @@ class ShardedProcess:
                             privacy.build_sharded_aggregator(dp)),
         server_optimizer=composition.server_optimizer,
         train_metrics=composition.train_metrics, model_fn=base.model_fn)
-    if with_server_step:
-      self._process = statistics_process.compose_with_server_step(
+    self._shard_work = shard_work
+    self._common = common
+    self._with_server_step = with_server_step
+    self._process = self._compose(shard_work)
+    self._from_results = None  # Built on the first multi-worker round.
+
+  def _compose(self, client_work):
+    composition = self._base.composition
+    common = dict(self._common, client_work=client_work)
+    if self._with_server_step:
+      return statistics_process.compose_with_server_step(
           server_step=composition.server_step,
           selection_factory=composition.selection_factory,
           cohort_field=SHARD_USERS, **common)
-    else:
-      self._process = process_lib.compose_stateful_client_process(**common)
+    return process_lib.compose_stateful_client_process(**common)
+
+  def _process_from_results(self) -> process_lib.StatefulClientProcess:
+    """The same process, whose client work returns each shard's result
+    computed beforehand (its client data): the aggregation, DP noise and
+    server step of one round, without the shards' training."""
+    if self._from_results is None:
+      work_type = self._shard_work.type_signature
+      weights_type, states_type, _ = work_type.parameter
+
+      @tff.tensorflow.computation(weights_type, states_type,
+                                  work_type.result)
+      def precomputed(weights, states, result):
+        del weights, states  # The shard's result was computed with them.
+        return result
+
+      self._from_results = self._compose(precomputed)
+    return self._from_results
 
   @property
   def num_shards(self) -> int:
@@ -503,8 +529,21 @@ class ShardedProcess:
     shard_data = [pack_datasets([datasets[i] for i in r], self._element_spec,
                                 self._wire)
                   for r in ranges]
-    state, new_shard_states, metrics = self._process.next(
-        state, shard_states, shard_data)
+    spread = runtime.worker_map()
+    if spread is None:  # One call: TFF runs the shards as its clients.
+      state, new_shard_states, metrics = self._process.next(
+          state, shard_states, shard_data)
+    else:
+      # Several workers: each shard's work runs once, on one worker, and
+      # the round's aggregate (DP noise included) is formed once from the
+      # shards' results. TFF's mergeable form would run the client work
+      # again after the merge to produce the client states.
+      weights = self.get_model_weights(state)
+      results = spread(self._shard_work,
+                       [(weights, st, d) for st, d in zip(shard_states,
+                                                          shard_data)])
+      state, new_shard_states, metrics = self._process_from_results().next(
+          state, shard_states, results)
     new_states = []
     for r, stacked in zip(ranges, new_shard_states):
       new_states.extend(_unstack_states(stacked, len(r), self._state_template))
