@@ -46,7 +46,10 @@ their first call (checked: the `next` of every algorithm in
 `algorithms/registry.py`, built on mnist_preference, compiles to it). The cost of the form, stated in docs/scale.md: `after_merge`
 recomputes the client work (force-aligned TFF computations pass nothing from
 before the aggregation to after it except through the aggregation), so each
-client is trained twice. Results equal the local run's only if the client
+client would be trained twice. Sharded rounds avoid it: `worker_map` runs
+each shard's work once on one worker, and the process then aggregates the
+shards' results (`core/sharded.py`); only one-user-per-client rounds train
+twice. Results equal the local run's only if the client
 work is deterministic given its inputs, which holds for this project's
 algorithms (seeded shuffling, no unseeded randomness in client work).
 """
