@@ -128,6 +128,12 @@ def define_flags():
                     'and one user per TFF client (binaries/'
                     'benchmark_families.py; e.g. ditto,feddva,fedperc,'
                     'groupfl,furl).')
+  flags.DEFINE_list('population_scale', [],
+                    'Populations (e.g. 10000,1000000) of the whole loop on '
+                    'the generated task: binaries.train --task=synthetic, '
+                    'global_plus with a 32-float personal embedding, the '
+                    'SQLite store, cohort 200 (binaries/'
+                    'benchmark_families.py).')
   flags.DEFINE_integer('family_rounds', 6,
                        'Rounds of each family run (round 1 is start-up).')
   flags.DEFINE_string('data_dir', None,
@@ -447,10 +453,13 @@ def child_main(f) -> None:
 # The parent: one subprocess per run, RSS sampling, table.
 
 
-def _run_child(cmd, record_path, timeout_s):
-  """Runs `cmd`; returns (record or None, peak tree RSS MiB, error)."""
-  t0 = time.time()
-  proc = subprocess.Popen(cmd + [f'--t0={t0}'], stdout=subprocess.DEVNULL,
+def run_sampled(cmd, timeout_s):
+  """Runs `cmd`; returns (exit code, peak tree RSS MiB, stderr tail).
+
+  The RSS of the process and all its children (TFF's worker_binary
+  included) is summed every 200 ms.
+  """
+  proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   peak = [0.0]
   done = threading.Event()
@@ -471,12 +480,18 @@ def _run_child(cmd, record_path, timeout_s):
   finally:
     done.set()
     sampler.join()
-  if proc.returncode != 0 or not os.path.exists(record_path):
-    return None, peak[0], (err or '')[-2000:]
+  return proc.returncode, peak[0], (err or '')[-2000:]
+
+
+def _run_child(cmd, record_path, timeout_s):
+  """Runs `cmd`; returns (record or None, peak tree RSS MiB, error)."""
+  code, peak, err = run_sampled(cmd + [f'--t0={time.time()}'], timeout_s)
+  if code != 0 or not os.path.exists(record_path):
+    return None, peak, err
   with open(record_path) as f:
     record = json.load(f)
   os.remove(record_path)
-  return record, peak[0], None
+  return record, peak, None
 
 
 def parent_main(f) -> int:
@@ -542,6 +557,11 @@ def parent_main(f) -> int:
         f.data_dir or os.path.join(root, '..', 'shared', 'data'),
         os.path.join(f.output_dir, 'families'), f.timeout_s,
         log=lambda s: print(s, flush=True))
+  if f.population_scale:
+    records += benchmark_families.run_population_scale(
+        [int(n) for n in f.population_scale], f.family_rounds,
+        os.path.join(f.output_dir, 'scale'), f.timeout_s, run_sampled,
+        log=lambda s: print(s, flush=True))
   del root
   machine = (f'{platform.node()} {platform.machine()}, {os.cpu_count()} '
              f'CPUs, Python {platform.python_version()}, load average '
@@ -556,7 +576,8 @@ def parent_main(f) -> int:
   with open(os.path.join(f.output_dir, 'benchmark.md'), 'w') as out:
     out.write(markdown)
   print(markdown, flush=True)
-  expected = len(runs) + len(f.families) * len(benchmark_families.FORMS)
+  expected = (len(runs) + len(f.families) * len(benchmark_families.FORMS) +
+              len(f.population_scale))
   return 0 if len(records) == expected else 1
 
 

@@ -159,3 +159,38 @@ def run(names: Sequence[str], rounds: int, data_dir: str, output_dir: str,
           f"{record['seconds_per_round']:.3f} s/round")
       records.append(record)
   return records
+
+
+SCALE_COHORT = 200
+SCALE_EMBEDDING = 32
+
+
+def run_population_scale(populations: Sequence[int], rounds: int,
+                         output_dir: str, timeout_s: float, run_sampled,
+                         log=print) -> list[dict]:
+  """The whole loop at each population: `binaries.train` on the generated
+  task (`tasks/synthetic_task.py`), `global_plus` with a 32-float personal
+  embedding per user, the SQLite store, cohort 200, sharded.
+  `run_sampled(cmd, timeout_s) -> (code, peak tree RSS MiB, stderr)`.
+  Records: round time over rounds 2+ and the run's peak RSS."""
+  records = []
+  for n in populations:
+    name = f'synthetic_{n}'
+    cmd = [sys.executable, '-m', 'binaries.train', '--task=synthetic',
+           f'--num_users={n}', '--algorithm=global_plus',
+           f'--embedding_dim={SCALE_EMBEDDING}',
+           f'--clients_per_round={SCALE_COHORT}', f'--rounds={rounds}',
+           '--client_state_backend=sqlite', '--eval_clients=200',
+           f'--root_output_dir={output_dir}', f'--experiment_name={name}']
+    log(f'population {n}: {" ".join(cmd[1:])}')
+    code, peak, err = run_sampled(cmd, timeout_s)
+    path = os.path.join(output_dir, name, 'train_metrics.csv')
+    if code != 0 or not os.path.exists(path):
+      log(f'  failed: {err}')
+      continue
+    record = dict(name='global_plus', workload='synthetic', population=n,
+                  cohort=SCALE_COHORT, peak_rss_mib=peak, **rates(path))
+    log(f"  {record['seconds_per_round']:.3f} s/round, peak RSS {peak:.0f} "
+        'MiB')
+    records.append(record)
+  return records

@@ -37,8 +37,10 @@ def render_markdown(records, machine: str, command: str) -> str:
            'start-up s | peak RSS MiB | vs tff_fedavg | vs tf_ceiling | '
            'vs pfl_fedavg | worker threads (intra/inter) |',
            '|' + '---|' * 11]
+  scale = [r for r in records if r.get('population')]
   families = [r for r in records if r.get('form')]
-  records = [r for r in records if not r.get('form')]
+  records = [r for r in records if not r.get('form') and
+             not r.get('population')]
   if not records:  # Family rows only.
     lines = lines[:4]
   by_key = {(r['name'], r['cohort']): r for r in records}
@@ -76,6 +78,8 @@ def render_markdown(records, machine: str, command: str) -> str:
               _ratio(r['client_updates_per_s'],
                      other.get('client_updates_per_s'))
               if r['form'] == 'sharded' else '1.00x') + ' |')
+  if scale:
+    lines += _scale_lines(scale)
   memory = [r for r in records if r.get('memory_run')]
   for r in memory:
     a = r.get('rss_mib_after_round_20')
@@ -86,10 +90,30 @@ def render_markdown(records, machine: str, command: str) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def _scale_lines(scale) -> list[str]:
+  """The population-scale rows, each against the smallest population."""
+  base = min(scale, key=lambda r: r['population'])
+  lines = ['', 'The whole loop at population scale (binaries.train on the '
+           'generated task, global_plus with a 32-float personal embedding, '
+           'the SQLite store; rounds 2 and later):', '',
+           '| users | cohort | s/round | peak RSS MiB | s/round vs '
+           f"{base['population']:,} | RSS vs {base['population']:,} |",
+           '|---:|---:|---:|---:|---:|---:|']
+  for r in sorted(scale, key=lambda r: r['population']):
+    lines.append(
+        f"| {r['population']:,} | {r['cohort']} | "
+        f"{r['seconds_per_round']:.3f} | {r['peak_rss_mib']:.0f} | "
+        f"{r['seconds_per_round'] / base['seconds_per_round']:.2f}x | "
+        f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}x |")
+  return lines
+
+
 def readme_markdown(run: dict) -> str:
   """The README's performance tables from a `benchmark_run.json`."""
   records = [r for r in run['records'] if not r.get('memory_run')]
-  systems = [r for r in records if not r.get('form')]
+  scale = [r for r in records if r.get('population')]
+  systems = [r for r in records if not r.get('form') and
+             not r.get('population')]
   cohorts = sorted({r['cohort'] for r in systems})
   by_key = {(r['name'], r['cohort']): r for r in systems}
   lines = []
@@ -127,6 +151,8 @@ def readme_markdown(run: dict) -> str:
           f"{r['client_updates_per_s']:.1f} | "
           f"{'-' if u is None else f'{u:.1f}'} | "
           f"{_ratio(r['client_updates_per_s'], u)} |")
+  if scale:
+    lines += _scale_lines(scale)
   # The machine, without the run's load (the README is no lab notebook).
   machine = run['machine'].split(', load average')[0]
   lines += ['', f'Machine: {machine}.', '',

@@ -26,6 +26,7 @@ from tasks import preference_task
 from tasks import shakespeare_groups
 from tasks import speaker_task
 from tasks import speech_task
+from tasks import synthetic_task
 from tasks import tv_shows_task
 from tff_personal.algorithms import registry as algorithms
 from tff_personal.core import options as options_lib
@@ -93,6 +94,11 @@ _SPECS = (
              ('split_model', 'groups'),
              'Group personalized FL: Shakespeare characters as clients, '
              'genres as groups, a word LSTM language model'),
+    TaskSpec('synthetic', synthetic_task.synthetic_task,
+             ('split_model', 'personal_embedding', 'batches', 'named_head'),
+             'Generated users of any population, drawn on demand (the '
+             'loop at a million users)',
+             flags=('num_users', 'batch_size', 'local_epochs')),
     TaskSpec('tv_shows', tv_shows_task.tv_shows_task,
              ('batches', 'fedperc_model'),
              'FedPerC: Friends and Game of Thrones characters\' utterances, '

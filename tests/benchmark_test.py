@@ -126,6 +126,14 @@ def test_render_markdown_ratios():
   sharded_row = [line for line in table.splitlines()
                  if line.startswith('| ditto |') and 'sharded' in line][0]
   assert sharded_row.endswith('| 5.00x |')
+  scale = [dict(name='global_plus', workload='synthetic', population=p,
+                cohort=200, seconds_per_round=t, peak_rss_mib=m,
+                client_updates_per_s=200 / t)
+           for p, t, m in ((10_000, 0.5, 1000.0), (1_000_000, 0.55, 1050.0))]
+  table = benchmark.render_markdown(records + scale, 'test machine', 'cmd')
+  assert '| 1,000,000 | 200 | 0.550 | 1050 | 1.10x | 1.05x |' in table
+  # Population rows are not systems rows.
+  assert '| global_plus | 200 |' not in table
 
 
 def test_unknown_system_is_a_usage_error(binary, tmp_path):
