@@ -189,14 +189,6 @@ def test_worker_refuses_a_bad_thread_count_before_starting():
   assert 'ready' not in out.stdout
 
 
-def test_workers_shut_down_on_sigterm(workers):
-  for w in workers:
-    code, out = w.stop()
-    assert code == 0, out
-    assert 'stopped' in out
-    assert process_utils.wait_dead(w.service_pid)
-
-
 def test_sharded_round_trains_each_shard_once_on_one_worker(workers):
   """With workers, each shard's work runs once (on one worker) and the
   round equals the local one: the same server weights and client states."""
@@ -264,3 +256,12 @@ def test_reproduce_refuses_bad_workers(tmp_path, capsys):
   assert reproduce.run(f) == 2
   assert 'port in 1..65535' in capsys.readouterr().err
   assert not os.listdir(tmp_path)
+
+
+# Last: it stops the module's workers.
+def test_workers_shut_down_on_sigterm(workers):
+  for w in workers:
+    code, out = w.stop()
+    assert code == 0, out
+    assert 'stopped' in out
+    assert process_utils.wait_dead(w.service_pid)

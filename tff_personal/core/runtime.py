@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -75,7 +76,6 @@ import tensorflow_federated as tff
 from tff_personal.core import worker_threads
 
 # TFF internals: the same pieces TFF's own `local_cpp_executor_factory` uses.
-from tensorflow_federated.python.common_libs import async_utils as _async_utils
 from tensorflow_federated.python.common_libs import structure as _structure
 from tensorflow_federated.python.core.backends.native import compiler as _native_compiler
 from tensorflow_federated.python.core.backends.native import mergeable_comp_compiler as _mergeable_compiler
@@ -289,6 +289,23 @@ def parse_workers(workers) -> list[str]:
   return items
 
 
+def _concurrently(calls: Sequence) -> list:
+  """Runs `[ctx.invoke(comp, arg) for ctx, comp, arg in calls]`, one thread
+  (and event loop) per call, and returns the results in order.
+
+  TFF's remote executor makes blocking gRPC calls inside its coroutines, so
+  workers awaited on one event loop compute one after the other; a thread
+  each lets them compute at once.
+  """
+  if len(calls) == 1:
+    ctx, comp, arg = calls[0]
+    return [asyncio.run(ctx.invoke(comp, arg))]
+  with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+    futures = [pool.submit(lambda c=c: asyncio.run(c[0].invoke(c[1], c[2])))
+               for c in calls]
+    return [f.result() for f in futures]
+
+
 class _OrderedMergeableContext(_context_base.SyncContext):
   """TFF's mergeable-computation execution, with results in worker order.
 
@@ -301,7 +318,6 @@ class _OrderedMergeableContext(_context_base.SyncContext):
 
   def __init__(self, async_contexts: Sequence[_context_base.AsyncContext]):
     self._contexts = list(async_contexts)
-    self._runner = _async_utils.AsyncThreadRunner()
     self._pipeline = _compiler_pipeline.CompilerPipeline(
         _mergeable_compiler.compile_to_mergeable_comp_form)
 
@@ -312,7 +328,7 @@ class _OrderedMergeableContext(_context_base.SyncContext):
     else:
       slices = _mergeable_context._split_value_into_subrounds(  # pylint: disable=protected-access
           arg, form.up_to_merge.type_signature.parameter, len(self._contexts))
-    result = self._runner.run_coro_and_return_result(self._run(form, slices))
+    result = self._run(form, slices)
     result = _type_conversions.type_to_py_container(
         result, form.after_merge.type_signature.result)
     return _tf_computation.transform_result(result)
@@ -322,8 +338,9 @@ class _OrderedMergeableContext(_context_base.SyncContext):
 
     `comp` takes no placed values (e.g. a TensorFlow computation). The
     calls go to the workers in contiguous blocks (the first
-    `ceil(len / workers)` to the first worker, and so on), run
-    concurrently, and come back in the order of `args`. What the sharded
+    `ceil(len / workers)` to the first worker, and so on), each worker's
+    in order on a thread of its own, the workers concurrently, and the
+    results come back in the order of `args`. What the sharded
     simulation runs its shards with (`core/sharded.py`): each shard's work
     once, on one worker.
     """
@@ -331,26 +348,35 @@ class _OrderedMergeableContext(_context_base.SyncContext):
     if not args:
       return []
     per = -(-len(args) // len(self._contexts))
+    blocks = [list(range(i, min(i + per, len(args))))
+              for i in range(0, len(args), per)]
+    results = [None] * len(args)
 
-    async def run_all():
-      return await asyncio.gather(*(
-          self._contexts[i // per].invoke(
-              comp, _structure.Struct.unnamed(*a) if len(a) > 1 else a[0])
-          for i, a in enumerate(args)))
+    def run_block(ctx, block):
+      # Each worker in a thread of its own, with its own event loop: TFF's
+      # remote executor makes blocking gRPC calls inside its coroutines, so
+      # workers awaited on one loop would compute one after the other.
+      for i in block:
+        a = args[i]
+        results[i] = asyncio.run(ctx.invoke(
+            comp, _structure.Struct.unnamed(*a) if len(a) > 1 else a[0]))
 
-    results = self._runner.run_coro_and_return_result(run_all())
+    with concurrent.futures.ThreadPoolExecutor(len(blocks)) as pool:
+      for future in [pool.submit(run_block, ctx, block)
+                     for ctx, block in zip(self._contexts, blocks)]:
+        future.result()
     return [_tf_computation.transform_result(
         _type_conversions.type_to_py_container(
             r, comp.type_signature.result)) for r in results]
 
-  async def _run(self, form, slices):
+  def _run(self, form, slices):
     contexts = self._contexts[:len(slices)]
-    partials = await asyncio.gather(*(
-        ctx.invoke(form.up_to_merge, a) for ctx, a in zip(contexts, slices)))
+    partials = _concurrently([(ctx, form.up_to_merge, a)
+                              for ctx, a in zip(contexts, slices)])
     merged = partials[0]
     for partial in partials[1:]:
-      merged = await contexts[0].invoke(
-          form.merge, _structure.Struct.unnamed(merged, partial))
+      merged = asyncio.run(contexts[0].invoke(
+          form.merge, _structure.Struct.unnamed(merged, partial)))
 
     def after_arg(a):
       return merged if a is None else _structure.Struct.unnamed(a, merged)
@@ -360,10 +386,10 @@ class _OrderedMergeableContext(_context_base.SyncContext):
         result_type, lambda t: not isinstance(
             t, _computation_types.FederatedType) or t.all_equal):
       # No per-client result: every slice would return the same value.
-      return await contexts[0].invoke(form.after_merge, after_arg(slices[0]))
-    results = await asyncio.gather(*(
-        ctx.invoke(form.after_merge, after_arg(a))
-        for ctx, a in zip(contexts, slices)))
+      return asyncio.run(contexts[0].invoke(form.after_merge,
+                                            after_arg(slices[0])))
+    results = _concurrently([(ctx, form.after_merge, after_arg(a))
+                             for ctx, a in zip(contexts, slices)])
     return _mergeable_context._repackage_partitioned_values(  # pylint: disable=protected-access
         list(results), result_type)
 
