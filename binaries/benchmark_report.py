@@ -108,8 +108,14 @@ def _scale_lines(scale) -> list[str]:
   return lines
 
 
+def machine(run: dict) -> str:
+  """The run's machine, without its load (the README is no lab notebook)."""
+  return run['machine'].split(', load average')[0]
+
+
 def readme_markdown(run: dict) -> str:
-  """The README's performance tables from a `benchmark_run.json`."""
+  """The README's performance tables from a `benchmark_run.json`, and the
+  command that made them."""
   records = [r for r in run['records'] if not r.get('memory_run')]
   scale = [r for r in records if r.get('population')]
   systems = [r for r in records if not r.get('form') and
@@ -153,8 +159,5 @@ def readme_markdown(run: dict) -> str:
           f"{_ratio(r['client_updates_per_s'], u)} |")
   if scale:
     lines += _scale_lines(scale)
-  # The machine, without the run's load (the README is no lab notebook).
-  machine = run['machine'].split(', load average')[0]
-  lines += ['', f'Machine: {machine}.', '',
-            f"Command: `{run['command']}`"]
+  lines += ['', f"Command: `{run['command']}`"]
   return '\n'.join(line for line in lines if line is not None) + '\n'

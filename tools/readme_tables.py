@@ -31,11 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, 'README.md')
 TARGETS = os.path.join(ROOT, 'docs', 'papers', 'targets.json')
 # The committed benchmark runs (each `binaries.benchmark`'s
-# benchmark_run.json, ratios within a run): the systems, then the family
-# rows.
+# benchmark_run.json, ratios within a run): the systems, the family rows,
+# the whole loop at population scale.
 BENCHMARK_RUNS = tuple(
     os.path.join(ROOT, 'docs', 'benchmark', name)
-    for name in ('systems_run.json', 'families_run.json'))
+    for name in ('systems_run.json', 'families_run.json', 'scale_run.json'))
 
 MET_LABELS = {True: 'met', False: 'not met', 'partly': 'partly'}
 SECTIONS = ('matrix', 'results', 'performance')
@@ -100,11 +100,13 @@ def performance_markdown(paths=BENCHMARK_RUNS) -> str:
   if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
   from binaries import benchmark_report  # pylint: disable=g-import-not-at-top
-  parts = []
+  parts, machines = [], set()
   for path in paths:
     with open(path) as f:
-      parts.append(benchmark_report.readme_markdown(json.load(f)))
-  return '\n'.join(parts).rstrip('\n')
+      run = json.load(f)
+    parts.append(benchmark_report.readme_markdown(run).strip('\n'))
+    machines.add(benchmark_report.machine(run))
+  return '\n\n'.join(parts + [f"Machine: {', '.join(sorted(machines))}."])
 
 
 def generated() -> dict[str, str]:
