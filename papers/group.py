@@ -450,20 +450,27 @@ def _group_participations(task, config, grouping):
 
 
 def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
-  log_fn = log_fn or (lambda s: print(s, flush=True))
   directory = _config_dir(root, cfg, seed)
-  stages = _Stages(directory)
-  final = os.path.join(directory, 'pipeline.json')
+  return _cached(cfg, seed, directory, 'pipeline.json', _run_pipeline,
+                 log_fn, lambda: make_figures(root, directory))
+
+
+def _cached(cfg, seed, directory, filename, run_fn, log_fn, after) -> dict:
+  """`run_fn(task, cfg, seed, directory, stages, log_fn)`'s result, cached
+  in `directory/filename`; `after()` runs once it is written (figures)."""
+  log_fn = log_fn or (lambda s: print(s, flush=True))
+  final = os.path.join(directory, filename)
   if os.path.exists(final):
     with open(final) as f:
       return json.load(f)
+  stages = _Stages(directory)
   _write_text(os.path.join(directory, 'config.json'),
               json.dumps(cfg, indent=1, sort_keys=True))
   task = _task(cfg, seed)
   with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
-    result = _run_pipeline(task, cfg, seed, directory, stages, log_fn)
+    result = run_fn(task, cfg, seed, directory, stages, log_fn)
   _write_text(final, json.dumps(result, indent=1, sort_keys=True))
-  make_figures(root, directory)
+  after()
   return result
 
 
@@ -644,22 +651,11 @@ def _controls(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
   (each step before it too) under the pipeline's directory, keyed by the
   plateau rule.
   """
-  log_fn = log_fn or (lambda s: print(s, flush=True))
   directory = os.path.join(_config_dir(root, cfg, seed),
                            'controls_' + _digest(cfg['plateau']))
-  stages = _Stages(directory)
-  final = os.path.join(directory, 'controls.json')
-  if os.path.exists(final):
-    with open(final) as f:
-      return json.load(f)
-  _write_text(os.path.join(directory, 'config.json'),
-              json.dumps(cfg, indent=1, sort_keys=True))
-  task = _task(cfg, seed)
-  with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
-    result = _run_controls(task, cfg, seed, directory, stages, log_fn)
-  _write_text(final, json.dumps(result, indent=1, sort_keys=True))
-  make_plateau_figure(root, os.path.dirname(directory))
-  return result
+  return _cached(cfg, seed, directory, 'controls.json', _run_controls, log_fn,
+                 lambda: make_plateau_figure(root,
+                                             os.path.dirname(directory)))
 
 
 def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
