@@ -226,7 +226,8 @@ def test_sharded_round_trains_each_shard_once_on_one_worker(workers):
 
       ctx.invoke = spy
     remote = one_round()
-  assert shard_calls == [0, 1]  # Shard 0 on worker 0, shard 1 on worker 1.
+  # One shard on each worker (the workers run at once, so in any order).
+  assert sorted(shard_calls) == [0, 1]
   for a, b in zip(local[0] + local[1], remote[0] + remote[1]):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
   # Training moved the states (the comparison is not of initial values).
