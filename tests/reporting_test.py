@@ -1,5 +1,6 @@
 """The reproduction framework: results file, restart, tables, the binary."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -151,6 +152,19 @@ def test_markdown_mean_std_and_paper_value(tmp_path):
   s = reporting.summarize([0.5, 0.7])
   assert s.n == 2 and s.mean == pytest.approx(0.6)
   assert s.std == pytest.approx(0.1414213562)
+
+
+def test_a_table_without_paper_values_shows_only_ours(tmp_path):
+  results = reporting.ResultsFile(str(tmp_path / 'results.jsonl'))
+  results.append(_cell(seed=0), {'accuracy': 0.5})
+  results.append(_cell(seed=1), {'accuracy': 0.7})
+  md = reporting.render_markdown(
+      results, dataclasses.replace(_TABLE, paper_values={}))
+  lines = md.splitlines()
+  assert next(line for line in lines if line.startswith('| method')) == (
+      '| method | small | large |')
+  assert '| global | 0.60 ± 0.14 (2) | — |' in lines
+  assert 'paper' not in md.split('ours: mean')[1].split('\n')[0]
 
 
 def test_huge_means_print_in_scientific_notation(tmp_path):

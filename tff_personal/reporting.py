@@ -389,26 +389,32 @@ def _fmt(s: Optional[Summary], digits: int) -> str:
 
 
 def render_markdown(results: Results, table: Table) -> str:
-  """A markdown table: per column, our 'mean ± std (n)' and the paper's."""
+  """A markdown table: per column, our 'mean ± std (n)' and the paper's
+  (only ours when the table has no paper values, e.g. a control)."""
   records = _latest_records(results)
   summaries = _cell_summaries(records, table)
   title = table.title or f'{table.paper} {table.name}'
   scale = f' × {table.scale:g}' if table.scale != 1 else ''
   lines = [f'### {title}', '', f'Metric: `{table.metric}`{scale}.', '']
+  with_paper = bool(table.paper_values)
   header = ['method']
   for c in table.columns:
-    header += [f'{c.name} (ours)', f'{c.name} (paper)']
+    header += ([f'{c.name} (ours)', f'{c.name} (paper)'] if with_paper else
+               [c.name])
   lines.append('| ' + ' | '.join(header) + ' |')
   lines.append('|' + '|'.join(['---'] + ['---:'] * (len(header) - 1)) + '|')
   for m in table.methods:
     row = [m]
     for c in table.columns:
-      row += [_fmt(summaries[(m, c.name)], table.digits),
-              table.paper_values.get((m, c.name), MISSING)]
+      row.append(_fmt(summaries[(m, c.name)], table.digits))
+      if with_paper:
+        row.append(table.paper_values.get((m, c.name), MISSING))
     lines.append('| ' + ' | '.join(row) + ' |')
   lines += ['', 'ours: mean ± sample standard deviation (ddof=1) over seeds, '
-            '(n) seeds; the std is 0 when n=1. paper: as reported. '
-            f'{MISSING}: not run yet / not reported.']
+            '(n) seeds; the std is 0 when n=1. ' +
+            ('paper: as reported. ' if with_paper else '') +
+            f'{MISSING}: not run yet' + (' / not reported.' if with_paper
+                                         else '.')]
   if table.notes:
     lines += ['', table.notes]
   return '\n'.join(lines) + '\n'
