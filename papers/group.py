@@ -336,13 +336,20 @@ class _Stages:
     return value
 
 
+def _genre_order(task, genre, seed) -> list[int]:
+  """The genre's clients with evaluation speeches, in the seeded order the
+  sweep, evaluated and validation samples are cut from (so disjoint)."""
+  members = [c for c in task.clients_of(genre) if task.num_eval(c) > 0]
+  return np.random.default_rng(
+      [seed, 0xE7, len(genre)] + [ord(ch) for ch in genre]
+  ).permutation(members).tolist()
+
+
 def _sample_clients(task, cfg, seed):
   """Disjoint seeded samples per genre: (eval clients, sweep clients)."""
   eval_clients, sweep_clients = [], []
   for g in task.group_names:
-    members = [c for c in task.clients_of(g) if task.num_eval(c) > 0]
-    order = np.random.default_rng([seed, 0xE7, len(g)] + [ord(ch) for ch in g]
-                                  ).permutation(members).tolist()
+    order = _genre_order(task, g, seed)
     n_sweep = min(cfg['sweep_clients_per_group'], len(order) // 2)
     sweep_clients += order[:n_sweep]
     rest = order[n_sweep:]
@@ -594,14 +601,12 @@ def plateau_round(curve: Mapping[int, float], window: int,
 
 def _validation_clients(task, cfg, seed) -> list[int]:
   """Per genre, `validation_clients_per_group` clients with evaluation
-  speeches after the sweep and evaluated ones of `_sample_clients` (the
-  same seeded order), so disjoint from both."""
+  speeches after the sweep and evaluated ones of `_sample_clients` in
+  `_genre_order`, so disjoint from both."""
   n_val = cfg['plateau']['validation_clients_per_group']
   out = []
   for g in task.group_names:
-    members = [c for c in task.clients_of(g) if task.num_eval(c) > 0]
-    order = np.random.default_rng([seed, 0xE7, len(g)] + [ord(ch) for ch in g]
-                                  ).permutation(members).tolist()
+    order = _genre_order(task, g, seed)
     n_sweep = min(cfg['sweep_clients_per_group'], len(order) // 2)
     n_eval = cfg['eval_clients_per_group'] or len(order)
     rest = order[n_sweep + n_eval:]
