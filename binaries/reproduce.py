@@ -90,6 +90,10 @@ def define_flags():
   _define('integer', 'clients_per_round', None,
           'Cohort size (None: paper default).')
   _define('integer', 'num_users', None, 'Population (None: paper default).')
+  _define('integer', 'data_seed', None,
+          'Seed of every cell\'s data (users, samples, splits). None: each '
+          'cell draws its data with its own seed. Set it to vary only '
+          'training across --seeds; the tables say which varies.')
 
 
 def run(f: Any, log_fn: Callable[[str], None] = print) -> int:

@@ -513,6 +513,7 @@ _TASK_CACHE: dict[tuple, feddva_tasks.FeddvaTask] = {}
 
 
 def _task(name: str, f, seed: int) -> feddva_tasks.FeddvaTask:
+  seed = reporting.data_seed(f, seed)  # Which images each client holds.
   if name == 'marked_mnist':
     kwargs = dict(num_clients=f.feddva_marked_clients,
                   train_per_client=f.feddva_marked_train,
@@ -648,16 +649,18 @@ def pretrain_key(task_name: str, num_clients: int, f, dim: int,
   """The name of a FedDVA run (`feddva_config` adds the classification
   rounds): everything its pre-training depends on (task and its training
   data, sizes, loss weights, optimizer, cohort, decoder mode, schedule,
-  recipe, DP, seed)."""
+  recipe, DP, seed, data seed if set)."""
   train = (f'{f.feddva_marked_train}'
            + ('' if _marks(f) == 'fixed' else f'_{_marks(f)}marks')
            if task_name == 'marked_mnist'
            else f'{f.feddva_skew_train}_da{f.feddva_dirichlet_alpha}')
+  data = ('' if getattr(f, 'data_seed', None) is None
+          else f'_data{f.data_seed}')
   return (f'{task_name}_dim{dim}_r{f.feddva_vae_rounds}'
           f'_e{f.feddva_local_epochs}_b{f.feddva_batch_size}'
           f'_ch{"-".join(map(str, f.feddva_channels))}_h{f.feddva_hidden}'
           f'_xi{f.feddva_xi}_a{f.feddva_alpha}_b{f.feddva_beta}'
-          f'_n{num_clients}_seed{seed}_tr{train}'
+          f'_n{num_clients}_seed{seed}{data}_tr{train}'
           f'_lr{f.feddva_learning_rate}_cpr{f.feddva_clients_per_round}'
           + ''.join(_variant_names(_variant_setting(f), _CACHE))
           + ''.join(f'_dp{v["noise_multiplier"]:g}c{v["clip_norm"]:g}'

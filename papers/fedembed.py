@@ -680,8 +680,9 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                      'tff_personal/algorithms/registry.py yet')
   s = cell_settings(cell, flag_values)
   encoder_weights = _encoder_weights(cell, flag_values)
+  data_seed = reporting.data_seed(flag_values, cell.seed)
   task = _build_task(task_name, _data_dir(flag_values, task_name), s,
-                     cell.setting['population'], cell.seed, encoder_weights,
+                     cell.setting['population'], data_seed, encoder_weights,
                      _encoder_kind(cell))
   if cell.setting.get('type_head') is False:
     task = _WithoutTypeHead(task)
@@ -690,6 +691,10 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
       log_path=os.path.join(out_dir, 'worker_binary.log')):
     summary = experiment.run_experiment(
         task, config, export_private_states=True,
+        # The evaluated users are data: drawn by the data seed.
+        eval_ids=(None if data_seed == cell.seed else
+                  experiment.eval_client_ids(task.population,
+                                             config.eval_clients, data_seed)),
         log_fn=lambda line: print(f'  {cell.method}: {line}', flush=True))
   metrics = cell_metrics(
       summary, _prevalence(task_name, cell.setting['population']))
@@ -744,8 +749,9 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
         f'got {cell.method} with setting {dict(cell.setting)}')
   # Every method shares the population settings; 'global' has defaults.
   s = cell_settings(dataclasses.replace(cell, method='global'), flag_values)
+  data_seed = reporting.data_seed(flag_values, cell.seed)
   task = _build_task(task_name, _data_dir(flag_values, task_name), s,
-                     cell.setting['population'], cell.seed, encoder_path,
+                     cell.setting['population'], data_seed, encoder_path,
                      _encoder_kind(cell))
   if encoder_path:
     weights, meta = fedembed_speech.load_encoder_weights(encoder_path)
@@ -756,7 +762,7 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   else:
     features = speech_spectrogram.mean_loud_spectrum
   ids = experiment.eval_client_ids(task.population, s['eval_clients'],
-                                   cell.seed)
+                                   data_seed)
   data = task.data
   train, test = [], []
   for n, user in enumerate(ids):
@@ -966,8 +972,40 @@ def make_figures(root_output_dir: str) -> list[str]:
   return written
 
 
+def _seed_curves(root, method, pattern) -> list[dict]:
+  """The `curve.json` of every seed of the cells matching `pattern`."""
+  curves = []
+  for path in sorted(glob.glob(os.path.join(
+      root, reporting.RUNS_DIRNAME, PAPER, method, pattern, 'seed_*',
+      'curve.json'))):
+    with open(path) as f:
+      c = json.load(f)
+    if c['round']:
+      curves.append(c)
+  return curves
+
+
+def seed_band(curves: list[dict]) -> tuple[list[int], np.ndarray, np.ndarray]:
+  """(rounds, mean F1, std F1) over seeds at the rounds every seed has.
+
+  Args:
+    curves: `curve.json` dicts (`round`, `f1`), one per seed.
+
+  Returns:
+    The rounds all curves share, and the mean and the sample standard
+    deviation (ddof=1; 0 for one seed) of F1 there.
+  """
+  rounds = sorted(set.intersection(*(set(c['round']) for c in curves)))
+  values = np.array([[dict(zip(c['round'], c['f1']))[r] for r in rounds]
+                     for c in curves], dtype=float)
+  std = (values.std(axis=0, ddof=1) if len(curves) > 1
+         else np.zeros(len(rounds)))
+  return rounds, values.mean(axis=0), std
+
+
 def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
-  """F1 vs round, balanced and imbalanced, with and without DP (seed 0).
+  """F1 vs round, balanced and imbalanced, with and without DP: per method
+  the mean over its seeds, with a band of one standard deviation.
 
   One legend outside the panels: a colour per method, a line style per DP
   setting (a legend per panel covered the curves).
@@ -975,27 +1013,34 @@ def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
   from matplotlib import lines  # pylint: disable=g-import-not-at-top
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-  plotted_methods, plotted_dp = set(), set()
+  plotted_methods, plotted_dp, seeds = set(), set(), set()
   styles = (('none', '-'), ('gaussian_fixed', '--'))
   for ax, pop in zip(axes, ('balanced', 'imbalanced')):
     for method in METHODS:
       for dp, style in styles:
-        for d in _run_dirs(root, method,
-                           f'dp={dp}_population={pop}{task_key}-*'):
-          path = os.path.join(d, 'curve.json')
-          if not os.path.exists(path):
-            continue
-          with open(path) as f:
-            c = json.load(f)
-          if c['round']:
-            plotted_methods.add(method)
-            plotted_dp.add(dp)
-            # One colour per method (tab10 has 10), the line style for DP.
-            ax.plot(c['round'], c['f1'], style, marker='.',
-                    color=f'C{METHODS.index(method)}')
+        curves = _seed_curves(root, method,
+                              f'dp={dp}_population={pop}{task_key}-*')
+        if not curves:
+          continue
+        rounds, mean, std = seed_band(curves)
+        if not rounds:
+          continue
+        plotted_methods.add(method)
+        plotted_dp.add(dp)
+        seeds.add(len(curves))
+        # One colour per method (tab10 has 10), the line style for DP.
+        color = f'C{METHODS.index(method)}'
+        ax.plot(rounds, mean, style, marker='.', markersize=3, color=color)
+        if len(curves) > 1:
+          ax.fill_between(rounds, mean - std, mean + std, color=color,
+                          alpha=0.15, linewidth=0)
     ax.set_title(f'{label}, {pop}')
     ax.set_xlabel('round')
     ax.set_ylabel('mean F1 (eval users)')
+  if seeds:
+    n = (f'{min(seeds)}' if len(seeds) == 1
+         else f'{min(seeds)} to {max(seeds)}')
+    fig.suptitle(f'mean over {n} seed(s), band: ± 1 std', fontsize=9)
   written = []
   if plotted_methods:
     handles = [lines.Line2D([], [], color=f'C{METHODS.index(m)}', marker='.',

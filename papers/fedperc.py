@@ -240,6 +240,7 @@ def _users(flag_values, seed: int,
   """The task's users, tokenized; cached in memory and (optionally) on disk,
   since every `reproduce` invocation (one per table) would redo it."""
   spec = _spec(flag_values)
+  seed = reporting.data_seed(flag_values, seed)  # Which utterances, users.
   key = (flag_values.fedperc_backbone, _data_root(flag_values), seed,
          flag_values.fedperc_max_tokens, flag_values.fedperc_max_utterances)
   if key in _USERS:

@@ -140,7 +140,9 @@ def _data_dir(flag_values) -> str:
 
 
 def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
-  task = _task(_data_dir(flag_values), cell.seed, flag_values.furl_min_docs)
+  task = _task(_data_dir(flag_values),
+               reporting.data_seed(flag_values, cell.seed),
+               flag_values.furl_min_docs)
   dim = cell.setting['embedding_dim']
   if cell.method in _SERVER:
     metrics = _run_server(task, cell, flag_values, out_dir,

@@ -252,6 +252,8 @@ def _config(f) -> dict:
           tolerance=f.group_plateau_tolerance,
           validation_clients_per_group=(
               f.group_validation_clients_per_group)))
+  if getattr(f, 'data_seed', None) is not None:  # absent: digests unchanged
+    cfg['data_seed'] = reporting.data_seed(f, 0)
   for key in ('rounds', 'group_rounds'):
     if cfg[key] < 1:
       raise ValueError(f'group: {key} must be >= 1, got {cfg[key]}')
@@ -336,6 +338,12 @@ class _Stages:
     return value
 
 
+def _data_seed(cfg, seed) -> int:
+  """The seed of the data (the task's split, the client samples): the
+  cell's seed unless `--data_seed` fixed it (`cfg['data_seed']`)."""
+  return cfg.get('data_seed', seed)
+
+
 def _genre_order(task, genre, seed) -> list[int]:
   """The genre's clients with evaluation speeches, in the seeded order the
   sweep, evaluated and validation samples are cut from (so disjoint)."""
@@ -349,7 +357,7 @@ def _sample_clients(task, cfg, seed):
   """Disjoint seeded samples per genre: (eval clients, sweep clients)."""
   eval_clients, sweep_clients = [], []
   for g in task.group_names:
-    order = _genre_order(task, g, seed)
+    order = _genre_order(task, g, _data_seed(cfg, seed))
     n_sweep = min(cfg['sweep_clients_per_group'], len(order) // 2)
     sweep_clients += order[:n_sweep]
     rest = order[n_sweep:]
@@ -375,7 +383,7 @@ def _task(cfg, seed):
   return shakespeare_groups.shakespeare_groups_task(
       cfg['data_dir'], vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
       embedding_dim=cfg['embedding_dim'], lstm_units=cfg['lstm_units'],
-      lstm_layers=cfg['lstm_layers'], seed=seed,
+      lstm_layers=cfg['lstm_layers'], seed=_data_seed(cfg, seed),
       max_clients=cfg['max_clients'], local_epochs=cfg['local_epochs'])
 
 
@@ -606,7 +614,7 @@ def _validation_clients(task, cfg, seed) -> list[int]:
   n_val = cfg['plateau']['validation_clients_per_group']
   out = []
   for g in task.group_names:
-    order = _genre_order(task, g, seed)
+    order = _genre_order(task, g, _data_seed(cfg, seed))
     n_sweep = min(cfg['sweep_clients_per_group'], len(order) // 2)
     n_eval = cfg['eval_clients_per_group'] or len(order)
     rest = order[n_sweep + n_eval:]

@@ -1,5 +1,6 @@
 """The FedEmbed reproduction: cells, tables, defaults wiring, DP, one cell."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -438,3 +439,50 @@ def test_one_tiny_dp_cell_end_to_end(tmp_path):
   tables = tmp_path / 'tables' / 'fedembed'
   assert (tables / '4.md').exists() and (tables / '4_by_prevalence.md').exists()
   assert 'fedembed_prototype' in (tables / 'epsilon.md').read_text()
+
+
+def test_data_seed_fixes_data_and_evaluated_users_not_training(
+    tmp_path, monkeypatch):
+  """--data_seed: every seed builds the same users and evaluates the same
+  ones; the training seed is still the cell's own."""
+  built, ran = [], []
+  def fake_build(name, data_dir, s, population, seed, *rest):
+    built.append(seed)
+    return types.SimpleNamespace(population=9000)
+  def fake_run(task, config, **kw):
+    ran.append((config.seed, kw['eval_ids']))
+    raise RuntimeError('stop here')
+  monkeypatch.setattr(fedembed, '_build_task', fake_build)
+  monkeypatch.setattr(fedembed.experiment, 'run_experiment', fake_run)
+  monkeypatch.setattr(fedembed.runtime, 'local_runtime',
+                      lambda **kw: contextlib.nullcontext())
+  cells = [c for c in fedembed.TABLES['2'].cells(3)
+           if c.method == 'fedembed_prototype'
+           and c.setting == {'population': 'balanced', 'dp': 'none'}]
+  assert [c.seed for c in cells] == [0, 1, 2]
+  for data_seed in (None, 0):
+    for cell in cells:
+      with pytest.raises(RuntimeError, match='stop here'):
+        fedembed.run_cell(cell, _flags(data_seed=data_seed), str(tmp_path))
+  # Without it, the data follow the seed; the default evaluated users (None:
+  # drawn by the run's seed) too.
+  assert built[:3] == [0, 1, 2] and [r[1] for r in ran[:3]] == [None] * 3
+  # With --data_seed=0: the data and the evaluated users of seed 0 for all.
+  assert built[3:] == [0, 0, 0]
+  assert ran[3][1] is None  # seed 0 is its own data seed
+  expected = fedembed.experiment.eval_client_ids(9000, 500, 0)
+  assert [list(r[1]) for r in ran[4:]] == [list(expected)] * 2
+  assert list(fedembed.experiment.eval_client_ids(9000, 500, 1)) != list(
+      expected)
+  assert [r[0] for r in ran] == [0, 1, 2, 0, 1, 2]  # training seeds vary
+
+
+def test_seed_band_is_mean_and_std_at_the_shared_rounds():
+  curves = [{'round': [10, 20, 30], 'f1': [0.1, 0.5, 0.9]},
+            {'round': [10, 20], 'f1': [0.3, 0.7]}]  # a seed still running
+  rounds, mean, std = fedembed.seed_band(curves)
+  assert rounds == [10, 20]
+  np.testing.assert_allclose(mean, [0.2, 0.6])
+  np.testing.assert_allclose(std, [np.sqrt(0.02)] * 2)
+  rounds, mean, std = fedembed.seed_band(curves[:1])
+  assert rounds == [10, 20, 30] and not std.any()

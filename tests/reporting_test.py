@@ -167,6 +167,34 @@ def test_a_table_without_paper_values_shows_only_ours(tmp_path):
   assert 'paper' not in md.split('ours: mean')[1].split('\n')[0]
 
 
+def test_tables_say_what_the_seeds_vary(tmp_path):
+  def note(*data_seeds):
+    results = reporting.ResultsFile(str(tmp_path / f'r{data_seeds}.jsonl'))
+    for seed, data_seed in enumerate(data_seeds):
+      results.append(_cell(seed=seed), {'accuracy': 0.5},
+                     extra={'config': {'data_seed': data_seed}})
+    md = reporting.render_markdown(results, _TABLE)
+    return md.split('What the seeds vary: ')[1].split('\n')[0]
+  assert note(None, None).startswith('the data (users and samples drawn by')
+  assert note(3, 3).startswith('training only') and '--data_seed=3' in note(3)
+  assert note(None, 3).startswith('mixed') and 'seed 3' in note(None, 3)
+  empty = reporting.ResultsFile(str(tmp_path / 'empty.jsonl'))
+  assert 'What the seeds vary' not in reporting.render_markdown(empty, _TABLE)
+
+
+def test_data_seed_is_the_flag_or_the_cells_seed():
+  ns = types.SimpleNamespace
+  assert reporting.data_seed(ns(), 4) == 4
+  assert reporting.data_seed(ns(data_seed=None), 4) == 4
+  assert reporting.data_seed(ns(data_seed=0), 4) == 0
+  for bad in (-1, True, '1'):
+    with pytest.raises(reporting.ConfigError, match='--data_seed'):
+      reporting.data_seed(ns(data_seed=bad), 4)
+  # A table's runs never mix data seeds without --allow_config_change.
+  assert 'data_seed' in reporting.run_config(
+      'fake', types.SimpleNamespace(), ns(data_seed=0))
+
+
 def test_huge_means_print_in_scientific_notation(tmp_path):
   results = reporting.ResultsFile(str(tmp_path / 'results.jsonl'))
   results.append(_cell(seed=0), {'accuracy': 6.2e103})  # a diverged model

@@ -56,7 +56,8 @@ MISSING = '—'
 RECORD_KEYS = ('paper', 'method', 'setting', 'seed', 'metrics')
 CONFIG_KEY = 'config'
 CELL_CONFIG_FILENAME = 'config.json'  # In a cell's out_dir, when it starts.
-COMMON_CONFIG_FLAGS = ('data_dir', 'rounds', 'clients_per_round', 'num_users')
+COMMON_CONFIG_FLAGS = ('data_dir', 'rounds', 'clients_per_round', 'num_users',
+                       'data_seed')
 
 _NAME_RE = re.compile(r'^[A-Za-z0-9_.-]+$')
 
@@ -371,6 +372,31 @@ def _cell_summaries(records, table: Table):
   return out
 
 
+def _seed_note(records, table: Table) -> str:
+  """' What the seeds vary: ...' for the table's records ('' if none)."""
+  values = set()
+  for r in records:
+    if (r.get('paper') == table.paper and r['method'] in table.methods
+        and table.column_for(r['setting']) is not None):
+      config = r.get(CONFIG_KEY)
+      values.add(config.get('data_seed') if isinstance(config, Mapping)
+                 else None)
+  if not values:
+    return ''
+  if values == {None}:
+    return (' What the seeds vary: the data (users and samples drawn by the '
+            'seed) and training.')
+  if len(values) == 1:
+    (k,) = values
+    return (' What the seeds vary: training only (initialization, cohorts, '
+            f'DP noise); every seed has the data of seed {k} '
+            f'(`--data_seed={k}`).')
+  labels = sorted('their own seed' if v is None else f'seed {v}'
+                  for v in values)
+  return (' What the seeds vary: mixed; the records draw their data with '
+          + ', '.join(labels) + ' (`--data_seed`).')
+
+
 # Means at or above this magnitude (e.g. the perplexity of a diverged model)
 # print in scientific notation, not as a hundred digits.
 _SCIENTIFIC_FROM = 1e6
@@ -414,7 +440,7 @@ def render_markdown(results: Results, table: Table) -> str:
             '(n) seeds; the std is 0 when n=1. ' +
             ('paper: as reported. ' if with_paper else '') +
             f'{MISSING}: not run yet' + (' / not reported.' if with_paper
-                                         else '.')]
+                                         else '.') + _seed_note(records, table)]
   if table.notes:
     lines += ['', table.notes]
   return '\n'.join(lines) + '\n'
@@ -515,6 +541,35 @@ def _flag_names(flag_values: Any) -> list[str]:
     return list(flag_values)  # absl FlagValues iterates over its names.
   except TypeError:
     return list(vars(flag_values))
+
+
+def data_seed(flag_values: Any, seed: int) -> int:
+  """The seed that draws a cell's data: `--data_seed` if set, else `seed`.
+
+  A cell's seed varies both its data (which users, which samples, which
+  splits) and its training (initialization, cohorts, DP noise). With
+  `--data_seed` set, every seed of a table trains on the same data and only
+  training varies; the tables say which (`render_markdown`). Papers call
+  this wherever they build data and pass the cell's own seed to training.
+
+  Args:
+    flag_values: The binary's flags (or a namespace); `data_seed` may be
+      absent or None.
+    seed: The cell's seed.
+
+  Returns:
+    The data seed.
+
+  Example:
+    task = build_task(..., seed=reporting.data_seed(flags, cell.seed))
+  """
+  value = getattr(flag_values, 'data_seed', None)
+  if value is None:
+    return seed
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ConfigError(f'--data_seed must be a non-negative integer, got '
+                      f'{value!r}')
+  return value
 
 
 def _config_value(value: Any) -> Any:
