@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import glob
 import json
 import os
 import time
@@ -1031,8 +1032,8 @@ def make_figures(root: str, f, latent: bool = True,
   fig_dir = os.path.join(root, 'figures')
   os.makedirs(fig_dir, exist_ok=True)
   written = []
-  # Accuracy curves (seed 0): every method, FedDVA with either decoder if
-  # run; one panel per task that has curves.
+  # Accuracy curves: every method, FedDVA with either decoder if run; one
+  # panel per task that has curves; the mean over seeds, band ± 1 std.
   lines_to_draw = [(m, {}, m) for m in METHODS]
   for variant in ({'decoder': 'shared'}, _variant_setting(f)):
     if variant and ('feddva', variant) not in [l[:2] for l in lines_to_draw]:
@@ -1043,21 +1044,24 @@ def make_figures(root: str, f, latent: bool = True,
     for m, extra, label in lines_to_draw:
       setting = {**task_setting(t, _marks(f)), 'rounds': _class_rounds(f),
                  **extra}
-      path = _curve_path(root, m, setting, 0)
-      if os.path.exists(path):
+      curves = []
+      for path in sorted(glob.glob(os.path.join(os.path.dirname(
+          os.path.dirname(_curve_path(root, m, setting, 0))), 'seed_*',
+                                                'curve.json'))):
         with open(path) as fh:
-          loaded.setdefault(t, []).append((label, json.load(fh)))
+          curves.append(json.load(fh))
+      if curves:
+        loaded.setdefault(t, []).append((label, curves))
   if loaded:
     tasks = [t for t in TASK_NAMES if t in loaded]
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4),
                              squeeze=False)
     for ax, t in zip(axes[0], tasks):
-      for label, c in loaded[t]:
-        mean, std = np.array(c['mean']), np.array(c['std'])
-        line, = ax.plot(c['round'], mean, label=label)
-        ax.fill_between(c['round'], mean - std, mean + std, alpha=0.15,
-                        color=line.get_color())
-      ax.set_title(f'{t} (mean ± std across clients)')
+      seeds = sorted({len(curves) for _, curves in loaded[t]})
+      for label, curves in loaded[t]:
+        reporting.plot_seed_band(ax, curves, 'round', 'mean', label=label)
+      ax.set_title(f'{t}: mean over clients; mean ± 1 std over '
+                   f'{", ".join(map(str, seeds))} seed(s)', fontsize=9)
       ax.set_xlabel('round')
       ax.set_ylabel('test accuracy')
       ax.grid(alpha=0.3)

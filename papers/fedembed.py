@@ -985,24 +985,6 @@ def _seed_curves(root, method, pattern) -> list[dict]:
   return curves
 
 
-def seed_band(curves: list[dict]) -> tuple[list[int], np.ndarray, np.ndarray]:
-  """(rounds, mean F1, std F1) over seeds at the rounds every seed has.
-
-  Args:
-    curves: `curve.json` dicts (`round`, `f1`), one per seed.
-
-  Returns:
-    The rounds all curves share, and the mean and the sample standard
-    deviation (ddof=1; 0 for one seed) of F1 there.
-  """
-  rounds = sorted(set.intersection(*(set(c['round']) for c in curves)))
-  values = np.array([[dict(zip(c['round'], c['f1']))[r] for r in rounds]
-                     for c in curves], dtype=float)
-  std = (values.std(axis=0, ddof=1) if len(curves) > 1
-         else np.zeros(len(rounds)))
-  return rounds, values.mean(axis=0), std
-
-
 def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
   """F1 vs round, balanced and imbalanced, with and without DP: per method
   the mean over its seeds, with a band of one standard deviation.
@@ -1022,18 +1004,13 @@ def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
                               f'dp={dp}_population={pop}{task_key}-*')
         if not curves:
           continue
-        rounds, mean, std = seed_band(curves)
-        if not rounds:
-          continue
-        plotted_methods.add(method)
-        plotted_dp.add(dp)
-        seeds.add(len(curves))
         # One colour per method (tab10 has 10), the line style for DP.
-        color = f'C{METHODS.index(method)}'
-        ax.plot(rounds, mean, style, marker='.', markersize=3, color=color)
-        if len(curves) > 1:
-          ax.fill_between(rounds, mean - std, mean + std, color=color,
-                          alpha=0.15, linewidth=0)
+        if reporting.plot_seed_band(ax, curves, 'round', 'f1',
+                                    color=f'C{METHODS.index(method)}',
+                                    linestyle=style):
+          plotted_methods.add(method)
+          plotted_dp.add(dp)
+          seeds.add(len(curves))
     ax.set_title(f'{label}, {pop}')
     ax.set_xlabel('round')
     ax.set_ylabel('mean F1 (eval users)')

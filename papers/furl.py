@@ -105,6 +105,9 @@ def define_flags():
       getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
   define('integer', 'furl_fl_epochs', 5, 'FURL: FL epochs.')
   define('integer', 'furl_server_epochs', 5, 'FURL: server-training epochs.')
+  define('integer', 'furl_evals_per_epoch', 2,
+         'FURL: evaluations per epoch for the learning curves (FL and '
+         'server; they do not change training).')
   define('float', 'furl_client_learning_rate', 3e-3, 'FURL: local Adam lr.')
   define('float', 'furl_private_learning_rate', 0.05,
          'FURL: local Adam lr of the private user embedding.')
@@ -181,13 +184,13 @@ def _run_server(task, cell, f, out_dir, dim) -> dict:
       model, _pooled(task, warm, 'train', 32, shuffle_seed=cell.seed),
       _pooled(task, warm, 'eval', 256), epochs=f.furl_server_epochs,
       learning_rate=f.furl_server_learning_rate, optimizer='adam',
-      seed=cell.seed)
+      seed=cell.seed, evals_per_epoch=_evals_per_epoch(f))
   test = model.evaluate(
       _pooled(task, warm, 'test', 256).map(
           lambda d: ({'x': d['x'], 'user': d['user']}, d['y'])),
       verbose=0, return_dict=True)
-  curve = {'epoch': list(range(1, len(result.eval_accuracy_per_epoch) + 1)),
-           'eval_accuracy': result.eval_accuracy_per_epoch}
+  curve = {'epoch': [e for e, _ in result.curve],
+           'eval_accuracy': [a for _, a in result.curve]}
   _write_json(os.path.join(out_dir, 'curve.json'), curve)
   if dim:
     table = model.get_layer('user_embedding_table').get_weights()[0]
@@ -215,7 +218,8 @@ def _run_fl(task, cell, f, out_dir, dim) -> dict:
       private_learning_rate=f.furl_private_learning_rate,
       server_optimizer='sgd', server_learning_rate=1.0,
       embedding_dim=dim if cell.method == 'personalized_fl' else None,
-      seed=cell.seed, eval_every=rounds_per_epoch,
+      seed=cell.seed,
+      eval_every=max(1, rounds_per_epoch // _evals_per_epoch(f)),
       checkpoint_every=rounds_per_epoch, resume=True, dp=dp,
       test_fine_tune=cell.method == 'personalized_fl')
   with runtime.local_runtime(
@@ -244,6 +248,13 @@ def _run_fl(task, cell, f, out_dir, dim) -> dict:
     metrics['delta'] = summary['privacy']['delta']
     metrics['noise_multiplier'] = summary['privacy']['noise_multiplier']
   return metrics
+
+
+def _evals_per_epoch(f) -> int:
+  k = getattr(f, 'furl_evals_per_epoch', 1) or 1
+  if k < 1:
+    raise ValueError(f'--furl_evals_per_epoch must be >= 1, got {k}')
+  return k
 
 
 def _fl_curve(csv_path: str, rounds_per_epoch: int) -> dict:
@@ -286,15 +297,23 @@ def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
   out = os.path.join(root_output_dir, 'tables', PAPER)
   os.makedirs(out, exist_ok=True)
   fig, ax = plt.subplots(figsize=(6, 4))
+  seeds = set()
   for method in _METHODS:
-    for path in sorted(glob.glob(os.path.join(runs, method, f'*dp=none*embedding_dim={_DIM}*',
-                                              'seed_0', 'curve.json'))):
-      with open(path) as f:
-        c = json.load(f)
-      ax.plot(c['epoch'], c['eval_accuracy'], marker='o', label=method)
+    for setting_dir in sorted(glob.glob(os.path.join(
+        runs, method, f'*dp=none*embedding_dim={_DIM}*'))):
+      curves = []
+      for path in sorted(glob.glob(os.path.join(setting_dir, 'seed_*',
+                                                'curve.json'))):
+        with open(path) as f:
+          curves.append(json.load(f))
+      if reporting.plot_seed_band(ax, curves, 'epoch', 'eval_accuracy',
+                                  label=method):
+        seeds.add(len(curves))
   ax.set_xlabel('epoch')
   ax.set_ylabel('eval accuracy')
-  ax.set_title('speaker_context: FL vs server (FURL Fig. 5)')
+  ax.set_title('speaker_context: FL vs server (FURL Fig. 5)\n'
+               f'mean ± 1 std over {", ".join(map(str, sorted(seeds)))} '
+               'seed(s)', fontsize=9)
   ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(out, 'furl_learning_curves.png'), dpi=120)

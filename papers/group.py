@@ -875,18 +875,17 @@ def make_plateau_figure(root_output_dir: str, seed_dir: str) -> None:
       continue  # Another plateau rule.
     with open(path) as f:
       plateau = json.load(f)
-    curves.append({int(r): v for r, v in plateau['curve'].items()})
+    points = sorted((int(r), v) for r, v in plateau['curve'].items())
+    curves.append({'round': [r for r, _ in points],
+                   'perplexity': [v for _, v in points]})
     rounds.append(plateau['rounds'])
   if not curves:
     return
-  common = sorted(set.intersection(*(set(c) for c in curves)))
-  values = np.array([[c[r] for r in common] for c in curves])
-  mean, std = values.mean(0), values.std(0, ddof=1) if len(curves) > 1 else 0
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot(common, mean, color='tab:blue',
-          label=f'FL, mean of {len(curves)} seed(s)')
-  ax.fill_between(common, mean - std, mean + std, color='tab:blue',
-                  alpha=0.25, label='± 1 std')
+  reporting.plot_seed_band(ax, curves, 'round', 'perplexity',
+                           color='tab:blue', alpha=0.25,
+                           label=f'FL, mean ± 1 std of {len(curves)} seed(s)')
+  mean = reporting.seed_band(curves, 'round', 'perplexity')[1]
   for i, t in enumerate(rounds):
     ax.axvline(t, color='tab:red', linewidth=0.8, alpha=0.7,
                label='plateau round T per seed' if i == 0 else None)

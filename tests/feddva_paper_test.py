@@ -365,7 +365,7 @@ def test_pretrain_key_changes_with_everything_training_depends_on():
                  feddva_beta=0.5, feddva_vae_rounds=3,
                  feddva_decoder='shared', feddva_schedule='paper',
                  feddva_marks='varied', feddva_mixture_kl='sampled',
-                 feddva_constraint_weight=10.0)
+                 feddva_constraint_weight=10.0, data_seed=3)
   for name, value in changed.items():
     other = _run_flags('/unused', '/unused', **{name: value})
     assert paper.pretrain_key('marked_mnist', 4, other, 8, 0) != base, name
@@ -381,6 +381,28 @@ def test_pretrain_key_changes_with_everything_training_depends_on():
                       ('feddva_dirichlet_alpha', 0.3)):
     other = _run_flags('/unused', '/unused', **{name: value})
     assert paper.pretrain_key('label_skew_mnist', 4, other, 8, 0) != skew
+
+
+def test_accuracy_curves_band_every_seed_of_a_method(tmp_path, monkeypatch):
+  f = _run_flags(tmp_path, '/unused', seeds=1)  # seeds beyond it are drawn
+  setting = {**paper.task_setting('marked_mnist', 'fixed'),
+             'rounds': paper.DEFAULT_CLASS_ROUNDS}
+  for seed, accuracy in ((0, 0.5), (1, 0.7)):
+    path = paper._curve_path(str(tmp_path), 'fedavg', setting, seed)
+    os.makedirs(os.path.dirname(path))
+    with open(path, 'w') as fh:
+      json.dump({'round': [1, 2], 'mean': [accuracy, accuracy + 0.1],
+                 'std': [0.0, 0.0]}, fh)
+  drawn = []
+  real = reporting.plot_seed_band
+  monkeypatch.setattr(reporting, 'plot_seed_band', lambda ax, curves, *a,
+                      **k: drawn.append((k['label'], curves)) or real(
+                          ax, curves, *a, **k))
+  written = paper.make_figures(str(tmp_path), f, latent=False)
+  assert [os.path.basename(p) for p in written] == [
+      'feddva_accuracy_curves.png']
+  ((label, curves),) = drawn
+  assert label == 'fedavg' and [c['mean'][0] for c in curves] == [0.5, 0.7]
 
 
 def test_define_flags_defines_every_flag_the_cells_read():

@@ -476,13 +476,3 @@ def test_data_seed_fixes_data_and_evaluated_users_not_training(
       expected)
   assert [r[0] for r in ran] == [0, 1, 2, 0, 1, 2]  # training seeds vary
 
-
-def test_seed_band_is_mean_and_std_at_the_shared_rounds():
-  curves = [{'round': [10, 20, 30], 'f1': [0.1, 0.5, 0.9]},
-            {'round': [10, 20], 'f1': [0.3, 0.7]}]  # a seed still running
-  rounds, mean, std = fedembed.seed_band(curves)
-  assert rounds == [10, 20]
-  np.testing.assert_allclose(mean, [0.2, 0.6])
-  np.testing.assert_allclose(std, [np.sqrt(0.02)] * 2)
-  rounds, mean, std = fedembed.seed_band(curves[:1])
-  assert rounds == [10, 20, 30] and not std.any()

@@ -56,7 +56,7 @@ def test_personalized_fl_cell_end_to_end(tmp_path):
       furl_server_epochs=1, furl_client_learning_rate=3e-3,
       furl_private_learning_rate=0.05,
       furl_server_learning_rate=3e-3, furl_target_epsilon=10.0,
-      furl_clip_norm=0.5)
+      furl_clip_norm=0.5, furl_evals_per_epoch=3)
   cell = reporting.Cell('furl', 'personalized_fl',
                         {'dp': 'none', 'embedding_dim': 32}, 0)
   out_dir = cell.out_dir(str(tmp_path))
@@ -76,7 +76,8 @@ def test_personalized_fl_cell_end_to_end(tmp_path):
   with np.load(os.path.join(out_dir, 'embeddings.npz')) as z:
     assert z['embeddings'].shape == (task.population, 32)
   with open(os.path.join(out_dir, 'curve.json')) as f:
-    assert json.load(f)['epoch'] == [1.0]
+    # Evaluated after every round: 3 points in the one epoch.
+    assert json.load(f)['epoch'] == pytest.approx([1 / 3, 2 / 3, 1.0])
   purity_path = tmp_path / 'tables' / 'furl' / 'furl_purity.json'
   purity = json.loads(purity_path.read_text())['personalized_fl']
   assert purity['users'] == task.population

@@ -151,6 +151,20 @@ def test_validation_clients_are_disjoint_from_evaluated_and_sweep(
     group._validation_clients(task, dict(cfg, eval_clients_per_group=0), 0)
 
 
+def test_data_seed_fixes_the_samples_and_leaves_old_digests(registered):
+  cfg = group._config(_flags())
+  assert 'data_seed' not in cfg  # unset: the recorded caches' digests hold
+  fixed = group._config(_flags(data_seed=0))
+  assert fixed['data_seed'] == 0
+  task = group._task(fixed, 0)
+  samples = [group._sample_clients(task, fixed, seed) for seed in (0, 1)]
+  assert samples[0] == samples[1]
+  assert (group._validation_clients(task, fixed, 1)
+          == group._validation_clients(task, cfg, 0))
+  # Without it, another seed samples other clients.
+  assert group._sample_clients(group._task(cfg, 1), cfg, 1) != samples[0]
+
+
 def test_plateau_round():
   curve = {10: 200.0, 20: 150.0, 30: 149.0, 40: 149.5, 50: 140.0}
   # 149 is within 1% of 150 over (20, 40]; at 30 the window (30, 50] holds

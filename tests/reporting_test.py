@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 from binaries import reproduce
@@ -193,6 +194,20 @@ def test_data_seed_is_the_flag_or_the_cells_seed():
   # A table's runs never mix data seeds without --allow_config_change.
   assert 'data_seed' in reporting.run_config(
       'fake', types.SimpleNamespace(), ns(data_seed=0))
+
+
+def test_seed_band_is_mean_and_std_at_the_shared_rounds():
+  curves = [{'round': [10, 20, 30], 'f1': [0.1, 0.5, 0.9]},
+            {'round': [20, 10], 'f1': [0.7, 0.3]}]  # a seed still running
+  rounds, mean, std = reporting.seed_band(curves)
+  assert rounds == [10, 20]
+  np.testing.assert_allclose(mean, [0.2, 0.6])
+  np.testing.assert_allclose(std, [np.sqrt(0.02)] * 2)
+  rounds, mean, std = reporting.seed_band(curves[:1])
+  assert rounds == [10, 20, 30] and std == [0.0] * 3
+  assert reporting.seed_band([]) == ([], [], [])
+  assert reporting.seed_band(
+      [{'epoch': [1, 2], 'acc': [0.5, 0.6]}], 'epoch', 'acc')[0] == [1, 2]
 
 
 def test_huge_means_print_in_scientific_notation(tmp_path):

@@ -361,6 +361,56 @@ def summarize(values: Sequence[float]) -> Optional[Summary]:
   return Summary(n, mean, std)
 
 
+def seed_band(curves: Sequence[Mapping[str, Sequence[float]]],
+              x: str = 'round', y: str = 'f1'
+              ) -> tuple[list[float], list[float], list[float]]:
+  """A learning curve over seeds: `(xs, means, stds)` at the x values that
+  every seed's curve has (a seed still running stops the band there).
+
+  Args:
+    curves: one dict per seed, with equal-length lists under `x` and `y`
+      (e.g. a cell's `curve.json`).
+    x: the key of the x values (round, epoch).
+    y: the key of the metric.
+
+  Returns:
+    The shared x values, sorted, and `summarize`'s mean and sample std
+    (ddof=1; 0 for one seed) of `y` at each.
+
+  Example:
+    xs, mean, std = reporting.seed_band(curves, 'epoch', 'eval_accuracy')
+    ax.fill_between(xs, np.subtract(mean, std), np.add(mean, std))
+  """
+  if not curves:
+    return [], [], []
+  by_x = [dict(zip(c[x], c[y])) for c in curves]
+  xs = sorted(set.intersection(*(set(d) for d in by_x)))
+  summaries = [summarize([d[v] for d in by_x]) for v in xs]
+  return xs, [s.mean for s in summaries], [s.std for s in summaries]
+
+
+def plot_seed_band(ax, curves: Sequence[Mapping[str, Sequence[float]]],
+                   x: str = 'round', y: str = 'f1', *, color=None,
+                   linestyle: str = '-', label: Optional[str] = None,
+                   alpha: float = 0.15) -> int:
+  """Draws `seed_band(curves, x, y)` on a matplotlib `ax`: the mean, and a
+  band of one standard deviation when there are two seeds or more.
+
+  Returns:
+    The number of points drawn (0 when the curves share none).
+  """
+  xs, mean, std = seed_band(curves, x, y)
+  if not xs:
+    return 0
+  line, = ax.plot(xs, mean, linestyle=linestyle, marker='.', markersize=3,
+                  color=color, label=label)
+  if len(curves) > 1:
+    ax.fill_between(xs, [m - s for m, s in zip(mean, std)],
+                    [m + s for m, s in zip(mean, std)],
+                    color=line.get_color(), alpha=alpha, linewidth=0)
+  return len(xs)
+
+
 def _cell_summaries(records, table: Table):
   out = {}
   for method in table.methods:

@@ -18,9 +18,47 @@ import tensorflow as tf
 
 @dataclasses.dataclass
 class CentralizedResult:
+  """A trained model, its eval accuracy after each epoch, seconds per
+  epoch, and the learning curve: `(epoch, eval accuracy)` at every
+  evaluation, fractional epochs included (`evals_per_epoch`)."""
   model: tf.keras.Model
   eval_accuracy_per_epoch: list[float]
   seconds_per_epoch: float
+  curve: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+
+def _accuracy(model: tf.keras.Model, evaluation: tf.data.Dataset) -> float:
+  """Accuracy of `model`'s logits on `(inputs, y)` batches, without
+  Keras' compiled metrics (which `fit` is still updating)."""
+  correct = total = 0
+  for x, y in evaluation:
+    predicted = tf.argmax(model(x, training=False), axis=-1,
+                          output_type=tf.int32)
+    correct += int(tf.reduce_sum(tf.cast(
+        predicted == tf.cast(y, tf.int32), tf.int32)))
+    total += int(tf.size(y))
+  return correct / total if total else float('nan')
+
+
+class _EvalWithinEpoch(tf.keras.callbacks.Callback):
+  """Evaluates at `evals_per_epoch - 1` evenly spaced batches of an epoch
+  (the epoch's end is evaluated by `train_centralized` itself)."""
+
+  def __init__(self, evaluation, batches_per_epoch: int, evals_per_epoch: int,
+               epoch: int, curve: list):
+    super().__init__()
+    self._evaluation = evaluation
+    self._epoch = epoch
+    self._curve = curve
+    self._at = {round(batches_per_epoch * i / evals_per_epoch): i
+                for i in range(1, evals_per_epoch)}
+    self._batches = batches_per_epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    done = batch + 1
+    if done in self._at and done < self._batches:
+      self._curve.append((self._epoch - 1 + done / self._batches,
+                          _accuracy(self.model, self._evaluation)))
 
 
 def train_centralized(model: tf.keras.Model,
@@ -31,7 +69,8 @@ def train_centralized(model: tf.keras.Model,
                       learning_rate: float,
                       optimizer: str = 'sgd',
                       seed: int = 0,
-                      log_fn: Callable[[str], None] = print
+                      log_fn: Callable[[str], None] = print,
+                      evals_per_epoch: int = 1
                       ) -> CentralizedResult:
   """Trains with Keras; evaluates accuracy on `eval_data` after every epoch.
 
@@ -45,12 +84,23 @@ def train_centralized(model: tf.keras.Model,
     optimizer: 'sgd' (FURL's choice) or 'adam'.
     seed: Keras global seed (initialisation, dropout).
     log_fn: receives one line per epoch.
+    evals_per_epoch: evaluations per epoch for the learning curve (the last
+      at the epoch's end); the others, at evenly spaced batches, do not
+      change training. Needs `train_data` of known cardinality when > 1.
 
   Returns:
-    The trained model, the eval accuracy after each epoch, seconds per epoch.
+    The trained model, the eval accuracy after each epoch, seconds per
+    epoch (evaluations within an epoch included) and the curve.
+
+  Example:
+    result = train_centralized(model, train, evaluation, epochs=5,
+                               learning_rate=3e-3, evals_per_epoch=2)
+    epochs, accuracy = zip(*result.curve)  # 10 points
   """
   if epochs < 1:
     raise ValueError(f'epochs must be >= 1, got {epochs}')
+  if evals_per_epoch < 1:
+    raise ValueError(f'evals_per_epoch must be >= 1, got {evals_per_epoch}')
   tf.keras.utils.set_random_seed(seed)
   opt = {'sgd': tf.keras.optimizers.SGD, 'adam': tf.keras.optimizers.Adam}
   if optimizer not in opt:
@@ -63,18 +113,27 @@ def train_centralized(model: tf.keras.Model,
       {k: v for k, v in d.items() if k != 'y'}, d['y'])
   train = train_data.map(split)
   evaluation = eval_data.map(split) if eval_data is not None else None
-  curve, times = [], []
+  batches = int(train.cardinality())
+  if evals_per_epoch > 1 and evaluation is not None and batches < 1:
+    raise ValueError('evals_per_epoch > 1 needs train_data of known, '
+                     f'finite cardinality, got {batches}')
+  curve, times, points = [], [], []
   for epoch in range(1, epochs + 1):
     t0 = time.perf_counter()
-    history = model.fit(train, epochs=1, verbose=0)
+    callbacks = ([_EvalWithinEpoch(evaluation, batches, evals_per_epoch,
+                                   epoch, points)]
+                 if evals_per_epoch > 1 and evaluation is not None else [])
+    history = model.fit(train, epochs=1, verbose=0, callbacks=callbacks)
     times.append(time.perf_counter() - t0)
     acc = float('nan')
     if evaluation is not None:
       acc = float(model.evaluate(evaluation, verbose=0, return_dict=True)[
           'accuracy'])
+      points.append((float(epoch), acc))
     curve.append(acc)
     log_fn(f'epoch {epoch}/{epochs} | train loss '
            f'{history.history["loss"][-1]:.4f} | eval accuracy {acc:.4f} | '
            f'{times[-1]:.1f} s')
   return CentralizedResult(model=model, eval_accuracy_per_epoch=curve,
-                           seconds_per_epoch=float(np.mean(times)))
+                           seconds_per_epoch=float(np.mean(times)),
+                           curve=points)
