@@ -243,3 +243,35 @@ def test_set_model_weights_round_trips():
 def test_bad_aggregator_is_rejected():
   with pytest.raises(TypeError, match='aggregator_factory'):
     build(0, aggregator_factory=object())
+
+
+def test_computations_are_built_on_first_use_and_sharding_skips_them():
+  """A sharded run rewires the composition: the one-user process's
+  aggregator and `next` are never built. Its types are known before."""
+  from tff_personal.core import sharded  # pylint: disable=g-import-not-at-top
+  spy = SpyFactory()
+  proc = build(28, aggregator_factory=spy)
+  assert not spy.value_types  # nothing built yet
+  weights_type, data_type = proc.model_weights_type, proc.client_data_type
+  train = sharded.ShardedProcess(proc, 2)
+  train.initialize()
+  assert len(spy.value_types) == 1  # the sharded form's aggregator only
+  # Built on first use, with the types given before.
+  param = proc.next.type_signature.parameter
+  assert len(spy.value_types) == 2
+  assert param[0].member.global_model_weights == weights_type
+  assert param[2].member == data_type
+  assert proc.state_type == param[0]
+
+
+def test_a_process_needs_its_computations_or_a_builder():
+  proc = build(0)
+  with pytest.raises(ValueError, match='either initialize_fn and next_fn'):
+    process.StatefulClientProcess(
+        None, None, client_state_type=proc.client_state_type,
+        aggregation_value_type=proc.aggregation_value_type)
+  with pytest.raises(ValueError, match='needs its composition'):
+    process.StatefulClientProcess(
+        None, None, build_fn=lambda: None,
+        client_state_type=proc.client_state_type,
+        aggregation_value_type=proc.aggregation_value_type)

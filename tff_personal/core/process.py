@@ -96,9 +96,15 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
   Beyond `initialize` and `next` it exposes the types a driver needs and the
   model-weights accessors that let stages compose (the output of one process
   is the initial state of the next).
+
+  A process may be built lazily: with `build_fn` (and no `initialize_fn` /
+  `next_fn`), its TFF computations are built on first use of `initialize`,
+  `next` or `state_type`. A sharded run (`core/sharded.py`) rewires the
+  process's `composition` and never uses them, so it skips their tracing.
   """
 
-  def __init__(self, initialize_fn: tff.Computation, next_fn: tff.Computation,
+  def __init__(self, initialize_fn: tff.Computation | None,
+               next_fn: tff.Computation | None,
                *, client_state_type: tff.Type,
                aggregation_value_type: tff.Type,
                model_fn: split_model_lib.SplitModelFn | None = None,
@@ -109,8 +115,18 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
                eval_client_state_type: tff.Type | None = None,
                eval_fine_tune: bool = False,
                eval_fine_tune_optimizer: (
-                   tff.learning.optimizers.Optimizer | None) = None):
-    super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
+                   tff.learning.optimizers.Optimizer | None) = None,
+               build_fn: Callable[[], tuple[tff.Computation,
+                                            tff.Computation]] | None = None):
+    if (build_fn is None) == (initialize_fn is None or next_fn is None):
+      raise ValueError('give either initialize_fn and next_fn, or build_fn '
+                       '(and a composition) to build them on first use')
+    if build_fn is not None and composition is None:
+      raise ValueError('a lazily built process (build_fn) needs its '
+                       'composition, which gives its types before building')
+    self._build_fn = build_fn
+    if build_fn is None:
+      super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
     self._client_state_type = client_state_type
     self._aggregation_value_type = aggregation_value_type
     self._model_fn = model_fn
@@ -121,6 +137,27 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     self._eval_client_state_type = eval_client_state_type
     self._eval_fine_tune = eval_fine_tune
     self._eval_fine_tune_optimizer = eval_fine_tune_optimizer
+
+  def _built(self) -> None:
+    if self._build_fn is not None:
+      build_fn, self._build_fn = self._build_fn, None
+      initialize_fn, next_fn = build_fn()
+      super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
+
+  @property
+  def initialize(self) -> tff.Computation:
+    self._built()
+    return super().initialize
+
+  @property
+  def next(self) -> tff.Computation:
+    self._built()
+    return super().next
+
+  @property
+  def state_type(self) -> tff.Type:
+    self._built()
+    return super().state_type
 
   @property
   def initial_private(self) -> tuple | None:
@@ -186,6 +223,8 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
   @property
   def model_weights_type(self) -> tff.Type:
     """The unplaced type of the shared `ModelWeights`."""
+    if self._composition is not None:  # Known without building `next`.
+      return model_weights_type(self._composition.initial_model_weights)
     return self.next.type_signature.parameter[0].member.global_model_weights
 
   @property
@@ -200,6 +239,8 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
 
   @property
   def client_data_type(self) -> tff.Type:
+    if self._composition is not None:
+      return self._composition.client_data_type
     return self.next.type_signature.parameter[2].member
 
   def get_model_weights(self, state) -> ModelWeights:
@@ -267,6 +308,21 @@ class ProcessParts:
     return self.initialize_fn.type_signature.result
 
 
+def check_parts(client_state_type: tff.Type, client_work: tff.Computation,
+                aggregator_factory) -> None:
+  """`build_parts`' checks, without building anything: the client work
+  takes `client_state_type`, and the factory is a `tff.aggregators` one."""
+  param = client_work.type_signature.parameter
+  if not param[1].is_assignable_from(client_state_type):
+    raise TypeError(
+        f'client_work takes client state {param[1]}, not {client_state_type}')
+  if not isinstance(aggregator_factory,
+                    (tff.aggregators.WeightedAggregationFactory,
+                     tff.aggregators.UnweightedAggregationFactory)):
+    raise TypeError('aggregator_factory must be a tff.aggregators weighted or '
+                    f'unweighted factory, got {type(aggregator_factory)}')
+
+
 def build_parts(*, initial_model_weights: ModelWeights,
                 client_state_type: tff.Type, client_work: tff.Computation,
                 aggregator_factory,
@@ -282,9 +338,7 @@ def build_parts(*, initial_model_weights: ModelWeights,
   weights_type = model_weights_type(weights_value)
   param = client_work.type_signature.parameter
   result_type = client_work.type_signature.result
-  if not param[1].is_assignable_from(client_state_type):
-    raise TypeError(
-        f'client_work takes client state {param[1]}, not {client_state_type}')
+  check_parts(client_state_type, client_work, aggregator_factory)
   if isinstance(aggregator_factory, tff.aggregators.WeightedAggregationFactory):
     aggregation = aggregator_factory.create(
         result_type.update, result_type.update_weight)
@@ -400,36 +454,45 @@ def compose_stateful_client_process(
       `StatefulClientProcess` properties).
 
   Returns:
-    A `StatefulClientProcess`.
+    A `StatefulClientProcess`, whose `initialize` and `next` are built
+    (traced) on first use: a sharded run uses only its `composition`.
   """
-  parts = build_parts(
-      initial_model_weights=initial_model_weights,
-      client_state_type=client_state_type, client_work=client_work,
-      aggregator_factory=aggregator_factory,
-      server_optimizer=server_optimizer)
+  check_parts(client_state_type, client_work, aggregator_factory)
 
-  @tff.federated_computation(
-      parts.state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
-      tff.FederatedType(parts.data_type, tff.CLIENTS))
-  def next_fn(state, client_states, client_data):
-    distributed, outputs, aggregated = run_clients_and_aggregate(
-        parts, state, client_states, client_data)
-    finalized = parts.finalizer.next(
-        state.finalizer, state.global_model_weights, aggregated.result)
-    new_state, measurements = next_state_and_measurements(
-        parts, state, distributed, aggregated, finalized, finalized.result,
-        outputs, train_metrics)
-    return new_state, outputs.client_state, measurements
+  def build():
+    parts = build_parts(
+        initial_model_weights=initial_model_weights,
+        client_state_type=client_state_type, client_work=client_work,
+        aggregator_factory=aggregator_factory,
+        server_optimizer=server_optimizer)
 
+    @tff.federated_computation(
+        parts.state_type, tff.FederatedType(client_state_type, tff.CLIENTS),
+        tff.FederatedType(parts.data_type, tff.CLIENTS))
+    def next_fn(state, client_states, client_data):
+      distributed, outputs, aggregated = run_clients_and_aggregate(
+          parts, state, client_states, client_data)
+      finalized = parts.finalizer.next(
+          state.finalizer, state.global_model_weights, aggregated.result)
+      new_state, measurements = next_state_and_measurements(
+          parts, state, distributed, aggregated, finalized, finalized.result,
+          outputs, train_metrics)
+      return new_state, outputs.client_state, measurements
+
+    return parts.initialize_fn, next_fn
+
+  result_type = client_work.type_signature.result
   composition = Composition(
-      initial_model_weights=parts.weights_value,
-      client_state_type=client_state_type, client_data_type=parts.data_type,
-      client_work_result_type=parts.result_type,
+      initial_model_weights=tf.nest.map_structure(np.asarray,
+                                                  initial_model_weights),
+      client_state_type=client_state_type,
+      client_data_type=client_work.type_signature.parameter[2],
+      client_work_result_type=result_type,
       aggregator_factory=aggregator_factory, server_optimizer=server_optimizer,
       train_metrics=train_metrics, client_step=client_step)
   return StatefulClientProcess(
-      parts.initialize_fn, next_fn, client_state_type=client_state_type,
-      aggregation_value_type=parts.result_type.update,
+      None, None, build_fn=build, client_state_type=client_state_type,
+      aggregation_value_type=result_type.update,
       model_fn=model_fn, composition=composition,
       eval_private_fn=eval_private_fn, **eval_options)
 
