@@ -912,8 +912,20 @@ def render_epsilons(records) -> str:
   return '\n'.join(lines) + '\n'
 
 
+# Tables in this paper's own layout, by name: records -> Markdown (written
+# next to the TABLES by `write_extra_tables`; `tools/paper_tables.py`
+# renders them into the report too).
+EXTRA_TABLES = {
+    **{f'{prefix}_by_prevalence':
+       (lambda records, prefix=prefix: render_by_prevalence(records, prefix))
+       for prefix in _BY_PREVALENCE},
+    'epsilon': render_epsilons,
+}
+
+
 def write_extra_tables(root_output_dir: str, extra_records=()) -> None:
-  """Tables 4 and 5 by prevalence and the epsilon table, from the results."""
+  """`EXTRA_TABLES` (tables 4 and 5 by prevalence, the epsilons) from the
+  results."""
   results = reporting.ResultsFile(
       os.path.join(root_output_dir, reporting.RESULTS_FILENAME))
   records = {reporting.Cell.from_record(r).key(): r
@@ -921,11 +933,9 @@ def write_extra_tables(root_output_dir: str, extra_records=()) -> None:
   records = list(records.values())
   out = os.path.join(root_output_dir, reporting.TABLES_DIRNAME, PAPER)
   os.makedirs(out, exist_ok=True)
-  for prefix in _BY_PREVALENCE:
-    with open(os.path.join(out, f'{prefix}_by_prevalence.md'), 'w') as f:
-      f.write(render_by_prevalence(records, prefix))
-  with open(os.path.join(out, 'epsilon.md'), 'w') as f:
-    f.write(render_epsilons(records))
+  for name, render in EXTRA_TABLES.items():
+    with open(os.path.join(out, f'{name}.md'), 'w') as f:
+      f.write(render(records))
 
 
 # ----------------------------------------------------------------- figures

@@ -2,6 +2,8 @@
 
 * The README's algorithm x task matrix and results table equal what
   `tools/readme_tables.py` generates (run it with `--write` to refresh).
+* The paper reports' marked result tables equal what
+  `tools/paper_tables.py` renders from `docs/results/` (`--write`).
 * README.md has at most 300 lines.
 * No line names a commit hash, a machine load average or an internal issue
   number.
@@ -14,6 +16,7 @@
 
 import collections
 import glob
+import json
 import os
 import re
 
@@ -22,6 +25,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tools import paper_tables
 from tools import readme_tables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +66,40 @@ def test_rewrite_replaces_only_the_marked_sections():
   assert new == ('a\n<!-- matrix:begin -->\nM\n<!-- matrix:end -->\nb\n'
                  '<!-- results:begin -->\nR\n<!-- results:end -->\nc\n')
   assert readme_tables.readme_section(new, 'results') == 'R'
+
+
+@pytest.mark.parametrize('path', paper_tables.reports(),
+                         ids=lambda p: os.path.basename(p))
+def test_paper_tables_are_generated_from_committed_results(path):
+  assert not paper_tables.stale_blocks(path), (
+      f'{_rel(path)}: stale result tables; run '
+      '`python tools/paper_tables.py --write`')
+
+
+def test_paper_tables_rewrite_and_add(tmp_path, monkeypatch):
+  monkeypatch.setattr(paper_tables, 'RESULTS_DIR', str(tmp_path))
+  source = tmp_path / 'root.jsonl'
+  record = {'paper': 'group', 'method': 'fl', 'seed': 0,
+            'setting': {'fl': 'plateau', 'group': 'all'},
+            'metrics': {'fl_rounds': 200}}
+  lines = [dict(record, seed=s, metrics={'fl_rounds': r})
+           for s, r in ((0, 200), (1, 300))]
+  lines.append(dict(record, paper='furl'))  # another paper's: not added
+  source.write_text(''.join(json.dumps(l) + '\n'
+                            for l in lines))
+  assert paper_tables.add('group', str(source)) == 2
+  assert paper_tables.add('group', str(source)) == 0  # idempotent
+  text = ('x\n<!-- table group control_rounds: begin -->\nold\n'
+          '<!-- table: end -->\ny\n')
+  new = paper_tables.rewrite(text)
+  assert new.startswith('x\n<!-- table group control_rounds: begin -->\n###')
+  assert '| fl | 250 ± 71 (2) |' in new and 'old' not in new
+  assert new.endswith('<!-- table: end -->\ny\n')
+  with pytest.raises(ValueError, match='no table'):
+    paper_tables.rewrite(text.replace('control_rounds', 'nope'))
+  monkeypatch.setattr(paper_tables, 'RESULTS_DIR', str(tmp_path / 'none'))
+  with pytest.raises(ValueError, match='is missing'):
+    paper_tables.render('group', 'control_rounds')
 
 
 def test_every_target_links_its_report():
