@@ -50,10 +50,12 @@ from __future__ import annotations
 
 import collections
 import csv
+import glob
 import hashlib
 import json
 import os
 import pickle
+import re
 import sys
 import time
 from typing import Optional
@@ -642,5 +644,57 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
       write_generations(trained, flag_values, seed, table4)
   with atomic_io.atomic_write(os.path.join(out_dir, 'eval.json')) as f:
     f.write(json.dumps(result, indent=1))
+  make_figures(root, flag_values)
   return dict(perplexity=result['perplexity'][str(cell.setting['samples'])],
               tokens=result['tokens'][str(cell.setting['samples'])])
+
+
+_EVAL_FILE = re.compile(r'eval_(?P<method>.+)_(?P<users>known|withheld)'
+                        r'_seed(?P<seed>\d+)\.json$')
+
+
+def make_figures(root: str, flag_values) -> list[str]:
+  """`fedperc_train_loss.png`: every trained variant's training loss per
+  round (the round's cohort), the mean over its seeds with a band of one
+  standard deviation, from the evaluations cached under the flags'
+  `trained_cache_dir`. Returns the paths written."""
+  cache = trained_cache_dir(root, flag_values)
+  losses: dict[str, dict[int, list[float]]] = {}
+  methods: dict[str, set[str]] = {}
+  for path in sorted(glob.glob(os.path.join(cache, 'eval_*_seed*.json'))):
+    match = _EVAL_FILE.search(os.path.basename(path))
+    if not match or match['method'] not in METHODS:
+      continue
+    with open(path) as f:
+      loss = json.load(f).get('train_loss')
+    if not loss:
+      continue
+    variant = fedperc_alg.algorithm(match['method']).variant
+    losses.setdefault(variant, {})[int(match['seed'])] = loss
+    methods.setdefault(variant, set()).add(match['method'])
+  if not losses:
+    return []
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  seeds = set()
+  for variant in sorted(losses):
+    curves = [{'round': list(range(1, len(v) + 1)), 'loss': v}
+              for _, v in sorted(losses[variant].items())]
+    seeds.add(len(curves))
+    label = (f'{variant} ('
+             + ', '.join(m for m in METHODS if m in methods[variant]) + ')')
+    reporting.plot_seed_band(ax, curves, 'round', 'loss', label=label)
+  ax.set_xlabel('round')
+  ax.set_ylabel('training loss (round cohort)')
+  ax.set_title('FedPerC variants: mean ± 1 std over '
+               f'{", ".join(map(str, sorted(seeds)))} seed(s)', fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  out = os.path.join(root, reporting.TABLES_DIRNAME, PAPER)
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, 'fedperc_train_loss.png')
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return [path]

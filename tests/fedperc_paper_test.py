@@ -1,6 +1,8 @@
 """The FedPerC paper module: what its cells share is keyed by its flags."""
 
 import collections
+import json
+import os
 import types
 
 import numpy as np
@@ -9,6 +11,7 @@ from papers import fedperc as paper
 from tasks import tv_shows_task
 from tests import fedperc_testdata
 from tff_personal import experiment
+from tff_personal import reporting
 from tff_personal.models import fedperc
 
 
@@ -84,3 +87,32 @@ def test_training_is_the_registered_algorithm_on_the_one_path(
   assert any(not np.allclose(x, y) for x, y in zip(
       want.trainable, process.get_model_weights(
           process.initialize()).trainable))
+
+
+def test_train_loss_figure_bands_each_variant_over_its_seeds(
+    tmp_path, monkeypatch):
+  root, f = str(tmp_path), _flags()
+  cache = paper.trained_cache_dir(root, f)
+  os.makedirs(cache)
+  for method, users, seed, loss in (
+      ('fedperc', 'known', 0, [5.0, 4.0]),
+      ('fedperc', 'withheld', 0, [5.0, 4.0]),  # the same training
+      ('fedperc', 'known', 1, [5.2, 4.4]),
+      ('split_learning', 'known', 0, [6.0, 5.5])):
+    with open(os.path.join(cache, f'eval_{method}_{users}_seed{seed}.json'),
+              'w') as fh:
+      json.dump({'train_loss': loss}, fh)
+  drawn = {}
+  real = reporting.plot_seed_band
+  monkeypatch.setattr(
+      reporting, 'plot_seed_band', lambda ax, curves, *a, **k: drawn.update(
+          {k['label']: curves}) or real(ax, curves, *a, **k))
+  (path,) = paper.make_figures(root, f)
+  assert os.path.basename(path) == 'fedperc_train_loss.png'
+  variant = {m: paper.fedperc_alg.algorithm(m).variant
+             for m in ('fedperc', 'split_learning')}
+  fedperc_curves = drawn[f'{variant["fedperc"]} (fedperc)']
+  assert [c['loss'] for c in fedperc_curves] == [[5.0, 4.0], [5.2, 4.4]]
+  assert drawn[f'{variant["split_learning"]} (split_learning)'] == [
+      {'round': [1, 2], 'loss': [6.0, 5.5]}]
+  assert paper.make_figures(str(tmp_path / 'empty'), f) == []
