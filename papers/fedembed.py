@@ -445,6 +445,13 @@ del _name
 _BY_PREVALENCE = {'4': (MNIST, (25, 15, 10, 5)), '5': (SPEECH, (20, 8, 4))}
 
 
+# How often a cell is evaluated (its learning curve) and checkpointed, not
+# what it computes: evaluation reads the stored states and never writes them
+# (tests/fedembed_paper_test.py runs a cell both ways), so these flags are
+# left out of a record's config.
+OPERATIONAL_FLAGS = ('fedembed_eval_every', 'fedembed_curve_points')
+
+
 def define_flags():
   def define(kind, name, default, help_text):
     if name not in flags.FLAGS:
@@ -465,7 +472,11 @@ def define_flags():
          '(table 3_public).')
   define('integer', 'fedembed_eval_every', None,
          'FedEmbed: rounds between evaluations for the learning curves '
-         '(None: the per-algorithm default).')
+         '(None: --fedembed_curve_points).')
+  define('integer', 'fedembed_curve_points', 10,
+         'FedEmbed: evaluations per run for the learning curves when '
+         '--fedembed_eval_every is not set (every rounds // N rounds; 0: '
+         'the per-algorithm default).')
 
 
 def _flag(flag_values, name, default=None):
@@ -510,6 +521,11 @@ def cell_settings(cell: reporting.Cell, flag_values) -> dict[str, Any]:
       settings[key] = value
   settings['eval_clients'] = min(settings['eval_clients'],
                                  settings['num_users'])
+  points = getattr(flag_values, 'fedembed_curve_points', None)
+  if getattr(flag_values, 'fedembed_eval_every', None) is None and points:
+    if points < 0:
+      raise ValueError(f'--fedembed_curve_points must be >= 0, got {points}')
+    settings['eval_every'] = max(1, settings['rounds'] // points)
   return settings
 
 

@@ -476,3 +476,45 @@ def test_data_seed_fixes_data_and_evaluated_users_not_training(
       expected)
   assert [r[0] for r in ran] == [0, 1, 2, 0, 1, 2]  # training seeds vary
 
+
+
+@pytest.mark.skipif(not os.path.isdir(MNIST), reason='MNIST not found')
+def test_evaluating_more_often_changes_nothing_but_the_curve(tmp_path):
+  """Why the evaluation interval is operational (not in a record's config):
+  a cell evaluated every round ends where one evaluated once does. (Without
+  DP: TFF draws DP noise unseeded, so two DP runs differ by their noise.)"""
+  cell = reporting.Cell('fedembed', 'fedembed_prototype',
+                        {'population': 'imbalanced', 'dp': 'none'}, 0)
+  runs = {}
+  for every in (1, 3):
+    out = str(tmp_path / f'every{every}')
+    os.makedirs(out)
+    f = _flags(rounds=3, clients_per_round=5, num_users=40,
+               fedembed_local_epochs=1, fedembed_eval_clients=26,
+               fedembed_eval_every=every)
+    runs[every] = (fedembed.run_cell(cell, f, out),
+                   np.load(os.path.join(out, 'analysis.npz'))['embedding'],
+                   json.load(open(os.path.join(out, 'curve.json'))))
+  (m1, e1, c1), (m3, e3, c3) = runs[1], runs[3]
+  assert c1['round'] == [1, 2, 3] and c3['round'] == [3]
+  assert c1['f1'][-1] == c3['f1'][-1]
+  np.testing.assert_array_equal(e1, e3)
+  for key in ('f1', 'accuracy', 'auc', 'f1_macro'):
+    assert m1[key] == m3[key], key
+  assert 'fedembed_eval_every' not in reporting.run_config(
+      'fedembed', fedembed, _flags(fedembed_eval_every=3))
+
+
+def test_curve_points_set_the_evaluation_interval():
+  cell = reporting.Cell('fedembed', 'fedembed_prototype',
+                        {'population': 'balanced', 'dp': 'gaussian_fixed'}, 0)
+  settings = lambda **kw: fedembed.cell_settings(cell, _flags(**kw))
+  rounds = settings()['rounds']
+  assert settings(fedembed_curve_points=10)['eval_every'] == rounds // 10
+  assert settings(fedembed_curve_points=10,
+                  fedembed_eval_every=7)['eval_every'] == 7
+  assert settings(fedembed_curve_points=0)['eval_every'] == (
+      defaults.defaults_for('mnist_preference', 'fedembed_prototype',
+                            'gaussian_fixed')['eval_every'])
+  with pytest.raises(ValueError, match='curve_points'):
+    settings(fedembed_curve_points=-1)
