@@ -467,7 +467,8 @@ def _group_participations(task, config, grouping):
 def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
   directory = _config_dir(root, cfg, seed)
   return _cached(cfg, seed, directory, 'pipeline.json', _run_pipeline,
-                 log_fn, lambda: make_figures(root, directory))
+                 log_fn, lambda: (make_figures(root, directory),
+                                  make_training_figure(root, directory)))
 
 
 def _cached(cfg, seed, directory, filename, run_fn, log_fn, after) -> dict:
@@ -855,6 +856,60 @@ def make_figures(root_output_dir: str, pipeline_dir: str) -> None:
   out = os.path.join(root_output_dir, 'figures')
   os.makedirs(out, exist_ok=True)
   fig.savefig(os.path.join(out, 'group_relative_change_hist.png'), dpi=120)
+  plt.close(fig)
+
+
+def _train_curve(path: str) -> dict:
+  """`{'round': [...], 'perplexity': [...]}` of a stage's
+  train_metrics.csv: exp of the round cohort's mean token loss."""
+  with open(path) as f:
+    rows = [r for r in csv.DictReader(f) if r.get('train/loss')]
+  return {'round': [int(r['round']) for r in rows],
+          'perplexity': [float(np.exp(float(r['train/loss']))) for r in rows]}
+
+
+def make_training_figure(root_output_dir: str, pipeline_dir: str) -> None:
+  """`group_training_curves.png`: the training perplexity (the round
+  cohort's) of the FL stage, then of each genre's GroupFL stage, per round:
+  the mean over the finished seeds with a band of one standard deviation.
+  Reads every sibling seed's `groupfl_task/` under the pipeline's
+  configuration."""
+  seeds = sorted(glob.glob(os.path.join(os.path.dirname(pipeline_dir),
+                                        'seed_*', 'groupfl_task')))
+  fl = [_train_curve(p) for p in (
+      os.path.join(s, 'stages', 'fl', 'train_metrics.csv') for s in seeds)
+        if os.path.exists(p)]
+  if not fl:
+    return
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  reporting.plot_seed_band(ax, fl, 'round', 'perplexity', color='black',
+                           label='fl: every client')
+  offset = max(max(c['round']) for c in fl)
+  genres = sorted({os.path.basename(g) for s in seeds
+                   for g in glob.glob(os.path.join(s, 'groups', '*'))})
+  for genre in genres:
+    curves = []
+    for s in seeds:
+      path = os.path.join(s, 'groups', genre, 'train_metrics.csv')
+      if os.path.exists(path):
+        c = _train_curve(path)
+        curves.append({'round': [offset + r for r in c['round']],
+                       'perplexity': c['perplexity']})
+    reporting.plot_seed_band(ax, curves, 'round', 'perplexity',
+                             label=f'groupfl: {genre}')
+  ax.axvline(offset + 0.5, color='gray', linewidth=0.8)
+  ax.set_xlabel('round (FL, then each genre\'s group rounds)')
+  ax.set_ylabel('training perplexity (round cohort)')
+  ax.set_yscale('log')
+  ax.set_title(f'mean ± 1 std over {len(fl)} seed(s)', fontsize=9)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  out = os.path.join(root_output_dir, 'figures')
+  os.makedirs(out, exist_ok=True)
+  fig.savefig(os.path.join(out, 'group_training_curves.png'), dpi=120)
   plt.close(fig)
 
 

@@ -206,3 +206,27 @@ def _check_runs_share_the_fl_model_and_counts(f, root):
   counted = group._fl_participations(task, main, cfg)
   assert stored == [counted.get(c, 0) for c in range(task.population)]
   assert sum(stored) == cfg['rounds'] * cfg['clients_per_round']
+
+
+def test_training_figure_offsets_group_rounds_after_fl(tmp_path, monkeypatch):
+  def write(path, losses):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+      f.write('round,train/loss\n' + ''.join(
+          f'{r},{l}\n' for r, l in enumerate(losses, 1)))
+  for seed, shift in ((0, 0.0), (1, 0.5)):
+    task = tmp_path / 'pipe' / f'seed_{seed}' / 'groupfl_task'
+    write(str(task / 'stages' / 'fl' / 'train_metrics.csv'),
+          [3.0 + shift, 2.0 + shift])
+    write(str(task / 'groups' / 'comedy' / 'train_metrics.csv'), [1.0])
+  drawn = {}
+  real = reporting.plot_seed_band
+  monkeypatch.setattr(reporting, 'plot_seed_band',
+                      lambda ax, curves, *a, **k: drawn.update(
+                          {k['label']: curves}) or real(ax, curves, *a, **k))
+  group.make_training_figure(str(tmp_path), str(tmp_path / 'pipe' / 'seed_0'))
+  fl = drawn['fl: every client']
+  assert [c['round'] for c in fl] == [[1, 2], [1, 2]]
+  np.testing.assert_allclose(fl[1]['perplexity'], np.exp([3.5, 2.5]))
+  assert [c['round'] for c in drawn['groupfl: comedy']] == [[3], [3]]
+  assert (tmp_path / 'figures' / 'group_training_curves.png').exists()
