@@ -139,10 +139,12 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     self._eval_fine_tune_optimizer = eval_fine_tune_optimizer
 
   def _built(self) -> None:
+    """Builds `initialize` and `next` if not yet (a failed build raises
+    again on the next use)."""
     if self._build_fn is not None:
-      build_fn, self._build_fn = self._build_fn, None
-      initialize_fn, next_fn = build_fn()
+      initialize_fn, next_fn = self._build_fn()
       super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
+      self._build_fn = None
 
   @property
   def initialize(self) -> tff.Computation:
