@@ -99,6 +99,13 @@ TABLES = {
 }
 
 
+# How often a cell evaluates (its learning curve), not what it computes
+# (`train_centralized` is tested to train the same with evaluations within
+# an epoch; the FL run's evaluation reads states and never writes them):
+# left out of a record's config.
+OPERATIONAL_FLAGS = ('furl_evals_per_epoch',)
+
+
 def define_flags():
   def define(kind, name, default, help_text):
     if name not in flags.FLAGS:
@@ -251,7 +258,9 @@ def _run_fl(task, cell, f, out_dir, dim) -> dict:
 
 
 def _evals_per_epoch(f) -> int:
-  k = getattr(f, 'furl_evals_per_epoch', 1) or 1
+  k = getattr(f, 'furl_evals_per_epoch', None)
+  if k is None:
+    return 1
   if k < 1:
     raise ValueError(f'--furl_evals_per_epoch must be >= 1, got {k}')
   return k

@@ -82,3 +82,13 @@ def test_personalized_fl_cell_end_to_end(tmp_path):
   purity = json.loads(purity_path.read_text())['personalized_fl']
   assert purity['users'] == task.population
   assert (tmp_path / 'tables' / 'furl' / 'furl_embeddings_tsne.png').exists()
+
+
+def test_evaluation_frequency_is_operational_and_checked():
+  f = types.SimpleNamespace(furl_evals_per_epoch=3, furl_fl_epochs=5,
+                            data_dir=None)
+  assert 'furl_evals_per_epoch' not in reporting.run_config('furl', furl, f)
+  assert 'furl_fl_epochs' in reporting.run_config('furl', furl, f)
+  assert furl._evals_per_epoch(types.SimpleNamespace()) == 1  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match='furl_evals_per_epoch'):
+    furl._evals_per_epoch(types.SimpleNamespace(furl_evals_per_epoch=0))  # pylint: disable=protected-access
