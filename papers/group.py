@@ -879,6 +879,7 @@ def make_training_figure(root_output_dir: str, pipeline_dir: str) -> None:
   fl = [_train_curve(p) for p in (
       os.path.join(s, 'stages', 'fl', 'train_metrics.csv') for s in seeds)
         if os.path.exists(p)]
+  fl = [c for c in fl if c['round']]  # A seed killed before its round 1.
   if not fl:
     return
   import matplotlib  # pylint: disable=g-import-not-at-top

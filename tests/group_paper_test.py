@@ -224,6 +224,9 @@ def test_training_figure_offsets_group_rounds_after_fl(tmp_path, monkeypatch):
   monkeypatch.setattr(reporting, 'plot_seed_band',
                       lambda ax, curves, *a, **k: drawn.update(
                           {k['label']: curves}) or real(ax, curves, *a, **k))
+  # A seed killed before its first round: a header and no rows.
+  write(str(tmp_path / 'pipe' / 'seed_2' / 'groupfl_task' / 'stages' / 'fl' /
+            'train_metrics.csv'), [])
   group.make_training_figure(str(tmp_path), str(tmp_path / 'pipe' / 'seed_0'))
   fl = drawn['fl: every client']
   assert [c['round'] for c in fl] == [[1, 2], [1, 2]]
