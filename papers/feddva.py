@@ -1044,12 +1044,8 @@ def make_figures(root: str, f, latent: bool = True,
     for m, extra, label in lines_to_draw:
       setting = {**task_setting(t, _marks(f)), 'rounds': _class_rounds(f),
                  **extra}
-      curves = []
-      for path in sorted(glob.glob(os.path.join(os.path.dirname(
-          os.path.dirname(_curve_path(root, m, setting, 0))), 'seed_*',
-                                                'curve.json'))):
-        with open(path) as fh:
-          curves.append(json.load(fh))
+      curves = reporting.seed_curves(os.path.dirname(
+          os.path.dirname(_curve_path(root, m, setting, 0))))
       if curves:
         loaded.setdefault(t, []).append((label, curves))
   if loaded:

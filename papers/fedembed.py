@@ -1000,15 +1000,8 @@ def make_figures(root_output_dir: str) -> list[str]:
 
 def _seed_curves(root, method, pattern) -> list[dict]:
   """The `curve.json` of every seed of the cells matching `pattern`."""
-  curves = []
-  for path in sorted(glob.glob(os.path.join(
-      root, reporting.RUNS_DIRNAME, PAPER, method, pattern, 'seed_*',
-      'curve.json'))):
-    with open(path) as f:
-      c = json.load(f)
-    if c['round']:
-      curves.append(c)
-  return curves
+  return reporting.seed_curves(os.path.join(
+      root, reporting.RUNS_DIRNAME, PAPER, method, pattern))
 
 
 def _curve_figure(root, out, task_key, label, suffix) -> list[str]:

@@ -310,11 +310,7 @@ def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
   for method in _METHODS:
     for setting_dir in sorted(glob.glob(os.path.join(
         runs, method, f'*dp=none*embedding_dim={_DIM}*'))):
-      curves = []
-      for path in sorted(glob.glob(os.path.join(setting_dir, 'seed_*',
-                                                'curve.json'))):
-        with open(path) as f:
-          curves.append(json.load(f))
+      curves = reporting.seed_curves(setting_dir, x='epoch')
       if reporting.plot_seed_band(ax, curves, 'epoch', 'eval_accuracy',
                                   label=method):
         seeds.add(len(curves))

@@ -210,6 +210,22 @@ def test_seed_band_is_mean_and_std_at_the_shared_rounds():
       [{'epoch': [1, 2], 'acc': [0.5, 0.6]}], 'epoch', 'acc')[0] == [1, 2]
 
 
+def test_seed_curves_reads_every_seed_of_the_matching_cells(tmp_path):
+  def write(cell, seed, curve):
+    d = tmp_path / cell / f'seed_{seed}'
+    d.mkdir(parents=True)
+    (d / 'curve.json').write_text(json.dumps(curve))
+  write('dp=none-aa', 0, {'round': [1, 2], 'f1': [0.1, 0.2]})
+  write('dp=none-aa', 1, {'round': [1], 'f1': [0.3]})
+  write('dp=none-aa', 2, {'round': [], 'f1': []})  # stopped before round 1
+  write('dp=gaussian-bb', 0, {'round': [1], 'f1': [0.9]})
+  curves = reporting.seed_curves(str(tmp_path / 'dp=none*'))
+  assert [c['f1'] for c in curves] == [[0.1, 0.2], [0.3]]
+  assert reporting.seed_band(curves)[0] == [1]
+  assert reporting.seed_curves(str(tmp_path / 'dp=none*'), x='epoch') == []
+  assert len(reporting.seed_curves(str(tmp_path / '*'))) == 3
+
+
 def test_huge_means_print_in_scientific_notation(tmp_path):
   results = reporting.ResultsFile(str(tmp_path / 'results.jsonl'))
   results.append(_cell(seed=0), {'accuracy': 6.2e103})  # a diverged model

@@ -36,6 +36,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import glob
 import hashlib
 import io
 import json
@@ -359,6 +360,38 @@ def summarize(values: Sequence[float]) -> Optional[Summary]:
   std = (math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
          if n > 1 else 0.0)
   return Summary(n, mean, std)
+
+
+def seed_curves(cell_pattern: str, filename: str = 'curve.json',
+                x: str = 'round') -> list[dict[str, Any]]:
+  """Every seed's learning curve of the cells whose directories match a glob.
+
+  A cell's run writes one JSON file per seed, `<cell>/seed_<k>/<filename>`,
+  with equal-length lists under its x key and its metrics (what
+  `seed_band` takes). Curves with no point on `x` (a seed stopped before
+  its first evaluation) are left out, so they do not empty the band.
+
+  Args:
+    cell_pattern: a `glob` pattern of cell directories (the directories
+      that hold `seed_*`), e.g. `<root>/runs/<paper>/<method>/dp=none*`.
+    filename: the curve file in each seed's directory.
+    x: the key of the x values.
+
+  Returns:
+    The curves, in sorted path order.
+
+  Example:
+    curves = reporting.seed_curves(os.path.join(runs, 'fedavg', 'dp=none*'))
+    reporting.plot_seed_band(ax, curves, 'round', 'accuracy')
+  """
+  curves = []
+  for path in sorted(glob.glob(os.path.join(cell_pattern, 'seed_*',
+                                            filename))):
+    with open(path, encoding='utf-8') as f:
+      curve = json.load(f)
+    if curve.get(x):
+      curves.append(curve)
+  return curves
 
 
 def seed_band(curves: Sequence[Mapping[str, Sequence[float]]],
