@@ -179,6 +179,9 @@ def test_tables_say_what_the_seeds_vary(tmp_path):
   assert note(None, None).startswith('the data (users and samples drawn by')
   assert note(3, 3).startswith('training only') and '--data_seed=3' in note(3)
   assert note(None, 3).startswith('mixed') and 'seed 3' in note(None, 3)
+  # Seed 0 without --data_seed drew the data of seed 0: the same data.
+  assert note(None, 0).startswith('training only') and 'seed 0' in note(None, 0)
+  assert note(0, None).startswith('mixed')  # seed 1 drew its own data
   empty = reporting.ResultsFile(str(tmp_path / 'empty.jsonl'))
   assert 'What the seeds vary' not in reporting.render_markdown(empty, _TABLE)
 

@@ -456,26 +456,33 @@ def _cell_summaries(records, table: Table):
 
 
 def _seed_note(records, table: Table) -> str:
-  """' What the seeds vary: ...' for the table's records ('' if none)."""
-  values = set()
+  """' What the seeds vary: ...' for the table's records ('' if none).
+
+  A record without `--data_seed` drew its data with its own seed, so seed
+  0 run before `--data_seed=0` existed has the same data as seeds run with
+  it.
+  """
+  given, drawn = set(), set()
   for r in records:
     if (r.get('paper') == table.paper and r['method'] in table.methods
         and table.column_for(r['setting']) is not None):
       config = r.get(CONFIG_KEY)
-      values.add(config.get('data_seed') if isinstance(config, Mapping)
-                 else None)
-  if not values:
+      value = (config.get('data_seed') if isinstance(config, Mapping)
+               else None)
+      given.add(value)
+      drawn.add(r['seed'] if value is None else value)
+  if not given:
     return ''
-  if values == {None}:
+  if given == {None}:
     return (' What the seeds vary: the data (users and samples drawn by the '
             'seed) and training.')
-  if len(values) == 1:
-    (k,) = values
+  if len(drawn) == 1:
+    (k,) = drawn
     return (' What the seeds vary: training only (initialization, cohorts, '
             f'DP noise); every seed has the data of seed {k} '
             f'(`--data_seed={k}`).')
   labels = sorted('their own seed' if v is None else f'seed {v}'
-                  for v in values)
+                  for v in given)
   return (' What the seeds vary: mixed; the records draw their data with '
           + ', '.join(labels) + ' (`--data_seed`).')
 
