@@ -305,21 +305,25 @@ def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
   runs = os.path.join(root_output_dir, reporting.RUNS_DIRNAME, PAPER)
   out = os.path.join(root_output_dir, 'tables', PAPER)
   os.makedirs(out, exist_ok=True)
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plt.subplots(figsize=(6.5, 4))
   seeds = set()
-  for method in _METHODS:
-    for setting_dir in sorted(glob.glob(os.path.join(
-        runs, method, f'*dp=none*embedding_dim={_DIM}*'))):
-      curves = reporting.seed_curves(setting_dir, x='epoch')
+  # A colour per method, a line style per DP setting (server methods have
+  # no DP cell).
+  for i, method in enumerate(_METHODS):
+    for dp, style in (('none', '-'), ('gaussian_fixed', '--')):
+      curves = reporting.seed_curves(os.path.join(
+          runs, method, f'dp={dp}_embedding_dim={_DIM}-*'), x='epoch')
+      label = method + (', DP' if dp != 'none' else '')
       if reporting.plot_seed_band(ax, curves, 'epoch', 'eval_accuracy',
-                                  label=method):
+                                  color=f'C{i}', linestyle=style,
+                                  label=label):
         seeds.add(len(curves))
   ax.set_xlabel('epoch')
   ax.set_ylabel('eval accuracy')
   ax.set_title('speaker_context: FL vs server (FURL Fig. 5)\n'
                f'mean ± 1 std over {", ".join(map(str, sorted(seeds)))} '
                'seed(s)', fontsize=9)
-  ax.legend()
+  ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(os.path.join(out, 'furl_learning_curves.png'), dpi=120)
   plt.close(fig)

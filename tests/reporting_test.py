@@ -211,6 +211,18 @@ def test_seed_band_is_mean_and_std_at_the_shared_rounds():
   assert reporting.seed_band([]) == ([], [], [])
   assert reporting.seed_band(
       [{'epoch': [1, 2], 'acc': [0.5, 0.6]}], 'epoch', 'acc')[0] == [1, 2]
+  assert reporting.seed_band([{'round': [], 'f1': []}] + curves) == (
+      [], [], [])
+
+
+def test_seed_band_interpolates_a_seed_evaluated_at_other_points():
+  every_round = {'epoch': [0.5, 1.0, 1.5, 2.0], 'acc': [0.1, 0.2, 0.3, 0.4]}
+  every_epoch = {'epoch': [1.0, 2.0], 'acc': [0.4, 0.6]}
+  xs, mean, std = reporting.seed_band([every_round, every_epoch], 'epoch',
+                                      'acc')
+  assert xs == [1.0, 1.5, 2.0]  # where both seeds have a curve
+  np.testing.assert_allclose(mean, [0.3, 0.4, 0.5])  # 1.5: (0.3 + 0.5) / 2
+  np.testing.assert_allclose(std, [np.sqrt(0.02)] * 3)
 
 
 def test_seed_curves_reads_every_seed_of_the_matching_cells(tmp_path):

@@ -397,8 +397,14 @@ def seed_curves(cell_pattern: str, filename: str = 'curve.json',
 def seed_band(curves: Sequence[Mapping[str, Sequence[float]]],
               x: str = 'round', y: str = 'f1'
               ) -> tuple[list[float], list[float], list[float]]:
-  """A learning curve over seeds: `(xs, means, stds)` at the x values that
-  every seed's curve has (a seed still running stops the band there).
+  """A learning curve over seeds: `(xs, means, stds)` over the x range that
+  every seed's curve covers (a seed still running stops the band there).
+
+  The xs are every seed's evaluation points within that range. Where seeds
+  were evaluated at the same points (the usual case) the band is exactly
+  their mean and std there; a seed evaluated at other points (e.g. a run
+  made with another evaluation interval) is interpolated linearly between
+  its own points.
 
   Args:
     curves: one dict per seed, with equal-length lists under `x` and `y`
@@ -407,18 +413,30 @@ def seed_band(curves: Sequence[Mapping[str, Sequence[float]]],
     y: the key of the metric.
 
   Returns:
-    The shared x values, sorted, and `summarize`'s mean and sample std
-    (ddof=1; 0 for one seed) of `y` at each.
+    The x values, sorted, and `summarize`'s mean and sample std (ddof=1; 0
+    for one seed) of `y` at each.
 
   Example:
     xs, mean, std = reporting.seed_band(curves, 'epoch', 'eval_accuracy')
     ax.fill_between(xs, np.subtract(mean, std), np.add(mean, std))
   """
-  if not curves:
+  points = [sorted(zip(c[x], c[y])) for c in curves]
+  if not points or not all(points):
     return [], [], []
-  by_x = [dict(zip(c[x], c[y])) for c in curves]
-  xs = sorted(set.intersection(*(set(d) for d in by_x)))
-  summaries = [summarize([d[v] for d in by_x]) for v in xs]
+  lo = max(p[0][0] for p in points)
+  hi = min(p[-1][0] for p in points)
+  xs = sorted({v for p in points for v, _ in p if lo <= v <= hi})
+
+  def at(p, v):
+    """`p`'s value at `v`: its own point, else linear between neighbours."""
+    for (x0, y0), (x1, y1) in zip(p, p[1:] + p[-1:]):
+      if x0 == v:
+        return y0
+      if x0 < v < x1:
+        return y0 + (y1 - y0) * (v - x0) / (x1 - x0)
+    raise AssertionError(f'{v} outside the curve')  # xs are within range.
+
+  summaries = [summarize([at(p, v) for p in points]) for v in xs]
   return xs, [s.mean for s in summaries], [s.std for s in summaries]
 
 
