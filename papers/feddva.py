@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import glob
 import json
 import os
 import time
