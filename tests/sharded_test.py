@@ -211,8 +211,7 @@ def test_sharded_personal_eval_equals_per_client_eval():
   want = evaluation.build_personal_eval(
       proc.model_fn, proc.model_weights_type, proc.client_state_type)(
           weights, client_states, datasets)
-  got = sharded.ShardedPersonalEval(
-      proc.model_fn, proc.model_weights_type, proc.client_state_type, 2)(
+  got = sharded.ShardedPersonalEval(proc.model_fn)(
           weights, client_states, datasets)
   assert len(got) == len(sizes)
   for g, w, n in zip(got, want, sizes):
@@ -353,8 +352,7 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
       proc.model_fn, proc.model_weights_type, proc.client_state_type)(
           weights, client_states, test)
   got = sharded.ShardedPersonalEval(
-      proc.model_fn, proc.model_weights_type, proc.client_state_type, 2,
-      fine_tune_optimizer=optimizer, train_wire=wire)(
+      proc.model_fn, fine_tune_optimizer=optimizer, train_wire=wire)(
           weights, client_states, train, test)
   assert len(got) == len(sizes)
   for g, w, plain, n in zip(got, want, no_tuning, sizes):
@@ -367,8 +365,8 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
                          atol=1e-4)
   with pytest.raises(ValueError, match='train_data, datasets'):
     sharded.ShardedPersonalEval(
-        proc.model_fn, proc.model_weights_type, proc.client_state_type, 2,
-        fine_tune_optimizer=optimizer)(weights, client_states, test)
+        proc.model_fn, fine_tune_optimizer=optimizer)(
+            weights, client_states, test)
 
 
 # --- processes with a server step (statistics_process): PFedKM, FedEmbed-SOM --

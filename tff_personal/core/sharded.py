@@ -78,7 +78,6 @@ import tensorflow_federated as tff
 
 from tff_personal.core import best_scoring
 from tff_personal.core import client_data
-from tff_personal.core import federated_map
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
@@ -593,48 +592,68 @@ def maybe_shard(process, num_shards: int,
 
 class ShardedPersonalEval:
   """`evaluation.build_personal_eval` (or, with a fine-tuning optimizer,
-  `evaluation.build_cold_start_eval`) with users packed in shards.
+  `evaluation.build_cold_start_eval`) with every user in one loop, run in
+  this process.
 
   Called like the TFF computation it replaces:
   `(weights, client_states, datasets) -> [OrderedDict(outputs, labels)]`,
   or with fine-tuning `(weights, client_states, train_data, datasets)`,
   one entry per user, computed with the user's private state (first
   fine-tuned on the user's training batches, shared weights frozen, exactly
-  as `split_training.fine_tune_private` does for one client). Each shard is
-  one TFF client call that loops over its users (`tf.while_loop`); outputs
-  come back padded and are cut to each user's example count.
+  as `split_training.fine_tune_private` does for one client). The users are
+  packed as one shard (`pack_datasets`) and a `tf.function` loops over
+  them (`tf.while_loop`); outputs come back padded and are cut to each
+  user's example count.
 
-  `wire` / `train_wire`: the wire formats of the evaluation and training
-  items when they are `ClientBatches` in a compact form (None: model form,
-  e.g. `tf.data` datasets).
+  Evaluation aggregates nothing and releases nothing, so it is run here
+  rather than in TFF's executor: routed through the executor, every call
+  serialised all the evaluated users' examples (in TFF's Python value
+  serialisation, several copies per nesting level) and that, not the
+  arithmetic, was most of an evaluation (docs/performance.md). The
+  per-user work is the same TF code as the per-client TFF computation's,
+  which `tests/sharded_test.py` holds equal. The model is built once, on
+  the first call, and every call loads each user's shared and private
+  values into it before use (they cover all its variables), so calls do
+  not leak state into each other.
+
+  Args:
+    model_fn: The split model builder of the evaluated process.
+    fine_tune_optimizer: None, or the optimizer of the private-only local
+      pass before testing (then calls take training data too).
+    wire: The wire format of the evaluation items when they are
+      `ClientBatches` in a compact form (None: model form, e.g. `tf.data`
+      datasets).
+    train_wire: The same for the fine-tuning items.
+
+  Example:
+    evaluate = ShardedPersonalEval(proc.model_fn)
+    outputs = evaluate(weights, client_states, task.eval_batches(ids))
   """
 
-  def __init__(self, model_fn, weights_type: tff.Type,
-               client_state_type: tff.Type, num_shards: int,
+  def __init__(self, model_fn,
                fine_tune_optimizer=None,
                wire: client_data.WireFormat | None = None,
                train_wire: client_data.WireFormat | None = None):
-    if num_shards < 1:
-      raise ValueError(f'num_shards must be >= 1, got {num_shards}')
-    self._num_shards = num_shards
+    self._model_fn = model_fn
+    self._fine_tune_optimizer = fine_tune_optimizer
     self._fine_tune = fine_tune_optimizer is not None
     self._wire, self._train_wire = wire, train_wire
     with tf.Graph().as_default():
-      input_spec = model_fn().input_spec
-    self._element_spec = input_spec
-    self._state_template = tff.types.type_to_tf_tensor_specs(
-        client_state_type)
-    data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
-    stacked_state_type = _stacked_type(client_state_type)
-    shard_type = shard_data_type(data_type, wire)
-    train_shard_type = shard_data_type(data_type, train_wire)
-    element_spec = input_spec
+      self._element_spec = model_fn().input_spec
+    self._run = None  # The tf.function, built on the first call.
 
-    def run_shard(model, weights, states, shard, train_shard):
+  def _build(self):
+    """The model (built eagerly, once) and the shard loop over it."""
+    model = self._model_fn()
+    element_spec, wire, train_wire = (self._element_spec, self._wire,
+                                      self._train_wire)
+    optimizer = self._fine_tune_optimizer
+    decode = wire.decode if wire is not None else (lambda b: b)
+
+    def run_shard(weights, states, shard, train_shard):
       num_users = tf.shape(shard[SHARD_NUM_BATCHES])[0]
       indices_shape = tf.shape(shard[SHARD_INDICES])
       capacity = indices_shape[1] * indices_shape[2]
-      decode = wire.decode if wire is not None else (lambda b: b)
 
       def user_examples(u):
         # The user's batches in order, concatenated (as the per-client
@@ -656,7 +675,7 @@ class ShardedPersonalEval:
         split_training.assign_weights(model, weights, private_u)
         if train_shard is not None:
           split_training.fine_tune_private(
-              model, fine_tune_optimizer,
+              model, optimizer,
               PackedBatches(train_shard, u, element_spec, train_wire))
         batch = user_examples(u)
         out = model.eval_output(batch, model.forward(batch, training=False))
@@ -668,36 +687,18 @@ class ShardedPersonalEval:
                 tf.TensorArray(element_spec['y'].dtype, size=num_users,
                                infer_shape=False),
                 tf.TensorArray(tf.int32, size=num_users))
+      # One user at a time: every user loads its values into the same
+      # model variables, so iterations must not overlap.
       _, outputs, labels, counts = tf.while_loop(
-          lambda u, *_: u < num_users, body, (tf.constant(0),) + arrays)
+          lambda u, *_: u < num_users, body, (tf.constant(0),) + arrays,
+          parallel_iterations=1)
       return collections.OrderedDict(
           outputs=outputs.stack(), labels=labels.stack(),
           counts=counts.stack())
 
-    if self._fine_tune:
-      @tff.tensorflow.computation(weights_type, stacked_state_type,
-                                  train_shard_type, shard_type)
-      def shard_eval(weights, states, train_shard, shard):
-        model = model_fn()
-        return tf.function(lambda w, s, t, d: run_shard(model, w, s, d, t))(
-            weights, states, train_shard, shard)
-
-      personal_eval = federated_map.broadcast_map(
-          shard_eval, weights_type, ('client_states', stacked_state_type),
-          ('train_data', train_shard_type), ('client_data', shard_type))
-    else:
-      @tff.tensorflow.computation(weights_type, stacked_state_type,
-                                  shard_type)
-      def shard_eval(weights, states, shard):
-        model = model_fn()
-        return tf.function(lambda w, s, d: run_shard(model, w, s, d, None))(
-            weights, states, shard)
-
-      personal_eval = federated_map.broadcast_map(
-          shard_eval, weights_type, ('client_states', stacked_state_type),
-          ('client_data', shard_type))
-
-    self._eval = personal_eval
+    # Shapes vary from call to call (users, batches, examples): after the
+    # second shape, one trace with unknown dimensions serves them all.
+    return tf.function(run_shard, reduce_retracing=True)
 
   def __call__(self, weights, client_states, *data) -> list:
     """`(weights, states, datasets)`, or `(weights, states, train, datasets)`
@@ -713,21 +714,18 @@ class ShardedPersonalEval:
                          f'{len(d)} datasets')
     if not datasets:
       return []
-    ranges = shard_ranges(len(datasets), self._num_shards)
-    states = [_stack_states([client_states[i] for i in r]) for r in ranges]
-    shards = [pack_datasets([datasets[i] for i in r], self._element_spec,
-                            self._wire) for r in ranges]
-    if self._fine_tune:
-      train = [pack_datasets([data[0][i] for i in r], self._element_spec,
-                             self._train_wire) for r in ranges]
-      results = self._eval(weights, states, train, shards)
-    else:
-      results = self._eval(weights, states, shards)
-    out = []
-    for r, result in zip(ranges, results):
-      for j in range(len(r)):
-        n = int(result['counts'][j])
-        out.append(collections.OrderedDict(
-            outputs=np.asarray(result['outputs'][j])[:n],
-            labels=np.asarray(result['labels'][j])[:n]))
-    return out
+    if self._run is None:
+      self._run = self._build()
+    to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
+    states = to_tensors(_stack_states(client_states))
+    shard = to_tensors(pack_datasets(datasets, self._element_spec,
+                                     self._wire))
+    train = (to_tensors(pack_datasets(data[0], self._element_spec,
+                                      self._train_wire))
+             if self._fine_tune else None)
+    result = self._run(to_tensors(weights), states, shard, train)
+    counts = result['counts'].numpy()
+    outputs, labels = result['outputs'].numpy(), result['labels'].numpy()
+    return [collections.OrderedDict(outputs=outputs[u, :counts[u]],
+                                    labels=labels[u, :counts[u]])
+            for u in range(len(datasets))]
