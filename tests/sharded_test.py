@@ -351,10 +351,17 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
   no_tuning = evaluation.build_personal_eval(
       proc.model_fn, proc.model_weights_type, proc.client_state_type)(
           weights, client_states, test)
-  got = sharded.ShardedPersonalEval(
-      proc.model_fn, fine_tune_optimizer=optimizer, train_wire=wire)(
-          weights, client_states, train, test)
+  evaluate = sharded.ShardedPersonalEval(
+      proc.model_fn, fine_tune_optimizer=optimizer, train_wire=wire)
+  got = evaluate(weights, client_states, train, test)
   assert len(got) == len(sizes)
+  # The evaluator keeps one model between calls: a second call (other users,
+  # other shapes) gives each user what the first did.
+  again = evaluate(weights, [client_states[2], client_states[0]],
+                   [train[2], train[0]], [test[2], test[0]])
+  for g, u in zip(again, [2, 0]):
+    np.testing.assert_allclose(g['outputs'], got[u]['outputs'],
+                               rtol=1e-5, atol=1e-6)
   for g, w, plain, n in zip(got, want, no_tuning, sizes):
     assert g['outputs'].shape[0] == n
     np.testing.assert_allclose(g['outputs'], np.asarray(w['outputs']),
