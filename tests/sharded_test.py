@@ -211,7 +211,7 @@ def test_sharded_personal_eval_equals_per_client_eval():
   want = evaluation.build_personal_eval(
       proc.model_fn, proc.model_weights_type, proc.client_state_type)(
           weights, client_states, datasets)
-  got = sharded.ShardedPersonalEval(proc.model_fn)(
+  got = sharded.ShardedPersonalEval(proc.model_fn, num_shards=2)(
           weights, client_states, datasets)
   assert len(got) == len(sizes)
   for g, w, n in zip(got, want, sizes):
@@ -352,7 +352,8 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
       proc.model_fn, proc.model_weights_type, proc.client_state_type)(
           weights, client_states, test)
   evaluate = sharded.ShardedPersonalEval(
-      proc.model_fn, fine_tune_optimizer=optimizer, train_wire=wire)
+      proc.model_fn, num_shards=2, fine_tune_optimizer=optimizer,
+      train_wire=wire)
   got = evaluate(weights, client_states, train, test)
   assert len(got) == len(sizes)
   # The evaluator keeps one model between calls: a second call (other users,

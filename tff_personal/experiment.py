@@ -362,20 +362,20 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
   batches_train = bool(num_shards) and hasattr(task, 'train_batches')
   fine_tune_train_fn = (task.train_batches if batches_train else
                         task.train_datasets)
-  if num_shards:  # The same per-user outputs, every user in one loop.
+  if num_shards:  # The same per-user outputs, users packed in shards.
     personal_eval = sharded.ShardedPersonalEval(
-        model_fn, wire=wire if batches_eval else None)
+        model_fn, num_shards, wire=wire if batches_eval else None)
     # Held-out test sets (test_datasets) are tf.data datasets.
-    test_eval = (sharded.ShardedPersonalEval(model_fn)
+    test_eval = (sharded.ShardedPersonalEval(model_fn, num_shards)
                  if batches_eval else personal_eval)
     fine_tune_eval = test_fine_tune_eval = None
     if fine_tune_optimizer is not None:
       fine_tune_eval = sharded.ShardedPersonalEval(
-          model_fn, fine_tune_optimizer=fine_tune_optimizer,
+          model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
           wire=wire if batches_eval else None,
           train_wire=wire if batches_train else None)
       test_fine_tune_eval = (sharded.ShardedPersonalEval(
-          model_fn, fine_tune_optimizer=fine_tune_optimizer,
+          model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
           train_wire=wire if batches_train else None)
                              if batches_eval else fine_tune_eval)
   else:

@@ -69,6 +69,7 @@ forms on users of unequal sizes, where no such tie occurs.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 from typing import Any, Sequence
 
@@ -592,7 +593,7 @@ def maybe_shard(process, num_shards: int,
 
 class ShardedPersonalEval:
   """`evaluation.build_personal_eval` (or, with a fine-tuning optimizer,
-  `evaluation.build_cold_start_eval`) with every user in one loop, run in
+  `evaluation.build_cold_start_eval`) with users packed in shards, run in
   this process.
 
   Called like the TFF computation it replaces:
@@ -601,9 +602,10 @@ class ShardedPersonalEval:
   one entry per user, computed with the user's private state (first
   fine-tuned on the user's training batches, shared weights frozen, exactly
   as `split_training.fine_tune_private` does for one client). The users are
-  packed as one shard (`pack_datasets`) and a `tf.function` loops over
-  them (`tf.while_loop`); outputs come back padded and are cut to each
-  user's example count.
+  split into `num_shards` shards (`pack_datasets`); each shard is a
+  `tf.function` looping over its users (`tf.while_loop`) on its own model,
+  and the shards run concurrently in threads. Outputs come back padded and
+  are cut to each user's example count.
 
   Evaluation aggregates nothing and releases nothing, so it is run here
   rather than in TFF's executor: routed through the executor, every call
@@ -611,13 +613,14 @@ class ShardedPersonalEval:
   serialisation, several copies per nesting level) and that, not the
   arithmetic, was most of an evaluation (docs/performance.md). The
   per-user work is the same TF code as the per-client TFF computation's,
-  which `tests/sharded_test.py` holds equal. The model is built once, on
-  the first call, and every call loads each user's shared and private
-  values into it before use (they cover all its variables), so calls do
+  which `tests/sharded_test.py` holds equal. Each shard's model is built
+  once, on the first call, and every user's shared and private values are
+  loaded into it before use (they cover all its variables), so calls do
   not leak state into each other.
 
   Args:
     model_fn: The split model builder of the evaluated process.
+    num_shards: Shards run concurrently (about the number of CPU cores).
     fine_tune_optimizer: None, or the optimizer of the private-only local
       pass before testing (then calls take training data too).
     wire: The wire format of the evaluation items when they are
@@ -626,24 +629,29 @@ class ShardedPersonalEval:
     train_wire: The same for the fine-tuning items.
 
   Example:
-    evaluate = ShardedPersonalEval(proc.model_fn)
+    evaluate = ShardedPersonalEval(proc.model_fn, num_shards=2)
     outputs = evaluate(weights, client_states, task.eval_batches(ids))
   """
 
-  def __init__(self, model_fn,
+  def __init__(self, model_fn, num_shards: int = 1,
                fine_tune_optimizer=None,
                wire: client_data.WireFormat | None = None,
                train_wire: client_data.WireFormat | None = None):
+    if num_shards < 1:
+      raise ValueError(f'num_shards must be >= 1, got {num_shards}')
     self._model_fn = model_fn
+    self._num_shards = num_shards
     self._fine_tune_optimizer = fine_tune_optimizer
     self._fine_tune = fine_tune_optimizer is not None
     self._wire, self._train_wire = wire, train_wire
     with tf.Graph().as_default():
       self._element_spec = model_fn().input_spec
-    self._run = None  # The tf.function, built on the first call.
+    self._runs = []  # One traced shard loop per shard, built on first use.
 
-  def _build(self):
-    """The model (built eagerly, once) and the shard loop over it."""
+  def _build(self, example_args):
+    """A fresh model (built eagerly) and the shard loop over it, traced for
+    arguments shaped as `example_args` with any user, batch and example
+    count."""
     model = self._model_fn()
     element_spec, wire, train_wire = (self._element_spec, self._wire,
                                       self._train_wire)
@@ -696,9 +704,25 @@ class ShardedPersonalEval:
           outputs=outputs.stack(), labels=labels.stack(),
           counts=counts.stack())
 
-    # Shapes vary from call to call (users, batches, examples): after the
-    # second shape, one trace with unknown dimensions serves them all.
-    return tf.function(run_shard, reduce_retracing=True)
+    def relaxed(t, leading):  # Any size along the first `leading` axes.
+      return tf.TensorSpec([None] * leading + t.shape[leading:].as_list(),
+                           t.dtype)
+
+    shard_spec = lambda d: collections.OrderedDict(
+        (k, tf.nest.map_structure(
+            lambda t: relaxed(t, 2 if k == SHARD_EXAMPLES else t.shape.rank),
+            v)) for k, v in d.items())
+    weights, states, *data = example_args
+    signature = (tf.nest.map_structure(lambda t: relaxed(t, 0), weights),
+                 tf.nest.map_structure(lambda t: relaxed(t, 1), states),
+                 *[shard_spec(d) for d in data])
+    if self._fine_tune:
+      fn = lambda w, s, t, d: run_shard(w, s, d, t)
+    else:
+      fn = lambda w, s, d: run_shard(w, s, d, None)
+    run = tf.function(fn, input_signature=signature)
+    run.get_concrete_function()  # Traced now, not in a thread.
+    return run
 
   def __call__(self, weights, client_states, *data) -> list:
     """`(weights, states, datasets)`, or `(weights, states, train, datasets)`
@@ -714,18 +738,35 @@ class ShardedPersonalEval:
                          f'{len(d)} datasets')
     if not datasets:
       return []
-    if self._run is None:
-      self._run = self._build()
     to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
-    states = to_tensors(_stack_states(client_states))
-    shard = to_tensors(pack_datasets(datasets, self._element_spec,
-                                     self._wire))
-    train = (to_tensors(pack_datasets(data[0], self._element_spec,
-                                      self._train_wire))
-             if self._fine_tune else None)
-    result = self._run(to_tensors(weights), states, shard, train)
-    counts = result['counts'].numpy()
-    outputs, labels = result['outputs'].numpy(), result['labels'].numpy()
-    return [collections.OrderedDict(outputs=outputs[u, :counts[u]],
-                                    labels=labels[u, :counts[u]])
-            for u in range(len(datasets))]
+    weights = to_tensors(weights)
+    ranges = shard_ranges(len(datasets), self._num_shards)
+
+    def shard_args(r):
+      states = to_tensors(_stack_states([client_states[i] for i in r]))
+      shard = to_tensors(pack_datasets([datasets[i] for i in r],
+                                       self._element_spec, self._wire))
+      if not self._fine_tune:
+        return weights, states, shard
+      train = to_tensors(pack_datasets([data[0][i] for i in r],
+                                       self._element_spec, self._train_wire))
+      return weights, states, train, shard
+
+    args = [shard_args(r) for r in ranges]
+    # Models are built and traced one at a time; traced loops run at once.
+    while len(self._runs) < len(ranges):
+      self._runs.append(self._build(args[0]))
+    if len(ranges) == 1:
+      results = [self._runs[0](*args[0])]
+    else:
+      with concurrent.futures.ThreadPoolExecutor(len(ranges)) as pool:
+        results = list(pool.map(lambda i: self._runs[i](*args[i]),
+                                range(len(ranges))))
+    out = []
+    for r, result in zip(ranges, results):
+      counts = result['counts'].numpy()
+      outputs, labels = result['outputs'].numpy(), result['labels'].numpy()
+      out.extend(collections.OrderedDict(outputs=outputs[u, :counts[u]],
+                                         labels=labels[u, :counts[u]])
+                 for u in range(len(r)))
+    return out
