@@ -134,6 +134,10 @@ def define_flags():
   flags.DEFINE_integer('eval_every', 0, 'Evaluate every N rounds (0: at end).')
   flags.DEFINE_integer('eval_clients', 0,
                        'Clients evaluated (0: the whole population).')
+  flags.DEFINE_integer('curve_eval_clients', 0,
+                       'Clients tested at the evaluations before the last '
+                       'round (a seeded subset of the evaluated clients; '
+                       '0: all of them). The last evaluation tests all.')
   flags.DEFINE_integer('checkpoint_every', 1, 'Checkpoint every N rounds.')
   flags.DEFINE_bool('eval_fine_tune', False,
                     'Before testing, each evaluated client trains only its '
@@ -172,7 +176,8 @@ def define_flags():
       'Ops run at once in the local worker_binary; 0: the CPU count; -1: '
       'TensorFlow\'s default.')
   _group('training', ['rounds', 'clients_per_round', 'sampling', 'seed',
-                      'eval_every', 'eval_clients', 'checkpoint_every',
+                      'eval_every', 'eval_clients', 'curve_eval_clients',
+                      'checkpoint_every',
                       'eval_fine_tune', 'cold_start_epochs',
                       'resume', 'client_state_backend', 'train_metrics',
                       'use_gpu', 'workers', 'simulation_shards',
@@ -287,6 +292,7 @@ def configs_from_flags(f):
       personal_init_stddev=f.personal_init_stddev, sampling=f.sampling,
       seed=f.seed, checkpoint_every=f.checkpoint_every,
       eval_every=f.eval_every, eval_clients=f.eval_clients,
+      curve_eval_clients=f.curve_eval_clients,
       eval_fine_tune=f.eval_fine_tune, resume=f.resume,
       simulation_shards=f.simulation_shards,
       cold_start_epochs=f.cold_start_epochs,

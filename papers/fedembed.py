@@ -449,7 +449,8 @@ _BY_PREVALENCE = {'4': (MNIST, (25, 15, 10, 5)), '5': (SPEECH, (20, 8, 4))}
 # what it computes: evaluation reads the stored states and never writes them
 # (tests/fedembed_paper_test.py runs a cell both ways), so these flags are
 # left out of a record's config.
-OPERATIONAL_FLAGS = ('fedembed_eval_every', 'fedembed_curve_points')
+OPERATIONAL_FLAGS = ('fedembed_eval_every', 'fedembed_curve_points',
+                     'fedembed_curve_eval_clients')
 
 
 def define_flags():
@@ -473,6 +474,10 @@ def define_flags():
   define('integer', 'fedembed_eval_every', None,
          'FedEmbed: rounds between evaluations for the learning curves '
          '(None: --fedembed_curve_points).')
+  define('integer', 'fedembed_curve_eval_clients', None,
+         'FedEmbed: users tested at the learning curves\' evaluations before '
+         'the last round (a seeded subset of the evaluated users; None: '
+         'all). The last evaluation, the table\'s, tests all.')
   define('integer', 'fedembed_curve_points', 10,
          'FedEmbed: evaluations per run for the learning curves when '
          '--fedembed_eval_every is not set (every rounds // N rounds; 0: '
@@ -638,6 +643,9 @@ def experiment_config(cell: reporting.Cell, flag_values, out_dir: str,
       server_optimizer=s['server_optimizer'],
       server_learning_rate=s['server_learning_rate'], seed=cell.seed,
       eval_every=s['eval_every'], eval_clients=s['eval_clients'],
+      curve_eval_clients=min(
+          _flag(flag_values, 'fedembed_curve_eval_clients', 0),
+          s['eval_clients'] or population),
       eval_fine_tune=s['eval_fine_tune'],
       checkpoint_every=max(1, s['eval_every']), resume=True,
       dp=dp_config(cell, flag_values, population),

@@ -1,6 +1,8 @@
 """`run_experiment(eval_ids=...)`: every evaluation tests exactly those
-clients (e.g. a validation sample), and bad ids are refused before a run."""
+clients (e.g. a validation sample), and bad ids are refused before a run;
+`curve_eval_clients`: the learning curve's points test a seeded subset."""
 
+import dataclasses
 import os
 
 import pytest
@@ -39,6 +41,50 @@ def test_every_evaluation_tests_the_given_clients(task, tmp_path,
   # After rounds 1 and 2 (the last is the final evaluation): each on the
   # given clients (sorted), not the 5 that eval_clients would draw.
   assert seen == [[1, 4, 7], [1, 4, 7]]
+
+
+def test_curve_points_test_a_fixed_subset_and_the_last_tests_all(
+    task, tmp_path, monkeypatch):
+  seen = []
+  evaluate = task.evaluate
+
+  def recording(outputs, client_ids):
+    seen.append([int(c) for c in client_ids])
+    return evaluate(outputs, client_ids)
+
+  monkeypatch.setattr(task, 'evaluate', recording)
+  config = dataclasses.replace(_config(tmp_path, 'curve'), rounds=3,
+                               curve_eval_clients=2)
+  experiment.run_experiment(task, config, log_fn=lambda s: None)
+  everyone = experiment.eval_client_ids(12, 5, config.seed)
+  subset = experiment.curve_eval_ids(everyone, 2, config.seed)
+  assert len(subset) == 2 and set(subset) < set(everyone)
+  # Rounds 1 and 2 test the subset; round 3, the summary's, tests all 5.
+  assert seen == [subset, subset, everyone]
+
+
+def test_curve_eval_ids_draws_by_seed_and_refuses_too_many():
+  ids = [3, 9, 1, 7, 5]
+  assert experiment.curve_eval_ids(ids, 0, 0) == [1, 3, 5, 7, 9]
+  draws = {tuple(experiment.curve_eval_ids(ids, 3, seed))
+           for seed in range(6)}
+  assert len(draws) > 1  # The seed draws the subset.
+  assert all(len(d) == 3 and set(d) < set(ids) for d in draws)
+  with pytest.raises(ValueError, match='curve_eval_clients'):
+    experiment.curve_eval_ids(ids, 6, 0)
+
+
+def test_too_many_curve_clients_are_refused_before_the_run(task, tmp_path):
+  config = dataclasses.replace(_config(tmp_path, 'bad_curve'),
+                               curve_eval_clients=6)
+  with pytest.raises(ValueError, match='curve_eval_clients'):
+    experiment.run_experiment(task, config, log_fn=lambda s: None)
+  with pytest.raises(experiment.ConfigurationError,
+                     match='curve_eval_clients'):
+    experiment.run_experiment(
+        task, dataclasses.replace(config, curve_eval_clients=2),
+        log_fn=lambda s: None, eval_ids=[4])
+  assert not os.path.exists(config.experiment_dir)
 
 
 @pytest.mark.parametrize('ids, message', [

@@ -28,6 +28,7 @@ def _flags(**kw):
   values = dict(seeds=1, data_dir=MNIST, rounds=None, clients_per_round=None,
                 num_users=None, fedembed_local_epochs=None,
                 fedembed_eval_clients=None, fedembed_eval_every=None,
+                fedembed_curve_eval_clients=None,
                 fedembed_target_epsilon=10.0, fedembed_clip_norm=None)
   values.update(kw)
   return types.SimpleNamespace(**values)
@@ -486,23 +487,30 @@ def test_evaluating_more_often_changes_nothing_but_the_curve(tmp_path):
   cell = reporting.Cell('fedembed', 'fedembed_prototype',
                         {'population': 'imbalanced', 'dp': 'none'}, 0)
   runs = {}
-  for every in (1, 3):
-    out = str(tmp_path / f'every{every}')
+  # (evaluation interval, users at the curve's earlier points)
+  for every, curve in ((1, None), (3, None), (1, 10)):
+    out = str(tmp_path / f'every{every}_{curve}')
     os.makedirs(out)
     f = _flags(rounds=3, clients_per_round=5, num_users=40,
                fedembed_local_epochs=1, fedembed_eval_clients=26,
-               fedembed_eval_every=every)
-    runs[every] = (fedembed.run_cell(cell, f, out),
-                   np.load(os.path.join(out, 'analysis.npz'))['embedding'],
-                   json.load(open(os.path.join(out, 'curve.json'))))
-  (m1, e1, c1), (m3, e3, c3) = runs[1], runs[3]
+               fedembed_eval_every=every, fedembed_curve_eval_clients=curve)
+    runs[every, curve] = (
+        fedembed.run_cell(cell, f, out),
+        np.load(os.path.join(out, 'analysis.npz'))['embedding'],
+        json.load(open(os.path.join(out, 'curve.json'))))
+  (m1, e1, c1), (m3, e3, c3), (ms, es, cs) = (
+      runs[1, None], runs[3, None], runs[1, 10])
   assert c1['round'] == [1, 2, 3] and c3['round'] == [3]
-  assert c1['f1'][-1] == c3['f1'][-1]
+  assert c1['f1'][-1] == c3['f1'][-1] == cs['f1'][-1]
+  # The earlier points of the subset run tested other users.
+  assert cs['f1'][:2] != c1['f1'][:2]
   np.testing.assert_array_equal(e1, e3)
+  np.testing.assert_array_equal(e1, es)
   for key in ('f1', 'accuracy', 'auc', 'f1_macro'):
-    assert m1[key] == m3[key], key
-  assert 'fedembed_eval_every' not in reporting.run_config(
-      'fedembed', fedembed, _flags(fedembed_eval_every=3))
+    assert m1[key] == m3[key] == ms[key], key
+  for flag in ('fedembed_eval_every', 'fedembed_curve_eval_clients'):
+    assert flag not in reporting.run_config(
+        'fedembed', fedembed, _flags(**{flag: 3}))
 
 
 def test_curve_points_set_the_evaluation_interval():

@@ -65,6 +65,13 @@ class ExperimentConfig:
   checkpoint_every: int = 1
   eval_every: int = 0
   eval_clients: int = 0  # 0: every client of the population.
+  # Clients tested at the evaluations before the last round (the learning
+  # curve's points): a subset of the evaluated clients drawn by the seed,
+  # the same at every such evaluation; 0: all of them. The last round's
+  # evaluation, which the summary reports, always tests every evaluated
+  # client. Evaluation never changes the run's states, so this changes
+  # only the cost and the noise of the curve's earlier points.
+  curve_eval_clients: int = 0
   eval_chunk: int = 250
   # Users per TFF client in training: 0 runs one user per TFF client (the
   # production-faithful form); n > 0 packs each round's users into n shards
@@ -203,6 +210,10 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   if config.eval_clients < 0 or config.eval_clients > population:
     raise ValueError(f'eval_clients must be in [0, population={population}], '
                      f'got {config.eval_clients}')
+  evaluated = config.eval_clients or population
+  if not 0 <= config.curve_eval_clients <= evaluated:
+    raise ValueError('curve_eval_clients must be in [0, the evaluated '
+                     f'clients={evaluated}], got {config.curve_eval_clients}')
   make_server_optimizer(config.server_optimizer, config.server_learning_rate,
                         config.server_momentum)
   make_client_optimizer(config)
@@ -417,6 +428,25 @@ def _personal_evaluator(task, proc, config: ExperimentConfig, store,
   return evaluate, eval_ids, eval_data_fn
 
 
+def curve_eval_ids(eval_ids: Sequence[int], curve_eval_clients: int,
+                   seed: int) -> list[int]:
+  """The clients the learning curve's points test: `curve_eval_clients` of
+  `eval_ids` drawn by `seed` (sorted), or all of `eval_ids` for 0.
+
+  Raises:
+    ValueError: `curve_eval_clients` is negative or more than `eval_ids`.
+  """
+  ids = sorted(int(i) for i in eval_ids)
+  if not 0 <= curve_eval_clients <= len(ids):
+    raise ValueError('curve_eval_clients must be in [0, the evaluated '
+                     f'clients={len(ids)}], got {curve_eval_clients}')
+  if not curve_eval_clients or curve_eval_clients == len(ids):
+    return ids
+  rng = np.random.default_rng([seed, 0xC0E7])
+  return np.sort(rng.choice(ids, curve_eval_clients,
+                            replace=False)).tolist()
+
+
 def _checked_eval_ids(eval_ids: Sequence[int], population: int) -> list[int]:
   """`eval_ids` as a sorted list of ints; refuses repeats, clients outside
   [0, population) and an empty list."""
@@ -492,6 +522,10 @@ def run_experiment(task, config: ExperimentConfig,
   dp = validate(config, population)
   if eval_ids is not None:
     eval_ids = _checked_eval_ids(eval_ids, population)
+    if config.curve_eval_clients > len(eval_ids):
+      raise ConfigurationError(
+          f'curve_eval_clients={config.curve_eval_clients} is more than the '
+          f'{len(eval_ids)} eval_ids')
   _check_rounds_not_below_completed(config)
   resuming = bool(training_loop.checkpoint_rounds(config.experiment_dir))
   if resuming:  # Checks against the record; writes nothing.
@@ -529,8 +563,12 @@ def run_experiment(task, config: ExperimentConfig,
   evaluate, eval_ids, eval_data_fn = _personal_evaluator(
       task, proc, config, store, num_shards, eval_ids)
 
+  curve_ids = curve_eval_ids(eval_ids, config.curve_eval_clients,
+                             config.seed)
+
   def eval_fn(state, round_num):
-    del round_num
+    if round_num < config.rounds:  # A point of the learning curve.
+      return evaluate(state, eval_data_fn, ids=curve_ids)
     return evaluate(state, eval_data_fn)
 
   loop_config = _loop_config(config, config.experiment_dir, population)
@@ -710,6 +748,8 @@ def _run_per_group(task, proc, config: ExperimentConfig, dp, groups,
     eval_ids = eval_client_ids(task.population, config.eval_clients,
                                config.seed)
   eval_set = set(eval_ids)
+  curve_set = set(curve_eval_ids(eval_ids, config.curve_eval_clients,
+                                 config.seed))
   outputs, per_group, results = {}, {}, {}
   for name, members in groups.items():
     glog = lambda s, n=name: log_fn(f'[group {n}] {s}')
@@ -718,19 +758,20 @@ def _run_per_group(task, proc, config: ExperimentConfig, dp, groups,
     train_proc, num_shards, store, train_data_fn = _training_parts(
         view, proc, config, dp, directory, glog)
     local_eval = [i for i, c in enumerate(members) if c in eval_set]
+    local_curve = [i for i, c in enumerate(members) if c in curve_set]
     try:
       evaluate, _, eval_data_fn = _personal_evaluator(
           view, proc, config, store, num_shards, eval_ids=local_eval)
 
       def eval_fn(state, round_num, view=view, evaluate=evaluate,
                   eval_data_fn=eval_data_fn, local_eval=local_eval,
-                  name=name):
-        del round_num
-        if not local_eval:
+                  local_curve=local_curve, name=name):
+        ids = local_curve if round_num < config.rounds else local_eval
+        if not ids:
           return {}
-        outs = evaluate.outputs(state, eval_data_fn)
-        outputs[name] = (view.global_ids(local_eval), outs)
-        return view.evaluate(outs, local_eval)
+        outs = evaluate.outputs(state, eval_data_fn, ids=ids)
+        outputs[name] = (view.global_ids(ids), outs)
+        return view.evaluate(outs, ids)
 
       result = training_loop.run_training(
           train_proc, store=store, train_data_fn=train_data_fn,
@@ -1100,8 +1141,8 @@ RUN_CONFIG_FILENAME = 'run_config.json'
 EVALUATIONS_DIRNAME = 'evaluations'
 # Config fields that only shape evaluation: a re-evaluation
 # (`evaluate_experiment`) may change them.
-EVALUATION_FIELDS = ('eval_clients', 'eval_chunk', 'eval_fine_tune',
-                     'test_fine_tune', 'cold_start_epochs')
+EVALUATION_FIELDS = ('eval_clients', 'curve_eval_clients', 'eval_chunk',
+                     'eval_fine_tune', 'test_fine_tune', 'cold_start_epochs')
 # What a resumed run may change: the evaluation fields, how the simulation
 # runs and where the run lives (config fields and runtime flags), and
 # `rounds` (to extend or shorten it; the noise multiplier is compared as
