@@ -280,7 +280,7 @@ _TABLE5 = {
 
 _NOTES = ('F1: mean over sub-populations of the mean per-user F1, on '
           '`eval_clients` users after one local pass of their private state '
-          '(see docs/fedembed.md). Gaussian: user-level DP on the whole '
+          '(see docs/papers/fedembed.md). Gaussian: user-level DP on the whole '
           'shared update, epsilon <= 10 at delta = min(1e-5, '
           'population^-1.1); the '
           'exact epsilon of each cell is in results.jsonl and the epsilon '

@@ -133,7 +133,7 @@ def _perplexity_table(name, users, paper_values, title):
                     for i, n in enumerate(SAMPLES)},
       title=title, digits=1,
       notes='Paper: TV Shows with DistilGPT2; ours: the backbone in '
-            'docs/fedperc.md. Compare ratios, not absolute values.')
+            'docs/papers/fedperc.md. Compare ratios, not absolute values.')
 
 
 def _single(name, metric, paper_values, title, digits=2):
