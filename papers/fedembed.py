@@ -281,10 +281,11 @@ _TABLE5 = {
 _NOTES = ('F1: mean over sub-populations of the mean per-user F1, on '
           '`eval_clients` users after one local pass of their private state '
           '(see docs/papers/fedembed.md). Gaussian: user-level DP on the whole '
-          'shared update, epsilon <= 10 at delta = min(1e-5, '
-          'population^-1.1); the '
-          'exact epsilon of each cell is in results.jsonl and the epsilon '
-          'table.')
+          'shared update, noise calibrated to epsilon 10 at delta = '
+          'min(1e-5, population^-1.1) for the cell\'s rounds (a cell '
+          'resumed after a kill also accounts the rounds it replayed, so '
+          'its epsilon is higher); the exact epsilon of each cell is in '
+          'results.jsonl and the epsilon table.')
 
 
 _RESTART_NOTE = (' pfedme_restart (ours; no paper column): pFedMe with the '
