@@ -198,6 +198,15 @@ def define_flags():
          '(0: all trained users).')
   define('integer', 'fedperc_timing_repeats', 20,
          'FedPerC: timed passes per method.')
+  define('integer', 'fedperc_curve_points', 10,
+         'FedPerC: held-out evaluations of the known users in each training '
+         'run, for the learning curves (every rounds // N rounds; 0: after '
+         'the last round only). Training is the same either way.')
+
+
+# Flags that change how a run is carried out, not what it computes
+# (reporting.run_config leaves them out of the trained models' cache key).
+OPERATIONAL_FLAGS = ('fedperc_curve_points',)
 
 
 def cells(table: str, flag_values) -> list[reporting.Cell]:
@@ -320,9 +329,23 @@ def task_of(flag_values, seed: int) -> tv_shows_task.TvShowsTask:
       generator_tokens=flag_values.fedperc_generator_tokens, seed=seed)
 
 
+def eval_every(flag_values) -> int:
+  """Rounds between the training run's held-out evaluations (0: the last
+  round only), from `--fedperc_curve_points`."""
+  points = getattr(flag_values, 'fedperc_curve_points', 0) or 0
+  if points < 0:
+    raise ValueError(f'--fedperc_curve_points must be >= 0, got {points}')
+  return max(1, flag_values.fedperc_rounds // points) if points else 0
+
+
 def train_config(variant: str, flag_values, seed: int,
                  cache_dir: str) -> experiment.ExperimentConfig:
-  """The one-path run that trains `variant` (section 4, Appendix B)."""
+  """The one-path run that trains `variant` (section 4, Appendix B).
+
+  The run evaluates the known users' held-out utterances (the task's
+  evaluation: perplexity with the user's trained state, no test-time
+  adaptation) every `eval_every(flag_values)` rounds and after the last.
+  """
   method = _method_of(variant)
   options = {'proximal_mu': flag_values.fedperc_proximal_mu}
   if 'fine_tune_steps' in registry.algorithm_options(method):
@@ -336,7 +359,8 @@ def train_config(variant: str, flag_values, seed: int,
       client_learning_rate=flag_values.fedperc_client_learning_rate,
       server_optimizer=flag_values.fedperc_server_optimizer,
       server_learning_rate=flag_values.fedperc_server_learning_rate,
-      algorithm_options=options, seed=seed, resume=True)
+      algorithm_options=options, seed=seed, resume=True,
+      eval_every=eval_every(flag_values))
 
 
 def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
@@ -346,7 +370,9 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
   `tv_shows` task (`train_config`, in `cache_dir`, itself keyed by the
   digest of the paper's flags); a killed run resumes, a finished one is
   read back. Returns dict(weights=ModelWeights (numpy), states={user:
-  private tuple}, seconds=the rounds' wall time, train_loss=[per round]).
+  private tuple}, seconds=the rounds' wall time, train_loss=[per round],
+  eval_curve=dict(round=[...], perplexity=[...]): the run's held-out
+  evaluations of the known users, `train_config`).
   """
   task = task_of(flag_values, seed)
   config = train_config(variant, flag_values, seed, cache_dir)
@@ -372,13 +398,21 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
             for name, s in zip(task.client_names, loaded)}
   with open(os.path.join(config.experiment_dir, 'train_metrics.csv')) as f:
     rows = sorted(csv.DictReader(f), key=lambda r: int(r['round']))
+  curve = dict(round=[], perplexity=[])
+  eval_csv = os.path.join(config.experiment_dir, 'eval_metrics.csv')
+  if os.path.exists(eval_csv):
+    with open(eval_csv) as f:
+      for r in sorted(csv.DictReader(f), key=lambda r: int(r['round'])):
+        curve['round'].append(int(r['round']))
+        curve['perplexity'].append(float(r['perplexity']))
   return dict(
       weights=tff.learning.models.ModelWeights(
           trainable=tuple(np.asarray(w) for w in trained.trainable),
           non_trainable=tuple(np.asarray(w) for w in trained.non_trainable)),
       states=states,
       seconds=float(sum(float(r['round_seconds']) for r in rows)),
-      train_loss=[float(r['train/loss']) for r in rows])
+      train_loss=[float(r['train/loss']) for r in rows],
+      eval_curve=curve)
 
 
 def dp_new_user_state(states: dict[str, tuple], flag_values,
@@ -632,6 +666,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
     result = evaluate(cell.method, trained, flag_values, seed, users_kind)
     result['train_seconds'] = trained['seconds']
     result['train_loss'] = trained['train_loss']
+    result['eval_curve'] = trained['eval_curve']
     return result
 
   result = _cached_json(
@@ -653,48 +688,80 @@ _EVAL_FILE = re.compile(r'eval_(?P<method>.+)_(?P<users>known|withheld)'
                         r'_seed(?P<seed>\d+)\.json$')
 
 
-def make_figures(root: str, flag_values) -> list[str]:
-  """`fedperc_train_loss.png`: every trained variant's training loss per
-  round (the round's cohort), the mean over its seeds with a band of one
-  standard deviation, from the evaluations cached under the flags'
-  `trained_cache_dir`. Returns the paths written."""
-  cache = trained_cache_dir(root, flag_values)
-  losses: dict[str, dict[int, list[float]]] = {}
+def _variant_runs(cache: str, key: str):
+  """`key` of every cached evaluation, by variant and training seed (the
+  methods that share a variant share its training), and the methods seen."""
+  runs: dict[str, dict[int, object]] = {}
   methods: dict[str, set[str]] = {}
   for path in sorted(glob.glob(os.path.join(cache, 'eval_*_seed*.json'))):
     match = _EVAL_FILE.search(os.path.basename(path))
     if not match or match['method'] not in METHODS:
       continue
     with open(path) as f:
-      loss = json.load(f).get('train_loss')
-    if not loss:
+      value = json.load(f).get(key)
+    if not value or (isinstance(value, dict) and not value.get('round')):
       continue
     variant = fedperc_alg.algorithm(match['method']).variant
-    losses.setdefault(variant, {})[int(match['seed'])] = loss
+    runs.setdefault(variant, {})[int(match['seed'])] = value
     methods.setdefault(variant, set()).add(match['method'])
-  if not losses:
-    return []
+  return runs, methods
+
+
+def make_figures(root: str, flag_values) -> list[str]:
+  """The learning curves of every trained variant, each the mean over its
+  training seeds with a band of one standard deviation, from the
+  evaluations cached under the flags' `trained_cache_dir`:
+
+  - `fedperc_train_loss.png`: training loss per round (the round's cohort);
+  - `fedperc_eval_curves.png`: the known users' held-out perplexity at the
+    training run's evaluations (`train_config`; no test-time adaptation).
+
+  Returns the paths written (none when nothing is cached).
+  """
+  cache = trained_cache_dir(root, flag_values)
+  losses, loss_methods = _variant_runs(cache, 'train_loss')
+  evals, eval_methods = _variant_runs(cache, 'eval_curve')
+  loss_curves = {v: [{'round': list(range(1, len(x) + 1)), 'value': x}
+                     for _, x in sorted(runs.items())]
+                 for v, runs in losses.items()}
+  eval_curves = {v: [{'round': c['round'], 'value': c['perplexity']}
+                     for _, c in sorted(runs.items())]
+                 for v, runs in evals.items()}
+  out = os.path.join(root, reporting.TABLES_DIRNAME, PAPER)
+  paths = []
+  for name, curves, methods, ylabel, log in (
+      ('fedperc_train_loss.png', loss_curves, loss_methods,
+       'training loss (round cohort)', False),
+      ('fedperc_eval_curves.png', eval_curves, eval_methods,
+       'perplexity, known users\' held-out utterances', True)):
+    if curves:
+      paths.append(_plot_variants(os.path.join(out, name), curves, methods,
+                                  ylabel, log))
+  return paths
+
+
+def _plot_variants(path: str, curves: dict, methods: dict, ylabel: str,
+                   log: bool) -> str:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6.5, 4))
   seeds = set()
-  for variant in sorted(losses):
-    curves = [{'round': list(range(1, len(v) + 1)), 'loss': v}
-              for _, v in sorted(losses[variant].items())]
-    seeds.add(len(curves))
+  for variant in sorted(curves):
+    seeds.add(len(curves[variant]))
     label = (f'{variant} ('
              + ', '.join(m for m in METHODS if m in methods[variant]) + ')')
-    reporting.plot_seed_band(ax, curves, 'round', 'loss', label=label)
+    reporting.plot_seed_band(ax, curves[variant], 'round', 'value',
+                             label=label)
+  if log:
+    ax.set_yscale('log')
   ax.set_xlabel('round')
-  ax.set_ylabel('training loss (round cohort)')
+  ax.set_ylabel(ylabel)
   ax.set_title('FedPerC variants: mean ± 1 std over '
                f'{", ".join(map(str, sorted(seeds)))} seed(s)', fontsize=9)
   ax.legend(fontsize=7)
   fig.tight_layout()
-  out = os.path.join(root, reporting.TABLES_DIRNAME, PAPER)
-  os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, 'fedperc_train_loss.png')
+  os.makedirs(os.path.dirname(path), exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
-  return [path]
+  return path

@@ -6,6 +6,7 @@ import os
 import types
 
 import numpy as np
+import pytest
 
 from papers import fedperc as paper
 from tasks import tv_shows_task
@@ -87,32 +88,69 @@ def test_training_is_the_registered_algorithm_on_the_one_path(
   assert any(not np.allclose(x, y) for x, y in zip(
       want.trainable, process.get_model_weights(
           process.initialize()).trainable))
+  # Without curve points the run evaluates after its last round only; with
+  # them it evaluates more often and trains exactly the same.
+  assert trained['eval_curve']['round'] == [2]
+  curved = paper.train(fedperc.EMBEDDING,
+                       types.SimpleNamespace(**vars(flags),
+                                             fedperc_curve_points=2),
+                       0, str(tmp_path / 'curve'))
+  assert curved['eval_curve']['round'] == [1, 2]
+  assert curved['eval_curve']['perplexity'][-1] == (
+      trained['eval_curve']['perplexity'][0])
+  for x, y in zip(curved['weights'].trainable, trained['weights'].trainable,
+                  strict=True):
+    np.testing.assert_array_equal(x, y)
+  assert curved['train_loss'] == trained['train_loss']
 
 
-def test_train_loss_figure_bands_each_variant_over_its_seeds(
+def test_curve_figures_band_each_variant_over_its_seeds(
     tmp_path, monkeypatch):
   root, f = str(tmp_path), _flags()
   cache = paper.trained_cache_dir(root, f)
   os.makedirs(cache)
-  for method, users, seed, loss in (
-      ('fedperc', 'known', 0, [5.0, 4.0]),
-      ('fedperc', 'withheld', 0, [5.0, 4.0]),  # the same training
-      ('fedperc', 'known', 1, [5.2, 4.4]),
-      ('split_learning', 'known', 0, [6.0, 5.5])):
+  curve = lambda *p: {'round': [3, 6], 'perplexity': list(p)}
+  for method, users, seed, loss, evals in (
+      ('fedperc', 'known', 0, [5.0, 4.0], curve(90.0, 80.0)),
+      ('fedperc', 'withheld', 0, [5.0, 4.0], curve(90.0, 80.0)),  # same run
+      ('fedperc', 'known', 1, [5.2, 4.4], curve(92.0, 81.0)),
+      # Cached before the runs recorded curves: a loss curve only.
+      ('split_learning', 'known', 0, [6.0, 5.5], None)):
     with open(os.path.join(cache, f'eval_{method}_{users}_seed{seed}.json'),
               'w') as fh:
-      json.dump({'train_loss': loss}, fh)
-  drawn = {}
+      json.dump({'train_loss': loss, 'eval_curve': evals}, fh)
+  drawn = []
   real = reporting.plot_seed_band
   monkeypatch.setattr(
-      reporting, 'plot_seed_band', lambda ax, curves, *a, **k: drawn.update(
-          {k['label']: curves}) or real(ax, curves, *a, **k))
-  (path,) = paper.make_figures(root, f)
-  assert os.path.basename(path) == 'fedperc_train_loss.png'
+      reporting, 'plot_seed_band', lambda ax, curves, *a, **k: drawn.append(
+          (k['label'], curves)) or real(ax, curves, *a, **k))
+  paths = paper.make_figures(root, f)
+  assert [os.path.basename(p) for p in paths] == [
+      'fedperc_train_loss.png', 'fedperc_eval_curves.png']
+  assert all(os.path.exists(p) for p in paths)
   variant = {m: paper.fedperc_alg.algorithm(m).variant
              for m in ('fedperc', 'split_learning')}
-  fedperc_curves = drawn[f'{variant["fedperc"]} (fedperc)']
-  assert [c['loss'] for c in fedperc_curves] == [[5.0, 4.0], [5.2, 4.4]]
-  assert drawn[f'{variant["split_learning"]} (split_learning)'] == [
-      {'round': [1, 2], 'loss': [6.0, 5.5]}]
+  fedperc_label = f'{variant["fedperc"]} (fedperc)'
+  split_label = f'{variant["split_learning"]} (split_learning)'
+  loss_drawn, eval_drawn = dict(drawn[:2]), dict(drawn[2:])
+  assert [c['value'] for c in loss_drawn[fedperc_label]] == [[5.0, 4.0],
+                                                             [5.2, 4.4]]
+  assert loss_drawn[split_label] == [{'round': [1, 2], 'value': [6.0, 5.5]}]
+  assert eval_drawn == {fedperc_label: [
+      {'round': [3, 6], 'value': [90.0, 80.0]},
+      {'round': [3, 6], 'value': [92.0, 81.0]}]}
   assert paper.make_figures(str(tmp_path / 'empty'), f) == []
+
+
+def test_curve_points_set_the_evaluation_interval_not_the_cache_key(
+    tmp_path):
+  f = _flags(fedperc_rounds=60)
+  assert paper.eval_every(f) == 0  # No flag: the last round only.
+  for points, every in ((10, 6), (7, 8), (100, 1), (0, 0)):
+    assert paper.eval_every(_flags(fedperc_rounds=60,
+                                   fedperc_curve_points=points)) == every
+  assert paper.trained_cache_dir(str(tmp_path), _flags(
+      fedperc_curve_points=10)) == paper.trained_cache_dir(str(tmp_path),
+                                                           _flags())
+  with pytest.raises(ValueError, match='fedperc_curve_points'):
+    paper.eval_every(_flags(fedperc_curve_points=-1))
