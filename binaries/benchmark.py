@@ -102,6 +102,11 @@ def define_flags():
   flags.DEFINE_integer('simulation_shards', -1,
                        'For the project\'s systems: -1 auto (sharded), 0 one '
                        'user per TFF client, n shards.')
+  flags.DEFINE_enum('shards_in', sharded.IN_DRIVER,
+                    [sharded.IN_DRIVER, sharded.IN_EXECUTOR],
+                    'For the project\'s sharded systems: where the shards\' '
+                    'client work runs (this process, or TFF\'s executor with '
+                    'the shards as its clients).')
   flags.DEFINE_integer('intra_op_threads',
                        worker_threads.DEFAULT_INTRA_OP_THREADS,
                        'worker_binary threads per op for the project\'s '
@@ -229,10 +234,11 @@ def build_project_process(name: str, seed: int):
       metrics_fn=task.metrics_fn, seed=seed)
 
 
-def _run_project(name, data, cohort, rounds, seed, shards, rss_at):
+def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
+                 shards_in=sharded.IN_DRIVER):
   proc = build_project_process(name, seed)
   num_shards = sharded.resolve_num_shards(proc, shards)
-  train = sharded.maybe_shard(proc, num_shards)
+  train = sharded.maybe_shard(proc, num_shards, shards_in=shards_in)
   element_spec = tff.types.type_to_tf_tensor_specs(
       proc.client_data_type.element)
   keys = tuple(element_spec.keys())
@@ -254,7 +260,8 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at):
     times.append(time.perf_counter() - t)
     rss_at(r)
   store.close()
-  return times, {'simulation_shards': num_shards}
+  return times, {'simulation_shards': num_shards,
+                 'shards_in': shards_in if num_shards else None}
 
 
 def _run_keras_central(data, cohort, rounds, seed, rss_at):
@@ -431,7 +438,7 @@ def child_main(f) -> None:
                                         rss_at)
     else:
       times, extra = _run_project(f.child, data, f.cohort, f.rounds, f.seed,
-                                  f.simulation_shards, rss_at)
+                                  f.simulation_shards, rss_at, f.shards_in)
   steady = times[1:] or times
   per_round = float(np.mean(steady))
   # From the parent's spawn to the end of round 1 (not the shut-down).
@@ -535,6 +542,7 @@ def parent_main(f) -> int:
              f'--cohort={cohort}', f'--rounds={rounds}',
              f'--workload={workload}', f'--record={record_path}',
              f'--seed={f.seed}', f'--simulation_shards={f.simulation_shards}',
+             f'--shards_in={f.shards_in}',
              f'--intra_op_threads={f.intra_op_threads}',
              f'--inter_op_threads={f.inter_op_threads}',
              f'--reference_threads={f.reference_threads}']

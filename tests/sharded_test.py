@@ -121,6 +121,51 @@ def test_fedembed_prototype_sharded_equals_one_user_per_client():
     assert_close_structures(got, want)
 
 
+@pytest.mark.parametrize('dp', [False, True])
+def test_shards_in_the_driver_equal_shards_in_the_executor(dp):
+  """The driver runs the shard computation's own TF code: the same round as
+  TFF's executor running the shards as its clients (plain and DP; noise 0
+  so that the comparison is of the clipped sums), to float rounding (the
+  two TensorFlow runtimes order a few float reductions differently; the
+  local Adam steps magnify that on tiny gradients, as between the sharded
+  and one-user forms)."""
+  sizes = [6, 9, 3, 8, 5]
+  if dp:
+    config = dp_config(0.0, len(sizes))
+    build = lambda where: sharded.ShardedProcess(
+        build_dp_global(config), 2, config, shards_in=where)
+    init = [collections.OrderedDict(private=(),
+                                    rounds_participated=np.int32(0))
+            ] * len(sizes)
+  else:
+    build = lambda where: sharded.ShardedProcess(
+        fedavg.build_global_plus(
+            model_fn_factory, client_optimizer=fedavg.adam(3e-3),
+            server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=1,
+            embedding_dim=28, metrics_fn=None), 2, shards_in=where)
+    init = states(build(sharded.IN_EXECUTOR), len(sizes), seed=7)
+  got = run_rounds(build(sharded.IN_DRIVER), 2, init, sizes)
+  want = run_rounds(build(sharded.IN_EXECUTOR), 2, init, sizes)
+  for x, y in zip(tf.nest.flatten(got), tf.nest.flatten(want), strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    if np.issubdtype(x.dtype, np.floating):
+      assert_close_structures(x, y)
+    else:
+      np.testing.assert_array_equal(x, y)
+  start = build(sharded.IN_DRIVER).initialize().global_model_weights
+  assert any(not np.array_equal(a, b) for a, b in zip(
+      got[0].global_model_weights.trainable, start.trainable))
+
+
+def test_an_unknown_place_for_shards_is_refused():
+  base = fedavg.build_global_plus(
+      model_fn_factory, client_optimizer=fedavg.adam(3e-3),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=1,
+      embedding_dim=28, metrics_fn=None)
+  with pytest.raises(ValueError, match='shards_in'):
+    sharded.ShardedProcess(base, 2, shards_in='gpu')
+
+
 def test_pack_keeps_batch_boundaries():
   datasets = make_datasets([5, 2], seed=0, batch=2)
   packed = sharded.pack_datasets(datasets, SPEC)

@@ -528,6 +528,42 @@ def worker_map():
       context, _OrderedMergeableContext) else None
 
 
+def configure_driver_threads(intra_op_threads: Optional[int],
+                             inter_op_threads: Optional[int]) -> bool:
+  """Gives this process's TensorFlow the local worker's thread pools.
+
+  A local sharded run computes its shards in this process
+  (`sharded.DriverShardWork`), so the data-parallel setting of the worker
+  (`worker_threads`: one thread per op, concurrency from the concurrent
+  shards) applies here too. TensorFlow fixes its pools when its context
+  starts; if it has started with other pools, this logs a warning and
+  changes nothing (the run is correct, its float reductions may be ordered
+  differently and its shards slower). Returns whether the pools match.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  threading_config = tf.config.threading
+  ok = True
+  for value, name, get, set_ in (
+      (intra_op_threads, 'intra_op_threads',
+       threading_config.get_intra_op_parallelism_threads,
+       threading_config.set_intra_op_parallelism_threads),
+      (inter_op_threads, 'inter_op_threads',
+       threading_config.get_inter_op_parallelism_threads,
+       threading_config.set_inter_op_parallelism_threads)):
+    n = worker_threads.resolve(value, f'--{name}')
+    if n is None or get() == n:
+      continue
+    try:
+      set_(n)
+    except RuntimeError:
+      ok = False
+      logging.warning(
+          'TensorFlow started in this process before the runtime, with '
+          '%s=%d, not %d: shards computed here use those pools.', name,
+          get(), n)
+  return ok
+
+
 @contextlib.contextmanager
 def local_runtime(log_path: Optional[str] = None,
                   handle_sigterm: bool = True,
@@ -558,6 +594,8 @@ def local_runtime(log_path: Optional[str] = None,
     def _on_sigterm(signum, frame):
       raise SystemExit(128 + signum)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+  if not workers:
+    configure_driver_threads(intra_op_threads, inter_op_threads)
   try:
     runtime = (LocalCppRuntime(log_path=log_path,
                                intra_op_threads=intra_op_threads,

@@ -255,6 +255,69 @@ def _unstack_states(stacked, num_users: int, template) -> list:
           for u in range(num_users)]
 
 
+def _shard_loop(step, spec, element_spec, user_clip_norm, wire,
+                count_users: bool):
+  """The TF logic of a shard (`build_shard_work`) around a built per-user
+  `step`: `run(weights, states, shard) -> OrderedDict`, plain Python to be
+  traced (without AutoGraph, as the one-user form)."""
+  select = 'selected' in spec
+
+  def run(weights, states, shard):
+    num_users = tf.shape(shard[SHARD_NUM_BATCHES])[0]
+    zeros = lambda s: tf.zeros(s.shape, s.dtype)
+    update_sum = tf.nest.map_structure(zeros, spec['update'])
+    metric_sums = tf.nest.map_structure(zeros, spec['metrics'])
+    arrays = tf.nest.map_structure(
+        lambda s: tf.TensorArray(s.dtype, size=num_users,
+                                 element_shape=s.shape),
+        spec['client_state'])
+    # The selection so far (an empty structure when there is none).
+    best = (best_scoring.no_candidate(spec['selected']['value'])
+            if select else ())
+
+    def body(u, update_sum, total_weight, metric_sums, arrays, best):
+      state_u = tf.nest.map_structure(lambda t: t[u], states)
+      out = step(weights, state_u, PackedBatches(shard, u, element_spec,
+                                                 wire))
+      if user_clip_norm is None:
+        w = tf.cast(out['update_weight'], tf.float32)
+        user_update = out['update']
+      else:
+        w = tf.constant(1.0)
+        user_update = privacy.clip_user_update(out['update'], user_clip_norm)
+      update_sum = tf.nest.map_structure(
+          lambda a, x: a + tf.cast(w, x.dtype) * x, update_sum, user_update)
+      metric_sums = tf.nest.map_structure(tf.add, metric_sums,
+                                          out['metrics'])
+      arrays = tf.nest.map_structure(lambda ta, x: ta.write(u, x), arrays,
+                                     out['client_state'])
+      if select:
+        best = best_scoring.better(best, out['selected'])
+      return u + 1, update_sum, total_weight + w, metric_sums, arrays, best
+
+    _, update_sum, total_weight, metric_sums, arrays, best = tf.while_loop(
+        lambda u, *_: u < num_users, body,
+        (tf.constant(0), update_sum, tf.constant(0.0), metric_sums, arrays,
+         best))
+    if user_clip_norm is None:
+      update = tf.nest.map_structure(
+          lambda a: tf.math.divide_no_nan(a, tf.cast(total_weight, a.dtype)),
+          update_sum)
+    else:
+      update = update_sum
+    new_states = tf.nest.map_structure(lambda ta: ta.stack(), arrays)
+    result = collections.OrderedDict(
+        update=update, update_weight=total_weight, client_state=new_states,
+        metrics=metric_sums)
+    if select:
+      result['selected'] = best
+    if count_users:
+      result[SHARD_USERS] = tf.cast(num_users, tf.float32)
+    return result
+
+  return run
+
+
 def build_shard_work(make_step: process_lib.ClientStepFactory,
                      weights_type: tff.Type, client_state_type: tff.Type,
                      data_type: tff.SequenceType,
@@ -278,72 +341,101 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
   result also holds `SHARD_USERS`, the shard's user count (float32).
   """
   spec = tff.types.type_to_tf_tensor_specs(step_result_type)
-  select = 'selected' in spec
   element_spec = tff.types.type_to_tf_tensor_specs(data_type.element)
   stacked_state_type = _stacked_type(client_state_type)
   shard_type = shard_data_type(data_type, wire)
 
   @tff.tensorflow.computation(weights_type, stacked_state_type, shard_type)
   def shard_work(weights, states, shard):
-    step = make_step()
-
-    @tf.function(autograph=False)  # As the one-user form: no AutoGraph.
-    def run(weights, states, shard):
-      num_users = tf.shape(shard[SHARD_NUM_BATCHES])[0]
-      zeros = lambda s: tf.zeros(s.shape, s.dtype)
-      update_sum = tf.nest.map_structure(zeros, spec['update'])
-      metric_sums = tf.nest.map_structure(zeros, spec['metrics'])
-      arrays = tf.nest.map_structure(
-          lambda s: tf.TensorArray(s.dtype, size=num_users,
-                                   element_shape=s.shape),
-          spec['client_state'])
-      # The selection so far (an empty structure when there is none).
-      best = (best_scoring.no_candidate(spec['selected']['value'])
-              if select else ())
-
-      def body(u, update_sum, total_weight, metric_sums, arrays, best):
-        state_u = tf.nest.map_structure(lambda t: t[u], states)
-        out = step(weights, state_u, PackedBatches(shard, u, element_spec,
-                                                   wire))
-        if user_clip_norm is None:
-          w = tf.cast(out['update_weight'], tf.float32)
-          user_update = out['update']
-        else:
-          w = tf.constant(1.0)
-          user_update = privacy.clip_user_update(out['update'], user_clip_norm)
-        update_sum = tf.nest.map_structure(
-            lambda a, x: a + tf.cast(w, x.dtype) * x, update_sum, user_update)
-        metric_sums = tf.nest.map_structure(tf.add, metric_sums,
-                                            out['metrics'])
-        arrays = tf.nest.map_structure(lambda ta, x: ta.write(u, x), arrays,
-                                       out['client_state'])
-        if select:
-          best = best_scoring.better(best, out['selected'])
-        return u + 1, update_sum, total_weight + w, metric_sums, arrays, best
-
-      _, update_sum, total_weight, metric_sums, arrays, best = tf.while_loop(
-          lambda u, *_: u < num_users, body,
-          (tf.constant(0), update_sum, tf.constant(0.0), metric_sums, arrays,
-           best))
-      if user_clip_norm is None:
-        update = tf.nest.map_structure(
-            lambda a: tf.math.divide_no_nan(a, tf.cast(total_weight, a.dtype)),
-            update_sum)
-      else:
-        update = update_sum
-      new_states = tf.nest.map_structure(lambda ta: ta.stack(), arrays)
-      result = collections.OrderedDict(
-          update=update, update_weight=total_weight, client_state=new_states,
-          metrics=metric_sums)
-      if select:
-        result['selected'] = best
-      if count_users:
-        result[SHARD_USERS] = tf.cast(num_users, tf.float32)
-      return result
-
-    return run(weights, states, shard)
+    run = _shard_loop(make_step(), spec, element_spec, user_clip_norm, wire,
+                      count_users)
+    # As the one-user form: no AutoGraph.
+    return tf.function(run, autograph=False)(weights, states, shard)
 
   return shard_work
+
+
+def _relaxed(t, leading: int) -> tf.TensorSpec:
+  """`t`'s spec with any size along its first `leading` axes."""
+  return tf.TensorSpec([None] * leading + t.shape[leading:].as_list(),
+                       t.dtype)
+
+
+def _shard_signature(shard) -> collections.OrderedDict:
+  """A packed shard's spec for any user, batch and example count: the
+  examples vary along (user, example), the index arrays along every axis."""
+  return collections.OrderedDict(
+      (k, tf.nest.map_structure(
+          lambda t: _relaxed(t, 2 if k == SHARD_EXAMPLES else t.shape.rank),
+          v)) for k, v in shard.items())
+
+
+class DriverShardWork:
+  """`build_shard_work`'s computation run in this process, one thread per
+  shard, instead of in TFF's executor.
+
+  Called with a list of `(weights, stacked_states, shard)` argument tuples
+  (those of the TFF computation), it returns their results in order, as
+  nested numpy values of the computation's result type. Each concurrent
+  shard has its own per-user step (`make_step()`, built eagerly once, so
+  its model variables are reused: a step re-assigns every variable it reads
+  on entry) and its own traced loop, the same TF code as the computation's
+  (`_shard_loop`). Routed through the executor, a round serialised every
+  shard's examples into it and the results back; here they stay in this
+  process. The aggregation, DP noise included, still runs in TFF
+  (`ShardedProcess`): only the client work moves.
+
+  Args:
+    make_step: The per-user step factory (`Composition.client_step`).
+    shard_work: The TFF computation this replaces (its types).
+    element_spec: The per-user batches' element spec (decoded form).
+    user_clip_norm, wire, count_users: As for `build_shard_work`.
+  """
+
+  def __init__(self, make_step: process_lib.ClientStepFactory,
+               shard_work: tff.Computation, step_result_type: tff.Type,
+               element_spec, user_clip_norm: float | None = None,
+               wire: client_data.WireFormat | None = None,
+               count_users: bool = False):
+    self._make_step = make_step
+    self._result_spec = tff.types.type_to_tf_tensor_specs(step_result_type)
+    self._element_spec = element_spec
+    self._loop_args = (user_clip_norm, wire, count_users)
+    self._runs = []  # One traced loop per concurrent shard, built on use.
+    self._result_type = shard_work.type_signature.result
+
+  def _build(self, example_call):
+    """A fresh step and the shard loop over it, traced now (not in a
+    thread) for arguments shaped as `example_call` with any user, batch and
+    example count."""
+    run = _shard_loop(self._make_step(), self._result_spec,
+                      self._element_spec, *self._loop_args)
+    weights, states, shard = example_call
+    signature = (tf.nest.map_structure(lambda t: _relaxed(t, 0), weights),
+                 tf.nest.map_structure(lambda t: _relaxed(t, 1), states),
+                 _shard_signature(shard))
+    traced = tf.function(run, autograph=False, input_signature=signature)
+    traced.get_concrete_function()
+    return traced
+
+  def __call__(self, calls: Sequence[tuple]) -> list:
+    to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
+    calls = [to_tensors(c) for c in calls]
+    # Steps are built and traced one at a time; the loops then run at once.
+    while len(self._runs) < len(calls):
+      self._runs.append(self._build(calls[0]))
+    if len(calls) == 1:
+      results = [self._runs[0](*calls[0])]
+    else:
+      with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        results = list(pool.map(lambda i: self._runs[i](*calls[i]),
+                                range(len(calls))))
+    return [tf.nest.map_structure(lambda t: t.numpy(), r) for r in results]
+
+
+# Where `ShardedProcess` computes a local run's shards (`shards_in`).
+IN_DRIVER = 'driver'
+IN_EXECUTOR = 'executor'
 
 
 class ShardedProcess:
@@ -359,7 +451,8 @@ class ShardedProcess:
 
   def __init__(self, base: process_lib.StatefulClientProcess, num_shards: int,
                dp_config: privacy.DPConfig | None = None,
-               wire: client_data.WireFormat | None = None):
+               wire: client_data.WireFormat | None = None,
+               shards_in: str = IN_DRIVER):
     """Builds the sharded form of `base`.
 
     Args:
@@ -374,7 +467,15 @@ class ShardedProcess:
       wire: the task's `WireFormat` when its `ClientBatches` hold examples
         in a compact form (e.g. uint8) that the shard decodes; its decoded
         form must match the process's client data type.
+      shards_in: Where a local run computes the shards' client work:
+        `IN_DRIVER` (this process, `DriverShardWork`) or `IN_EXECUTOR`
+        (TFF's executor, the shards as its clients). The aggregation, DP
+        noise and server update run in TFF either way; with several workers
+        (`runtime.local_runtime(workers=...)`) the shards run on them.
     """
+    if shards_in not in (IN_DRIVER, IN_EXECUTOR):
+      raise ValueError(f'shards_in must be {IN_DRIVER!r} or {IN_EXECUTOR!r}, '
+                       f'got {shards_in!r}')
     composition = base.composition
     if composition is None or composition.client_step is None:
       raise ValueError(
@@ -425,6 +526,12 @@ class ShardedProcess:
         server_optimizer=composition.server_optimizer,
         train_metrics=composition.train_metrics, model_fn=base.model_fn)
     self._shard_work = shard_work
+    self._shards_in = shards_in
+    self._driver_work = DriverShardWork(
+        composition.client_step, shard_work,
+        composition.client_work_result_type, self._element_spec,
+        user_clip_norm=None if dp is None else float(dp.clip_norm),
+        wire=wire, count_users=with_server_step)
     self._common = common
     self._with_server_step = with_server_step
     self._process = self._compose(shard_work)
@@ -530,18 +637,20 @@ class ShardedProcess:
                                 self._wire)
                   for r in ranges]
     spread = runtime.worker_map()
-    if spread is None:  # One call: TFF runs the shards as its clients.
+    if spread is None and self._shards_in == IN_EXECUTOR:
+      # One call: TFF runs the shards as its clients.
       state, new_shard_states, metrics = self._process.next(
           state, shard_states, shard_data)
     else:
-      # Several workers: each shard's work runs once, on one worker, and
-      # the round's aggregate (DP noise included) is formed once from the
-      # shards' results. TFF's mergeable form would run the client work
-      # again after the merge to produce the client states.
+      # Each shard's work runs once, in this process (the examples never
+      # cross into the executor) or on one of several workers (TFF's
+      # mergeable form would run the client work again after the merge to
+      # produce the client states); the round's aggregate, DP noise
+      # included, is formed once in TFF from the shards' results.
       weights = self.get_model_weights(state)
-      results = spread(self._shard_work,
-                       [(weights, st, d) for st, d in zip(shard_states,
-                                                          shard_data)])
+      calls = [(weights, st, d) for st, d in zip(shard_states, shard_data)]
+      results = (self._driver_work(calls) if spread is None
+                 else spread(self._shard_work, calls))
       state, new_shard_states, metrics = self._process_from_results().next(
           state, shard_states, results)
     new_states = []
@@ -583,12 +692,13 @@ def resolve_num_shards(process, requested: int,
 
 def maybe_shard(process, num_shards: int,
                 dp_config: privacy.DPConfig | None = None,
-                wire: client_data.WireFormat | None = None):
-  """`ShardedProcess(process, num_shards, dp_config, wire)`, or `process`
-  for 0."""
+                wire: client_data.WireFormat | None = None,
+                shards_in: str = IN_DRIVER):
+  """`ShardedProcess(process, num_shards, dp_config, wire, shards_in)`, or
+  `process` for 0."""
   if num_shards == 0:
     return process
-  return ShardedProcess(process, num_shards, dp_config, wire)
+  return ShardedProcess(process, num_shards, dp_config, wire, shards_in)
 
 
 class ShardedPersonalEval:
@@ -704,18 +814,10 @@ class ShardedPersonalEval:
           outputs=outputs.stack(), labels=labels.stack(),
           counts=counts.stack())
 
-    def relaxed(t, leading):  # Any size along the first `leading` axes.
-      return tf.TensorSpec([None] * leading + t.shape[leading:].as_list(),
-                           t.dtype)
-
-    shard_spec = lambda d: collections.OrderedDict(
-        (k, tf.nest.map_structure(
-            lambda t: relaxed(t, 2 if k == SHARD_EXAMPLES else t.shape.rank),
-            v)) for k, v in d.items())
     weights, states, *data = example_args
-    signature = (tf.nest.map_structure(lambda t: relaxed(t, 0), weights),
-                 tf.nest.map_structure(lambda t: relaxed(t, 1), states),
-                 *[shard_spec(d) for d in data])
+    signature = (tf.nest.map_structure(lambda t: _relaxed(t, 0), weights),
+                 tf.nest.map_structure(lambda t: _relaxed(t, 1), states),
+                 *[_shard_signature(d) for d in data])
     if self._fine_tune:
       fn = lambda w, s, t, d: run_shard(w, s, d, t)
     else:
