@@ -237,6 +237,18 @@ def _tables(class_rounds: int, vae_rounds: int,
 TABLES = _tables(DEFAULT_CLASS_ROUNDS, DEFAULT_VAE_ROUNDS,
                  {'decoder': 'shared'})
 
+# The report's run of the authors' recipe with every row at dims 8
+# (`--feddva_recipe=authors --feddva_ablate=dims`, 60 FedDVA rounds): its
+# tables over seeds, in the report's own columns (`tools/paper_tables.py`).
+AUTHORS_RECIPE_VAE_ROUNDS = 60
+_AUTHORS_RECIPE = _tables(DEFAULT_CLASS_ROUNDS, AUTHORS_RECIPE_VAE_ROUNDS,
+                          {'recipe': 'authors', 'ablate': 'dims'})
+EXTRA_TABLES = {
+    f'{name}_authors_recipe': (
+        lambda records, table=_AUTHORS_RECIPE[name]: reporting.render_markdown(
+            records, table))
+    for name in ('classification', 'spread', 'probes', 'probes_z')}
+
 
 def define_flags():
   def define(kind, name, default, help_text):

@@ -157,6 +157,30 @@ def test_shards_in_the_driver_equal_shards_in_the_executor(dp):
       got[0].global_model_weights.trainable, start.trainable))
 
 
+@pytest.mark.parametrize('kind', ['plain', 'dp', 'pfedkm', 'fedembed_som'])
+def test_shard_result_type_is_the_traced_computation_s(kind):
+  """The driver form types the shards' results without tracing the TFF
+  shard computation: the type must be the one that computation has (with
+  a selection and user counts for the statistics processes, DP's sums)."""
+  if kind == 'plain':
+    proc = sharded.ShardedProcess(fedavg.build_global_plus(
+        model_fn_factory, client_optimizer=fedavg.adam(3e-3),
+        server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=1,
+        embedding_dim=28, metrics_fn=None), 2)
+  elif kind == 'dp':
+    config = dp_config(1.0, 4)
+    proc = sharded.ShardedProcess(build_dp_global(config), 2, config)
+  else:
+    proc = sharded.ShardedProcess(
+        build_statistics_process(kind, 'best' if kind == 'fedembed_som'
+                                 else None), 2)
+  traced = proc._shard_work.type_signature.result  # pylint: disable=protected-access
+  derived = proc._result_type  # pylint: disable=protected-access
+  assert derived.is_equivalent_to(traced), (derived, traced)
+  assert ('selected' in dir(traced)) == (kind == 'fedembed_som')
+  assert ('users' in dir(traced)) == (kind in ('pfedkm', 'fedembed_som'))
+
+
 def test_an_unknown_place_for_shards_is_refused():
   base = fedavg.build_global_plus(
       model_fn_factory, client_optimizer=fedavg.adam(3e-3),

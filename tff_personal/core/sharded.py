@@ -22,6 +22,18 @@ give the same server and client states on the same seed.
 The one-user-per-client `StatefulClientProcess` stays the production-faithful
 form (one TFF client is one device); `ShardedProcess` is for simulation.
 
+Where the shards run (`ShardedProcess(..., shards_in=)`). By default
+(`IN_DRIVER`) a local round computes each shard's work in this process,
+one thread per shard (`DriverShardWork`: the TFF shard computation's own TF
+code, traced once per concurrent shard), and then runs the process's TFF
+round with a client work that returns those results: the aggregation, DP
+noise and server update stay in TFF. Through the executor (`IN_EXECUTOR`,
+TFF running the shards as its clients), every round serialised every
+shard's examples into the `worker_binary` and the results back. With
+several workers the shards run on them (`runtime.worker_map`). The two
+places give the same round up to float rounding (two TensorFlow runtimes;
+`tests/sharded_test.py`).
+
 Differential privacy: user-level DP clips each *user's* update before
 anything is summed; TFF's DP aggregator applied to shards would clip each
 shard's sum instead. So with a `DPConfig`, each shard clips every user's
@@ -318,6 +330,27 @@ def _shard_loop(step, spec, element_spec, user_clip_norm, wire,
   return run
 
 
+def shard_result_type(step_result_type: tff.Type,
+                      count_users: bool = False) -> tff.Type:
+  """The TFF type of a shard's result (`build_shard_work`), from one step's
+  result type, without tracing the step: the update, metrics and selection
+  as one user's, the update weight a float32, the client states stacked
+  along a leading user axis and, with `count_users`, `SHARD_USERS`."""
+  spec = tff.types.type_to_tf_tensor_specs(step_result_type)
+  result = collections.OrderedDict(
+      update=spec['update'],
+      update_weight=tf.TensorSpec([], tf.float32),
+      client_state=tf.nest.map_structure(
+          lambda t: tf.TensorSpec([None] + t.shape.as_list(), t.dtype),
+          spec['client_state']),
+      metrics=spec['metrics'])
+  if 'selected' in spec:
+    result['selected'] = spec['selected']
+  if count_users:
+    result[SHARD_USERS] = tf.TensorSpec([], tf.float32)
+  return tff.types.tensorflow_to_type(result)
+
+
 def build_shard_work(make_step: process_lib.ClientStepFactory,
                      weights_type: tff.Type, client_state_type: tff.Type,
                      data_type: tff.SequenceType,
@@ -387,14 +420,14 @@ class DriverShardWork:
 
   Args:
     make_step: The per-user step factory (`Composition.client_step`).
-    shard_work: The TFF computation this replaces (its types).
+    step_result_type: One step's result type (as for `build_shard_work`).
     element_spec: The per-user batches' element spec (decoded form).
     user_clip_norm, wire, count_users: As for `build_shard_work`.
   """
 
   def __init__(self, make_step: process_lib.ClientStepFactory,
-               shard_work: tff.Computation, step_result_type: tff.Type,
-               element_spec, user_clip_norm: float | None = None,
+               step_result_type: tff.Type, element_spec,
+               user_clip_norm: float | None = None,
                wire: client_data.WireFormat | None = None,
                count_users: bool = False):
     self._make_step = make_step
@@ -402,7 +435,6 @@ class DriverShardWork:
     self._element_spec = element_spec
     self._loop_args = (user_clip_norm, wire, count_users)
     self._runs = []  # One traced loop per concurrent shard, built on use.
-    self._result_type = shard_work.type_signature.result
 
   def _build(self, example_call):
     """A fresh step and the shard loop over it, traced now (not in a
@@ -511,31 +543,44 @@ class ShardedProcess:
     self._wire = wire
     self._state_template = tff.types.type_to_tf_tensor_specs(
         composition.client_state_type)
-    shard_work = build_shard_work(
+    clip = None if dp is None else float(dp.clip_norm)
+    # The TFF shard computation is traced on first use (by the executor
+    # form or the workers); the driver form needs only its types.
+    self._build_shard_work = lambda: build_shard_work(
         composition.client_step, base.model_weights_type,
         composition.client_state_type, data_type,
-        composition.client_work_result_type,
-        user_clip_norm=None if dp is None else float(dp.clip_norm),
-        wire=wire, count_users=with_server_step)
-    common = dict(
+        composition.client_work_result_type, user_clip_norm=clip, wire=wire,
+        count_users=with_server_step)
+    self._shard_work_fn = None
+    self._result_type = shard_result_type(
+        composition.client_work_result_type, count_users=with_server_step)
+    self._common = dict(
         initial_model_weights=composition.initial_model_weights,
         client_state_type=_stacked_type(composition.client_state_type),
-        client_work=shard_work,
         aggregator_factory=(composition.aggregator_factory if dp is None else
                             privacy.build_sharded_aggregator(dp)),
         server_optimizer=composition.server_optimizer,
         train_metrics=composition.train_metrics, model_fn=base.model_fn)
-    self._shard_work = shard_work
     self._shards_in = shards_in
     self._driver_work = DriverShardWork(
-        composition.client_step, shard_work,
-        composition.client_work_result_type, self._element_spec,
-        user_clip_norm=None if dp is None else float(dp.clip_norm),
-        wire=wire, count_users=with_server_step)
-    self._common = common
+        composition.client_step, composition.client_work_result_type,
+        self._element_spec, user_clip_norm=clip, wire=wire,
+        count_users=with_server_step)
     self._with_server_step = with_server_step
-    self._process = self._compose(shard_work)
-    self._from_results = None  # Built on the first multi-worker round.
+    self._executor_process = None  # Built on first use.
+    self._from_results = None  # Built on first use.
+
+  @property
+  def _shard_work(self) -> tff.Computation:
+    if self._shard_work_fn is None:
+      self._shard_work_fn = self._build_shard_work()
+    return self._shard_work_fn
+
+  @property
+  def _process(self) -> process_lib.StatefulClientProcess:
+    if self._executor_process is None:
+      self._executor_process = self._compose(self._shard_work)
+    return self._executor_process
 
   def _compose(self, client_work):
     composition = self._base.composition
@@ -552,11 +597,11 @@ class ShardedProcess:
     computed beforehand (its client data): the aggregation, DP noise and
     server step of one round, without the shards' training."""
     if self._from_results is None:
-      work_type = self._shard_work.type_signature
-      weights_type, states_type, _ = work_type.parameter
+      weights_type = self._base.model_weights_type
+      states_type = self._common['client_state_type']
 
       @tff.tensorflow.computation(weights_type, states_type,
-                                  work_type.result)
+                                  self._result_type)
       def precomputed(weights, states, result):
         del weights, states  # The shard's result was computed with them.
         return result
@@ -611,7 +656,10 @@ class ShardedProcess:
     return self._base.initial_private
 
   def initialize(self):
-    return self._process.initialize()
+    # The process `next` will run, so that only one is traced.
+    if self._shards_in == IN_EXECUTOR and runtime.worker_map() is None:
+      return self._process.initialize()
+    return self._process_from_results().initialize()
 
   def get_model_weights(self, state):
     return self._base.get_model_weights(state)
