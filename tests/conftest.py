@@ -3,6 +3,13 @@
 import os
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# This process's TensorFlow gets the worker's thread pools (one thread per
+# op, one inter-op thread per CPU) from its start: sharded rounds compute
+# their shards here (`core/sharded.py`), and a test module may start
+# TensorFlow before the session's runtime could set them
+# (`runtime.configure_driver_threads`).
+os.environ.setdefault('TF_NUM_INTRAOP_THREADS', '1')
+os.environ.setdefault('TF_NUM_INTEROP_THREADS', str(len(os.sched_getaffinity(0))))
 
 import pytest  # pylint: disable=g-import-not-at-top
 

@@ -94,13 +94,13 @@ def local_train(model: split_model_lib.SplitModel,
   def metric_zeros():
     if metrics_fn is None:
       return collections.OrderedDict()
-    empty = tf.nest.map_structure(
-        lambda s: tf.zeros([0] + s.shape[1:].as_list(), s.dtype),
-        dataset.element_spec)
-    sample = metrics_fn(
-        empty, model.predict(model.forward(empty, training=False)))
-    # Static shapes only: the empty forward pass above is traced for its
-    # output structure and pruned, never run in the client step.
+    # The metrics' structure and static shapes, from a forward pass traced
+    # (never run) on the batches' spec. Not on a tensor of zero examples:
+    # Keras' LSTM cannot be traced on a batch whose size is statically 0.
+    sample = tf.function(
+        lambda b: metrics_fn(b, model.predict(model.forward(
+            b, training=False))), autograph=False).get_concrete_function(
+                dataset.element_spec).structured_outputs
     return collections.OrderedDict(
         (k, tf.zeros(v.shape, v.dtype)) for k, v in sample.items())
 
