@@ -393,6 +393,9 @@ def run(config, task_kwargs, f) -> int:
   try:
     worker_threads.resolve(f.intra_op_threads, '--intra_op_threads')
     worker_threads.resolve(f.inter_op_threads, '--inter_op_threads')
+    if not f.workers:  # Before the task's data start TensorFlow.
+      runtime.configure_driver_threads(f.intra_op_threads,
+                                       f.inter_op_threads)
     task = task_registry.build_task(f.task, **task_kwargs)
     algorithm_registry.check_compatible(config.algorithm, task,
                                         config.algorithm_options)
@@ -458,6 +461,9 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   try:
     worker_threads.resolve(f.intra_op_threads, '--intra_op_threads')
     worker_threads.resolve(f.inter_op_threads, '--inter_op_threads')
+    if not f.workers:  # Before the task's data start TensorFlow.
+      runtime.configure_driver_threads(f.intra_op_threads,
+                                       f.inter_op_threads)
     task = task_registry.build_task(f.task, **task_kwargs)
     experiment.validate(config, task.population)
   except ValueError as e:
