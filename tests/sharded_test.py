@@ -113,8 +113,15 @@ def test_fedembed_prototype_sharded_equals_one_user_per_client():
   sizes = [8, 4, 6]
   init = states(base, len(sizes), seed=3)
   want_state, want_clients, _ = run_rounds(base, 2, init, sizes, typed=True)
+  # Both forms in the worker, whose thread pools are fixed: in the driver,
+  # the pools are whichever an earlier test of the same process started
+  # TensorFlow with, and Adam magnifies the changed reduction order past
+  # this tolerance on one weight in 100k (2.7e-5; the driver form is held
+  # to the executor's by test_shards_in_the_driver_equal_shards_in_the_
+  # executor and to the one-user form by tests/conformance_test.py).
   got_state, got_clients, _ = run_rounds(
-      sharded.ShardedProcess(build(), 2), 2, init, sizes, typed=True)
+      sharded.ShardedProcess(build(), 2, shards_in=sharded.IN_EXECUTOR), 2,
+      init, sizes, typed=True)
   assert_close_structures(got_state.global_model_weights,
                           want_state.global_model_weights)
   for got, want in zip(got_clients, want_clients):
