@@ -139,6 +139,8 @@ def define_flags():
                        'round (a seeded subset of the evaluated clients; '
                        '0: all of them). The last evaluation tests all.')
   flags.DEFINE_integer('checkpoint_every', 1, 'Checkpoint every N rounds.')
+  flags.DEFINE_integer('keep_checkpoints', 3,
+                       'Newest checkpoints kept in each run directory.')
   flags.DEFINE_bool('eval_fine_tune', False,
                     'Before testing, each evaluated client trains only its '
                     'private variables for one local pass on its own '
@@ -177,7 +179,7 @@ def define_flags():
       'TensorFlow\'s default.')
   _group('training', ['rounds', 'clients_per_round', 'sampling', 'seed',
                       'eval_every', 'eval_clients', 'curve_eval_clients',
-                      'checkpoint_every',
+                      'checkpoint_every', 'keep_checkpoints',
                       'eval_fine_tune', 'cold_start_epochs',
                       'resume', 'client_state_backend', 'train_metrics',
                       'use_gpu', 'workers', 'simulation_shards',
@@ -291,7 +293,7 @@ def configs_from_flags(f):
           f.algorithm, f.algorithm_options),
       personal_init_stddev=f.personal_init_stddev, sampling=f.sampling,
       seed=f.seed, checkpoint_every=f.checkpoint_every,
-      eval_every=f.eval_every, eval_clients=f.eval_clients,
+      keep_checkpoints=f.keep_checkpoints, eval_every=f.eval_every, eval_clients=f.eval_clients,
       curve_eval_clients=f.curve_eval_clients,
       eval_fine_tune=f.eval_fine_tune, resume=f.resume,
       simulation_shards=f.simulation_shards,

@@ -388,8 +388,8 @@ def _task(cfg, seed):
 
 
 def train_config(cfg: dict, seed: int, directory: str,
-                 grouping: str = 'task',
-                 num_groups: int = 1) -> experiment.ExperimentConfig:
+                 grouping: str = 'task', num_groups: int = 1,
+                 keep_checkpoints: int = 3) -> experiment.ExperimentConfig:
   """The one-path run (`groupfl`) behind the tables.
 
   Stage 'fl': T rounds of `clients_per_round` over every client; then T_g
@@ -397,7 +397,8 @@ def train_config(cfg: dict, seed: int, directory: str,
   The control `fl_more` is the same run with `grouping='one'` (one group of
   every client) and GroupFL's client budget (`group_clients_per_round` x
   `num_groups` per round): its FL stage is the same run, hence the same FL
-  model.
+  model. `keep_checkpoints`: the newest checkpoints each run directory
+  keeps (the controls keep every group round's, for their curves).
   """
   one = grouping == 'one'
   return experiment.ExperimentConfig(
@@ -411,7 +412,7 @@ def train_config(cfg: dict, seed: int, directory: str,
       algorithm_options={'fl_rounds': cfg['rounds'],
                          'fl_clients_per_round': cfg['clients_per_round'],
                          'grouping': grouping},
-      seed=seed, resume=True)
+      keep_checkpoints=keep_checkpoints, seed=seed, resume=True)
 
 
 def _train(task, config, log_fn):
@@ -423,10 +424,12 @@ def _train(task, config, log_fn):
             f'group {config.experiment_name}: {s}'))
 
 
-def _models(task, config, grouping):
-  """(FL model, {group: its model}, weights type) from the run's final
-  checkpoints (stage 'fl', then each group's run)."""
-  staged = experiment.build_process(task, config)
+def _models(task, config, grouping, round_num=None, staged=None):
+  """(FL model, {group: its model}, weights type) from the run's
+  checkpoints: stage 'fl''s final one, then each group's run's of
+  `round_num` (None: its last round, `config.rounds`). `staged`: the run's
+  process (`experiment.build_process(task, config)`), built if None."""
+  staged = staged or experiment.build_process(task, config)
   fl_stage = staged.stages[0]
   state = training_loop.load_checkpoint(
       fl_stage.process, experiment.stage_directory(config, fl_stage.name),
@@ -435,7 +438,8 @@ def _models(task, config, grouping):
   models = {}
   for g in experiment.group_members(task, config, grouping):
     state = training_loop.load_checkpoint(
-        staged.final, experiment.group_directory(config, g), config.rounds)
+        staged.final, experiment.group_directory(config, g),
+        config.rounds if round_num is None else round_num)
     models[g] = staged.final.get_model_weights(state)
   return fl_weights, models, staged.final.model_weights_type
 
@@ -555,21 +559,11 @@ def _personalize(task, cfg, stages, method, models, key_of, eval_clients,
   `eval_<method>`). Returns `({eval client: its sums}, {'perplexity_by_lr',
   'lr'})`.
   """
-  evaluate_personal = group_fl.build_lm_evaluation(
-      task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
-  k_l = cfg['personalization_epochs']
-  personal_train = lambda c: task.train_dataset(c, k_l, round_num=10**6)
+  personalized = _personalizer(task, cfg, wtype)
 
   def run(lr, clients):
-    personalize = group_fl.build_local_personalization(
-        task.model_fn, tff.learning.optimizers.build_sgdm(lr), wtype)
-    out = {}
-    for key, weights in models.items():
-      members = [c for c in clients if key_of[c] == key]
-      out.update(group_fl.personalize_and_evaluate(
-          personalize, evaluate_personal, weights, members, personal_train,
-          task.eval_dataset))
-    return {str(c): v for c, v in out.items()}
+    return {str(c): v for c, v in personalized(lr, models, key_of,
+                                                 clients).items()}
 
   by_lr = {}
   for lr in cfg['personalization_lrs']:
@@ -584,6 +578,31 @@ def _personalize(task, cfg, stages, method, models, key_of, eval_clients,
       f'eval_{method}', lambda: run(best, eval_clients)).items()}
   return sums, {'perplexity_by_lr': {f'{k:g}': v for k, v in by_lr.items()},
                 'lr': best}
+
+
+def _personalizer(task, cfg, wtype):
+  """`personalized(lr, models, key_of, clients) -> {client: sums}`: each of
+  `clients` fine-tunes `models[key_of[client]]` for K_l epochs of SGD at
+  `lr` on its training data, then is tested on its evaluation speeches.
+  Builds each lr's computation once."""
+  evaluate_personal = group_fl.build_lm_evaluation(
+      task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
+  k_l = cfg['personalization_epochs']
+  personal_train = lambda c: task.train_dataset(c, k_l, round_num=10**6)
+  built = {}
+
+  def personalized(lr, models, key_of, clients):
+    if lr not in built:
+      built[lr] = group_fl.build_local_personalization(
+          task.model_fn, tff.learning.optimizers.build_sgdm(lr), wtype)
+    out = {}
+    for key, weights in models.items():
+      members = [c for c in clients if key_of[c] == key]
+      out.update(group_fl.personalize_and_evaluate(
+          built[lr], evaluate_personal, weights, members, personal_train,
+          task.eval_dataset))
+    return out
+  return personalized
 
 
 def plateau_round(curve: Mapping[int, float], window: int,
@@ -668,8 +687,8 @@ def _controls(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
   directory = os.path.join(_config_dir(root, cfg, seed),
                            'controls_' + _digest(cfg['plateau']))
   return _cached(cfg, seed, directory, 'controls.json', _run_controls, log_fn,
-                 lambda: make_plateau_figure(root,
-                                             os.path.dirname(directory)))
+                 lambda: (make_plateau_figure(root, os.path.dirname(directory)),
+                          make_control_curves_figure(root, directory)))
 
 
 def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
@@ -683,7 +702,8 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
   wtype = None
   for grouping, name in (('task', 'groupfl'), ('shuffled', 'groupfl_shuffled'),
                          ('one', 'fl_more')):
-    config = train_config(cfg_t, seed, directory, grouping, num_groups)
+    config = train_config(cfg_t, seed, directory, grouping, num_groups,
+                          keep_checkpoints=_control_keep(cfg))
     _train(task, config, log_fn)
     fl_weights, models, wtype = _models(task, config, grouping)
     members = experiment.group_members(task, config, grouping)
@@ -714,7 +734,74 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
     sums[method], sweep[method] = _personalize(
         task, cfg, stages, method, models, key_of, eval_clients,
         sweep_clients, wtype, log_fn)
+  stages.json('curves', lambda: _control_curves(
+      task, cfg_t, seed, directory, eval_clients,
+      {m: s['lr'] for m, s in sweep.items()}, wtype, log_fn))
   return _control_cells(task, eval_clients, sums, sweep, plateau['rounds'])
+
+
+def _control_keep(cfg) -> int:
+  """Checkpoints each control run keeps: every group round's (the
+  curves'), and never fewer than the loop's default."""
+  return max(cfg['group_rounds'], 3)
+
+
+# The controls' group-stage runs: (grouping, method, its personalized method).
+_CONTROL_RUNS = (('task', 'groupfl', 'groupperfl'),
+                 ('shuffled', 'groupfl_shuffled', 'groupperfl_shuffled'),
+                 ('one', 'fl_more', 'perfl_more'))
+
+
+def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
+                    log_fn) -> dict:
+  """Held-out learning curves of the controls' group stages.
+
+  For each group-stage run (`_CONTROL_RUNS`) and each round r = 0..T_g,
+  every evaluated client is tested with its group's model after r group
+  rounds (round 0: the FL model at T), from the run's checkpoints; its
+  personalized method first fine-tunes that model as the table does, at
+  the lr its sweep selected (`lrs[method]`). The last round's values are
+  the table's (the same models and evaluations).
+
+  Returns `{method: {'round': [0..T_g], group or 'all': [perplexity per
+  round]}}`, each pooled over the evaluated clients of the genre (`all`:
+  every genre).
+  """
+  num_groups = len(task.group_names)
+  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
+                                          wtype)
+  personalized = _personalizer(task, cfg_t, wtype)
+  pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
+           for g in task.group_names}
+  pools[ALL] = list(eval_clients)
+  rounds = list(range(cfg_t['group_rounds'] + 1))
+  out = {}
+  for grouping, method, personal in _CONTROL_RUNS:
+    config = train_config(cfg_t, seed, directory, grouping, num_groups,
+                          keep_checkpoints=_control_keep(cfg_t))
+    staged = experiment.build_process(task, config)
+    members = experiment.group_members(task, config, grouping)
+    key_of = {c: g for g, ms in members.items() for c in ms}
+    for name in (method, personal):
+      out[name] = {'round': rounds, **{g: [] for g in pools}}
+    for r in rounds:
+      log_fn(f'group: curves of {method} / {personal}, group round {r}')
+      fl_weights, models, _ = _models(task, config, grouping,
+                                      max(r, 1), staged)
+      if r == 0:
+        models = {g: fl_weights for g in models}
+      sums = {}
+      for key, weights in models.items():
+        sums.update(group_fl.evaluate_global(
+            evaluate, weights, [c for c in eval_clients if key_of[c] == key],
+            task.eval_dataset))
+      personal_sums = personalized(lrs[personal], models, key_of,
+                                   eval_clients)
+      for name, by_client in ((method, sums), (personal, personal_sums)):
+        for g, clients in pools.items():
+          out[name][g].append(group_fl.perplexity(
+              [by_client[c] for c in clients]))
+  return out
 
 
 def _control_cells(task, eval_clients, sums, sweep, rounds) -> dict:
@@ -953,4 +1040,58 @@ def make_plateau_figure(root_output_dir: str, seed_dir: str) -> None:
   out = os.path.join(root_output_dir, 'figures')
   os.makedirs(out, exist_ok=True)
   fig.savefig(os.path.join(out, 'group_fl_plateau.png'), dpi=120)
+  plt.close(fig)
+
+
+def make_control_curves_figure(root_output_dir: str,
+                               controls_dir: str) -> None:
+  """`group_control_curves.png`: every method of table `control` on the
+  evaluated clients (`all`) over the group rounds after T.
+
+  Left, the models as trained; right, personalized. Each group-stage run
+  (`_control_curves`) is a curve from round 0 (the FL model at T) to T_g,
+  the mean over the finished seeds with a band of one standard deviation;
+  `fl` and `perfl` (the table's, at T) are dashed lines. Reads every
+  sibling seed's `controls_*/curves.json` and `controls.json` of the same
+  plateau rule as `controls_dir`.
+  """
+  name = os.path.basename(controls_dir)
+  curves, tables = [], []
+  for path in sorted(glob.glob(os.path.join(
+      os.path.dirname(os.path.dirname(controls_dir)), 'seed_*', name,
+      'curves.json'))):
+    table = os.path.join(os.path.dirname(path), 'controls.json')
+    if not os.path.exists(table):
+      continue  # A seed still running.
+    with open(path) as f:
+      curves.append(json.load(f))
+    with open(table) as f:
+      tables.append(json.load(f))
+  if not curves:
+    return
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  colors = ('tab:red', 'tab:purple', 'tab:blue')
+  for ax, column, start in ((axes[0], 1, 'fl'), (axes[1], 2, 'perfl')):
+    for run, color in zip(_CONTROL_RUNS, colors):
+      method = run[column]
+      reporting.plot_seed_band(
+          ax, [{'round': c[method]['round'], 'perplexity': c[method][ALL]}
+               for c in curves], 'round', 'perplexity', color=color,
+          label=method)
+    level = float(np.mean([t[start][ALL]['perplexity'] for t in tables]))
+    ax.axhline(level, color='black', linestyle='--', linewidth=1,
+               label=f'{start} (at T)')
+    ax.set_xlabel('group rounds after T (0: the FL model at T)')
+    ax.legend(fontsize=8)
+  axes[0].set_ylabel('held-out perplexity, evaluated clients')
+  axes[0].set_title('as trained', fontsize=9)
+  axes[1].set_title('personalized (each method\'s selected lr)', fontsize=9)
+  fig.suptitle(f'mean ± 1 std over {len(curves)} seed(s)', fontsize=9)
+  fig.tight_layout()
+  out = os.path.join(root_output_dir, 'figures')
+  os.makedirs(out, exist_ok=True)
+  fig.savefig(os.path.join(out, 'group_control_curves.png'), dpi=120)
   plt.close(fig)

@@ -134,9 +134,36 @@ def _check_controls(f, root, records):
       assert sizes == sorted(len(task.clients_of(g))
                              for g in task.group_names)
   assert os.path.exists(os.path.join(root, 'figures', 'group_fl_plateau.png'))
+  _check_control_curves(f, root, directory, cells)
   for other in fl_weights[1:]:
     for x, y in zip(fl_weights[0].trainable, other.trainable, strict=True):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _check_control_curves(f, root, directory, cells):
+  """The curves: rounds 0..T_g of every group-stage method; the last
+  round is the table's cell (same checkpoint, same evaluation), round 0 is
+  the FL model at T for every run (personalized: at the method's lr)."""
+  with open(os.path.join(directory, 'curves.json')) as fh:
+    curves = json.load(fh)
+  assert set(curves) == set(group.CONTROL_METHODS) - {'fl', 'perfl'}
+  groups = list(sg.GROUP_NAMES) + ['all']
+  for method, curve in curves.items():
+    assert curve['round'] == list(range(f.group_group_rounds + 1))
+    for g in groups:
+      assert len(curve[g]) == len(curve['round'])
+      assert curve[g][-1] == pytest.approx(cells[(method, g)]['perplexity'],
+                                           rel=1e-9)
+      start = 'perfl' if 'perfl' in method else 'fl'
+      if (cells[(method, g)].get('personalization_lr') ==
+          cells[(start, g)].get('personalization_lr')):
+        assert curve[g][0] == pytest.approx(cells[(start, g)]['perplexity'],
+                                            rel=1e-9)
+  # The three unpersonalized runs start from one FL model: one round 0.
+  assert (curves['groupfl']['all'][0] == curves['fl_more']['all'][0] ==
+          curves['groupfl_shuffled']['all'][0])
+  assert os.path.exists(os.path.join(root, 'figures',
+                                     'group_control_curves.png'))
 
 
 def test_validation_clients_are_disjoint_from_evaluated_and_sweep(

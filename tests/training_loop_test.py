@@ -51,7 +51,8 @@ def test_loop_config_rejects_bad_values():
   for bad, msg in ((dict(rounds=0), 'rounds'),
                    (dict(clients_per_round=3), 'clients_per_round'),
                    (dict(sampling='cyclic'), 'sampling'),
-                   (dict(checkpoint_every=0), 'checkpoint_every')):
+                   (dict(checkpoint_every=0), 'checkpoint_every'),
+                   (dict(keep_checkpoints=0), 'keep_checkpoints')):
     with pytest.raises(ValueError, match=msg):
       training_loop.LoopConfig(**{**ok, **bad}).validate()
 
@@ -252,6 +253,14 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, mnist_dir, capsys):
   assert _train(tmp_path, mnist_dir, resume=True) == 0
   assert 'already finished' in capsys.readouterr().out
   assert files.tree_digest(run) == before
+
+
+def test_keep_checkpoints_keeps_the_newest(tmp_path, mnist_dir):
+  """--keep_checkpoints reaches the loop: the newest 4 of 5 rounds (the
+  default keeps 3)."""
+  assert _train(tmp_path, mnist_dir, rounds=5, keep_checkpoints=4) == 0
+  assert training_loop.checkpoint_rounds(str(tmp_path / 'ckpt')) == [2, 3, 4,
+                                                                     5]
 
 
 def _seed_with_empty_round(population, clients_per_round, empty, rounds):

@@ -63,6 +63,10 @@ class ExperimentConfig:
   sampling: str = 'fixed_size'
   seed: int = 0
   checkpoint_every: int = 1
+  # Checkpoints kept in each run directory (the newest; older ones are
+  # deleted): more keeps the models of earlier rounds for analysis after
+  # the run, e.g. a learning curve evaluated from them.
+  keep_checkpoints: int = 3
   eval_every: int = 0
   eval_clients: int = 0  # 0: every client of the population.
   # Clients tested at the evaluations before the last round (the learning
@@ -202,7 +206,8 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
       rounds=config.rounds, clients_per_round=config.clients_per_round,
       population=population, experiment_dir=config.experiment_dir,
       sampling=config.sampling, checkpoint_every=config.checkpoint_every,
-      eval_every=config.eval_every).validate()
+      eval_every=config.eval_every,
+      keep_checkpoints=config.keep_checkpoints).validate()
   if (config.client_learning_rate <= 0 or config.server_learning_rate <= 0 or
       (config.private_learning_rate is not None and
        config.private_learning_rate <= 0)):
@@ -642,6 +647,7 @@ def _loop_config(config: ExperimentConfig, directory: str, population: int,
       population=population, experiment_dir=directory,
       sampling=config.sampling, seed=config.seed,
       checkpoint_every=config.checkpoint_every,
+      keep_checkpoints=config.keep_checkpoints,
       eval_every=config.eval_every if eval_every is None else eval_every,
       resume=config.resume, release_unnoised=releases_unnoised(config))
 
@@ -1150,7 +1156,8 @@ EVALUATION_FIELDS = ('eval_clients', 'curve_eval_clients', 'eval_chunk',
 # refused, while one with a given noise multiplier may be extended and is
 # accounted for all its rounds at that multiplier).
 RESUMABLE_FIELDS = EVALUATION_FIELDS + (
-    'simulation_shards', 'eval_every', 'checkpoint_every', 'resume', 'rounds',
+    'simulation_shards', 'eval_every', 'checkpoint_every', 'keep_checkpoints',
+    'resume', 'rounds',
     'root_output_dir', 'experiment_name', 'use_gpu', 'workers',
     'intra_op_threads', 'inter_op_threads')
 

@@ -98,6 +98,9 @@ class LoopConfig:
           f'checkpoint_every must be >= 1, got {self.checkpoint_every}')
     if self.eval_every < 0:
       raise ValueError(f'eval_every must be >= 0, got {self.eval_every}')
+    if self.keep_checkpoints < 1:
+      raise ValueError(
+          f'keep_checkpoints must be >= 1, got {self.keep_checkpoints}')
 
 
 @dataclasses.dataclass
