@@ -403,6 +403,30 @@ def _shard_signature(shard) -> collections.OrderedDict:
           v)) for k, v in shard.items())
 
 
+def _call_signature(weights, states, *shards) -> tuple:
+  """The input signature of a shard loop called with `(weights, stacked
+  states, *shards)` shaped as these, for any user, batch and example
+  count."""
+  return (tf.nest.map_structure(lambda t: _relaxed(t, 0), weights),
+          tf.nest.map_structure(lambda t: _relaxed(t, 1), states),
+          *[_shard_signature(shard) for shard in shards])
+
+
+def _run_concurrently(runs: list, build, calls: Sequence[tuple]) -> list:
+  """`[runs[i](*calls[i]) for each call]`, the calls run at once in threads.
+
+  Each run is a traced shard loop on its own model (a thread never shares
+  one). Missing runs are first appended to `runs` by `build(calls[0])`, one
+  at a time in this thread (tracing is not done in threads).
+  """
+  while len(runs) < len(calls):
+    runs.append(build(calls[0]))
+  if len(calls) == 1:
+    return [runs[0](*calls[0])]
+  with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+    return list(pool.map(lambda i: runs[i](*calls[i]), range(len(calls))))
+
+
 class DriverShardWork:
   """`build_shard_work`'s computation run in this process, one thread per
   shard, instead of in TFF's executor.
@@ -442,26 +466,15 @@ class DriverShardWork:
     example count."""
     run = _shard_loop(self._make_step(), self._result_spec,
                       self._element_spec, *self._loop_args)
-    weights, states, shard = example_call
-    signature = (tf.nest.map_structure(lambda t: _relaxed(t, 0), weights),
-                 tf.nest.map_structure(lambda t: _relaxed(t, 1), states),
-                 _shard_signature(shard))
-    traced = tf.function(run, autograph=False, input_signature=signature)
+    traced = tf.function(run, autograph=False,
+                         input_signature=_call_signature(*example_call))
     traced.get_concrete_function()
     return traced
 
   def __call__(self, calls: Sequence[tuple]) -> list:
     to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
-    calls = [to_tensors(c) for c in calls]
-    # Steps are built and traced one at a time; the loops then run at once.
-    while len(self._runs) < len(calls):
-      self._runs.append(self._build(calls[0]))
-    if len(calls) == 1:
-      results = [self._runs[0](*calls[0])]
-    else:
-      with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        results = list(pool.map(lambda i: self._runs[i](*calls[i]),
-                                range(len(calls))))
+    results = _run_concurrently(self._runs, self._build,
+                                [to_tensors(c) for c in calls])
     return [tf.nest.map_structure(lambda t: t.numpy(), r) for r in results]
 
 
@@ -862,10 +875,7 @@ class ShardedPersonalEval:
           outputs=outputs.stack(), labels=labels.stack(),
           counts=counts.stack())
 
-    weights, states, *data = example_args
-    signature = (tf.nest.map_structure(lambda t: _relaxed(t, 0), weights),
-                 tf.nest.map_structure(lambda t: _relaxed(t, 1), states),
-                 *[_shard_signature(d) for d in data])
+    signature = _call_signature(*example_args)
     if self._fine_tune:
       fn = lambda w, s, t, d: run_shard(w, s, d, t)
     else:
@@ -902,16 +912,8 @@ class ShardedPersonalEval:
                                        self._element_spec, self._train_wire))
       return weights, states, train, shard
 
-    args = [shard_args(r) for r in ranges]
-    # Models are built and traced one at a time; traced loops run at once.
-    while len(self._runs) < len(ranges):
-      self._runs.append(self._build(args[0]))
-    if len(ranges) == 1:
-      results = [self._runs[0](*args[0])]
-    else:
-      with concurrent.futures.ThreadPoolExecutor(len(ranges)) as pool:
-        results = list(pool.map(lambda i: self._runs[i](*args[i]),
-                                range(len(ranges))))
+    results = _run_concurrently(self._runs, self._build,
+                                [shard_args(r) for r in ranges])
     out = []
     for r, result in zip(ranges, results):
       counts = result['counts'].numpy()
