@@ -646,22 +646,39 @@ def _validation_clients(task, cfg, seed) -> list[int]:
   return sorted(out)
 
 
-def _find_plateau(task, cfg, seed, directory, validation, log_fn) -> dict:
-  """Trains FL (the registered `global`: stage 'fl' of `groupfl` on its
-  own) for up to `max_rounds`, evaluating the validation clients every
-  `eval_every` rounds, and applies `plateau_round` to that curve."""
+def _fl_curve_config(cfg, seed, directory) -> experiment.ExperimentConfig:
+  """The controls' FL run (the registered `global`: stage 'fl' of
+  `groupfl` on its own) for up to `max_rounds`, evaluated every
+  `eval_every` rounds; it keeps a checkpoint every `2 * eval_every` rounds
+  (`_fl_curves` reads them)."""
   p = cfg['plateau']
-  config = experiment.ExperimentConfig(
+  return experiment.ExperimentConfig(
       algorithm='global', rounds=p['max_rounds'],
       clients_per_round=cfg['clients_per_round'], root_output_dir=directory,
       experiment_name='fl_curve', client_optimizer='sgd',
       client_learning_rate=cfg['client_lr'], server_optimizer='adam',
       server_learning_rate=cfg['server_lr'], eval_every=p['eval_every'],
+      checkpoint_every=2 * p['eval_every'],
+      keep_checkpoints=max(3, p['max_rounds'] // (2 * p['eval_every'])),
       seed=seed, resume=True)
+
+
+def _train_fl_curve(task, config, validation, log_fn) -> None:
+  """Runs the controls' FL run unless it finished (summary.json),
+  evaluating the validation clients."""
   if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
     experiment.run_experiment(
         task, config, eval_ids=validation,
         log_fn=lambda s: log_fn(f'group fl_curve: {s}'))
+
+
+def _find_plateau(task, cfg, seed, directory, validation, log_fn) -> dict:
+  """Trains the controls' FL run (`_fl_curve_config`), evaluating the
+  validation clients every `eval_every` rounds, and applies
+  `plateau_round` to that curve."""
+  p = cfg['plateau']
+  config = _fl_curve_config(cfg, seed, directory)
+  _train_fl_curve(task, config, validation, log_fn)
   with open(os.path.join(config.experiment_dir, 'eval_metrics.csv')) as f:
     curve = {int(r['round']): float(r['perplexity'])
              for r in csv.DictReader(f) if r.get('perplexity')}
@@ -671,6 +688,45 @@ def _find_plateau(task, cfg, seed, directory, validation, log_fn) -> dict:
   return {'rounds': rounds or p['max_rounds'], 'reached': rounds is not None,
           'curve': {str(r): v for r, v in sorted(curve.items())},
           'validation_clients': len(validation)}
+
+
+def _fl_curves(task, cfg, seed, directory, validation, eval_clients, lr,
+               wtype, log_fn) -> dict:
+  """`fl` and `perfl` over FL's rounds, on the evaluated clients.
+
+  At every checkpoint of the controls' FL run (every `2 * eval_every`
+  rounds up to `max_rounds`; retrained first if its directory is gone),
+  the FL model is tested on the evaluated clients as is (`fl`) and after
+  each client's local fine-tuning at `lr` (`perfl`, the lr PerFL's sweep
+  selected). Returns `{'round': [...], 'fl': {group or 'all': [...]},
+  'perfl': {...}}`, perplexities pooled as in the tables.
+  """
+  config = _fl_curve_config(cfg, seed, directory)
+  _train_fl_curve(task, config, validation, log_fn)
+  process = experiment.build_process(task, config)
+  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
+                                          wtype)
+  personalized = _personalizer(task, cfg, wtype)
+  pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
+           for g in task.group_names}
+  pools[ALL] = list(eval_clients)
+  rounds = [r for r in training_loop.checkpoint_rounds(config.experiment_dir)
+            if r > 0 and r % config.checkpoint_every == 0]
+  out = {'round': rounds, 'fl': {g: [] for g in pools},
+         'perfl': {g: [] for g in pools}}
+  for r in rounds:
+    log_fn(f'group: curves of fl / perfl, FL round {r}')
+    weights = process.get_model_weights(training_loop.load_checkpoint(
+        process, config.experiment_dir, r))
+    sums = group_fl.evaluate_global(evaluate, weights, eval_clients,
+                                    task.eval_dataset)
+    personal = personalized(lr, {ALL: weights},
+                            {c: ALL for c in eval_clients}, eval_clients)
+    for name, by_client in (('fl', sums), ('perfl', personal)):
+      for g, clients in pools.items():
+        out[name][g].append(group_fl.perplexity(
+            [by_client[c] for c in clients]))
+  return out
 
 
 def _controls(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
@@ -737,6 +793,9 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
   stages.json('curves', lambda: _control_curves(
       task, cfg_t, seed, directory, eval_clients,
       {m: s['lr'] for m, s in sweep.items()}, wtype, log_fn))
+  stages.json('fl_curves', lambda: _fl_curves(
+      task, cfg, seed, directory, validation, eval_clients,
+      sweep['perfl']['lr'], wtype, log_fn))
   return _control_cells(task, eval_clients, sums, sweep, plateau['rounds'])
 
 
@@ -1046,35 +1105,54 @@ def make_plateau_figure(root_output_dir: str, seed_dir: str) -> None:
 def make_control_curves_figure(root_output_dir: str,
                                controls_dir: str) -> None:
   """`group_control_curves.png`: every method of table `control` on the
-  evaluated clients (`all`) over the group rounds after T.
+  evaluated clients (`all`), as held-out perplexity over rounds.
 
-  Left, the models as trained; right, personalized. Each group-stage run
-  (`_control_curves`) is a curve from round 0 (the FL model at T) to T_g,
-  the mean over the finished seeds with a band of one standard deviation;
-  `fl` and `perfl` (the table's, at T) are dashed lines. Reads every
-  sibling seed's `controls_*/curves.json` and `controls.json` of the same
-  plateau rule as `controls_dir`.
+  Left, `fl` and `perfl` over FL's rounds (`_fl_curves`), each seed's
+  plateau round T marked; middle, the group-stage runs as trained and,
+  right, personalized, over the group rounds after T (`_control_curves`:
+  round 0 is the FL model at T), with `fl` and `perfl` at T (the table's)
+  as dashed lines. Each curve is the mean over the finished seeds with a
+  band of one standard deviation. Reads every sibling seed's
+  `controls_*/{fl_curves,curves,controls}.json` of the same plateau rule as
+  `controls_dir`.
   """
   name = os.path.basename(controls_dir)
-  curves, tables = [], []
+  curves, tables, fl_curves, plateau_rounds = [], [], [], []
   for path in sorted(glob.glob(os.path.join(
       os.path.dirname(os.path.dirname(controls_dir)), 'seed_*', name,
-      'curves.json'))):
-    table = os.path.join(os.path.dirname(path), 'controls.json')
-    if not os.path.exists(table):
-      continue  # A seed still running.
+      'controls.json'))):
+    seed_dir = os.path.dirname(path)
     with open(path) as f:
-      curves.append(json.load(f))
-    with open(table) as f:
       tables.append(json.load(f))
+    with open(os.path.join(seed_dir, 'curves.json')) as f:
+      curves.append(json.load(f))
+    fl_path = os.path.join(seed_dir, 'fl_curves.json')
+    if os.path.exists(fl_path):  # Absent in a run made before it existed.
+      with open(fl_path) as f:
+        fl_curves.append(json.load(f))
+      plateau_rounds.append(tables[-1]['fl'][ALL]['fl_rounds'])
   if not curves:
     return
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  for method, color in (('fl', 'black'), ('perfl', 'tab:green')):
+    reporting.plot_seed_band(
+        axes[0], [{'round': c['round'], 'perplexity': c[method][ALL]}
+                  for c in fl_curves], 'round', 'perplexity', color=color,
+        label=method)
+  for i, t in enumerate(plateau_rounds):
+    axes[0].axvline(t, color='tab:red', linewidth=0.8, alpha=0.7,
+                    label='plateau round T per seed' if i == 0 else None)
+  axes[0].set_xlabel('FL round')
+  axes[0].set_ylabel('held-out perplexity, evaluated clients')
+  axes[0].set_title(f'FL ({len(fl_curves)} seed(s))', fontsize=9)
+  if fl_curves:
+    top = max(np.percentile(c['fl'][ALL], 90) for c in fl_curves)
+    axes[0].set_ylim(top=float(top))
   colors = ('tab:red', 'tab:purple', 'tab:blue')
-  for ax, column, start in ((axes[0], 1, 'fl'), (axes[1], 2, 'perfl')):
+  for ax, column, start in ((axes[1], 1, 'fl'), (axes[2], 2, 'perfl')):
     for run, color in zip(_CONTROL_RUNS, colors):
       method = run[column]
       reporting.plot_seed_band(
@@ -1085,11 +1163,14 @@ def make_control_curves_figure(root_output_dir: str,
     ax.axhline(level, color='black', linestyle='--', linewidth=1,
                label=f'{start} (at T)')
     ax.set_xlabel('group rounds after T (0: the FL model at T)')
+  axes[1].set_title(f'group stage, as trained ({len(curves)} seed(s))',
+                    fontsize=9)
+  axes[2].set_title('group stage, personalized (each method\'s selected lr)',
+                    fontsize=9)
+  axes[2].sharey(axes[1])
+  for ax in axes:
     ax.legend(fontsize=8)
-  axes[0].set_ylabel('held-out perplexity, evaluated clients')
-  axes[0].set_title('as trained', fontsize=9)
-  axes[1].set_title('personalized (each method\'s selected lr)', fontsize=9)
-  fig.suptitle(f'mean ± 1 std over {len(curves)} seed(s)', fontsize=9)
+  fig.suptitle('mean ± 1 std over seeds', fontsize=9)
   fig.tight_layout()
   out = os.path.join(root_output_dir, 'figures')
   os.makedirs(out, exist_ok=True)

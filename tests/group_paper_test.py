@@ -159,6 +159,17 @@ def _check_control_curves(f, root, directory, cells):
           cells[(start, g)].get('personalization_lr')):
         assert curve[g][0] == pytest.approx(cells[(start, g)]['perplexity'],
                                             rel=1e-9)
+  # fl and perfl over FL's rounds: at every kept checkpoint (every
+  # 2 * eval_every rounds), on the same clients and pools.
+  with open(os.path.join(directory, 'fl_curves.json')) as fh:
+    fl_curves = json.load(fh)
+  step = 2 * f.group_plateau_eval_every
+  assert fl_curves['round'] == list(range(
+      step, f.group_plateau_max_rounds + 1, step))
+  for method in ('fl', 'perfl'):
+    assert set(fl_curves[method]) == set(groups)
+    assert all(len(v) == len(fl_curves['round'])
+               for v in fl_curves[method].values())
   # The three unpersonalized runs start from one FL model: one round 0.
   assert (curves['groupfl']['all'][0] == curves['fl_more']['all'][0] ==
           curves['groupfl_shuffled']['all'][0])
