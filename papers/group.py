@@ -1110,9 +1110,10 @@ def make_control_curves_figure(root_output_dir: str,
   Left, `fl` and `perfl` over FL's rounds (`_fl_curves`), each seed's
   plateau round T marked; middle, the group-stage runs as trained and,
   right, personalized, over the group rounds after T (`_control_curves`:
-  round 0 is the FL model at T), with `fl` and `perfl` at T (the table's)
-  as dashed lines. Each curve is the mean over the finished seeds with a
-  band of one standard deviation. Reads every sibling seed's
+  round 0 is the FL model at T), each as the change from the seed's `fl`
+  at T, with `fl` and `perfl` at T (the table's) as dashed lines. Each
+  curve is the mean over the finished seeds with a band of one standard
+  deviation. Reads every sibling seed's
   `controls_*/{fl_curves,curves,controls}.json` of the same plateau rule as
   `controls_dir`.
   """
@@ -1151,23 +1152,31 @@ def make_control_curves_figure(root_output_dir: str,
   if fl_curves:
     top = max(np.percentile(c['fl'][ALL], 90) for c in fl_curves)
     axes[0].set_ylim(top=float(top))
+  # The group stage as each seed's change from its FL model at T: the
+  # seeds' evaluated clients differ, and so do their levels.
+  base = [t['fl'][ALL]['perplexity'] for t in tables]
   colors = ('tab:red', 'tab:purple', 'tab:blue')
   for ax, column, start in ((axes[1], 1, 'fl'), (axes[2], 2, 'perfl')):
     for run, color in zip(_CONTROL_RUNS, colors):
       method = run[column]
       reporting.plot_seed_band(
-          ax, [{'round': c[method]['round'], 'perplexity': c[method][ALL]}
-               for c in curves], 'round', 'perplexity', color=color,
-          label=method)
-    level = float(np.mean([t[start][ALL]['perplexity'] for t in tables]))
+          ax, [{'round': c[method]['round'],
+                'perplexity': [v - b for v in c[method][ALL]]}
+               for c, b in zip(curves, base)], 'round', 'perplexity',
+          color=color, label=method)
+    level = float(np.mean([t[start][ALL]['perplexity'] - b
+                           for t, b in zip(tables, base)]))
     ax.axhline(level, color='black', linestyle='--', linewidth=1,
                label=f'{start} (at T)')
     ax.set_xlabel('group rounds after T (0: the FL model at T)')
+  axes[1].set_ylabel('held-out perplexity minus fl\'s at T (per seed)')
   axes[1].set_title(f'group stage, as trained ({len(curves)} seed(s))',
                     fontsize=9)
   axes[2].set_title('group stage, personalized (each method\'s selected lr)',
                     fontsize=9)
-  axes[2].sharey(axes[1])
+  limits = [ax.get_ylim() for ax in axes[1:]]
+  for ax in axes[1:]:
+    ax.set_ylim(min(lo for lo, _ in limits), max(hi for _, hi in limits))
   for ax in axes:
     ax.legend(fontsize=8)
   fig.suptitle('mean ± 1 std over seeds', fontsize=9)

@@ -83,6 +83,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -412,6 +413,24 @@ def _call_signature(weights, states, *shards) -> tuple:
           *[_shard_signature(shard) for shard in shards])
 
 
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def _shard_pool() -> concurrent.futures.ThreadPoolExecutor:
+  """The process's threads for concurrent shard loops, started on first use
+  and kept (starting a pool's threads every round cost a few ms, a tenth
+  of a small cohort's round). Up to max(8, CPU count) loops run at once;
+  more wait for a free thread."""
+  global _POOL
+  with _POOL_LOCK:
+    if _POOL is None:
+      _POOL = concurrent.futures.ThreadPoolExecutor(
+          max_workers=max(8, os.cpu_count() or 1),
+          thread_name_prefix='tff_personal_shard')
+    return _POOL
+
+
 def _run_concurrently(runs: list, build, calls: Sequence[tuple]) -> list:
   """`[runs[i](*calls[i]) for each call]`, the calls run at once in threads.
 
@@ -423,8 +442,9 @@ def _run_concurrently(runs: list, build, calls: Sequence[tuple]) -> list:
     runs.append(build(calls[0]))
   if len(calls) == 1:
     return [runs[0](*calls[0])]
-  with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-    return list(pool.map(lambda i: runs[i](*calls[i]), range(len(calls))))
+  futures = [_shard_pool().submit(runs[i], *calls[i])
+             for i in range(len(calls))]
+  return [f.result() for f in futures]
 
 
 class DriverShardWork:
