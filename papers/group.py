@@ -472,7 +472,8 @@ def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
   directory = _config_dir(root, cfg, seed)
   return _cached(cfg, seed, directory, 'pipeline.json', _run_pipeline,
                  log_fn, lambda: (make_figures(root, directory),
-                                  make_training_figure(root, directory)))
+                                  make_training_figure(root, directory),
+                                  make_curves_figure(root, directory)))
 
 
 def _cached(cfg, seed, directory, filename, run_fn, log_fn, after) -> dict:
@@ -497,7 +498,8 @@ def _cached(cfg, seed, directory, filename, run_fn, log_fn, after) -> dict:
 def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   groups = {g: task.clients_of(g) for g in task.group_names}
   # Stages 1 and 2 (FL, then one FL run per group) on the one run path.
-  config = train_config(cfg, seed, directory)
+  config = train_config(cfg, seed, directory,
+                        keep_checkpoints=_pipeline_keep(cfg))
   _train(task, config, log_fn)
   global_weights, group_weights, wtype = _models(task, config, 'task')
   fl_part = _fl_participations(task, config, cfg)
@@ -541,6 +543,15 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
             'group_of': {str(c): group_of[c] for c in eval_clients},
             'train_speeches': {str(c): task.num_train(c)
                                for c in eval_clients}}
+  lrs = {m: sweep[m]['lr'] for m in sweep}
+  stages.json('curves', lambda: _control_curves(
+      task, cfg, seed, directory, eval_clients, lrs, wtype, log_fn,
+      runs=_CONTROL_RUNS[:1]))
+  staged = experiment.build_process(task, config)
+  stages.json('fl_curves', lambda: _global_curves(
+      task, cfg, staged.stages[0].process,
+      experiment.stage_directory(config, staged.stages[0].name), 1,
+      eval_clients, lrs['perfl'], wtype, log_fn))
   if cfg['clustering']:
     result['clustering'] = stages.json(
         'clustering', lambda: _cluster(task, cfg, wtype, global_weights,
@@ -692,32 +703,41 @@ def _find_plateau(task, cfg, seed, directory, validation, log_fn) -> dict:
 
 def _fl_curves(task, cfg, seed, directory, validation, eval_clients, lr,
                wtype, log_fn) -> dict:
-  """`fl` and `perfl` over FL's rounds, on the evaluated clients.
-
-  At every checkpoint of the controls' FL run (every `2 * eval_every`
-  rounds up to `max_rounds`; retrained first if its directory is gone),
-  the FL model is tested on the evaluated clients as is (`fl`) and after
-  each client's local fine-tuning at `lr` (`perfl`, the lr PerFL's sweep
-  selected). Returns `{'round': [...], 'fl': {group or 'all': [...]},
-  'perfl': {...}}`, perplexities pooled as in the tables.
-  """
+  """`fl` and `perfl` over the controls' FL run (`_global_curves` at every
+  checkpoint it keeps: every `2 * eval_every` rounds up to `max_rounds`;
+  the run is trained again first if its directory is gone)."""
   config = _fl_curve_config(cfg, seed, directory)
   _train_fl_curve(task, config, validation, log_fn)
-  process = experiment.build_process(task, config)
+  return _global_curves(task, cfg, experiment.build_process(task, config),
+                        config.experiment_dir, config.checkpoint_every,
+                        eval_clients, lr, wtype, log_fn)
+
+
+def _global_curves(task, cfg, process, directory, every, eval_clients, lr,
+                   wtype, log_fn) -> dict:
+  """`fl` and `perfl` over an FL run's rounds, on the evaluated clients.
+
+  At every checkpoint of `process`'s run in `directory` whose round is a
+  positive multiple of `every`, the FL model is tested on the evaluated
+  clients as is (`fl`) and after each client's local fine-tuning at `lr`
+  (`perfl`, the lr PerFL's sweep selected). Returns `{'round': [...],
+  'fl': {group or 'all': [...]}, 'perfl': {...}}`, perplexities pooled as
+  in the tables.
+  """
   evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
                                           wtype)
   personalized = _personalizer(task, cfg, wtype)
   pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
            for g in task.group_names}
   pools[ALL] = list(eval_clients)
-  rounds = [r for r in training_loop.checkpoint_rounds(config.experiment_dir)
-            if r > 0 and r % config.checkpoint_every == 0]
+  rounds = [r for r in training_loop.checkpoint_rounds(directory)
+            if r > 0 and r % every == 0]
   out = {'round': rounds, 'fl': {g: [] for g in pools},
          'perfl': {g: [] for g in pools}}
   for r in rounds:
     log_fn(f'group: curves of fl / perfl, FL round {r}')
     weights = process.get_model_weights(training_loop.load_checkpoint(
-        process, config.experiment_dir, r))
+        process, directory, r))
     sums = group_fl.evaluate_global(evaluate, weights, eval_clients,
                                     task.eval_dataset)
     personal = personalized(lr, {ALL: weights},
@@ -799,6 +819,12 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
   return _control_cells(task, eval_clients, sums, sweep, plateau['rounds'])
 
 
+def _pipeline_keep(cfg) -> int:
+  """Checkpoints the tables' run keeps: every FL round's and every group
+  round's (the curves'), and never fewer than the loop's default."""
+  return max(cfg['rounds'], cfg['group_rounds'], 3)
+
+
 def _control_keep(cfg) -> int:
   """Checkpoints each control run keeps: every group round's (the
   curves'), and never fewer than the loop's default."""
@@ -812,10 +838,11 @@ _CONTROL_RUNS = (('task', 'groupfl', 'groupperfl'),
 
 
 def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
-                    log_fn) -> dict:
-  """Held-out learning curves of the controls' group stages.
+                    log_fn, runs=_CONTROL_RUNS) -> dict:
+  """Held-out learning curves of group stages (the controls', or with
+  `runs=_CONTROL_RUNS[:1]` the tables' GroupFL and GroupPerFL).
 
-  For each group-stage run (`_CONTROL_RUNS`) and each round r = 0..T_g,
+  For each group-stage run (`runs`) and each round r = 0..T_g,
   every evaluated client is tested with its group's model after r group
   rounds (round 0: the FL model at T), from the run's checkpoints; its
   personalized method first fine-tunes that model as the table does, at
@@ -835,9 +862,8 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
   pools[ALL] = list(eval_clients)
   rounds = list(range(cfg_t['group_rounds'] + 1))
   out = {}
-  for grouping, method, personal in _CONTROL_RUNS:
-    config = train_config(cfg_t, seed, directory, grouping, num_groups,
-                          keep_checkpoints=_control_keep(cfg_t))
+  for grouping, method, personal in runs:
+    config = train_config(cfg_t, seed, directory, grouping, num_groups)
     staged = experiment.build_process(task, config)
     members = experiment.group_members(task, config, grouping)
     key_of = {c: g for g, ms in members.items() for c in ms}
@@ -1057,6 +1083,56 @@ def make_training_figure(root_output_dir: str, pipeline_dir: str) -> None:
   out = os.path.join(root_output_dir, 'figures')
   os.makedirs(out, exist_ok=True)
   fig.savefig(os.path.join(out, 'group_training_curves.png'), dpi=120)
+  plt.close(fig)
+
+
+def make_curves_figure(root_output_dir: str, pipeline_dir: str) -> None:
+  """`group_curves.png`: every method of Table 3 on the evaluated clients
+  (`all`), as held-out perplexity per round: `fl` and `perfl` over the T
+  FL rounds, then `groupfl` and `groupperfl` over the T_g group rounds
+  (from the FL model at T). Each curve is the mean over the finished seeds
+  with a band of one standard deviation. Reads every sibling seed's
+  `fl_curves.json` and `curves.json` under the pipeline's configuration."""
+  fl_curves, curves = [], []
+  for path in sorted(glob.glob(os.path.join(
+      os.path.dirname(pipeline_dir), 'seed_*', 'pipeline.json'))):
+    seed_dir = os.path.dirname(path)
+    paths = [os.path.join(seed_dir, n) for n in ('fl_curves.json',
+                                                  'curves.json')]
+    if not all(os.path.exists(p) for p in paths):
+      continue  # Made before the curves existed.
+    with open(paths[0]) as f:
+      fl_curves.append(json.load(f))
+    with open(paths[1]) as f:
+      curves.append(json.load(f))
+  if not curves:
+    return
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for method, color in (('fl', 'black'), ('perfl', 'tab:green')):
+    reporting.plot_seed_band(
+        ax, [{'round': c['round'], 'perplexity': c[method][ALL]}
+             for c in fl_curves], 'round', 'perplexity', color=color,
+        label=method)
+  offset = min(max(c['round']) for c in fl_curves)
+  for method, color in (('groupfl', 'tab:red'), ('groupperfl', 'tab:blue')):
+    reporting.plot_seed_band(
+        ax, [{'round': [offset + r for r in c[method]['round']],
+              'perplexity': c[method][ALL]} for c in curves],
+        'round', 'perplexity', color=color, label=method)
+  ax.axvline(offset, color='gray', linewidth=0.8)
+  ax.set_xlabel(f'round (FL, then the genres\' group rounds from round '
+                f'{offset})')
+  ax.set_ylabel('held-out perplexity, evaluated clients')
+  ax.set_yscale('log')
+  ax.set_title(f'mean ± 1 std over {len(curves)} seed(s)', fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  out = os.path.join(root_output_dir, 'figures')
+  os.makedirs(out, exist_ok=True)
+  fig.savefig(os.path.join(out, 'group_curves.png'), dpi=120)
   plt.close(fig)
 
 

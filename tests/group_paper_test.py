@@ -90,6 +90,7 @@ def test_reproduction_records_every_method_and_group(registered, tmp_path):
   assert -1.0 <= ari['adjusted_rand_index'] <= 1.0 and ari['clients'] == 8
   assert os.path.exists(os.path.join(root, 'figures',
                                      'group_relative_change_hist.png'))
+  _check_table_curves(f, root, cells)
   _check_runs_share_the_fl_model_and_counts(f, root)
   # Rerunning finds every cell done, and the tables are rebuilt from the file.
   p = reporting.plan('group', 'table4_computation', root, f)
@@ -138,6 +139,31 @@ def _check_controls(f, root, records):
   for other in fl_weights[1:]:
     for x, y in zip(fl_weights[0].trainable, other.trainable, strict=True):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _check_table_curves(f, root, cells):
+  """Table 3's curves: fl and perfl at every FL round, groupfl and
+  groupperfl at every group round from the FL model; each curve's last
+  point is the table's cell (same checkpoint, same evaluation)."""
+  (directory,) = glob.glob(os.path.join(root, 'runs', 'group', 'pipeline',
+                                        '*', 'seed_0'))
+  with open(os.path.join(directory, 'fl_curves.json')) as fh:
+    fl_curves = json.load(fh)
+  with open(os.path.join(directory, 'curves.json')) as fh:
+    curves = json.load(fh)
+  assert set(curves) == {'groupfl', 'groupperfl'}
+  assert fl_curves['round'] == list(range(1, f.group_rounds + 1))
+  for g in list(sg.GROUP_NAMES) + ['all']:
+    for method in ('fl', 'perfl'):
+      assert fl_curves[method][g][-1] == pytest.approx(
+          cells[(method, g)]['metrics']['perplexity'], rel=1e-9)
+    for method in ('groupfl', 'groupperfl'):
+      assert curves[method]['round'] == list(range(f.group_group_rounds + 1))
+      assert curves[method][g][-1] == pytest.approx(
+          cells[(method, g)]['metrics']['perplexity'], rel=1e-9)
+    assert curves['groupfl'][g][0] == pytest.approx(
+        cells[('fl', g)]['metrics']['perplexity'], rel=1e-9)
+  assert os.path.exists(os.path.join(root, 'figures', 'group_curves.png'))
 
 
 def _check_control_curves(f, root, directory, cells):
