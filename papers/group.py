@@ -548,9 +548,10 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
       task, cfg, seed, directory, eval_clients, lrs, wtype, log_fn,
       runs=_CONTROL_RUNS[:1]))
   staged = experiment.build_process(task, config)
+  fl_stage = staged.stages[0]
   stages.json('fl_curves', lambda: _global_curves(
-      task, cfg, staged.stages[0].process,
-      experiment.stage_directory(config, staged.stages[0].name), 1,
+      task, cfg, fl_stage.process,
+      experiment.stage_directory(config, fl_stage.name), 1, fl_stage.rounds,
       eval_clients, lrs['perfl'], wtype, log_fn))
   if cfg['clustering']:
     result['clustering'] = stages.json(
@@ -710,28 +711,39 @@ def _fl_curves(task, cfg, seed, directory, validation, eval_clients, lr,
   _train_fl_curve(task, config, validation, log_fn)
   return _global_curves(task, cfg, experiment.build_process(task, config),
                         config.experiment_dir, config.checkpoint_every,
-                        eval_clients, lr, wtype, log_fn)
+                        config.rounds, eval_clients, lr, wtype, log_fn)
 
 
-def _global_curves(task, cfg, process, directory, every, eval_clients, lr,
-                   wtype, log_fn) -> dict:
+def _global_curves(task, cfg, process, directory, every, last, eval_clients,
+                   lr, wtype, log_fn) -> dict:
   """`fl` and `perfl` over an FL run's rounds, on the evaluated clients.
 
-  At every checkpoint of `process`'s run in `directory` whose round is a
-  positive multiple of `every`, the FL model is tested on the evaluated
+  At rounds `every`, `2 * every`, ... up to `last`, from the checkpoints of
+  `process`'s run in `directory`, the FL model is tested on the evaluated
   clients as is (`fl`) and after each client's local fine-tuning at `lr`
   (`perfl`, the lr PerFL's sweep selected). Returns `{'round': [...],
   'fl': {group or 'all': [...]}, 'perfl': {...}}`, perplexities pooled as
   in the tables.
+
+  Raises:
+    ValueError: the run kept no checkpoint of one of those rounds (a run
+      made before its curves were: it kept its last 3), naming them.
   """
+  rounds = list(range(every, last + 1, every))
+  kept = set(training_loop.checkpoint_rounds(directory))
+  missing = [r for r in rounds if r not in kept]
+  if missing:
+    raise ValueError(
+        f'group: {directory} kept no checkpoint of rounds {missing[:5]}'
+        f'{" ..." if len(missing) > 5 else ""} ({len(missing)} of the '
+        f'{len(rounds)} the learning curve needs). The run was made before '
+        'it kept them: move its directory away to train it again.')
   evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
                                           wtype)
   personalized = _personalizer(task, cfg, wtype)
   pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
            for g in task.group_names}
   pools[ALL] = list(eval_clients)
-  rounds = [r for r in training_loop.checkpoint_rounds(directory)
-            if r > 0 and r % every == 0]
   out = {'round': rounds, 'fl': {g: [] for g in pools},
          'perfl': {g: [] for g in pools}}
   for r in rounds:

@@ -164,6 +164,16 @@ def _check_table_curves(f, root, cells):
     assert curves['groupfl'][g][0] == pytest.approx(
         cells[('fl', g)]['metrics']['perplexity'], rel=1e-9)
   assert os.path.exists(os.path.join(root, 'figures', 'group_curves.png'))
+  # A run that did not keep a round's checkpoint is refused, not drawn
+  # with the rounds it has.
+  cfg = group._config(f)
+  task = group._task(cfg, 0)
+  config = group.train_config(cfg, 0, directory)
+  fl_stage = experiment.build_process(task, config).stages[0]
+  stage_dir = experiment.stage_directory(config, fl_stage.name)
+  with pytest.raises(ValueError, match=r'no checkpoint of rounds \[3\]'):
+    group._global_curves(task, cfg, fl_stage.process, stage_dir, 1,
+                         f.group_rounds + 1, [], 1.0, None, print)
 
 
 def _check_control_curves(f, root, directory, cells):
