@@ -2,6 +2,8 @@
 
 import collections
 import dataclasses
+import os
+import time
 
 import numpy as np
 import pytest
@@ -589,3 +591,26 @@ def test_an_unknown_selection_aggregator_is_not_sharded():
       composition, selection_factory=best_scoring.BestScoringFactory())
   assert sharded.resolve_num_shards(
       collections.namedtuple('Proc', 'composition')(best), sharded.AUTO) > 0
+
+
+def test_shard_pool_works_in_a_forked_child():
+  """The kept pool of shard threads is not inherited by a fork (which has
+  none of its threads): the child's shard loops still run, in its own."""
+  runs = [lambda x: x + 1, lambda x: x + 2]
+  for _ in range(5):  # Rounds: the parent's threads are started and idle.
+    assert sharded._run_concurrently(runs, None, [(1,), (2,)]) == [2, 4]
+  time.sleep(0.5)
+  pid = os.fork()
+  if pid == 0:  # The child: exit 0 only if the loops ran.
+    ok = sharded._run_concurrently(runs, None, [(1,), (2,)]) == [2, 4]
+    os._exit(0 if ok else 1)
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+      assert os.waitstatus_to_exitcode(status) == 0
+      return
+    time.sleep(0.1)
+  os.kill(pid, 9)
+  os.waitpid(pid, 0)
+  pytest.fail('the forked child\'s shard loops never ran')

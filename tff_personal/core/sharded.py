@@ -417,11 +417,20 @@ _POOL = None
 _POOL_LOCK = threading.Lock()
 
 
+def _forget_pool_in_child() -> None:
+  """A forked child has none of the parent's threads: it starts its own
+  pool on first use."""
+  global _POOL, _POOL_LOCK
+  _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _shard_pool() -> concurrent.futures.ThreadPoolExecutor:
   """The process's threads for concurrent shard loops, started on first use
-  and kept (starting a pool's threads every round cost a few ms, a tenth
-  of a small cohort's round). Up to max(8, CPU count) loops run at once;
-  more wait for a free thread."""
+  and kept, so that a round does not pay for starting threads. Up to
+  max(8, CPU count) loops run at once; more wait for a free thread."""
   global _POOL
   with _POOL_LOCK:
     if _POOL is None:
