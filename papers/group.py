@@ -1010,6 +1010,17 @@ def _cluster(task, cfg, weights_type, weights, seed, log_fn) -> dict:
 # ------------------------------------------------------------------ figures
 
 
+def _save_figure(fig, root_output_dir: str, name: str) -> None:
+  """Lays out `fig`, writes it to `<root_output_dir>/figures/<name>` and
+  closes it."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig.tight_layout()
+  out = os.path.join(root_output_dir, 'figures')
+  os.makedirs(out, exist_ok=True)
+  fig.savefig(os.path.join(out, name), dpi=120)
+  plt.close(fig)
+
+
 def make_figures(root_output_dir: str, pipeline_dir: str) -> None:
   """Figure 1: histogram of per-client relative change, GroupPerFL vs PerFL.
 
@@ -1036,11 +1047,7 @@ def make_figures(root_output_dir: str, pipeline_dir: str) -> None:
   ax.set_ylabel('clients')
   ax.set_title(f'{len(change)} clients ({seeds} seed(s)); '
                f'{improved:.1f}% improve')
-  fig.tight_layout()
-  out = os.path.join(root_output_dir, 'figures')
-  os.makedirs(out, exist_ok=True)
-  fig.savefig(os.path.join(out, 'group_relative_change_hist.png'), dpi=120)
-  plt.close(fig)
+  _save_figure(fig, root_output_dir, 'group_relative_change_hist.png')
 
 
 def _train_curve(path: str) -> dict:
@@ -1091,11 +1098,7 @@ def make_training_figure(root_output_dir: str, pipeline_dir: str) -> None:
   ax.set_yscale('log')
   ax.set_title(f'mean ± 1 std over {len(fl)} seed(s)', fontsize=9)
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  out = os.path.join(root_output_dir, 'figures')
-  os.makedirs(out, exist_ok=True)
-  fig.savefig(os.path.join(out, 'group_training_curves.png'), dpi=120)
-  plt.close(fig)
+  _save_figure(fig, root_output_dir, 'group_training_curves.png')
 
 
 def make_curves_figure(root_output_dir: str, pipeline_dir: str) -> None:
@@ -1141,11 +1144,7 @@ def make_curves_figure(root_output_dir: str, pipeline_dir: str) -> None:
   ax.set_yscale('log')
   ax.set_title(f'mean ± 1 std over {len(curves)} seed(s)', fontsize=9)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  out = os.path.join(root_output_dir, 'figures')
-  os.makedirs(out, exist_ok=True)
-  fig.savefig(os.path.join(out, 'group_curves.png'), dpi=120)
-  plt.close(fig)
+  _save_figure(fig, root_output_dir, 'group_curves.png')
 
 
 def make_plateau_figure(root_output_dir: str, seed_dir: str) -> None:
@@ -1183,11 +1182,7 @@ def make_plateau_figure(root_output_dir: str, seed_dir: str) -> None:
   ax.set_ylabel('validation perplexity')
   ax.set_ylim(top=float(np.percentile(mean, 95)))
   ax.legend()
-  fig.tight_layout()
-  out = os.path.join(root_output_dir, 'figures')
-  os.makedirs(out, exist_ok=True)
-  fig.savefig(os.path.join(out, 'group_fl_plateau.png'), dpi=120)
-  plt.close(fig)
+  _save_figure(fig, root_output_dir, 'group_fl_plateau.png')
 
 
 def make_control_curves_figure(root_output_dir: str,
@@ -1268,8 +1263,4 @@ def make_control_curves_figure(root_output_dir: str,
   for ax in axes:
     ax.legend(fontsize=8)
   fig.suptitle('mean ± 1 std over seeds', fontsize=9)
-  fig.tight_layout()
-  out = os.path.join(root_output_dir, 'figures')
-  os.makedirs(out, exist_ok=True)
-  fig.savefig(os.path.join(out, 'group_control_curves.png'), dpi=120)
-  plt.close(fig)
+  _save_figure(fig, root_output_dir, 'group_control_curves.png')
