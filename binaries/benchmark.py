@@ -214,9 +214,10 @@ def _run_tff_fedavg(data, cohort, rounds, seed, rss_at):
   return times, {}
 
 
-def build_project_process(name: str, seed: int):
+def build_project_process(name: str, seed: int, client_optimizer=None):
   """The registered algorithm `name` on the benchmark's model and optimizers
-  (local Adam, server SGD 1), as the project's runs build it."""
+  (local Adam unless `client_optimizer` is given, server SGD 1), as the
+  project's runs build it."""
 
   class Workload:  # The PreferenceData interface the task's models need.
     num_subpopulations = 10
@@ -229,7 +230,8 @@ def build_project_process(name: str, seed: int):
       batch_size=BATCH_SIZE, seed=seed)
   return registry.build(
       name, registry.model_factory(name, task),
-      client_optimizer=fedavg.adam(LOCAL_LEARNING_RATE),
+      client_optimizer=(client_optimizer or
+                        fedavg.adam(LOCAL_LEARNING_RATE)),
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
       metrics_fn=task.metrics_fn, seed=seed)
 

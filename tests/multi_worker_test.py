@@ -198,8 +198,13 @@ def test_sharded_round_trains_each_shard_once_on_one_worker(workers):
               y=rng.integers(0, 2, (4, n)).astype(np.int32),
               type=rng.integers(0, 10, (4, n)).astype(np.int32))
   ids = [0, 1, 2, 3]
+  # Local SGD: Adam would turn float noise in near-zero gradients into
+  # steps of the learning rate whose sign follows the two runtimes' sums.
   proc = sharded.ShardedProcess(
-      benchmark.build_project_process('global_plus', seed=0), num_shards=2)
+      benchmark.build_project_process(
+          'global_plus', seed=0,
+          client_optimizer=tff.learning.optimizers.build_sgdm(0.1)),
+      num_shards=2)
   spec = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
   states = [client_state.seeded_initial_state_fn(spec, 0, 'normal', 0.1)(i)
             for i in ids]

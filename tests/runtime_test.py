@@ -87,3 +87,74 @@ def test_worker_ends_with_program_on_every_exit_path():
       assert proc.returncode == 0
     if sig == signal.SIGTERM:
       assert proc.returncode == 128 + signal.SIGTERM
+
+
+@tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+def _sum(x):
+  return tff.federated_sum(x)
+
+
+def _count_sent_computations(monkeypatch):
+  """Counts CreateValue requests that carry a computation to the worker."""
+  from tensorflow_federated.python.core.impl.executors import remote_executor_grpc_stub  # pylint: disable=g-import-not-at-top
+  sent = []
+  original = remote_executor_grpc_stub.RemoteExecutorGrpcStub.create_value
+
+  def create_value(self, request):
+    if request.value.WhichOneof('value') == 'computation':
+      sent.append(request.value.computation.type.SerializeToString())
+    return original(self, request)
+
+  monkeypatch.setattr(remote_executor_grpc_stub.RemoteExecutorGrpcStub,
+                      'create_value', create_value)
+  return sent
+
+
+def test_a_computation_is_sent_to_the_worker_once_per_executor(monkeypatch):
+  sent = _count_sent_computations(monkeypatch)
+  with runtime.LocalCppRuntime():
+    for values in ([1.0, 2.0, 6.0], [3.0, 0.0, 0.0], [4.0, 5.0, 0.0]):
+      assert _mean(values) == np.mean(values)
+    assert len(sent) == 1  # three calls, one copy on the worker
+    # New cardinalities: a new executor on the worker, the computation again.
+    assert _mean([1.0, 3.0]) == 2.0
+    assert _mean([5.0, 7.0]) == 6.0
+    assert len(sent) == 2
+    # Another computation on the same executor does not replace the first.
+    assert _sum([1.0, 3.0]) == 4.0
+    assert _mean([2.0, 4.0]) == 3.0
+    assert len(sent) == 3
+
+
+def test_the_executor_keeps_its_newest_computations(monkeypatch):
+  sent = _count_sent_computations(monkeypatch)
+  monkeypatch.setattr(runtime, '_CACHED_COMPUTATIONS', 1)
+  with runtime.LocalCppRuntime():
+    assert _mean([1.0, 3.0]) == 2.0
+    assert _sum([1.0, 3.0]) == 4.0  # the mean's copy is dropped
+    assert _mean([2.0, 6.0]) == 4.0  # and sent again: still right
+    assert _mean([0.0, 6.0]) == 3.0
+    assert len(sent) == 3
+
+
+def test_a_computation_is_compiled_and_hashed_once(monkeypatch):
+  from tensorflow_federated.python.core.impl.computation import computation_impl  # pylint: disable=g-import-not-at-top
+  hashed = []
+  original = computation_impl.ConcreteComputation.__hash__
+
+  def counting_hash(self):
+    hashed.append(1)
+    return original(self)
+
+  monkeypatch.setattr(computation_impl.ConcreteComputation, '__hash__',
+                      counting_hash)
+  with runtime.LocalCppRuntime():
+    assert _mean([1.0, 3.0]) == 2.0
+    hashed.clear()
+    # Hashing a computation serialises all of it; repeated calls look the
+    # compiled form up by identity instead.
+    assert _mean([2.0, 6.0]) == 4.0
+    assert _sum([2.0, 6.0]) == 8.0  # another computation: compiled, hashed
+    assert _mean([0.0, 6.0]) == 3.0
+    assert _sum([1.0, 6.0]) == 7.0
+    assert len(hashed) == 1

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -80,6 +81,7 @@ from tensorflow_federated.python.common_libs import structure as _structure
 from tensorflow_federated.python.core.backends.native import compiler as _native_compiler
 from tensorflow_federated.python.core.backends.native import mergeable_comp_compiler as _mergeable_compiler
 from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation as _tf_computation
+from tensorflow_federated.python.core.impl.computation import computation_base as _computation_base
 from tensorflow_federated.python.core.impl.context_stack import context_base as _context_base
 from tensorflow_federated.python.core.impl.context_stack import context_stack_impl as _context_stack_impl
 from tensorflow_federated.python.core.impl.execution_contexts import async_execution_context as _async_execution_context
@@ -130,6 +132,92 @@ def _release_tff_import_time_context() -> None:
 
 _RUNTIMES = []
 atexit.register(_release_tff_import_time_context)
+
+
+# How many compiled computations a context keeps by identity
+# (`_IdentityCompilerPipeline`; TFF's own pipeline keeps 128 by hash).
+_COMPILED_BY_IDENTITY = 128
+
+
+class _IdentityCompilerPipeline(_compiler_pipeline.CompilerPipeline):
+  """TFF's compiler pipeline, which first looks a computation up by identity.
+
+  TFF's pipeline caches compiled computations by the computation's hash,
+  which serialises its whole protocol buffer on every call (about 2 ms for
+  a process's `next`). A program calls the same computation object every
+  round, so this pipeline keeps the newest `_COMPILED_BY_IDENTITY` by
+  object and falls back to TFF's cache (and compiler) on a miss. Written by
+  hand: TFF's pipeline has no identity cache.
+  """
+
+  def __init__(self, compiler_fn):
+    super().__init__(compiler_fn)
+    self._by_identity = collections.OrderedDict()
+
+  def compile(self, comp):
+    hit = self._by_identity.get(id(comp))
+    if hit is not None and hit[0] is comp:
+      self._by_identity.move_to_end(id(comp))
+      return hit[1]
+    compiled = super().compile(comp)
+    self._by_identity[id(comp)] = (comp, compiled)
+    while len(self._by_identity) > _COMPILED_BY_IDENTITY:
+      self._by_identity.popitem(last=False)
+    return compiled
+
+
+def _compile_by_identity(context) -> None:
+  """Gives a TFF sync or async execution context `_IdentityCompilerPipeline`
+  (the pipeline is private to TFF's contexts; set where they are built)."""
+  inner = getattr(context, '_async_context', context)
+  inner._compiler_pipeline = _IdentityCompilerPipeline(  # pylint: disable=protected-access
+      _native_compiler.desugar_and_transform_to_native)
+
+
+# How many computations an executor keeps on its worker (`_CachingExecutor`).
+_CACHED_COMPUTATIONS = 16
+
+
+class _CachingExecutor(_remote_executor.RemoteExecutor):
+  """TFF's `RemoteExecutor`, sending each computation to its worker once.
+
+  TFF's execution context creates the invoked computation as a new value on
+  every call, so the whole compiled computation (for a process's `next`,
+  about 200 KB of protocol buffer) was serialised, sent and parsed by the
+  worker on every round. This executor keeps the worker's value of the
+  last `_CACHED_COMPUTATIONS` computations it created, keyed by the
+  computation object (the context's compiler cache hands the same object
+  to every call of one computation), for as long as its executor on the
+  worker lives: new cardinalities or `close` start a new executor and
+  drop them. A function value is immutable, so calling it again is the
+  same as creating it again. Written by hand: TFF's remote executor has no
+  such cache.
+  """
+
+  def __init__(self, stub):
+    super().__init__(stub)
+    self._computations = collections.OrderedDict()
+
+  def set_cardinalities(self, cardinalities):
+    self._computations.clear()
+    super().set_cardinalities(cardinalities)
+
+  def close(self):
+    self._computations.clear()
+    super().close()
+
+  async def create_value(self, value, type_spec=None):
+    if not isinstance(value, _computation_base.Computation):
+      return await super().create_value(value, type_spec)
+    cached = self._computations.get(id(value))
+    if cached is not None and cached[0] is value:
+      self._computations.move_to_end(id(value))
+      return cached[1]
+    remote = await super().create_value(value, type_spec)
+    self._computations[id(value)] = (value, remote)
+    while len(self._computations) > _CACHED_COMPUTATIONS:
+      self._computations.popitem(last=False)  # The worker's copy is disposed.
+    return remote
 
 
 def worker_binary_path() -> str:
@@ -184,6 +272,7 @@ class LocalCppRuntime:
         transform_args=_tf_computation.transform_args,
         transform_result=_tf_computation.transform_result,
     )
+    _compile_by_identity(self.context)
     atexit.register(self.close)
     _RUNTIMES.append(self)
 
@@ -232,7 +321,7 @@ class LocalCppRuntime:
         self._start_worker()
     if cardinalities.get(tff.CLIENTS) is None:
       cardinalities[tff.CLIENTS] = self._default_num_clients
-    ex = _remote_executor.RemoteExecutor(self._stub)
+    ex = _CachingExecutor(self._stub)
     ex.set_cardinalities(cardinalities)
     return ex
 
@@ -446,17 +535,19 @@ class WorkersRuntime:
           raise RuntimeError('WorkersRuntime is closed')
       if cardinalities.get(tff.CLIENTS) is None:
         cardinalities[tff.CLIENTS] = 0
-      ex = _remote_executor.RemoteExecutor(stub)
+      ex = _CachingExecutor(stub)
       ex.set_cardinalities(cardinalities)
       self._executors.append(ex)
       return ex
 
-    return _async_execution_context.AsyncExecutionContext(
+    context = _async_execution_context.AsyncExecutionContext(
         executor_fn=_python_executor_stacks.ResourceManagingExecutorFactory(
             executor_stack_fn=stack_fn),
         compiler_fn=_native_compiler.desugar_and_transform_to_native,
         transform_args=_tf_computation.transform_args,
         transform_result=_tf_computation.transform_result)
+    _compile_by_identity(context)
+    return context
 
   def install(self) -> 'WorkersRuntime':
     """Makes this runtime TFF's default context (until `close`)."""

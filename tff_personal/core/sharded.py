@@ -507,6 +507,84 @@ class DriverShardWork:
     return [tf.nest.map_structure(lambda t: t.numpy(), r) for r in results]
 
 
+class FlatTransport:
+  """A structure of fixed-shape tensors carried as one 1-D tensor per dtype.
+
+  A value passed into or out of a TFF computation is serialised leaf by
+  leaf, each leaf with its type, so a structure of many small tensors costs
+  far more to send than the same numbers in a few vectors. `pack` and
+  `unpack` (numpy, in the driver) and `pack_tensors` and `unpack_tensors`
+  (TF, inside a computation) concatenate the leaves of each dtype in
+  `tf.nest` order and split and reshape them back: the same values, bit for
+  bit. Written by hand: TFF has no packed wire form for Python values.
+
+  Example:
+    transport = FlatTransport(collections.OrderedDict(
+        a=tf.TensorSpec([2, 3], tf.float32), n=tf.TensorSpec([], tf.int32)))
+    packed = transport.pack(value)        # (float32[6], int32[1]), numpy
+    value_again = transport.unpack_tensors(packed)  # in a TF computation
+  """
+
+  def __init__(self, specs):
+    """Args: specs: a structure of `tf.TensorSpec`s, every shape known."""
+    flat = tf.nest.flatten(specs)
+    for spec in flat:
+      if not spec.shape.is_fully_defined():
+        raise ValueError(f'FlatTransport needs fully known shapes, got {spec}')
+    self._specs = specs
+    self._shapes = [spec.shape.as_list() for spec in flat]
+    self._sizes = [int(np.prod(shape, dtype=np.int64)) for shape in
+                   self._shapes]
+    self._dtypes = sorted({spec.dtype for spec in flat}, key=lambda d: d.name)
+    self._groups = [[i for i, spec in enumerate(flat) if spec.dtype == d]
+                    for d in self._dtypes]
+
+  @classmethod
+  def fits(cls, specs) -> bool:
+    """Whether every leaf of `specs` has a fully known shape."""
+    return all(s.shape.is_fully_defined() for s in tf.nest.flatten(specs))
+
+  @property
+  def packed_spec(self) -> tuple:
+    """The packed form's specs: one 1-D tensor per dtype (sorted by name)."""
+    return tuple(tf.TensorSpec([sum(self._sizes[i] for i in group)], d)
+                 for d, group in zip(self._dtypes, self._groups))
+
+  def pack(self, value) -> tuple:
+    """`value` (a structure as the specs, numpy values) packed, as numpy."""
+    flat = [np.asarray(x) for x in tf.nest.flatten(value)]
+    return tuple(
+        np.concatenate([flat[i].astype(d.as_numpy_dtype, copy=False).ravel()
+                        for i in group])
+        for d, group in zip(self._dtypes, self._groups))
+
+  def unpack(self, packed):
+    """The structure `pack` was given (numpy; rank 0 as numpy scalars)."""
+    flat = [None] * len(self._shapes)
+    for vector, group in zip(packed, self._groups):
+      offsets = np.cumsum([0] + [self._sizes[i] for i in group])
+      for k, i in enumerate(group):
+        part = np.asarray(vector)[offsets[k]:offsets[k + 1]].reshape(
+            self._shapes[i])
+        flat[i] = part[()] if not self._shapes[i] else part
+    return tf.nest.pack_sequence_as(self._specs, flat)
+
+  def pack_tensors(self, value) -> tuple:
+    """TF: `value` (a structure as the specs) packed."""
+    flat = tf.nest.flatten(value)
+    return tuple(tf.concat([tf.reshape(flat[i], [-1]) for i in group], 0)
+                 for group in self._groups)
+
+  def unpack_tensors(self, packed):
+    """TF: the structure `pack` or `pack_tensors` was given."""
+    flat = [None] * len(self._shapes)
+    for vector, group in zip(packed, self._groups):
+      parts = tf.split(vector, [self._sizes[i] for i in group])
+      for i, part in zip(group, parts):
+        flat[i] = tf.reshape(part, self._shapes[i])
+    return tf.nest.pack_sequence_as(self._specs, flat)
+
+
 # Where `ShardedProcess` computes a local run's shards (`shards_in`).
 IN_DRIVER = 'driver'
 IN_EXECUTOR = 'executor'
@@ -611,6 +689,8 @@ class ShardedProcess:
     self._with_server_step = with_server_step
     self._executor_process = None  # Built on first use.
     self._from_results = None  # Built on first use.
+    self._transport = None  # Set with _from_results.
+    self._results_call = None  # Built on first use.
 
   @property
   def _shard_work(self) -> tff.Computation:
@@ -624,9 +704,11 @@ class ShardedProcess:
       self._executor_process = self._compose(self._shard_work)
     return self._executor_process
 
-  def _compose(self, client_work):
+  def _compose(self, client_work, client_state_type=None):
     composition = self._base.composition
     common = dict(self._common, client_work=client_work)
+    if client_state_type is not None:
+      common['client_state_type'] = client_state_type
     if self._with_server_step:
       return statistics_process.compose_with_server_step(
           server_step=composition.server_step,
@@ -637,19 +719,87 @@ class ShardedProcess:
   def _process_from_results(self) -> process_lib.StatefulClientProcess:
     """The same process, whose client work returns each shard's result
     computed beforehand (its client data): the aggregation, DP noise and
-    server step of one round, without the shards' training."""
+    server step of one round, without the shards' training.
+
+    Only what the aggregation reads crosses into TFF: the shards' new
+    client states are taken from their results in the driver (the process
+    returns the client work's states unchanged), so its client states are
+    empty, and the rest of a result travels packed (`FlatTransport`, when
+    every shape is known) and is unpacked inside the client work.
+    """
     if self._from_results is None:
       weights_type = self._base.model_weights_type
-      states_type = self._common['client_state_type']
+      sent = tff.types.type_to_tf_tensor_specs(self._result_type)
+      del sent['client_state']
+      self._transport = (FlatTransport(sent) if FlatTransport.fits(sent)
+                         else None)
+      sent_type = tff.types.tensorflow_to_type(
+          sent if self._transport is None else self._transport.packed_spec)
+      no_state = tff.StructType([])
+      keys = list(tff.types.type_to_tf_tensor_specs(self._result_type))
 
-      @tff.tensorflow.computation(weights_type, states_type,
-                                  self._result_type)
-      def precomputed(weights, states, result):
+      @tff.tensorflow.computation(weights_type, no_state, sent_type)
+      def precomputed(weights, states, sent):
         del weights, states  # The shard's result was computed with them.
-        return result
+        if self._transport is not None:
+          sent = self._transport.unpack_tensors(sent)
+        return collections.OrderedDict(
+            (k, () if k == 'client_state' else sent[k]) for k in keys)
 
-      self._from_results = self._compose(precomputed)
+      self._from_results = self._compose(precomputed, no_state)
     return self._from_results
+
+  def _aggregate_results(self, state, results: Sequence[Any]):
+    """The round's TFF call on the shards' `results`: the aggregation, DP
+    noise and server step of `_process_from_results`. Returns the new
+    server state and the round's metrics.
+
+    The server state crosses into TFF and back packed (`FlatTransport`,
+    when every shape is known): the call unpacks it at the server, runs
+    the process's `next` and packs the new state. The state held between
+    rounds is the process's own (structured) value.
+    """
+    if self._results_call is None:
+      process = self._process_from_results()
+      next_type = process.next.type_signature
+      state_type = next_type.parameter[0].member
+      state_spec = tff.types.type_to_tf_tensor_specs(state_type)
+      if not FlatTransport.fits(state_spec):
+        def call(state, sent):
+          state, _, metrics = process.next(state, [()] * len(sent), sent)
+          return state, metrics
+      else:
+        transport = FlatTransport(state_spec)
+        packed_type = tff.types.tensorflow_to_type(transport.packed_spec)
+
+        @tff.tensorflow.computation(packed_type)
+        def unpack_state(packed):
+          return transport.unpack_tensors(packed)
+
+        @tff.tensorflow.computation(state_type)
+        def pack_state(state):
+          return transport.pack_tensors(state)
+
+        @tff.federated_computation(tff.FederatedType(packed_type, tff.SERVER),
+                                   next_type.parameter[1],
+                                   next_type.parameter[2])
+        def packed_next(packed, states, sent):
+          state = tff.federated_map(unpack_state, packed)
+          new_state, _, metrics = process.next(state, states, sent)
+          return tff.federated_map(pack_state, new_state), metrics
+
+        def call(state, sent):
+          packed, metrics = packed_next(transport.pack(state),
+                                        [()] * len(sent), sent)
+          return transport.unpack(packed), metrics
+      self._results_call = call
+    return self._results_call(state, [self._sent(r) for r in results])
+
+  def _sent(self, result):
+    """What of a shard's result `_process_from_results` takes."""
+    sent = collections.OrderedDict(
+        (k, v) for k, v in result.items() if k != 'client_state')
+    return sent if self._transport is None else self._transport.pack(sent)
 
   @property
   def num_shards(self) -> int:
@@ -741,8 +891,8 @@ class ShardedProcess:
       calls = [(weights, st, d) for st, d in zip(shard_states, shard_data)]
       results = (self._driver_work(calls) if spread is None
                  else spread(self._shard_work, calls))
-      state, new_shard_states, metrics = self._process_from_results().next(
-          state, shard_states, results)
+      state, metrics = self._aggregate_results(state, results)
+      new_shard_states = [r['client_state'] for r in results]
     new_states = []
     for r, stacked in zip(ranges, new_shard_states):
       new_states.extend(_unstack_states(stacked, len(r), self._state_template))
