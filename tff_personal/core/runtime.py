@@ -18,6 +18,15 @@ the subprocess:
 
 Written by hand because TFF lacks it; everything else is TFF's.
 
+Two per-call costs of TFF's context are cut, both by hand (TFF has neither):
+TFF's remote executor sends the invoked computation to the worker with
+every call (for a process's `next`, about 200 KB to serialise, send and
+parse each round); `_CachingExecutor` keeps the worker's copy of each
+computation for as long as the worker-side executor lives. And TFF's
+compiler cache hashes the whole computation proto on every call;
+`_IdentityCompilerPipeline` looks the compiled form up by the computation
+object first.
+
 Multi-worker runs (`WorkersRuntime`, or `local_runtime(workers=[...])`): the
 computations run on already running `worker_binary` services (start one per
 machine with `python -m binaries.worker --port=N`), through TFF's remote

@@ -27,7 +27,10 @@ Where the shards run (`ShardedProcess(..., shards_in=)`). By default
 one thread per shard (`DriverShardWork`: the TFF shard computation's own TF
 code, traced once per concurrent shard), and then runs the process's TFF
 round with a client work that returns those results: the aggregation, DP
-noise and server update stay in TFF. Through the executor (`IN_EXECUTOR`,
+noise and server update stay in TFF. That round takes only what the
+aggregation reads (no client states) and takes the server state and the
+results packed, one vector per dtype (`FlatTransport`; bit for bit the
+same round). Through the executor (`IN_EXECUTOR`,
 TFF running the shards as its clients), every round serialised every
 shard's examples into the `worker_binary` and the results back. With
 several workers the shards run on them (`runtime.worker_map`). The two
