@@ -340,6 +340,9 @@ def test_speech_eval_batches_are_the_eval_datasets_in_uint8(tiny_task):
         np.testing.assert_array_equal(a[key].numpy(), b[key].numpy())
 
 
+_CHANGE_RTOL = 1e-2
+
+
 def test_sharded_speech_round_equals_one_user_per_client(tiny_task):
   build = lambda: algorithms.build(
       'global_plus', tiny_task.model_fn_factory,
@@ -354,13 +357,25 @@ def test_sharded_speech_round_equals_one_user_per_client(tiny_task):
   proc = sharded.ShardedProcess(build(), 2, wire=tiny_task.wire_format)
   got_state, got_clients, _ = proc.next(
       proc.initialize(), clients, tiny_task.train_batches(ids, round_num=1))
-  for a, b in zip(proc.get_model_weights(got_state).trainable,
-                  base.get_model_weights(want_state).trainable):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  # The two forms run the encoder's convolutions in different programs (the
+  # worker's and this process's TensorFlow), whose kernels may round
+  # differently on a given CPU; through a deep encoder's backward pass that
+  # reaches 2.5e-4 of the round's change (seen on one CI machine). Each
+  # leaf is held to 1% of the change the round made to it: a dropped,
+  # doubled or misweighted client, or another client's embedding, moves a
+  # leaf by a large part of its change.
+  before = base.get_model_weights(base.initialize()).trainable
+  pairs = list(zip(proc.get_model_weights(got_state).trainable,
+                   base.get_model_weights(want_state).trainable, before))
   for got, want, old in zip(got_clients, want_clients, clients):
-    np.testing.assert_allclose(got['private'][0], want['private'][0],
-                               rtol=1e-4, atol=1e-5)
-    assert not np.allclose(got['private'][0], old['private'][0])
+    pairs.append((got['private'][0], want['private'][0], old['private'][0]))
+  for i, (got, want, old) in enumerate(pairs):
+    change = np.max(np.abs(np.asarray(want) - np.asarray(old)))
+    gap = np.max(np.abs(np.asarray(got) - np.asarray(want)))
+    assert gap <= _CHANGE_RTOL * change, (
+        f'leaf {i} differs by {gap:.3g}, more than {_CHANGE_RTOL} of the '
+        f'round\'s change {change:.3g}')
+  assert all(np.any(want != old) for _, want, old in pairs[-3:])
 
 
 def _dp_prototype_process(task):
