@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from typing import Any, Callable, Optional
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -499,6 +501,42 @@ def compose_stateful_client_process(
       eval_private_fn=eval_private_fn, **eval_options)
 
 
+# What the types of a process are read from, per model function: its
+# input spec and its private variables' specs. Building a model to read them
+# costs as much as building it for its weights, so `initial_shared_weights`,
+# `split_client_state_type` and `split_data_type` build it once between
+# them. Kept while the model function lives.
+_MODEL_FACTS = weakref.WeakKeyDictionary()
+_MODEL_FACTS_LOCK = threading.Lock()
+
+
+def _model_facts(model_fn: split_model_lib.SplitModelFn,
+                 model: split_model_lib.SplitModel | None = None):
+  """`(input_spec, private_weights_spec)` of `model_fn`'s models.
+
+  Read from `model` if given (a model `model_fn` just built), else from a
+  model built in a throwaway graph; remembered for `model_fn` where it can
+  be weakly referenced.
+  """
+  with _MODEL_FACTS_LOCK:
+    try:
+      return _MODEL_FACTS[model_fn]
+    except (KeyError, TypeError):
+      pass
+  if model is None:
+    with tf.Graph().as_default():
+      model = model_fn()
+      facts = (model.input_spec, split_model_lib.private_weights_spec(model))
+  else:
+    facts = (model.input_spec, split_model_lib.private_weights_spec(model))
+  with _MODEL_FACTS_LOCK:
+    try:
+      _MODEL_FACTS[model_fn] = facts
+    except TypeError:  # Not weakly referenceable: read on each call.
+      pass
+  return facts
+
+
 def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
                            seed: Optional[int] = None) -> ModelWeights:
   """Builds the model once, eagerly, and returns its shared weights (numpy).
@@ -509,6 +547,7 @@ def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
   if seed is not None:
     tf.keras.utils.set_random_seed(seed)
   model = model_fn()
+  _model_facts(model_fn, model)  # Its types, for the calls that follow.
   return ModelWeights(
       trainable=tuple(v.numpy() for v in model.shared_trainable_variables),
       non_trainable=tuple(
@@ -517,9 +556,7 @@ def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
 
 def split_client_state_type(model_fn: split_model_lib.SplitModelFn) -> tff.Type:
   """Type of the client state of a split model: its private variables."""
-  with tf.Graph().as_default():
-    model = model_fn()
-    private = split_model_lib.private_weights_spec(model)
+  _, private = _model_facts(model_fn)
   return tff.types.to_type(collections.OrderedDict([
       (CLIENT_STATE_PRIVATE,
        tuple(tff.TensorType(s.dtype.as_numpy_dtype, s.shape) for s in private)),
@@ -600,8 +637,7 @@ def client_work_from_step(make_step: ClientStepFactory, weights_type: tff.Type,
 
 def split_data_type(model_fn: split_model_lib.SplitModelFn) -> tff.Type:
   """`D*`: the sequence type of one client's batches, from the input spec."""
-  with tf.Graph().as_default():
-    input_spec = model_fn().input_spec
+  input_spec, _ = _model_facts(model_fn)
   if input_spec is None:
     raise ValueError('model_fn() must return a SplitModel with input_spec')
   return tff.SequenceType(tff.types.tensorflow_to_type(input_spec))

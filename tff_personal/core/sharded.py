@@ -92,6 +92,9 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
+# For `_SharedTrace`: TF has no public way to run one traced function over
+# another set of variables.
+from tensorflow.python.eager.polymorphic_function import function_type_utils  # pylint: disable=g-direct-tensorflow-import
 
 from tff_personal.core import best_scoring
 from tff_personal.core import client_data
@@ -416,6 +419,120 @@ def _call_signature(weights, states, *shards) -> tuple:
           *[_shard_signature(shard) for shard in shards])
 
 
+# Random ops whose state lives in their kernel (seeded per op), not in a
+# variable or an argument; `Stateless*` ops are not among them.
+_OP_SEEDED_RANDOM_OPS = frozenset([
+    'Multinomial', 'ParameterizedTruncatedNormal', 'TruncatedNormal'])
+
+
+def _draws_op_seeded_randoms(graph_def) -> bool:
+  """Whether a graph, or a function in its library, has an op-seeded
+  random op."""
+  nodes = list(graph_def.node)
+  for function in graph_def.library.function:
+    nodes.extend(function.node_def)
+  return any(n.op.startswith('Random') or n.op in _OP_SEEDED_RANDOM_OPS
+             for n in nodes)
+
+
+class _SharedTrace:
+  """Traces a shard loop once and runs each further shard's loop on it.
+
+  Concurrent shards each need their own model variables (a thread never
+  shares a model), but their loops are the same TF program: tracing one
+  costs seconds (the per-user step, the model's forward and backward pass),
+  and a sharded run used to trace it once per shard at start-up. Here the
+  first `build` traces; each later one builds the loop's Python (its model,
+  so fresh variables, in the order the first build created them) and
+  returns the first trace called with the new variables in place of the
+  first build's (`ConcreteFunction._call_flat` with other captured inputs;
+  TF offers no public API for it, hence this class).
+
+  It falls back to tracing whenever that would not be the same program: a
+  traced resource input that is not one of the variables the build
+  created (a variable created while tracing, say), builds that create
+  variables of other shapes, dtypes or number, or another signature. It
+  also traces each loop whose program draws from op-seeded random ops
+  (`tf.random.uniform`, Keras dropout): one program's kernels, and so their
+  random state, are shared by its concurrent calls, which would make the
+  draws depend on the threads' timing.
+  """
+
+  def __init__(self):
+    self._template = None  # (signature, concrete function, plan, specs)
+
+  def build(self, make_fn, signature, **function_kwargs):
+    """`make_fn()`'s function, as a callable traced for `signature`.
+
+    Args:
+      make_fn: Builds the loop's model (eagerly) and returns the Python
+        function to trace over it.
+      signature: The `tf.function` input signature.
+      **function_kwargs: Passed to `tf.function` (e.g. `autograph`).
+
+    Returns:
+      A callable taking the signature's arguments.
+    """
+    created = []
+
+    def record(next_creator, **kwargs):
+      v = next_creator(**kwargs)
+      created.append(v)
+      return v
+
+    with tf.variable_creator_scope(record):
+      fn = make_fn()
+    if self._template is not None:
+      run = self._rebound(signature, created)
+      if run is not None:
+        return run
+    traced = tf.function(fn, input_signature=signature, **function_kwargs)
+    concrete = traced.get_concrete_function()  # Traced now, not in a thread.
+    if self._template is None:
+      self._template = self._plan(signature, concrete, created)
+    return traced
+
+  @staticmethod
+  def _plan(signature, concrete, created):
+    """For each captured input of `concrete`: the index of the created
+    variable it is the handle of, or the input itself (a constant); None
+    if a resource input is not a created variable's."""
+    if _draws_op_seeded_randoms(concrete.graph.as_graph_def()):
+      return None
+    index = {id(v.handle): i for i, v in enumerate(created)}
+    plan = []
+    for t in concrete.captured_inputs:
+      if id(t) in index:
+        plan.append(index[id(t)])
+      elif t.dtype == tf.resource:
+        return None
+      else:
+        plan.append(t)
+    specs = [(v.dtype, tuple(v.shape)) for v in created]
+    return signature, concrete, plan, specs
+
+  def _rebound(self, signature, created):
+    old_signature, concrete, plan, specs = self._template
+    if [(v.dtype, tuple(v.shape)) for v in created] != specs:
+      return None
+    try:
+      tf.nest.assert_same_structure(signature, old_signature)
+    except (ValueError, TypeError):
+      return None
+    if tf.nest.flatten(signature) != tf.nest.flatten(old_signature):
+      return None
+    captures = [created[p].handle if isinstance(p, int) else p for p in plan]
+
+    def run(*args):
+      bound = function_type_utils.canonicalize_function_inputs(
+          args, {}, concrete.function_type)
+      return concrete._call_flat(  # pylint: disable=protected-access
+          concrete.function_type.unpack_inputs(bound), captures)
+
+    run.variables = created  # Kept alive as long as the loop.
+    return run
+
+
 _POOL = None
 _POOL_LOCK = threading.Lock()
 
@@ -490,18 +607,17 @@ class DriverShardWork:
     self._result_spec = tff.types.type_to_tf_tensor_specs(step_result_type)
     self._element_spec = element_spec
     self._loop_args = (user_clip_norm, wire, count_users)
-    self._runs = []  # One traced loop per concurrent shard, built on use.
+    self._runs = []  # One loop per concurrent shard, built on use.
+    self._trace = _SharedTrace()
 
   def _build(self, example_call):
-    """A fresh step and the shard loop over it, traced now (not in a
-    thread) for arguments shaped as `example_call` with any user, batch and
-    example count."""
-    run = _shard_loop(self._make_step(), self._result_spec,
-                      self._element_spec, *self._loop_args)
-    traced = tf.function(run, autograph=False,
-                         input_signature=_call_signature(*example_call))
-    traced.get_concrete_function()
-    return traced
+    """A fresh step and the shard loop over it, for arguments shaped as
+    `example_call` with any user, batch and example count (traced once, in
+    this thread: `_SharedTrace`)."""
+    return self._trace.build(
+        lambda: _shard_loop(self._make_step(), self._result_spec,
+                            self._element_spec, *self._loop_args),
+        _call_signature(*example_call), autograph=False)
 
   def __call__(self, calls: Sequence[tuple]) -> list:
     to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
@@ -999,12 +1115,18 @@ class ShardedPersonalEval:
     self._wire, self._train_wire = wire, train_wire
     with tf.Graph().as_default():
       self._element_spec = model_fn().input_spec
-    self._runs = []  # One traced shard loop per shard, built on first use.
+    self._runs = []  # One shard loop per shard, built on first use.
+    self._trace = _SharedTrace()
 
   def _build(self, example_args):
-    """A fresh model (built eagerly) and the shard loop over it, traced for
+    """A fresh model (built eagerly) and the shard loop over it, for
     arguments shaped as `example_args` with any user, batch and example
-    count."""
+    count (traced once, in this thread: `_SharedTrace`)."""
+    return self._trace.build(lambda: self._shard_fn(),
+                             _call_signature(*example_args))
+
+  def _shard_fn(self):
+    """A fresh model and the Python function of a shard loop over it."""
     model = self._model_fn()
     element_spec, wire, train_wire = (self._element_spec, self._wire,
                                       self._train_wire)
@@ -1057,14 +1179,9 @@ class ShardedPersonalEval:
           outputs=outputs.stack(), labels=labels.stack(),
           counts=counts.stack())
 
-    signature = _call_signature(*example_args)
     if self._fine_tune:
-      fn = lambda w, s, t, d: run_shard(w, s, d, t)
-    else:
-      fn = lambda w, s, d: run_shard(w, s, d, None)
-    run = tf.function(fn, input_signature=signature)
-    run.get_concrete_function()  # Traced now, not in a thread.
-    return run
+      return lambda w, s, t, d: run_shard(w, s, d, t)
+    return lambda w, s, d: run_shard(w, s, d, None)
 
   def __call__(self, weights, client_states, *data) -> list:
     """`(weights, states, datasets)`, or `(weights, states, train, datasets)`
