@@ -674,6 +674,11 @@ def test_flat_transport_carries_a_structure_bit_for_bit():
                                     want.reshape(-1).view(np.uint8))
   with pytest.raises(ValueError, match='fully known shapes'):
     sharded.FlatTransport([tf.TensorSpec([None, 3], tf.float32)])
+  strings = [tf.TensorSpec([2], tf.float32), tf.TensorSpec([], tf.string)]
+  assert not sharded.FlatTransport.fits(strings)
+  assert sharded.FlatTransport.fits(strings[:1])
+  with pytest.raises(ValueError, match='numbers and booleans'):
+    sharded.FlatTransport(strings)
 
 
 @pytest.mark.parametrize('dp', [False, True])

@@ -626,6 +626,11 @@ class DriverShardWork:
     return [tf.nest.map_structure(lambda t: t.numpy(), r) for r in results]
 
 
+def _packable(dtype: tf.DType) -> bool:
+  return dtype.is_numpy_compatible and (dtype.is_bool or dtype.is_integer or
+                                        dtype.is_floating or dtype.is_complex)
+
+
 class FlatTransport:
   """A structure of fixed-shape tensors carried as one 1-D tensor per dtype.
 
@@ -645,11 +650,14 @@ class FlatTransport:
   """
 
   def __init__(self, specs):
-    """Args: specs: a structure of `tf.TensorSpec`s, every shape known."""
+    """Args: specs: a structure of numeric or boolean `tf.TensorSpec`s,
+    every shape known (strings have no fixed size to pack)."""
     flat = tf.nest.flatten(specs)
     for spec in flat:
       if not spec.shape.is_fully_defined():
         raise ValueError(f'FlatTransport needs fully known shapes, got {spec}')
+      if not _packable(spec.dtype):
+        raise ValueError(f'FlatTransport packs numbers and booleans, got {spec}')
     self._specs = specs
     self._shapes = [spec.shape.as_list() for spec in flat]
     self._sizes = [int(np.prod(shape, dtype=np.int64)) for shape in
@@ -660,8 +668,10 @@ class FlatTransport:
 
   @classmethod
   def fits(cls, specs) -> bool:
-    """Whether every leaf of `specs` has a fully known shape."""
-    return all(s.shape.is_fully_defined() for s in tf.nest.flatten(specs))
+    """Whether every leaf of `specs` has a fully known shape and a numeric
+    or boolean dtype."""
+    return all(s.shape.is_fully_defined() and _packable(s.dtype)
+               for s in tf.nest.flatten(specs))
 
   @property
   def packed_spec(self) -> tuple:
