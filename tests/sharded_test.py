@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import gc
 import os
 import time
 
@@ -752,7 +753,6 @@ def test_shard_loops_share_one_trace_and_keep_their_own_variables():
   rng = np.random.default_rng(0)
   args = [(rng.normal(size=(4, 3)).astype(np.float32),
            rng.normal(size=(5, 4)).astype(np.float32)) for _ in runs]
-  import gc  # pylint: disable=g-import-not-at-top
   gc.collect()  # The builds' models are gone; their variables must not be.
   futures = [sharded._shard_pool().submit(run, *a)
              for run, a in zip(runs, args)]
