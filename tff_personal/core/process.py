@@ -526,9 +526,7 @@ def _model_facts(model_fn: split_model_lib.SplitModelFn,
   if model is None:
     with tf.Graph().as_default():
       model = model_fn()
-      facts = (model.input_spec, split_model_lib.private_weights_spec(model))
-  else:
-    facts = (model.input_spec, split_model_lib.private_weights_spec(model))
+  facts = (model.input_spec, split_model_lib.private_weights_spec(model))
   with _MODEL_FACTS_LOCK:
     try:
       _MODEL_FACTS[model_fn] = facts

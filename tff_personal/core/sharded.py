@@ -459,6 +459,7 @@ class _SharedTrace:
   """
 
   def __init__(self):
+    self._planned = False
     self._template = None  # (signature, concrete function, plan, specs)
 
   def build(self, make_fn, signature, **function_kwargs):
@@ -488,7 +489,8 @@ class _SharedTrace:
         return run
     traced = tf.function(fn, input_signature=signature, **function_kwargs)
     concrete = traced.get_concrete_function()  # Traced now, not in a thread.
-    if self._template is None:
+    if not self._planned:  # The first trace only, rebindable or not.
+      self._planned = True
       self._template = self._plan(signature, concrete, created)
     return traced
 
@@ -513,13 +515,8 @@ class _SharedTrace:
 
   def _rebound(self, signature, created):
     old_signature, concrete, plan, specs = self._template
-    if [(v.dtype, tuple(v.shape)) for v in created] != specs:
-      return None
-    try:
-      tf.nest.assert_same_structure(signature, old_signature)
-    except (ValueError, TypeError):
-      return None
-    if tf.nest.flatten(signature) != tf.nest.flatten(old_signature):
+    if ([(v.dtype, tuple(v.shape)) for v in created] != specs or
+        signature != old_signature):
       return None
     captures = [created[p].handle if isinstance(p, int) else p for p in plan]
 
