@@ -70,6 +70,7 @@ import tensorflow_federated as tff
 
 from binaries import benchmark_families
 from binaries import benchmark_report
+from binaries import benchmark_workers
 from tasks import preference_task
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
@@ -83,8 +84,8 @@ from tff_personal.models import fedembed_mnist
 
 FLAGS = flags.FLAGS
 
-SYSTEMS = ('tff_fedavg', 'global', 'global_plus', 'fedembed_prototype',
-           'tf_ceiling', 'keras_central')
+PROJECT_SYSTEMS = ('global', 'global_plus', 'fedembed_prototype')
+SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS, 'tf_ceiling', 'keras_central')
 CEILING = benchmark_report.CEILING
 render_markdown = benchmark_report.render_markdown
 LOCAL_LEARNING_RATE = 1e-3
@@ -144,6 +145,19 @@ def define_flags():
   flags.DEFINE_string('data_dir', None,
                       'The shared data directory the family rows read '
                       '(default: ../shared/data from the repository).')
+  flags.DEFINE_integer('worker_pairs', 0,
+                       'Multi-worker rows: this many pairs of --worker_system '
+                       'runs at --worker_cohort on one binaries.worker pinned '
+                       'to a core, then on two pinned to a core each, each '
+                       'pair after a measure of the machine\'s own two-core '
+                       'speed-up (binaries/benchmark_workers.py).')
+  flags.DEFINE_enum('worker_system', 'global_plus',
+                    ['global', 'global_plus', 'fedembed_prototype'],
+                    'The system of the multi-worker rows.')
+  flags.DEFINE_integer('worker_cohort', 200, 'Cohort of the multi-worker rows.')
+  flags.DEFINE_integer('worker_local_epochs', 1,
+                       'Local epochs of the multi-worker rows (the other '
+                       'rows run one).')
   flags.DEFINE_float('timeout_s', 1800, 'Per-run time limit.')
   # Internal: one run in a child process.
   flags.DEFINE_string('child', None, 'Internal: system to run in this process.')
@@ -151,6 +165,13 @@ def define_flags():
   flags.DEFINE_string('workload', None, 'Internal: workload .npz path.')
   flags.DEFINE_string('record', None, 'Internal: where the child writes JSON.')
   flags.DEFINE_float('t0', None, 'Internal: wall time the parent spawned us.')
+  flags.DEFINE_list('workers', [],
+                    'Internal: run the child on these binaries.worker '
+                    'services (host:port) instead of a local worker.')
+  flags.DEFINE_integer('local_epochs', 1, 'Internal: local epochs of the '
+                       'child run (project systems).')
+  flags.DEFINE_string('final_weights', None, 'Internal: where the child '
+                      'saves the final server weights (.npz).')
 
 
 # ---------------------------------------------------------------------------
@@ -175,14 +196,15 @@ def cohort_of(round_num: int, cohort: int, seed: int):
 # Child runs: each returns per-round wall times; the first includes tracing.
 
 
-def _datasets(data, ids, keys):
+def _datasets(data, ids, keys, epochs=1):
   return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-      (k, data[k][i]) for k in keys)).batch(BATCH_SIZE) for i in ids]
+      (k, data[k][i]) for k in keys)).batch(BATCH_SIZE).repeat(epochs)
+          for i in ids]
 
 
-def _client_batches(data, ids, keys, element_spec):
+def _client_batches(data, ids, keys, element_spec, epochs=1):
   """What a task's `train_batches` gives the sharded simulation."""
-  order = [np.arange(EXAMPLES_PER_CLIENT)]
+  order = [np.arange(EXAMPLES_PER_CLIENT)] * epochs
   return [client_data.ClientBatches.from_arrays(
       collections.OrderedDict((k, data[k][i]) for k in keys), BATCH_SIZE,
       order, element_spec) for i in ids]
@@ -237,7 +259,12 @@ def build_project_process(name: str, seed: int, client_optimizer=None):
 
 
 def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
-                 shards_in=sharded.IN_DRIVER):
+                 shards_in=sharded.IN_DRIVER, epochs=1, final_weights=None):
+  """Runs a project system; returns (round times, record fields).
+
+  With `final_weights` (a path), the last server model's trainable weights
+  are saved there (`np.savez`, in order).
+  """
   proc = build_project_process(name, seed)
   num_shards = sharded.resolve_num_shards(proc, shards)
   train = sharded.maybe_shard(proc, num_shards, shards_in=shards_in)
@@ -254,16 +281,19 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
   for r in range(1, rounds + 1):
     t = time.perf_counter()
     ids = [int(i) for i in cohort_of(r, cohort, seed)]
-    items = (_client_batches(data, ids, keys, element_spec) if num_shards
-             else _datasets(data, ids, keys))
+    items = (_client_batches(data, ids, keys, element_spec, epochs)
+             if num_shards else _datasets(data, ids, keys, epochs))
     state, new_states, _ = train.next(state, store.load(ids), items)
     store.save(ids, [tf.nest.map_structure(np.asarray, s)
                      for s in new_states], r)
     times.append(time.perf_counter() - t)
     rss_at(r)
   store.close()
+  if final_weights:
+    np.savez(final_weights, *train.get_model_weights(state).trainable)
   return times, {'simulation_shards': num_shards,
-                 'shards_in': shards_in if num_shards else None}
+                 'shards_in': shards_in if num_shards else None,
+                 'local_epochs': epochs}
 
 
 def _run_keras_central(data, cohort, rounds, seed, rss_at):
@@ -428,7 +458,12 @@ def child_main(f) -> None:
   threads = (f.intra_op_threads, f.inter_op_threads)
   if f.child == 'tff_fedavg' and f.reference_threads == 'tf_default':
     threads = (-1, -1)
-  with runtime.local_runtime(intra_op_threads=threads[0],
+  if (f.workers or f.local_epochs != 1) and f.child not in PROJECT_SYSTEMS:
+    raise app.UsageError('--workers and --local_epochs apply to the '
+                         f'project\'s systems, not {f.child}')
+  # With --workers the services' thread pools are their own flags'.
+  with runtime.local_runtime(workers=f.workers or None,
+                             intra_op_threads=threads[0],
                              inter_op_threads=threads[1]):
     if f.child == 'tff_fedavg':
       times, extra = _run_tff_fedavg(data, f.cohort, f.rounds, f.seed, rss_at)
@@ -440,7 +475,8 @@ def child_main(f) -> None:
                                         rss_at)
     else:
       times, extra = _run_project(f.child, data, f.cohort, f.rounds, f.seed,
-                                  f.simulation_shards, rss_at, f.shards_in)
+                                  f.simulation_shards, rss_at, f.shards_in,
+                                  f.local_epochs, f.final_weights)
   steady = times[1:] or times
   per_round = float(np.mean(steady))
   # From the parent's spawn to the end of round 1 (not the shut-down).
@@ -449,7 +485,8 @@ def child_main(f) -> None:
       name=f.child, cohort=f.cohort, rounds=f.rounds,
       seconds_per_round=per_round,
       client_updates_per_s=f.cohort / per_round,
-      examples_per_s=f.cohort * EXAMPLES_PER_CLIENT / per_round,
+      examples_per_s=f.cohort * EXAMPLES_PER_CLIENT * f.local_epochs
+      / per_round,
       first_round_s=times[0], startup_s=startup,
       worker_threads={'intra_op': worker_threads.resolve(threads[0], 'intra'),
                       'inter_op': worker_threads.resolve(threads[1], 'inter')},
@@ -517,6 +554,16 @@ def parent_main(f) -> int:
     raise app.UsageError('--rounds must be >= 2 (round 1 is start-up)')
   if f.peer_python and not os.access(f.peer_python, os.X_OK):
     raise app.UsageError(f'--peer_python={f.peer_python} is not executable')
+  if f.worker_pairs < 0 or f.worker_local_epochs < 1:
+    raise app.UsageError('--worker_pairs must be >= 0 and '
+                         '--worker_local_epochs >= 1')
+  if f.worker_pairs:
+    if not 2 <= f.worker_cohort <= POPULATION:
+      raise app.UsageError(f'--worker_cohort must be in [2, {POPULATION}]')
+    try:
+      benchmark_workers.two_cores()
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
   os.makedirs(f.output_dir, exist_ok=True)
   workload = os.path.join(f.output_dir, 'workload.npz')
   make_workload(workload, f.seed)
@@ -532,6 +579,21 @@ def parent_main(f) -> int:
   if unknown:
     raise app.UsageError(f'unknown --families {sorted(unknown)}; known: '
                          f'{list(benchmark_families.FAMILIES)}')
+
+  def child_cmd(system, cohort, rounds, record_path, extra=()):
+    """A child run's command; `extra` flags (a `--simulation_shards`
+    among them replaces the run's)."""
+    shards = [a for a in extra if a.startswith('--simulation_shards=')] or [
+        f'--simulation_shards={f.simulation_shards}']
+    return [sys.executable, '-m', 'binaries.benchmark', f'--child={system}',
+            f'--cohort={cohort}', f'--rounds={rounds}',
+            f'--workload={workload}', f'--record={record_path}',
+            f'--seed={f.seed}', *shards, f'--shards_in={f.shards_in}',
+            f'--intra_op_threads={f.intra_op_threads}',
+            f'--inter_op_threads={f.inter_op_threads}',
+            f'--reference_threads={f.reference_threads}',
+            *[a for a in extra if a not in shards]]
+
   for i, (system, cohort, rounds) in enumerate(runs):
     record_path = os.path.join(f.output_dir, f'.record_{i}.json')
     if system == 'pfl_fedavg':
@@ -540,14 +602,7 @@ def parent_main(f) -> int:
              f'--cohort={cohort}', f'--rounds={rounds - 1}',
              f'--output={record_path}', f'--seed={f.seed}']
     else:
-      cmd = [sys.executable, '-m', 'binaries.benchmark', f'--child={system}',
-             f'--cohort={cohort}', f'--rounds={rounds}',
-             f'--workload={workload}', f'--record={record_path}',
-             f'--seed={f.seed}', f'--simulation_shards={f.simulation_shards}',
-             f'--shards_in={f.shards_in}',
-             f'--intra_op_threads={f.intra_op_threads}',
-             f'--inter_op_threads={f.inter_op_threads}',
-             f'--reference_threads={f.reference_threads}']
+      cmd = child_cmd(system, cohort, rounds, record_path)
     print(f'[{i + 1}/{len(runs)}] {system} cohort {cohort} ({rounds} rounds)',
           flush=True)
     record, peak, err = _run_child(cmd, record_path, f.timeout_s)
@@ -572,6 +627,12 @@ def parent_main(f) -> int:
         [int(n) for n in f.population_scale], f.family_rounds,
         os.path.join(f.output_dir, 'scale'), f.timeout_s, run_sampled,
         log=lambda s: print(s, flush=True))
+  if f.worker_pairs:
+    records += benchmark_workers.run(
+        f.worker_pairs, f.worker_system, f.worker_cohort,
+        f.worker_local_epochs, f.rounds, child_cmd, _run_child,
+        os.path.join(f.output_dir, 'workers'), root, f.timeout_s,
+        log=lambda s: print(s, flush=True))
   del root
   machine = (f'{platform.node()} {platform.machine()}, {os.cpu_count()} '
              f'CPUs, Python {platform.python_version()}, load average '
@@ -587,7 +648,7 @@ def parent_main(f) -> int:
     out.write(markdown)
   print(markdown, flush=True)
   expected = (len(runs) + len(f.families) * len(benchmark_families.FORMS) +
-              len(f.population_scale))
+              len(f.population_scale) + 3 * f.worker_pairs)
   return 0 if len(records) == expected else 1
 
 

@@ -9,6 +9,8 @@ its full tables and `readme_markdown` the README's summary, which
 from __future__ import annotations
 
 CEILING = 'tf_ceiling'
+# The machine's own two-core speed-up (`benchmark_workers.two_core_speedup`).
+CALIBRATION = 'two_core_calibration'
 NO_WORKER = ('keras_central', CEILING)
 # The README's summary: these systems, every cohort, as a fraction of the
 # ceiling.
@@ -29,6 +31,41 @@ def _threads(record) -> str:
   return f"{show(t['intra_op'])}/{show(t['inter_op'])}"
 
 
+def _is_system(record) -> bool:
+  """A row of the systems table (not a family, scale or worker row)."""
+  return not (record.get('form') or record.get('population') or
+              record.get('workers') or record['name'] == CALIBRATION)
+
+
+def _worker_lines(records) -> list[str]:
+  """The multi-worker pairs: one pinned worker against two, beside the
+  machine's own two-core speed-up measured just before."""
+  runs = {(r['pair'], r['workers']): r for r in records if r.get('workers')}
+  if not runs:
+    return []
+  machine = {r['pair']: r for r in records if r['name'] == CALIBRATION}
+  first = next(iter(runs.values()))
+  lines = ['', f"Two workers against one (`binaries.worker` services pinned "
+           f"to a core each; {first['name']}, cohort {first['cohort']}, "
+           f"{first.get('local_epochs', 1)} local epoch(s); rounds 2 and "
+           "later):", '',
+           "| pair | the machine's two-core speed-up | one worker s/round | "
+           'two workers s/round | speed-up | largest weight difference |',
+           '|---:|---:|---:|---:|---:|---:|']
+  for pair in sorted({p for p, _ in runs}):
+    one, two = runs.get((pair, 1)), runs.get((pair, 2))
+    cal = machine.get(pair)
+    cell = lambda r, key, fmt: '-' if r is None or key not in r else (
+        format(r[key], fmt))
+    lines.append(
+        f"| {pair + 1} | {cell(cal, 'speedup', '.2f')}x | "
+        f"{cell(one, 'seconds_per_round', '.3f')} | "
+        f"{cell(two, 'seconds_per_round', '.3f')} | "
+        f"{cell(two, 'speedup', '.2f')}x | "
+        f"{cell(two, 'max_weight_diff', '.3g')} |")
+  return lines
+
+
 def render_markdown(records, machine: str, command: str) -> str:
   """The tables: systems with ratios to tff_fedavg, the arithmetic ceiling
   and pfl per cohort; family rows, sharded against one user per client."""
@@ -39,9 +76,9 @@ def render_markdown(records, machine: str, command: str) -> str:
            '|' + '---|' * 11]
   scale = [r for r in records if r.get('population')]
   families = [r for r in records if r.get('form')]
-  records = [r for r in records if not r.get('form') and
-             not r.get('population')]
-  if not records:  # Family rows only.
+  workers = _worker_lines(records)
+  records = [r for r in records if _is_system(r)]
+  if not records:  # Family, scale or worker rows only.
     lines = lines[:4]
   by_key = {(r['name'], r['cohort']): r for r in records}
   for r in records:
@@ -80,6 +117,7 @@ def render_markdown(records, machine: str, command: str) -> str:
               if r['form'] == 'sharded' else '1.00x') + ' |')
   if scale:
     lines += _scale_lines(scale)
+  lines += workers
   memory = [r for r in records if r.get('memory_run')]
   for r in memory:
     a = r.get('rss_mib_after_round_20')
@@ -118,8 +156,7 @@ def readme_markdown(run: dict) -> str:
   command that made them."""
   records = [r for r in run['records'] if not r.get('memory_run')]
   scale = [r for r in records if r.get('population')]
-  systems = [r for r in records if not r.get('form') and
-             not r.get('population')]
+  systems = [r for r in records if _is_system(r)]
   cohorts = sorted({r['cohort'] for r in systems})
   by_key = {(r['name'], r['cohort']): r for r in systems}
   lines = []
@@ -159,5 +196,6 @@ def readme_markdown(run: dict) -> str:
           f"{_ratio(r['client_updates_per_s'], u)} |")
   if scale:
     lines += _scale_lines(scale)
+  lines += _worker_lines(records)
   lines += ['', f"Command: `{run['command']}`"]
   return '\n'.join(line for line in lines if line is not None) + '\n'

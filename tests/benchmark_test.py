@@ -9,6 +9,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from binaries import benchmark
+from binaries import benchmark_report
 from tests import conftest
 from tests import process_utils
 from tff_personal.core import client_state
@@ -143,3 +144,69 @@ def test_unknown_system_is_a_usage_error(binary, tmp_path):
                       timeout=300)
   assert result.returncode != 0
   assert 'unknown --systems' in result.stderr
+
+
+def test_render_markdown_worker_rows():
+  records = [
+      dict(name='global', cohort=50, client_updates_per_s=60.0,
+           examples_per_s=1200.0, seconds_per_round=0.83, startup_s=9.0,
+           peak_rss_mib=1000.0),
+      dict(name='two_core_calibration', pair=0, speedup=1.9,
+           one_core_s=3.0, two_cores_s=3.16, pinned_cores=[0, 1]),
+      dict(name='global_plus', cohort=200, local_epochs=4, workers=1,
+           pair=0, pinned_cores=[0], seconds_per_round=2.0,
+           client_updates_per_s=100.0, examples_per_s=8000.0),
+      dict(name='global_plus', cohort=200, local_epochs=4, workers=2,
+           pair=0, pinned_cores=[0, 1], seconds_per_round=1.25,
+           client_updates_per_s=160.0, examples_per_s=12800.0,
+           speedup=1.6, max_weight_diff=0.0),
+  ]
+  table = benchmark.render_markdown(records, 'test machine', 'cmd')
+  assert '| 1 | 1.90x | 2.000 | 1.250 | 1.60x | 0 |' in table
+  assert 'global_plus, cohort 200, 4 local epoch(s)' in table
+  # Worker rows are not systems rows, in the full tables or the README's.
+  assert '| global_plus | 200 |' not in table
+  readme = benchmark_report.readme_markdown(
+      dict(machine='m', command='cmd', records=records))
+  assert '| 1 | 1.90x | 2.000 | 1.250 | 1.60x | 0 |' in readme
+  assert 'global_plus' not in readme.split('Two workers')[0]
+
+
+def test_two_pinned_workers_train_the_model_one_worker_trains(binary,
+                                                             tmp_path):
+  if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip('needs two CPUs')
+  out = tmp_path / 'bench'
+  result = binary.run(
+      [f'--output_dir={out}', '--systems=', '--cohorts=4', '--rounds=2',
+       '--worker_pairs=1', '--worker_cohort=4', '--worker_local_epochs=2'],
+      timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = json.loads((out / 'benchmark.json').read_text())
+  calibration, one, two = records
+  cores = sorted(os.sched_getaffinity(0))[:2]
+  assert calibration['name'] == 'two_core_calibration'
+  assert calibration['pinned_cores'] == cores
+  assert [(r['name'], r['workers'], r['pinned_cores'], r['local_epochs'])
+          for r in (one, two)] == [('global_plus', 1, cores[:1], 2),
+                                   ('global_plus', 2, cores, 2)]
+  assert one['simulation_shards'] == two['simulation_shards'] == 2
+  assert two['speedup'] == pytest.approx(
+      one['seconds_per_round'] / two['seconds_per_round'])
+  # The same shards on one worker or two: the same model, and a trained one.
+  assert two['max_weight_diff'] <= 1e-6
+  proc = benchmark.build_project_process('global_plus', seed=0)
+  initial = proc.get_model_weights(proc.initialize()).trainable
+  with np.load(out / 'workers' / 'weights_0_2.npz') as got:
+    trained = [got[f'arr_{i}'] for i in range(len(initial))]
+  assert max(np.max(np.abs(a - np.asarray(b)))
+             for a, b in zip(trained, initial)) > 1e-4
+  assert '| 1 |' in (out / 'benchmark.md').read_text()
+
+
+def test_bad_worker_flags_are_usage_errors(binary, tmp_path):
+  result = binary.run([f'--output_dir={tmp_path}', '--worker_pairs=1',
+                       '--worker_cohort=1'], timeout=300)
+  assert result.returncode != 0
+  assert '--worker_cohort must be in [2, 1000]' in result.stderr
+  assert not os.listdir(tmp_path)  # Nothing written.
