@@ -2,7 +2,7 @@ r"""Simulation benchmark: TFF's FedAvg, the project's processes, plain Keras.
 
   python -m binaries.benchmark --output_dir=/tmp/bench \
     [--cohorts=50,200] [--rounds=12] [--systems=...] [--peer_python=PATH] \
-    [--memory_rounds=200]
+    [--memory_rounds=200] [--families=...] [--worker_pairs=4]
 
 One workload for every system (FedEmbed Appendix B.1's MNIST CNN; clients of
 20 generated 28x28 examples; local batch 10; one local epoch; local Adam
@@ -30,6 +30,12 @@ of each round drawn from (seed, round)). Systems:
   per-call set-up included. Not a ceiling.
 * `pfl_fedavg` (with `--peer_python`): Apple's pfl-research on the same
   workload, run by `bench/peers/pfl_fedavg.py` in its own environment.
+
+`--worker_pairs=N` adds the multi-worker rows (`binaries/benchmark_workers.py`):
+N pairs of a project system on one `binaries.worker` pinned to a core,
+then on two pinned to a core each, each pair beside the machine's own
+two-core speed-up measured just before it, with the two runs' final
+weights compared.
 
 Each (system, cohort) runs in a fresh subprocess, so `startup_s` covers the
 interpreter start, imports, building/tracing and the first round, and

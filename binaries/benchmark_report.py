@@ -8,6 +8,8 @@ its full tables and `readme_markdown` the README's summary, which
 
 from __future__ import annotations
 
+import statistics
+
 CEILING = 'tf_ceiling'
 # The machine's own two-core speed-up (`benchmark_workers.two_core_speedup`).
 CALIBRATION = 'two_core_calibration'
@@ -45,9 +47,10 @@ def _worker_lines(records) -> list[str]:
     return []
   machine = {r['pair']: r for r in records if r['name'] == CALIBRATION}
   first = next(iter(runs.values()))
+  epochs = first.get('local_epochs', 1)
   lines = ['', f"Two workers against one (`binaries.worker` services pinned "
            f"to a core each; {first['name']}, cohort {first['cohort']}, "
-           f"{first.get('local_epochs', 1)} local epoch(s); rounds 2 and "
+           f"{epochs} local epoch{'s' * (epochs != 1)}; rounds 2 and "
            "later):", '',
            "| pair | the machine's two-core speed-up | one worker s/round | "
            'two workers s/round | speed-up | largest weight difference |',
@@ -63,6 +66,11 @@ def _worker_lines(records) -> list[str]:
         f"{cell(two, 'seconds_per_round', '.3f')} | "
         f"{cell(two, 'speedup', '.2f')}x | "
         f"{cell(two, 'max_weight_diff', '.3g')} |")
+  ours = [r['speedup'] for r in runs.values() if 'speedup' in r]
+  theirs = [r['speedup'] for r in machine.values()]
+  if len(ours) > 1 and theirs:
+    lines.append(f"| median | {statistics.median(theirs):.2f}x | | | "
+                 f"{statistics.median(ours):.2f}x | |")
   return lines
 
 

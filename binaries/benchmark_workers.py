@@ -5,8 +5,8 @@ each pinned to one core (the first two CPUs this process may run on), with
 one TensorFlow thread per op and one inter-op thread. Then, N times:
 
 1. the machine's own two-core speed-up (`two_core_speedup`): a fixed
-   single-threaded NumPy workload run alone on the first core, then on
-   both cores at once. On a shared VM two "cores" may be two threads of
+   single-threaded NumPy workload run alone on each core and on both
+   cores at once. On a shared VM two "cores" may be two threads of
    one physical core, or be slowed by neighbours, and this changes from
    minute to minute; the multi-worker speed-up is only read next to it;
 2. `--worker_system` on the benchmark's workload at `--worker_cohort`
@@ -76,17 +76,19 @@ def _pinned(core: int) -> Callable[[], None]:
 def two_core_speedup(cores: tuple[int, int], matmuls: int = 12000) -> dict:
   """The machine's speed-up of two independent single-threaded processes.
 
-  Runs the same fixed workload once alone on `cores[0]`, then twice at
-  once, one process on each core.
+  Runs the same fixed workload alone on `cores[0]`, then twice at once
+  (one process on each core), then alone on `cores[1]`: the two runs alone
+  bracket the pair, so a machine whose speed drifts (a shared VM) biases
+  the ratio less.
 
   Args:
     cores: The two cores.
     matmuls: The workload's size (192 x 192 matrix products).
 
   Returns:
-    A record: `one_core_s`, `two_cores_s` (the slower of the two) and
-    `speedup` (2 * one_core_s / two_cores_s: 2.0 when the two cores are
-    as fast together as one alone).
+    A record: `one_core_s` (the mean of the two runs alone), `two_cores_s`
+    (the slower of the pair) and `speedup` (2 * one_core_s / two_cores_s:
+    2.0 when the two cores are as fast together as each alone).
   """
   code = _CALIBRATION_CODE.format(n=int(matmuls))
   env = dict(os.environ, **_ONE_THREAD)
@@ -100,8 +102,10 @@ def two_core_speedup(cores: tuple[int, int], matmuls: int = 12000) -> dict:
       raise RuntimeError('the two-core calibration failed')
     return [float(o) for o in outs]
 
-  (one,) = run(cores[:1])
+  (first,) = run(cores[:1])
   two = max(run(cores))
+  (second,) = run(cores[1:])
+  one = (first + second) / 2
   return dict(name=CALIBRATION, one_core_s=one, two_cores_s=two,
               speedup=2 * one / two, pinned_cores=list(cores))
 

@@ -163,7 +163,14 @@ def test_render_markdown_worker_rows():
   ]
   table = benchmark.render_markdown(records, 'test machine', 'cmd')
   assert '| 1 | 1.90x | 2.000 | 1.250 | 1.60x | 0 |' in table
-  assert 'global_plus, cohort 200, 4 local epoch(s)' in table
+  assert 'global_plus, cohort 200, 4 local epochs;' in table
+  assert '| median |' not in table  # One pair.
+  second = [dict(r, pair=1) for r in records[1:]]
+  second[0]['speedup'] = 1.5
+  second[2].update(seconds_per_round=1.667, speedup=1.2, max_weight_diff=0.0)
+  table = benchmark.render_markdown(records + second, 'test machine', 'cmd')
+  assert '| 2 | 1.50x | 2.000 | 1.667 | 1.20x | 0 |' in table
+  assert '| median | 1.70x | | | 1.40x | |' in table
   # Worker rows are not systems rows, in the full tables or the README's.
   assert '| global_plus | 200 |' not in table
   readme = benchmark_report.readme_markdown(
