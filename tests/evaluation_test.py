@@ -98,3 +98,19 @@ def test_preference_metrics_average_users_then_groups():
   assert m['f1_macro'] == pytest.approx((0.5 + (2 / 3 + 0.8) / 2) / 2)
   with pytest.raises(ValueError, match='differ in length'):
     evaluation.preference_metrics(per_client, [0])
+
+
+def test_eval_reads_the_input_spec_without_building_a_model_again():
+  builds = []
+
+  def model_fn():
+    builds.append(1)
+    return fedembed_mnist.build_preference_model(28, input_spec=SPEC)
+
+  weights = process.initial_shared_weights(model_fn, seed=5)
+  state_type = process.split_client_state_type(model_fn)
+  assert len(builds) == 1  # The weights' model gave the types too.
+  evaluation.build_personal_eval(
+      model_fn, process.model_weights_type(weights), state_type)
+  assert len(builds) == 2  # Only the computation's own model.
+  assert process.model_input_spec(model_fn) == SPEC

@@ -384,7 +384,7 @@ def _sharded_and_one_user_rounds(task):
 def test_sharded_speech_round_equals_one_user_per_client(speech_dir):
   # The spectral encoder (no convolutions): each leaf is held to 1e-3 of the
   # change the round made to it; summation order moves it by about 1e-6 of
-  # it, and a swapped, dropped or doubled user's data by more than 0.1.
+  # it, and a swapped or doubled user's data by more than 0.1.
   server, users = _sharded_and_one_user_rounds(
       _tiny_task(speech_dir, encoder='spectral'))
   for name, (got, want, old) in [('server', server)] + [

@@ -43,6 +43,7 @@ import tensorflow_federated as tff
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import federated_map
+from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
 from tff_personal.core import stages
 from tff_personal.models import split_model as split_model_lib
@@ -151,9 +152,8 @@ def build_groupperfl_algorithm(
 
 
 def _data_type(model_fn):
-  with tf.Graph().as_default():
-    spec = model_fn().input_spec
-  return tff.SequenceType(tff.types.tensorflow_to_type(spec))
+  return tff.SequenceType(tff.types.tensorflow_to_type(
+      process_lib.model_input_spec(model_fn)))
 
 
 def build_local_personalization(

@@ -34,8 +34,7 @@ def build_personal_eval(model_fn: split_model_lib.SplitModelFn,
                         weights_type: tff.Type,
                         client_state_type: tff.Type) -> tff.Computation:
   """Per-client outputs on the client's eval data with its private state."""
-  with tf.Graph().as_default():
-    input_spec = model_fn().input_spec
+  input_spec = process_lib.model_input_spec(model_fn)
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
 
   @tff.tensorflow.computation(weights_type, client_state_type, data_type)
@@ -80,8 +79,7 @@ def build_cold_start_eval(model_fn: split_model_lib.SplitModelFn,
   test data. Nothing leaves the client. This is FURL's stated future work
   (cold start) and the test-time fine-tuning of FedPerC.
   """
-  with tf.Graph().as_default():
-    input_spec = model_fn().input_spec
+  input_spec = process_lib.model_input_spec(model_fn)
   data_type = tff.SequenceType(tff.types.tensorflow_to_type(input_spec))
 
   @tff.tensorflow.computation(weights_type, client_state_type, data_type,

@@ -535,6 +535,19 @@ def _model_facts(model_fn: split_model_lib.SplitModelFn,
   return facts
 
 
+def model_input_spec(model_fn: split_model_lib.SplitModelFn):
+  """The element spec of the datasets `model_fn`'s models train on.
+
+  Read once per `model_fn` (from the model `initial_shared_weights` built,
+  when it ran first) instead of building a model for it each time.
+
+  Example:
+    data_type = tff.SequenceType(tff.types.tensorflow_to_type(
+        model_input_spec(model_fn)))
+  """
+  return _model_facts(model_fn)[0]
+
+
 def initial_shared_weights(model_fn: split_model_lib.SplitModelFn,
                            seed: Optional[int] = None) -> ModelWeights:
   """Builds the model once, eagerly, and returns its shared weights (numpy).

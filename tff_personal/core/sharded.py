@@ -1120,8 +1120,7 @@ class ShardedPersonalEval:
     self._fine_tune_optimizer = fine_tune_optimizer
     self._fine_tune = fine_tune_optimizer is not None
     self._wire, self._train_wire = wire, train_wire
-    with tf.Graph().as_default():
-      self._element_spec = model_fn().input_spec
+    self._element_spec = process_lib.model_input_spec(model_fn)
     self._runs = []  # One shard loop per shard, built on first use.
     self._trace = _SharedTrace()
 
