@@ -157,8 +157,7 @@ def define_flags():
                        'to a core, then on two pinned to a core each, each '
                        'pair after a measure of the machine\'s own two-core '
                        'speed-up (binaries/benchmark_workers.py).')
-  flags.DEFINE_enum('worker_system', 'global_plus',
-                    ['global', 'global_plus', 'fedembed_prototype'],
+  flags.DEFINE_enum('worker_system', 'global_plus', list(PROJECT_SYSTEMS),
                     'The system of the multi-worker rows.')
   flags.DEFINE_integer('worker_cohort', 200, 'Cohort of the multi-worker rows.')
   flags.DEFINE_integer('worker_local_epochs', 1,
