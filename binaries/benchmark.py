@@ -19,12 +19,16 @@ of each round drawn from (seed, round)). Systems:
   by default one thread per op and one inter-op thread per CPU),
   driven as `binaries.train` drives them: a client-state store, per-user
   `tf.data` datasets, `next`, states saved back (no checkpoints, no eval).
-* `tf_ceiling`: the arithmetic ceiling. FedAvg's arithmetic on each
-  cohort (every client: the global weights, local Adam over its batches,
-  its delta; the mean delta applied with SGD 1) as one `tf.function` of
-  `tf.while_loop`s in one process: no federation, no TFF, no `tf.data`
-  (`build_ceiling_round`; a test holds it equal to the `global` process's
-  round). Every system is reported as a fraction of it.
+* `tf_ceiling`, `tf_ceiling_global_plus`, `tf_ceiling_fedembed_prototype`:
+  the arithmetic ceilings, one per model. A system's local training (the
+  global weights and its private values in, the model's `prepare_fn`, local
+  Adam over its batches, its delta and new private values out) and
+  FedAvg's server step (the mean delta applied with SGD 1), on each cohort,
+  as one `tf.function` of `tf.while_loop`s in one process: no federation,
+  no TFF runtime, no `tf.data` (`build_ceiling_round`; tests hold each
+  equal to its process's round). `tf_ceiling` is `global`'s model, the one
+  FedAvg trains in every other system. Every system is reported as a
+  fraction of `tf_ceiling` and of its own model's ceiling.
 * `keras_central`: Keras `fit` once per round over the cohort's examples
   (the same batches, one pass, one optimizer state): what plain Keras costs,
   per-call set-up included. Not a ceiling.
@@ -82,17 +86,21 @@ from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import client_data
 from tff_personal.core import client_state
+from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.core import sharded
 from tff_personal.core import training_loop
 from tff_personal.core import worker_threads
 from tff_personal.models import fedembed_mnist
+from tff_personal.models import split_model as split_model_lib
 
 FLAGS = flags.FLAGS
 
 PROJECT_SYSTEMS = ('global', 'global_plus', 'fedembed_prototype')
-SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS, 'tf_ceiling', 'keras_central')
 CEILING = benchmark_report.CEILING
+ceiling_name = benchmark_report.ceiling_name
+SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS,
+           *(ceiling_name(s) for s in PROJECT_SYSTEMS), 'keras_central')
 render_markdown = benchmark_report.render_markdown
 LOCAL_LEARNING_RATE = 1e-3
 EXAMPLES_PER_CLIENT = 20
@@ -321,114 +329,178 @@ def _run_keras_central(data, cohort, rounds, seed, rss_at):
   return times, {}
 
 
-def build_ceiling_round(keras_models: Sequence[tf.keras.Model],
-                        client_optimizer: tff.learning.optimizers.Optimizer):
-  """One FedAvg round's arithmetic as a single `tf.function`.
+class _OneClientBatches:
+  """Client `c`'s batches of a `[clients, steps, batch, ...]` structure, with
+  the `element_spec` and `reduce` of a `tf.data.Dataset` (what a model's
+  `prepare_fn` reads)."""
 
-  Returns `round_fn(global_weights, x, y) -> new global weights`, where
-  `x` is `[clients, steps, batch, ...]` and `y` `[clients, steps, batch]`:
-  each client starts from `global_weights`, takes `steps` steps of
-  `client_optimizer` (TFF's functional optimizer, the one the processes
-  use, with a fresh state per client) on the sparse softmax cross-entropy
-  of the model, and the new global weights are the old ones plus the
-  clients' mean delta (server SGD with lr 1; every client has the same
-  number of examples, so the weighted mean is the mean). The clients are
-  split into one contiguous part per model in `keras_models` (copies of one
-  architecture), each part a `tf.while_loop` on its own model's variables,
-  so the parts run concurrently on TensorFlow's inter-op threads, as the
-  sharded simulation runs its shards. Written by hand: neither TF nor TFF
-  ships FedAvg without federation. Trainable weights only (the benchmark's
-  model has no non-trainable ones).
+  def __init__(self, batches, c):
+    self._batches, self._c = batches, c
+    self.element_spec = tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None] + t.shape[3:], t.dtype), batches)
+
+  def batch(self, b):
+    return tf.nest.map_structure(lambda t: t[self._c, b], self._batches)
+
+  def reduce(self, initial_state, reduce_fn):
+    steps = tf.shape(tf.nest.flatten(self._batches)[0])[1]
+    return tf.while_loop(
+        lambda b, _: b < steps,
+        lambda b, state: (b + 1, reduce_fn(state, self.batch(b))),
+        (tf.constant(0), initial_state))[1]
+
+
+def build_ceiling_round(models: Sequence[split_model_lib.SplitModel],
+                        client_optimizer: tff.learning.optimizers.Optimizer):
+  """One round of a split model's local training and FedAvg's server step,
+  as a single `tf.function`: the arithmetic ceiling of a system.
+
+  Returns `round_fn(global_weights, private, batches) -> (new global
+  weights, new private)`. `batches` is the cohort's examples as a structure
+  of `[clients, steps, batch, ...]` tensors (the model's batch structure),
+  `private` a tuple of `[clients, ...]` tensors, one per private variable
+  of the model (in `private_variables` order; empty for a model without).
+  Each client starts from `global_weights` (the shared trainable
+  variables) and its private values, runs the model's `prepare_fn` (if any)
+  on its batches, takes one step of `client_optimizer` (TFF's functional
+  optimizer, the one the processes use, fresh per client, over the shared
+  and private trainable variables together) per batch on the model's loss,
+  and keeps its new private values; the new global weights are the old
+  ones plus the clients' mean delta (server SGD with lr 1; every client has
+  the same number of examples, so the weighted mean is the mean). The
+  clients are split into one contiguous part per model in `models` (builds
+  of one model function), each part a `tf.while_loop` on its own model's
+  variables, so the parts run concurrently on TensorFlow's inter-op
+  threads, as the sharded simulation runs its shards. No federation, no
+  TFF runtime, no `tf.data`, no metrics and no checks for non-finite
+  values. Written by hand: neither TF nor TFF ships FedAvg without
+  federation. Models with shared non-trainable variables or private noise
+  are refused (the benchmark's models have neither).
 
   Example:
-    models = [build_model() for _ in range(os.cpu_count())]
+    models = [model_fn() for _ in range(os.cpu_count())]
     round_fn = build_ceiling_round(models, fedavg.adam(1e-3))
-    weights = round_fn(weights, x, y)
+    weights, private = round_fn(weights, private, batches)
   """
-  if not keras_models:
+  if not models:
     raise ValueError('give at least one model')
-  if any(m.non_trainable_variables for m in keras_models):
-    raise ValueError('the ceiling handles trainable weights only')
-  loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  for m in models:
+    if m.shared_non_trainable_variables or m.private_noise is not None:
+      raise ValueError('the ceiling handles models without shared '
+                       'non-trainable variables or private noise')
 
-  def part_total(model, global_weights, x, y):
-    """The summed client deltas of one part, on `model`'s variables."""
-    variables = model.trainable_variables
-    specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
-    clients, steps = tf.shape(x)[0], tf.shape(x)[1]
+  def part_total(model, global_weights, private, batches):
+    """One part's summed client deltas and new private values, on
+    `model`'s variables."""
+    shared = model.shared_trainable_variables
+    private_vars = list(model.private_variables)
+    trainable = shared + model.private_trainable_variables
+    specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable)
+    clients = tf.shape(tf.nest.flatten(batches)[0])[0]
 
-    def client(c, total):
-      for v, g in zip(variables, global_weights):
+    def client(c, total, arrays):
+      for v, g in zip(shared, global_weights):
         v.assign(g)
+      for v, p in zip(private_vars, private):
+        v.assign(p[c])
+      data = _OneClientBatches(batches, c)
+      if model.prepare_fn is not None:
+        model.prepare_fn(data)
 
-      def step(b, state):
+      def step(state, batch):
         with tf.GradientTape() as tape:
-          loss = loss_fn(y[c, b], model(x[c, b], training=True))
-        grads = tape.gradient(loss, variables)
-        state, new = client_optimizer.next(state, tuple(variables),
+          loss = model.loss(batch, model.forward(batch, training=True))
+        grads = tape.gradient(loss, trainable)
+        grads = [tf.zeros_like(v) if g is None else g
+                 for g, v in zip(grads, trainable)]
+        state, new = client_optimizer.next(state, tuple(trainable),
                                            tuple(grads))
-        for v, n in zip(variables, new):
+        for v, n in zip(trainable, new):
           v.assign(n)
-        return b + 1, state
+        return state
 
-      tf.while_loop(lambda b, _: b < steps, step,
-                    (tf.constant(0), client_optimizer.initialize(specs)),
-                    parallel_iterations=1)
+      data.reduce(client_optimizer.initialize(specs), step)
+      arrays = tuple(a.write(c, v.read_value())
+                     for a, v in zip(arrays, private_vars))
       return c + 1, tuple(t + (v - g) for t, v, g in
-                          zip(total, variables, global_weights))
+                          zip(total, shared, global_weights)), arrays
 
     zeros = tuple(tf.zeros_like(g) for g in global_weights)
+    arrays = tuple(tf.TensorArray(v.dtype, size=clients,
+                                  element_shape=v.shape)
+                   for v in private_vars)
     # One client at a time on the part's variables.
-    return tf.while_loop(lambda c, _: c < clients, client,
-                         (tf.constant(0), zeros), parallel_iterations=1)[1]
+    _, total, arrays = tf.while_loop(
+        lambda c, *_: c < clients, client, (tf.constant(0), zeros, arrays),
+        parallel_iterations=1)
+    return total, tuple(a.stack() for a in arrays)
 
   @tf.function(autograph=False)
-  def round_fn(global_weights, x, y):
-    global_weights = tuple(global_weights)
-    clients = x.shape[0]  # Static: one trace per cohort size.
-    parts = min(len(keras_models), clients)
+  def round_fn(global_weights, private, batches):
+    global_weights, private = tuple(global_weights), tuple(private)
+    # Static: one trace per cohort size.
+    clients = tf.nest.flatten(batches)[0].shape[0]
+    parts = min(len(models), clients)
     bounds = [clients * k // parts for k in range(parts + 1)]
-    totals = [part_total(m, global_weights, x[a:b], y[a:b])
-              for m, a, b in zip(keras_models, bounds[:-1], bounds[1:])]
-    return tuple(g + tf.add_n(list(t)) / clients
-                 for g, *t in zip(global_weights, *totals))
+    cut = lambda s, a, b: tf.nest.map_structure(lambda t: t[a:b], s)
+    results = [part_total(m, global_weights, cut(private, a, b),
+                          cut(batches, a, b))
+               for m, a, b in zip(models, bounds[:-1], bounds[1:])]
+    new_weights = tuple(g + tf.add_n(list(t)) / clients for g, *t in
+                        zip(global_weights, *[t for t, _ in results]))
+    new_private = tuple(tf.concat(list(p), 0) for p in
+                        zip(*[p for _, p in results]))
+    return new_weights, new_private
 
   return round_fn
 
 
-def _cohort_arrays(data, ids):
-  """The cohort's examples as `[clients, steps, batch, ...]` (the visiting
-  order and batches of the federated runs)."""
+def _cohort_batches(data, ids, keys=('x', 'y', 'type')):
+  """The cohort's examples as `[clients, steps, batch, ...]` arrays (the
+  visiting order and batches of the federated runs)."""
   steps = EXAMPLES_PER_CLIENT // BATCH_SIZE
-  x = data['x'][ids]
-  y = data['y'][ids]
-  return (x.reshape((len(ids), steps, BATCH_SIZE) + x.shape[2:]),
-          y.reshape((len(ids), steps, BATCH_SIZE)))
+  return collections.OrderedDict(
+      (k, data[k][ids].reshape((len(ids), steps, BATCH_SIZE)
+                               + data[k].shape[2:])) for k in keys)
 
 
-def _run_tf_ceiling(data, cohort, rounds, seed, rss_at, threads):
-  """The ceiling in this process, with the thread pools the project's
-  worker gets and one part of the cohort per inter-op thread."""
+# Ceiling record name -> the system whose arithmetic it is.
+_CEILINGS = {ceiling_name(s): s for s in PROJECT_SYSTEMS}
+
+
+def _run_tf_ceiling(system, data, cohort, rounds, seed, rss_at, threads):
+  """`system`'s ceiling in this process, with the thread pools the
+  project's worker gets and one part of the cohort per inter-op thread.
+  Every user's private values start as the project's runs start them and
+  are kept between rounds."""
   intra = worker_threads.resolve(threads[0], 'intra')
   inter = worker_threads.resolve(threads[1], 'inter')
   tf.config.threading.set_intra_op_parallelism_threads(intra or 0)
   tf.config.threading.set_inter_op_parallelism_threads(inter or 0)
   tf.keras.utils.set_random_seed(seed)
-  models = [fedembed_mnist.build_preference_model(0).model
-            for _ in range(inter or os.cpu_count())]
+  proc = build_project_process(system, seed)
+  models = [proc.model_fn() for _ in range(inter or os.cpu_count())]
   round_fn = build_ceiling_round(models, fedavg.adam(LOCAL_LEARNING_RATE))
   weights = tuple(tf.constant(v.numpy())
-                  for v in models[0].trainable_variables)
+                  for v in models[0].shared_trainable_variables)
+  template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  initial = client_state.seeded_initial_state_fn(template, seed, 'normal',
+                                                 0.1)
+  private = [np.stack(column) for column in zip(
+      *[initial(i)[process_lib.CLIENT_STATE_PRIVATE]
+        for i in range(POPULATION)])]
   times = []
   for r in range(1, rounds + 1):
     t = time.perf_counter()
     ids = cohort_of(r, cohort, seed)
-    x, y = _cohort_arrays(data, ids)
-    weights = round_fn(weights, x, y)
+    weights, new_private = round_fn(
+        weights, tuple(p[ids] for p in private), _cohort_batches(data, ids))
+    for p, n in zip(private, new_private):
+      p[ids] = n.numpy()
     weights[0].numpy()  # Waits for the round.
     times.append(time.perf_counter() - t)
     rss_at(r)
-  return times, {'parts': len(models)}
+  return times, {'parts': len(models), 'model_of': system}
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -472,9 +544,9 @@ def child_main(f) -> None:
                              inter_op_threads=threads[1]):
     if f.child == 'tff_fedavg':
       times, extra = _run_tff_fedavg(data, f.cohort, f.rounds, f.seed, rss_at)
-    elif f.child == CEILING:
-      times, extra = _run_tf_ceiling(data, f.cohort, f.rounds, f.seed, rss_at,
-                                     threads)
+    elif f.child in _CEILINGS:
+      times, extra = _run_tf_ceiling(_CEILINGS[f.child], data, f.cohort,
+                                     f.rounds, f.seed, rss_at, threads)
     elif f.child == 'keras_central':
       times, extra = _run_keras_central(data, f.cohort, f.rounds, f.seed,
                                         rss_at)

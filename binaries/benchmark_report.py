@@ -13,11 +13,28 @@ import statistics
 CEILING = 'tf_ceiling'
 # The machine's own two-core speed-up (`benchmark_workers.two_core_speedup`).
 CALIBRATION = 'two_core_calibration'
-NO_WORKER = ('keras_central', CEILING)
+NO_WORKER = ('keras_central', CEILING)  # And every ceiling_name.
+# The systems that train FedAvg's model (`global`'s).
+FEDAVG_MODEL = ('tff_fedavg', 'pfl_fedavg', 'keras_central')
 # The README's summary: these systems, every cohort, as a fraction of the
 # ceiling.
 README_SYSTEMS = ('fedembed_prototype', 'global', 'pfl_fedavg', 'tff_fedavg',
-                  'keras_central', CEILING)
+                  'keras_central', CEILING, f'{CEILING}_fedembed_prototype')
+
+
+def ceiling_name(system: str) -> str:
+  """The record name of the arithmetic ceiling of `system`'s model:
+  `tf_ceiling` for `global` (FedAvg's model, which `tff_fedavg`,
+  `pfl_fedavg` and `keras_central` train too), `tf_ceiling_<system>` for the
+  project's other systems."""
+  return CEILING if system == 'global' else f'{CEILING}_{system}'
+
+
+def own_ceiling(system: str) -> str:
+  """The ceiling of the model `system` trains (itself for a ceiling)."""
+  if system.startswith(CEILING):
+    return system
+  return CEILING if system in FEDAVG_MODEL else ceiling_name(system)
 
 
 def _ratio(a, b):
@@ -27,7 +44,8 @@ def _ratio(a, b):
 def _threads(record) -> str:
   """'intra/inter' of the run's worker_binary ('-' without a worker)."""
   t = record.get('worker_threads')
-  if not t or record['name'] in NO_WORKER:
+  if not t or record['name'] in NO_WORKER or record['name'].startswith(
+      CEILING):
     return '-'
   show = lambda n: 'TF default' if n is None else str(n)
   return f"{show(t['intra_op'])}/{show(t['inter_op'])}"
@@ -80,8 +98,9 @@ def render_markdown(records, machine: str, command: str) -> str:
   lines = [f'Machine: {machine}', '', f'Command: `{command}`', '',
            '| system | cohort | client updates/s | examples/s | s/round | '
            'start-up s | peak RSS MiB | vs tff_fedavg | vs tf_ceiling | '
-           'vs pfl_fedavg | worker threads (intra/inter) |',
-           '|' + '---|' * 11]
+           'vs its model\'s ceiling | vs pfl_fedavg | worker threads '
+           '(intra/inter) |',
+           '|' + '---|' * 12]
   scale = [r for r in records if r.get('population')]
   families = [r for r in records if r.get('form')]
   workers = _worker_lines(records)
@@ -94,6 +113,7 @@ def render_markdown(records, machine: str, command: str) -> str:
       continue
     ref = by_key.get(('tff_fedavg', r['cohort']), {})
     ceiling = by_key.get((CEILING, r['cohort']), {})
+    own = by_key.get((own_ceiling(r['name']), r['cohort']), {})
     peer = by_key.get(('pfl_fedavg', r['cohort']), {})
     u = r['client_updates_per_s']
     lines.append(
@@ -103,6 +123,7 @@ def render_markdown(records, machine: str, command: str) -> str:
         f"{r.get('peak_rss_mib', float('nan')):.0f} | "
         f"{_ratio(u, ref.get('client_updates_per_s'))} | "
         f"{_ratio(u, ceiling.get('client_updates_per_s'))} | "
+        f"{_ratio(u, own.get('client_updates_per_s'))} | "
         f"{_ratio(u, peer.get('client_updates_per_s'))} | "
         f"{_threads(r)} |")
   if families:
@@ -169,9 +190,11 @@ def readme_markdown(run: dict) -> str:
   by_key = {(r['name'], r['cohort']): r for r in systems}
   lines = []
   if systems:
-    lines = ['Client updates per second (and the fraction of the arithmetic '
-             'ceiling `tf_ceiling`, FedAvg\'s arithmetic in one '
-             '`tf.function`) by cohort:', '',
+    lines = ['Client updates per second by cohort, and the fraction of the '
+             'arithmetic ceiling of the model the system trains: the same '
+             'local training and server step in one `tf.function`, without '
+             'federation (`tf_ceiling` for FedAvg\'s model, '
+             '`tf_ceiling_fedembed_prototype` for FedEmbed\'s):', '',
              '| system | ' + ' | '.join(f'cohort {c}' for c in cohorts) + ' |',
              '|---|' + '---:|' * len(cohorts)]
   for name in README_SYSTEMS if systems else ():
@@ -180,7 +203,7 @@ def readme_markdown(run: dict) -> str:
       continue
     cells = []
     for r, c in zip(row, cohorts):
-      ceiling = by_key.get((CEILING, c), {})
+      ceiling = by_key.get((own_ceiling(name), c), {})
       cells.append('-' if r is None else (
           f"{r['client_updates_per_s']:.0f} "
           f"({_ratio(r['client_updates_per_s'], ceiling.get('client_updates_per_s'))})"))

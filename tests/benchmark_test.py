@@ -13,7 +13,7 @@ from binaries import benchmark_report
 from tests import conftest
 from tests import process_utils
 from tff_personal.core import client_state
-from tff_personal.models import fedembed_mnist
+from tff_personal.core import process as process_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,10 +67,13 @@ def test_small_run_writes_consistent_records(binary, tmp_path):
   assert ('| ditto | label_skew_mnist |' in table) == has_mnist
 
 
-def test_ceiling_round_is_the_global_processs_round():
-  """The ceiling computes what the federated `global` computes: one round
-  from the same weights on the same cohort, split in two parts, gives the
-  same new weights."""
+@pytest.mark.parametrize('system', ['global', 'fedembed_prototype'])
+def test_ceiling_round_is_the_processs_round(system):
+  """A system's ceiling computes what its federated process computes: one
+  round from the same weights and client states on the same cohort, split
+  in two parts, gives the same new server weights and client states (for
+  FedEmbed: its personal embeddings, and the sub-population, head and draw
+  counter its prepare step and loss set)."""
   rng = np.random.default_rng(1)
   n = benchmark.EXAMPLES_PER_CLIENT
   data = dict(x=rng.random((5, n, 28, 28, 1), dtype=np.float32),
@@ -80,27 +83,47 @@ def test_ceiling_round_is_the_global_processs_round():
   # Local SGD: Adam would turn float noise in near-zero gradients into
   # steps of the learning rate whose sign follows the summation order.
   sgd = lambda: tff.learning.optimizers.build_sgdm(0.1)
-  proc = benchmark.build_project_process('global', seed=0,
+  proc = benchmark.build_project_process(system, seed=0,
                                          client_optimizer=sgd())
   state = proc.initialize()
   start = [np.asarray(w) for w in proc.get_model_weights(state).trainable]
   template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
   states = [client_state.seeded_initial_state_fn(template, 0, 'normal',
                                                  0.1)(i) for i in ids]
-  state, _, _ = proc.next(state, states,
-                          benchmark._datasets(data, ids, ('x', 'y', 'type')))
+  state, new_states, _ = proc.next(
+      state, states, benchmark._datasets(data, ids, ('x', 'y', 'type')))
   federated = [np.asarray(w) for w in proc.get_model_weights(state).trainable]
 
-  # Two parts (clients 0-1 and 2-4) on two copies of the model.
-  models = [fedembed_mnist.build_preference_model(0).model for _ in range(2)]
-  round_fn = benchmark.build_ceiling_round(models, sgd())
-  x, y = benchmark._cohort_arrays(data, ids)
-  ceiling = round_fn(tuple(tf.constant(w) for w in start), x, y)
+  # Two parts (clients 0-1 and 2-4) on two builds of the model.
+  round_fn = benchmark.build_ceiling_round(
+      [proc.model_fn() for _ in range(2)], sgd())
+  # The client state's private part (its participation count is no
+  # arithmetic of the round).
+  private_of = lambda s: s[process_lib.CLIENT_STATE_PRIVATE]
+  private = tuple(np.stack(column) for column in zip(
+      *[private_of(s) for s in states]))
+  ceiling, ceiling_private = round_fn(
+      tuple(tf.constant(w) for w in start), private,
+      benchmark._cohort_batches(data, ids))
   assert len(ceiling) == len(federated)
   moved = max(float(np.max(np.abs(f - s))) for f, s in zip(federated, start))
   assert moved > 1e-4  # The round changed the weights.
   for c, f in zip(ceiling, federated):
     np.testing.assert_allclose(np.asarray(c), f, rtol=1e-4, atol=1e-6)
+  expected = [np.stack(column) for column in zip(
+      *[private_of(s) for s in new_states])]
+  assert len(ceiling_private) == len(expected) == len(private) == (
+      0 if system == 'global' else 4)
+  for c, e, before in zip(ceiling_private, expected, private):
+    if e.dtype.kind == 'f':
+      assert np.max(np.abs(e - before)) > 1e-4  # Trained locally.
+      np.testing.assert_allclose(np.asarray(c), e, rtol=1e-4, atol=1e-6)
+    else:
+      np.testing.assert_array_equal(np.asarray(c), e)
+  if system == 'fedembed_prototype':
+    # The draw counter counted every local step of every client.
+    steps = n // benchmark.BATCH_SIZE
+    np.testing.assert_array_equal(ceiling_private[-1] - private[-1], steps)
 
 
 def test_render_markdown_ratios():
@@ -115,6 +138,14 @@ def test_render_markdown_ratios():
       dict(name='tf_ceiling', cohort=50, client_updates_per_s=120.0,
            examples_per_s=2400.0, seconds_per_round=0.4, startup_s=5.0,
            peak_rss_mib=600.0),
+      dict(name='fedembed_prototype', cohort=50, client_updates_per_s=40.0,
+           examples_per_s=800.0, seconds_per_round=1.25, startup_s=9.0,
+           peak_rss_mib=1000.0,
+           worker_threads={'intra_op': 1, 'inter_op': 2}),
+      dict(name='tf_ceiling_fedembed_prototype', cohort=50,
+           client_updates_per_s=80.0, examples_per_s=1600.0,
+           seconds_per_round=0.63, startup_s=5.0, peak_rss_mib=600.0,
+           worker_threads={'intra_op': 1, 'inter_op': 2}),
       dict(name='ditto', workload='label_skew_mnist', form='sharded',
            cohort=10, stage='', client_updates_per_s=30.0,
            examples_per_s=600.0, seconds_per_round=0.33),
@@ -125,7 +156,19 @@ def test_render_markdown_ratios():
   table = benchmark.render_markdown(records, 'test machine', 'cmd')
   global_row = [line for line in table.splitlines()
                 if line.startswith('| global |')][0]
-  assert global_row.endswith('| 6.00x | 0.50x | - | 1/2 |')
+  # Against tff_fedavg, tf_ceiling, its model's ceiling (FedAvg's), pfl.
+  assert global_row.endswith('| 6.00x | 0.50x | 0.50x | - | 1/2 |')
+  row = lambda name: next(line for line in table.splitlines()
+                          if line.startswith(f'| {name} |'))
+  # FedEmbed's model has its own ceiling; a ceiling runs no worker.
+  assert row('fedembed_prototype').endswith(
+      '| 4.00x | 0.33x | 0.50x | - | 1/2 |')
+  assert row('tf_ceiling_fedembed_prototype').endswith(
+      '| 8.00x | 0.67x | 1.00x | - | - |')
+  summary = benchmark_report.readme_markdown(
+      dict(records=records, machine='test machine', command='cmd'))
+  assert '| fedembed_prototype | 40 (0.50x) |' in summary
+  assert '| global | 60 (0.50x) |' in summary
   sharded_row = [line for line in table.splitlines()
                  if line.startswith('| ditto |') and 'sharded' in line][0]
   assert sharded_row.endswith('| 5.00x |')
