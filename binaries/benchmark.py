@@ -114,6 +114,12 @@ def define_flags():
   flags.DEFINE_list('systems', list(SYSTEMS), 'Systems to run.')
   flags.DEFINE_integer('rounds', 12, 'Rounds per (system, cohort); the first '
                        'is start-up, the rest give the steady-state rate.')
+  flags.DEFINE_integer('repeats', 1,
+                       'Runs of each (system, cohort), interleaved (every '
+                       'system at every cohort once, then again); each '
+                       'record is the run of median rate, with every run\'s '
+                       'rate beside it. On a machine whose speed drifts, '
+                       'the medians keep the ratios within a run honest.')
   flags.DEFINE_integer('simulation_shards', -1,
                        'For the project\'s systems: -1 auto (sharded), 0 one '
                        'user per TFF client, n shards.')
@@ -645,13 +651,15 @@ def parent_main(f) -> int:
   workload = os.path.join(f.output_dir, 'workload.npz')
   make_workload(workload, f.seed)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if f.repeats < 1:
+    raise app.UsageError('--repeats must be >= 1')
   records = []
-  runs = [(s, c, f.rounds) for c in cohorts for s in f.systems]
+  systems = list(f.systems) + (['pfl_fedavg'] if f.peer_python else [])
+  runs = [(s, c, f.rounds) for _ in range(f.repeats) for c in cohorts
+          for s in systems]
   if f.memory_rounds > 20:
     runs.append(('fedembed_prototype', cohorts[0], f.memory_rounds))
   peer_script = os.path.join(root, 'bench', 'peers', 'pfl_fedavg.py')
-  if f.peer_python:
-    runs += [('pfl_fedavg', c, f.rounds) for c in cohorts]
   unknown = set(f.families) - set(benchmark_families.FAMILIES)
   if unknown:
     raise app.UsageError(f'unknown --families {sorted(unknown)}; known: '
@@ -693,6 +701,9 @@ def parent_main(f) -> int:
           f"{record.get('startup_s', float('nan')):.1f} s, peak RSS "
           f'{peak:.0f} MiB', flush=True)
     records.append(record)
+  completed = len(records)
+  records = benchmark_report.median_of_repeats(records)
+  num_systems = len(records)
   if f.families:
     records += benchmark_families.run(
         f.families, f.family_rounds,
@@ -724,9 +735,10 @@ def parent_main(f) -> int:
   with open(os.path.join(f.output_dir, 'benchmark.md'), 'w') as out:
     out.write(markdown)
   print(markdown, flush=True)
-  expected = (len(runs) + len(f.families) * len(benchmark_families.FORMS) +
-              len(f.population_scale) + 3 * f.worker_pairs)
-  return 0 if len(records) == expected else 1
+  expected = len(f.families) * len(benchmark_families.FORMS) + len(
+      f.population_scale) + 3 * f.worker_pairs
+  return 0 if completed == len(runs) and len(records) == (
+      num_systems + expected) else 1
 
 
 def main(argv):

@@ -37,6 +37,29 @@ def own_ceiling(system: str) -> str:
   return CEILING if system in FEDAVG_MODEL else ceiling_name(system)
 
 
+def median_of_repeats(records):
+  """One record per (name, cohort, memory run): the run of median rate.
+
+  With `--repeats` every (system, cohort) ran several times, interleaved.
+  The kept record is the run whose `client_updates_per_s` is the median
+  (the lower median for an even count), with `repeats` and the rate of
+  every run, in run order, in `client_updates_per_s_runs`. Order: first
+  appearance.
+  """
+  groups = {}
+  for r in records:
+    groups.setdefault((r['name'], r['cohort'], bool(r.get('memory_run'))),
+                      []).append(r)
+  out = []
+  for runs in groups.values():
+    rates = [r['client_updates_per_s'] for r in runs]
+    kept = dict(runs[rates.index(statistics.median_low(rates))])
+    if len(runs) > 1:
+      kept.update(repeats=len(runs), client_updates_per_s_runs=rates)
+    out.append(kept)
+  return out
+
+
 def _ratio(a, b):
   return f'{a / b:.2f}x' if a and b else '-'
 
@@ -126,6 +149,16 @@ def render_markdown(records, machine: str, command: str) -> str:
         f"{_ratio(u, own.get('client_updates_per_s'))} | "
         f"{_ratio(u, peer.get('client_updates_per_s'))} | "
         f"{_threads(r)} |")
+  repeated = [r for r in records if r.get('repeats')]
+  if repeated:
+    spread = lambda r: (max(r['client_updates_per_s_runs']) /
+                        min(r['client_updates_per_s_runs']))
+    widest = max(repeated, key=spread)
+    lines += ['', f"Each row is the run of median rate of "
+              f"{widest['repeats']}, interleaved (every system at every "
+              "cohort, then again); the fastest of a row's runs was up to "
+              f"{spread(widest):.2f}x its slowest ({widest['name']}, cohort "
+              f"{widest['cohort']})."]
   if families:
     lines += ['', 'Families, each on its own task (binaries.train; rounds 2 '
               'and later of the timed stage):', '',

@@ -260,3 +260,27 @@ def test_bad_worker_flags_are_usage_errors(binary, tmp_path):
   assert result.returncode != 0
   assert '--worker_cohort must be in [2, 1000]' in result.stderr
   assert not os.listdir(tmp_path)  # Nothing written.
+
+
+def test_median_of_repeats_keeps_the_median_run():
+  runs = [dict(name='global', cohort=10, client_updates_per_s=u,
+               examples_per_s=20 * u, seconds_per_round=10 / u, startup_s=t)
+          for u, t in ((100.0, 5.0), (300.0, 6.0), (200.0, 7.0))]
+  other = dict(name='tf_ceiling', cohort=10, client_updates_per_s=400.0)
+  memory = dict(name='global', cohort=10, client_updates_per_s=50.0,
+                memory_run=True)
+  out = benchmark_report.median_of_repeats(
+      [runs[0], other, runs[1], memory, runs[2]])
+  assert [r['name'] for r in out] == ['global', 'tf_ceiling', 'global']
+  # The whole median run is kept (its start-up too), with every rate.
+  assert out[0]['client_updates_per_s'] == 200.0
+  assert out[0]['startup_s'] == 7.0
+  assert out[0]['repeats'] == 3
+  assert out[0]['client_updates_per_s_runs'] == [100.0, 300.0, 200.0]
+  assert out[1] == other and out[2] == memory  # Single runs as they were.
+  # Even counts keep the lower median.
+  out = benchmark_report.median_of_repeats(runs[:2])
+  assert out[0]['client_updates_per_s'] == 100.0
+  table = benchmark.render_markdown(
+      benchmark_report.median_of_repeats(runs), 'test machine', 'cmd')
+  assert 'run of median rate of 3' in table and '3.00x' in table
