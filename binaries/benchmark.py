@@ -1,8 +1,9 @@
 r"""Simulation benchmark: TFF's FedAvg, the project's processes, plain Keras.
 
   python -m binaries.benchmark --output_dir=/tmp/bench \
-    [--cohorts=50,200] [--rounds=12] [--systems=...] [--peer_python=PATH] \
-    [--memory_rounds=200] [--families=...] [--worker_pairs=4]
+    [--cohorts=50,200] [--rounds=12] [--repeats=3] [--systems=...] \
+    [--peer_python=PATH] [--memory_rounds=200] [--families=...] \
+    [--worker_pairs=4]
 
 One workload for every system (FedEmbed Appendix B.1's MNIST CNN; clients of
 20 generated 28x28 examples; local batch 10; one local epoch; local Adam
@@ -635,6 +636,8 @@ def parent_main(f) -> int:
     raise app.UsageError(f'cohorts must be in [1, {POPULATION}]: {cohorts}')
   if f.rounds < 2:
     raise app.UsageError('--rounds must be >= 2 (round 1 is start-up)')
+  if f.repeats < 1:
+    raise app.UsageError('--repeats must be >= 1')
   if f.peer_python and not os.access(f.peer_python, os.X_OK):
     raise app.UsageError(f'--peer_python={f.peer_python} is not executable')
   if f.worker_pairs < 0 or f.worker_local_epochs < 1:
@@ -651,8 +654,6 @@ def parent_main(f) -> int:
   workload = os.path.join(f.output_dir, 'workload.npz')
   make_workload(workload, f.seed)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  if f.repeats < 1:
-    raise app.UsageError('--repeats must be >= 1')
   records = []
   systems = list(f.systems) + (['pfl_fedavg'] if f.peer_python else [])
   runs = [(s, c, f.rounds) for _ in range(f.repeats) for c in cohorts

@@ -13,13 +13,13 @@ import statistics
 CEILING = 'tf_ceiling'
 # The machine's own two-core speed-up (`benchmark_workers.two_core_speedup`).
 CALIBRATION = 'two_core_calibration'
-NO_WORKER = ('keras_central', CEILING)  # And every ceiling_name.
+NO_WORKER = ('keras_central',)  # And every ceiling (`_threads`).
 # The systems that train FedAvg's model (`global`'s).
 FEDAVG_MODEL = ('tff_fedavg', 'pfl_fedavg', 'keras_central')
 # The README's summary: these systems, every cohort, as a fraction of the
 # ceiling.
 README_SYSTEMS = ('fedembed_prototype', 'global', 'pfl_fedavg', 'tff_fedavg',
-                  'keras_central', CEILING, f'{CEILING}_fedembed_prototype')
+                  'keras_central', CEILING, CEILING + '_fedembed_prototype')
 
 
 def ceiling_name(system: str) -> str:

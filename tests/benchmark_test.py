@@ -254,12 +254,17 @@ def test_two_pinned_workers_train_the_model_one_worker_trains(binary,
   assert '| 1 |' in (out / 'benchmark.md').read_text()
 
 
-def test_bad_worker_flags_are_usage_errors(binary, tmp_path):
+def test_bad_worker_and_repeat_flags_are_usage_errors(binary, tmp_path):
   result = binary.run([f'--output_dir={tmp_path}', '--worker_pairs=1',
                        '--worker_cohort=1'], timeout=300)
   assert result.returncode != 0
   assert '--worker_cohort must be in [2, 1000]' in result.stderr
   assert not os.listdir(tmp_path)  # Nothing written.
+  result = binary.run([f'--output_dir={tmp_path}', '--repeats=0'],
+                      timeout=300)
+  assert result.returncode != 0
+  assert '--repeats must be >= 1' in result.stderr
+  assert not os.listdir(tmp_path)
 
 
 def test_median_of_repeats_keeps_the_median_run():
