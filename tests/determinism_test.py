@@ -78,16 +78,16 @@ def _build(name):
       **optimizers, **kwargs)
 
 
-# Known exception, cause not found: FedPerC-generated's sharded round has
-# differed from itself in full-suite runs on 2 cores. The differences are
-# not one rounding: they grow through the local Adam steps. Measured: 1e-10
-# to 1e-7 absolute in stand-alone repetitions (about 1 call in 100; the
-# per-shard TFF computation alone shows it too, with oneDNN off and with one
-# inter-op thread), and once in CI 2.5e-7 on an attention bias of norm about
-# 3e-3 (1.4e-4 of the round's change to it). Its one-user-per-client form,
-# the same per-user step as a TFF computation, has shown it too (once in a
-# full-suite run on a 2-core CPU without AVX-512: 2.9e-11 on one element).
-# The other variants, and every other algorithm in both forms, are held
+# Known exception: FedPerC-generated's round has differed from itself at
+# float rounding (about 1 call in 100), growing through the local Adam
+# steps: TensorFlow's CPU `AddN`, which sums a tensor's gradients, starts
+# its sum from whichever input buffer it can reuse, and which one depends on
+# the schedule (docs/architecture.md, "Crash consistency"). The generators'
+# attention key bias, whose exact gradient is zero, turns that rounding into
+# Adam steps. Measured: 1e-10 to 1e-7 absolute in stand-alone repetitions,
+# once in CI 2.5e-7 on an attention bias of norm about 3e-3 (1.4e-4 of the
+# round's change to it); the one-user-per-client form has shown it too. The
+# other variants, and every other algorithm in both forms, are held
 # bit-identical. This one is held to its round's change: per leaf,
 # |first - second| <= 1e-2 of the change the round made (an unordered pass
 # over the data changes a round by its own size, far more).
