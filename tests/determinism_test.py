@@ -78,17 +78,11 @@ def _build(name):
       **optimizers, **kwargs)
 
 
-# Known exception: FedPerC-generated's round has differed from itself at
-# float rounding (about 1 call in 100), growing through the local Adam
-# steps. One cause is shown: TensorFlow's CPU `AddN`, which sums a tensor's
-# gradients, starts its sum from whichever input buffer it can reuse, and
-# which one depends on the schedule (docs/architecture.md, "Crash
-# consistency"). The generators' attention key bias, whose exact gradient
-# is zero, turns that rounding into Adam steps. Measured: 1e-10 to 1e-7
-# absolute in stand-alone repetitions, once in CI 2.5e-7 on an attention
-# bias of norm about 3e-3 (1.4e-4 of the round's change to it); the
-# one-user-per-client form has shown it too. The other variants, and every
-# other algorithm in both forms, are held bit-identical. This one is held
+# Known exception: FedPerC-generated's round can differ from itself at
+# float rounding, growing through the local Adam steps (TensorFlow's CPU
+# `AddN` sums in an order that follows the schedule; the cause and the
+# measurements are in docs/architecture.md, "Crash consistency"). Every
+# other algorithm, in both forms, is held bit-identical. This one is held
 # to its round's change: per leaf, |first - second| <= 1e-2 of the change
 # the round made (an unordered pass over the data changes a round by its
 # own size, far more).
