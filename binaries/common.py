@@ -4,16 +4,19 @@ Flags are grouped (task, algorithm, training, privacy, output) and all their
 values are written into summary.json.
 """
 
+import errno
 import json
 import math
 import os
 import sys
+from typing import Optional
 
 from absl import app
 from absl import flags
 from absl import logging
 import tensorflow as tf
 
+from tasks import mnist_io
 from tasks import registry as task_registry
 from tff_personal import experiment
 from tff_personal import run_lock
@@ -82,8 +85,14 @@ def define_flags():
                     'Dense layer of 64 (5% of B.2\'s encoder weights); '
                     'spectrum, that spectrum standardised, no weights at all '
                     '(models/fedembed_speech.build_spectral_encoder).')
+  flags.DEFINE_bool('verify_data_checksums', True,
+                    'Check MNIST files against their canonical md5 the first '
+                    'time a file is read (remembered per file in '
+                    '~/.cache/tff_personal; tasks/mnist_io.py). '
+                    '--noverify_data_checksums uses a modified copy on '
+                    'purpose.')
   _group('task', ['task', 'task_options', 'data_seed', 'data_dir',
-                  'num_users', 'population', 'batch_size',
+                  'verify_data_checksums', 'num_users', 'population', 'batch_size',
                   'local_epochs', 'max_chars', 'lstm_units', 'cold_fraction',
                   'encoder_weights', 'freeze_encoder', 'speech_encoder'])
   # Algorithm.
@@ -226,12 +235,14 @@ def flag_values(flag_values_obj) -> dict:
 
 
 def _check_finite(f) -> None:
-  """Refuses a NaN or infinite value of any numeric flag, naming it."""
+  """Refuses a NaN or infinite value of any numeric flag and an integer
+  flag outside 32 bits (`options.INT_LIMIT`), naming it."""
   for names in FLAG_GROUPS.values():
     for name in names:
       value = f[name].value
       if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f'--{name} must be a finite number, got {value}')
+      options_lib.check_int_range(f'--{name}', value)
 
 
 def configs_from_flags(f):
@@ -387,8 +398,55 @@ def main(argv, f, run_fn) -> int:
     return 4
 
 
+# What the disk can do to a run, by errno, with what removes the cause; and
+# TensorFlow's file errors say the same causes in their messages (the
+# strerror text).
+_DISK_ERRNOS = {
+    errno.ENOSPC: 'free space on its device',
+    errno.EDQUOT: 'raise the disk quota',
+    errno.EFBIG: 'raise the file-size limit, ulimit -f',
+    errno.EROFS: 'make its file system writable',
+    errno.EACCES: 'give this user permission to write there',
+    errno.EPERM: 'give this user permission to write there',
+    errno.EIO: 'check the device',
+}
+_DISK_MESSAGES = {os.strerror(n): why for n, why in _DISK_ERRNOS.items()}
+
+
+def disk_error(e: BaseException) -> Optional[str]:
+  """One line naming the path and the cause, if the disk caused `e`.
+
+  Looks through `e`'s chain of causes for an `OSError` with one of the
+  `_DISK_ERRNOS` or a TensorFlow error whose message holds one's text
+  (a checkpoint write); None for anything else.
+  """
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+      path = e.filename or '(path not given)'
+      return f'{path}: {e.strerror} ({_DISK_ERRNOS[e.errno]})'
+    if isinstance(e, tf.errors.OpError):
+      text = ' '.join(str(e.message).split())
+      for strerror, why in _DISK_MESSAGES.items():
+        if strerror in text:
+          return f'{text[:400]} ({why})'
+    e = e.__cause__ or e.__context__
+  return None
+
+
+_RESUMABLE_AFTER = ('the state on disk is consistent: remove the cause and '
+                    'rerun with --resume')
+
+
 def run(config, task_kwargs, f) -> int:
-  """Loads the task, runs the experiment in a runtime that always shuts down."""
+  """Loads the task, runs the experiment in a runtime that always shuts down.
+
+  Returns the exit code: 0 done; 1 training diverged; 2 bad flags or data,
+  nothing ran; 3 the run's directory or state cannot be used (a resume
+  refused, a damaged or locked store, or the disk: full, read-only, a
+  file-size limit, no permission), one line naming the path.
+  """
   if not f.use_gpu:
     tf.config.set_visible_devices([], 'GPU')
   if not f['verbosity'].present:  # TFF's checkpoint INFO lines drown progress.
@@ -399,6 +457,7 @@ def run(config, task_kwargs, f) -> int:
     if not f.workers:  # Before the task's data start TensorFlow.
       runtime.configure_driver_threads(f.intra_op_threads,
                                        f.inter_op_threads)
+    mnist_io.set_verify_checksums(f.verify_data_checksums)
     task = task_registry.build_task(f.task, **task_kwargs)
     algorithm_registry.check_compatible(config.algorithm, task,
                                         config.algorithm_options)
@@ -418,6 +477,12 @@ def run(config, task_kwargs, f) -> int:
   except (training_loop.CheckpointError, run_lock.ExperimentLockedError) as e:
     print(f'error: {e}', file=sys.stderr)
     return 3
+  except client_state_lib.CorruptStateError as e:  # Names the file.
+    print(f'error: {e}', file=sys.stderr)
+    return 3
+  except client_state_lib.ClientStateStoreError as e:  # Names the file.
+    print(f'error: {disk_error(e) or e}; {_RESUMABLE_AFTER}', file=sys.stderr)
+    return 3
   except training_loop.NonFiniteRoundError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
@@ -426,6 +491,12 @@ def run(config, task_kwargs, f) -> int:
       run_lock.remove_if_unused(config.experiment_dir)
     print(f'error: {e}', file=sys.stderr)
     return 2
+  except (OSError, tf.errors.OpError) as e:
+    line = disk_error(e)
+    if line is None:
+      raise
+    print(f'error: {line}; {_RESUMABLE_AFTER}', file=sys.stderr)
+    return 3
   print(json.dumps({k: summary[k] for k in (
       'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
       'privacy')}, indent=1, default=str))
@@ -467,6 +538,7 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
     if not f.workers:  # Before the task's data start TensorFlow.
       runtime.configure_driver_threads(f.intra_op_threads,
                                        f.inter_op_threads)
+    mnist_io.set_verify_checksums(f.verify_data_checksums)
     task = task_registry.build_task(f.task, **task_kwargs)
     experiment.validate(config, task.population)
   except ValueError as e:
@@ -486,7 +558,13 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   except (training_loop.CheckpointError,
           client_state_lib.ClientStateStoreError,
           run_lock.ExperimentLockedError) as e:
-    print(f'error: {e}', file=sys.stderr)
+    print(f'error: {disk_error(e) or e}', file=sys.stderr)
+    return 3
+  except (OSError, tf.errors.OpError) as e:
+    line = disk_error(e)
+    if line is None:
+      raise
+    print(f'error: {line}', file=sys.stderr)
     return 3
   print(json.dumps({k: record[k] for k in (
       'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},

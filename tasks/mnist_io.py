@@ -14,17 +14,27 @@ dimensions, followed by one uint32 per dimension) and then the row-major data.
 `load_mnist(data_dir, split)` reads `name.gz` or the uncompressed `name` from
 `data_dir`, checks every header against the file's actual size and raises
 `MnistDataError` (a `ValueError`) naming the file and the problem for anything
-malformed. With `data_dir=None` it falls back to `tensorflow_datasets`, which
-needs network access for its first download.
+malformed. The first time it reads a file it also checks the md5 of the
+uncompressed contents against the canonical one (`MD5`), so that a file with
+flipped bytes and a valid header is refused; a verified file is remembered
+by its path, size, modification time and inode in a small cache file
+(`verified_cache_path()`), so that later loads of the unchanged file pay
+nothing. `set_verify_checksums(False)` (the binaries' `--noverify_data_checksums`)
+or `load_mnist(..., verify=False)` skips the check, for a deliberately
+modified copy. With `data_dir=None` it falls back to `tensorflow_datasets`,
+which needs network access for its first download (and checks its own).
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import os
 import struct
 import zlib
+
+from tff_personal import atomic_io
 
 import numpy as np
 
@@ -158,8 +168,70 @@ def _parse_idx(data: bytes, path: str, magic: int) -> np.ndarray:
                        offset=header_len).reshape(dims).copy()
 
 
-def _read_idx(path: str, magic: int) -> np.ndarray:
-  return _parse_idx(_read_bytes(path), path, magic)
+def _read_idx(path: str, magic: int) -> tuple[np.ndarray, bytes]:
+  """The parsed array and the uncompressed bytes of an IDX file."""
+  data = _read_bytes(path)
+  return _parse_idx(data, path, magic), data
+
+
+_verify = True
+CACHE_ENV = 'TFF_PERSONAL_CACHE_DIR'
+
+
+def set_verify_checksums(enabled: bool) -> None:
+  """Whether `load_mnist` checks md5 sums when not told (default True)."""
+  global _verify
+  _verify = bool(enabled)
+
+
+def verified_cache_path() -> str:
+  """The file that remembers verified data files: `$TFF_PERSONAL_CACHE_DIR`
+  or `$XDG_CACHE_HOME/tff_personal` or `~/.cache/tff_personal`, then
+  `verified_data.json`."""
+  root = os.environ.get(CACHE_ENV) or os.path.join(
+      os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'),
+      'tff_personal')
+  return os.path.join(root, 'verified_data.json')
+
+
+def _file_key(path: str) -> tuple[str, list[int]]:
+  st = os.stat(path)
+  return os.path.realpath(path), [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _read_cache() -> dict:
+  try:
+    with open(verified_cache_path(), encoding='utf-8') as f:
+      cache = json.load(f)
+    return cache if isinstance(cache, dict) else {}
+  except (OSError, ValueError):  # None yet, or unreadable: verify again.
+    return {}
+
+
+def _verify_once(path: str, data: bytes) -> None:
+  """Checks `data` (the uncompressed contents of `path`) against its
+  canonical md5, unless the cache holds `path` unchanged since verified.
+  A cache that cannot be written only means verifying again next time."""
+  name = os.path.basename(path).removesuffix('.gz')
+  if name not in MD5:
+    return
+  real, stat = _file_key(path)
+  cache = _read_cache()
+  if cache.get(real) == [MD5[name], *stat]:
+    return
+  digest = hashlib.md5(data).hexdigest()
+  if digest != MD5[name]:
+    raise MnistDataError(
+        f'MNIST file {path} fails its checksum: md5 {digest} (of its '
+        f'uncompressed contents), but the canonical {name} has md5 '
+        f'{MD5[name]}; its bytes were changed or damaged. Re-download it, or '
+        'pass --noverify_data_checksums to use a modified copy on purpose.')
+  cache[real] = [MD5[name], *stat]
+  try:
+    with atomic_io.atomic_write(verified_cache_path()) as f:
+      json.dump(cache, f, indent=1, sort_keys=True)
+  except OSError:
+    pass
 
 
 def _load_from_tfds(split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -183,22 +255,24 @@ def _load_from_tfds(split: str) -> tuple[np.ndarray, np.ndarray]:
   return images, labels
 
 
-def load_mnist(data_dir: str | None,
-               split: str = 'train') -> tuple[np.ndarray, np.ndarray]:
+def load_mnist(data_dir: str | None, split: str = 'train',
+               verify: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Loads one MNIST split.
 
   Args:
     data_dir: Directory holding the IDX files (gzipped or not), or None to
       load through `tensorflow_datasets` (needs network access the first time).
     split: 'train' (60,000 examples) or 'test' (the 10,000 t10k examples).
+    verify: check each file's md5 against the canonical one the first time
+      it is read (cached); None: as `set_verify_checksums` says (default on).
 
   Returns:
     `(images, labels)`: uint8 arrays of shapes (N, 28, 28) and (N,), labels
     in 0..9.
 
   Raises:
-    MnistDataError: The data is missing, unreadable or malformed; the message
-      names the file and says what is wrong.
+    MnistDataError: The data is missing, unreadable, malformed or fails its
+      checksum; the message names the file and says what is wrong.
     ValueError: `split` is not 'train' or 'test'.
   """
   _check_split(split)
@@ -212,8 +286,8 @@ def load_mnist(data_dir: str | None,
   images_name, labels_name = FILES[split]
   images_path = _find_file(data_dir, images_name)
   labels_path = _find_file(data_dir, labels_name)
-  images = _read_idx(images_path, IMAGES_MAGIC)
-  labels = _read_idx(labels_path, LABELS_MAGIC)
+  images, images_data = _read_idx(images_path, IMAGES_MAGIC)
+  labels, labels_data = _read_idx(labels_path, LABELS_MAGIC)
   if images.shape[1:] != IMAGE_SHAPE:
     raise MnistDataError(
         f'MNIST file {images_path} holds images of shape {images.shape[1:]}; '
@@ -227,6 +301,9 @@ def load_mnist(data_dir: str | None,
     raise MnistDataError(
         f'MNIST file {labels_path} holds label {int(labels.max())}; labels '
         f'must be in 0..{NUM_CLASSES - 1}.')
+  if _verify if verify is None else verify:  # After what says more.
+    _verify_once(images_path, images_data)
+    _verify_once(labels_path, labels_data)
   return images, labels
 
 
@@ -235,7 +312,8 @@ def verify_checksums(data_dir: str,
                      ) -> dict[str, str]:
   """Checks the md5 of the uncompressed MNIST files against the canonical ones.
 
-  Not run by `load_mnist` (it costs a second pass over ~55 MB).
+  Always reads and hashes every file (no cache); `load_mnist` verifies each
+  file the first time it reads it.
 
   Args:
     data_dir: Directory holding the IDX files (gzipped or not).

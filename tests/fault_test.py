@@ -17,9 +17,11 @@ independently with dp_accounting for the rounds actually noised.
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from absl import flags
 from absl.testing import flagsaver
@@ -139,6 +141,7 @@ def killed(tmp_path_factory, mnist_dir):
   for backend in BACKENDS:
     shutil.copytree(out / f'mid_round-{backend}',
                     out / f'damaged-{backend}')
+  shutil.copytree(out / 'dp-mid_round-sqlite', out / 'damaged-dp-sqlite')
   return {name: (runs[name][0], codes[name], '') for name in runs}
 
 
@@ -293,6 +296,7 @@ def test_dp_epsilon_after_a_kill_matches_dp_accounting(killed, mnist_dir):
 
 
 def _damage(run_dir, backend, damage):
+  backend = backend.replace('dp-', '')
   store = os.path.join(run_dir, 'client_states')
   if damage == 'deleted store':
     shutil.rmtree(store)
@@ -313,6 +317,26 @@ def _damage(run_dir, backend, damage):
              client_state_lib.ClientStateStoreError), name)
   if damage == 'no --resume':  # Nothing damaged: the flag is missing.
     return (training_loop.CheckpointError, 'pass --resume')
+  record = os.path.join(run_dir, training_loop.ROUNDS_STARTED_FILENAME)
+  if damage == 'deleted rounds record':  # The only record of the replay.
+    os.remove(record)
+    return (training_loop.CheckpointError,
+            'rounds_started.json is missing: .* epsilon')
+  if damage == 'truncated rounds record':
+    with open(record, 'r+b') as f:
+      f.truncate(7)
+    return (training_loop.CheckpointError, 'rounds_started.json cannot be read')
+  if damage == 'rounds record behind the checkpoints':
+    with open(record, 'w') as f:
+      json.dump({'rounds_started': 0}, f)
+    return (training_loop.CheckpointError,
+            'counts 0 rounds started, but .* round 1')
+  if damage == 'copied checkpoint':  # Its name says 99; it holds round 1.
+    ckpt = os.path.join(run_dir, 'checkpoints')
+    shutil.copytree(os.path.join(ckpt, 'program_state_1'),
+                    os.path.join(ckpt, 'program_state_99'))
+    return (training_loop.CheckpointError,
+            'program_state_99 holds round 1, not 99: .* copied or renamed')
   assert damage == 'edited record'
   path = os.path.join(run_dir, experiment.RUN_CONFIG_FILENAME)
   with open(path) as f:
@@ -323,16 +347,28 @@ def _damage(run_dir, backend, damage):
   return (experiment.ResumeError, 'client_learning_rate: 0.5')
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
+_DAMAGES = ('deleted store', 'corrupted store', 'edited record',
+            'no --resume', 'deleted rounds record', 'truncated rounds record',
+            'rounds record behind the checkpoints', 'copied checkpoint')
+
+
+@pytest.mark.parametrize('backend', BACKENDS + ('dp-sqlite',))
 def test_a_killed_run_with_a_damaged_store_or_record_is_refused(
     killed, tmp_path, mnist_dir, backend):
-  """Deleted or corrupted client-state store, an edited run record, or a
-  restart without --resume: refused naming the problem, changing nothing
-  (the SQLite database included: it is not opened)."""
-  values, _, _ = killed[f'mid_round-{backend}']
+  """Deleted or corrupted client-state store, an edited run record, a
+  restart without --resume, a deleted, truncated or lagging record of the
+  rounds started (epsilon counts its replays), or a checkpoint directory
+  copied under another round's name: refused naming the problem, changing
+  nothing (the SQLite database included: it is not opened). The DP run
+  killed mid-round 2 had noised rounds 1, 2: without its record a resume
+  would account 3 rounds, not 4."""
+  values, _, _ = killed[f'{"dp-" if "dp" in backend else ""}mid_round-'
+                        f'{backend.replace("dp-", "")}']
   source = os.path.join(values['root_output_dir'], f'damaged-{backend}')
-  for damage in ('deleted store', 'corrupted store', 'edited record',
-                 'no --resume'):
+  damages = _DAMAGES if 'dp' not in backend else (
+      'deleted rounds record', 'truncated rounds record',
+      'rounds record behind the checkpoints')
+  for damage in damages:
     run_dir = tmp_path / damage.replace(' ', '_').replace('-', '')
     shutil.copytree(source, run_dir)
     error, message = _damage(str(run_dir), backend, damage)
@@ -350,3 +386,112 @@ def _digest(run_dir):
   journal files."""
   return {k: v for k, v in files.tree_digest(run_dir).items()
           if not k.endswith(('experiment.lock', '-wal', '-shm'))}
+
+
+# The disk: each cause made for real (a full tmpfs, RLIMIT_FSIZE, a
+# read-only mount, a file-system uid without permission, a garbage SQLite
+# header), the binary run in this process: exit 3 and one line naming the
+# path; then, with the cause removed (the store restored from a backup),
+# --resume equals the uninterrupted run.
+DISK_CAUSES = ('no space', 'file-size limit', 'read-only',
+               'permission denied', 'damaged store')
+
+
+def _mount_tmpfs(directory, *options):
+  os.makedirs(directory, exist_ok=True)
+  done = subprocess.run(
+      ['mount', '-t', 'tmpfs', '-o', ','.join(('size=64m',) + options),
+       'tmpfs', str(directory)], capture_output=True, check=False)
+  if done.returncode:
+    pytest.skip(f'cannot mount a tmpfs here: {done.stderr.decode()[:200]}')
+
+
+def _fill(directory):
+  with open(os.path.join(directory, 'filler'), 'wb') as f:
+    try:
+      while True:
+        f.write(b'\0' * (1 << 20))
+        f.flush()
+    except OSError:
+      pass
+
+
+def _setfsuid(uid):
+  """This thread's file-system uid: 65534 loses root's permission checks
+  (a uid other than 0 drops the file-system capabilities); 0 restores."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+  libc = ctypes.CDLL(None)
+  libc.setfsuid(uid)
+  libc.setfsuid(uid)  # The second call returns the uid now in force.
+
+
+@pytest.mark.parametrize('cause', DISK_CAUSES)
+def test_a_disk_failure_is_one_line_naming_the_path_then_resumes(
+    killed, reference, tmp_path, mnist_dir, capsys, cause):
+  if os.geteuid() != 0:
+    pytest.skip('making disk failures needs root (mount, setfsuid)')
+  from binaries import train  # pylint: disable=g-import-not-at-top
+  from resource import RLIMIT_FSIZE, getrlimit, setrlimit  # pylint: disable=g-import-not-at-top,g-importing-member
+  root = tmp_path / 'disk'
+  if cause == 'permission denied':  # Below a directory all may traverse.
+    root = pathlib.Path(tempfile.mkdtemp(prefix='tff_personal_disk_'))
+    root.chmod(0o755)
+  mounted = cause in ('no space', 'read-only')
+  if mounted:
+    _mount_tmpfs(root)
+  root.mkdir(exist_ok=True)
+  limits = getrlimit(RLIMIT_FSIZE)
+  if cause in ('no space', 'file-size limit'):  # Mid-run, a fresh run.
+    values = _flag_values(root, 'run', client_state_backend=(
+        'sqlite' if cause == 'no space' else 'memory'))
+    action = (lambda: _fill(root)) if cause == 'no space' else (
+        lambda: setrlimit(RLIMIT_FSIZE, (4096, limits[1])))
+    fault.on('after_checkpoint', 1, action)  # Round 1's store commit fails.
+  else:  # At the start of a resume of the run killed mid-round 2.
+    killed_values, _, _ = killed['mid_round-sqlite']
+    shutil.copytree(os.path.join(killed_values['root_output_dir'],
+                                 'damaged-sqlite'), root / 'run')
+    values = dict(killed_values, root_output_dir=str(root),
+                  experiment_name='run', resume=True)
+  run_dir = str(root / 'run')
+  _parse_flags()
+  capsys.readouterr()
+  store = os.path.join(run_dir, 'client_states')
+  backup = {name: (root / 'run' / 'client_states' / name).read_bytes()
+            for name in os.listdir(store)} if cause == 'damaged store' else {}
+  try:
+    for name in backup:  # A garbage SQLite header (and its log).
+      with open(os.path.join(store, name), 'r+b') as f:
+        f.write(b'\0garbage' * 64)
+    if cause == 'read-only':
+      subprocess.run(['mount', '-o', 'remount,ro', str(root)], check=True)
+    if cause == 'permission denied':
+      _setfsuid(65534)
+    with flagsaver.flagsaver(data_dir=mnist_dir, **values):
+      code = train.main(['train'])
+  finally:
+    _setfsuid(0)
+    setrlimit(RLIMIT_FSIZE, limits)
+    fault._actions.clear()  # pylint: disable=protected-access
+    fault._hits.clear()  # pylint: disable=protected-access
+    if cause == 'read-only':
+      subprocess.run(['mount', '-o', 'remount,rw', str(root)], check=True)
+    if cause == 'no space':
+      os.remove(root / 'filler')
+    for name, data in backup.items():  # Restored from the backup.
+      with open(os.path.join(store, name), 'wb') as f:
+        f.write(data)
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if line.strip()]
+  try:
+    assert code == 3, err
+    assert 'Traceback' not in err and lines, err
+    assert lines[-1].startswith('error: ') and run_dir in lines[-1], err
+    assert sum(line.startswith('error:') for line in lines) == 1, err
+    _train_here(dict(values, resume=True), mnist_dir)
+    _assert_same_run(run_dir, reference)
+  finally:
+    if mounted:
+      subprocess.run(['umount', '-l', str(root)], check=False)
+    if cause == 'permission denied':
+      shutil.rmtree(root)

@@ -89,7 +89,8 @@ def test_real_checksums(mnist_dir):
 def test_round_trip(tmp_path, gz):
   images, labels = _tiny(5)
   _write_split(str(tmp_path), images, labels, gz=gz)
-  got_images, got_labels = mnist_io.load_mnist(str(tmp_path), 'train')
+  got_images, got_labels = mnist_io.load_mnist(str(tmp_path), 'train',
+                                                verify=False)
   np.testing.assert_array_equal(got_images, images)
   np.testing.assert_array_equal(got_labels, labels)
   assert got_images.dtype == np.uint8 and got_labels.dtype == np.uint8
@@ -98,7 +99,8 @@ def test_round_trip(tmp_path, gz):
 def test_round_trip_test_split(tmp_path):
   images, labels = _tiny(4, seed=1)
   _write_split(str(tmp_path), images, labels, split='test')
-  got_images, got_labels = mnist_io.load_mnist(str(tmp_path), 'test')
+  got_images, got_labels = mnist_io.load_mnist(str(tmp_path), 'test',
+                                                verify=False)
   np.testing.assert_array_equal(got_images, images)
   np.testing.assert_array_equal(got_labels, labels)
 
@@ -108,7 +110,7 @@ def test_uncompressed_file_holding_gzip_is_decompressed(tmp_path):
   image_path, label_path = _write_split(str(tmp_path), images, labels)
   os.rename(image_path, image_path.removesuffix('.gz'))
   os.rename(label_path, label_path.removesuffix('.gz'))
-  got_images, _ = mnist_io.load_mnist(str(tmp_path))
+  got_images, _ = mnist_io.load_mnist(str(tmp_path), verify=False)
   np.testing.assert_array_equal(got_images, images)
 
 
@@ -242,6 +244,34 @@ def test_verify_checksums_detects_mismatch(tmp_path):
   with pytest.raises(mnist_io.MnistDataError, match='md5') as e:
     mnist_io.verify_checksums(str(tmp_path), splits=('train',))
   assert image_path in str(e.value) and expected in str(e.value)
+
+
+def test_a_flipped_byte_fails_its_checksum_on_first_use(
+    mnist_dir, tmp_path, monkeypatch):
+  """A copy of the real test split verifies once, then loads from the cache
+  without hashing; one pixel byte flipped in place (valid header and size)
+  is refused by its md5 at the next load; skipping the check loads it."""
+  monkeypatch.setenv(mnist_io.CACHE_ENV, str(tmp_path / 'cache'))
+  copy = tmp_path / 'mnist'
+  copy.mkdir()
+  for name in mnist_io.FILES['test']:
+    with open(os.path.join(mnist_dir, name + '.gz'), 'rb') as f:
+      (copy / name).write_bytes(gzip.decompress(f.read()))
+  want, _ = mnist_io.load_mnist(str(copy), 'test')  # Verified and cached.
+  with mock.patch.object(mnist_io.hashlib, 'md5',
+                         side_effect=AssertionError('hashed again')):
+    mnist_io.load_mnist(str(copy), 'test')
+  image_file = copy / mnist_io.FILES['test'][0]
+  data = bytearray(image_file.read_bytes())
+  data[16 + 28 * 14 + 14] ^= 0x01  # A pixel of the first image.
+  stat = image_file.stat()
+  image_file.write_bytes(bytes(data))
+  os.utime(image_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+  with pytest.raises(mnist_io.MnistDataError,
+                     match='t10k-images-idx3-ubyte fails its checksum'):
+    mnist_io.load_mnist(str(copy), 'test')
+  got, _ = mnist_io.load_mnist(str(copy), 'test', verify=False)
+  assert (got != want).sum() == 1
 
 
 # data_dir=None: tensorflow-datasets.

@@ -59,6 +59,14 @@ def _base(tmp_path, mnist_dir, **overrides):
     (dict(server_learning_rate=float('inf')),
      '--server_learning_rate must be a finite number, got inf'),
     (dict(personal_init_stddev=-1.0), 'personal_init_stddev must be >= 0'),
+    # Integers a run's 32-bit counters cannot hold.
+    (dict(rounds=99999999999999999999), '--rounds=99999999999999999999 is '
+     'out of range'),
+    (dict(seed=2**31), '--seed=2147483648 is out of range'),
+    (dict(seed=-1), 'seed must be >= 0'),
+    (dict(algorithm='ditto', task='label_skew_mnist',
+          task_options=['num_clients=4294967296']),
+     'num_clients=4294967296 is out of range'),
     (dict(clip_norm=0.0), 'clip_norm must be > 0'),
     (dict(embedding_dim=-1), 'embedding_dim must be >= 0'),
     (dict(embedding_dim=0), 'global_plus needs a personal embedding'),

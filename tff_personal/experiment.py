@@ -26,6 +26,7 @@ from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
+from tff_personal.core import options as options_lib
 from tff_personal.core import private_noise
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
@@ -162,7 +163,8 @@ class ConfigurationError(ValueError):
 def check_values(config: ExperimentConfig) -> None:
   """Raises ValueError for values no run can use, naming the field.
 
-  Numbers must be finite; `experiment_name` must be a plain directory name
+  Numbers must be finite and integers 32-bit (`options.INT_LIMIT`), the
+  seed >= 0; `experiment_name` must be a plain directory name
   (the run writes only below `root_output_dir`); `personal_init_stddev`
   >= 0, `embedding_dim` >= 0 (whether 0, no personal embedding, is allowed
   is the algorithm builder's to say), `dp.clip_norm` > 0 (with or without
@@ -175,6 +177,9 @@ def check_values(config: ExperimentConfig) -> None:
   for name, value in values.items():
     if isinstance(value, float) and not math.isfinite(value):
       raise ValueError(f'{name} must be a finite number, got {value}')
+    options_lib.check_int_range(name, value)
+  if config.seed < 0:  # Seeds numpy's generators, which take none below 0.
+    raise ValueError(f'seed must be >= 0, got {config.seed}')
   name = config.experiment_name
   if (not name or name in ('.', '..') or '/' in name or os.sep in name or
       (os.altsep and os.altsep in name)):
@@ -948,8 +953,9 @@ def _earlier_stages_noised(config: ExperimentConfig) -> int:
   for name in (sorted(os.listdir(stages_dir)) if os.path.isdir(stages_dir)
                else ()):
     directory = os.path.join(stages_dir, name)
-    total += max((training_loop.checkpoint_rounds(directory) or [0])[-1],
-                 training_loop.rounds_started(directory) or 0)
+    completed = training_loop.completed_round(directory)
+    total += max(completed or 0, training_loop.rounds_started(
+        directory, required=completed is not None) or 0)
   return total
 
 
@@ -1083,23 +1089,35 @@ def released_values(config: ExperimentConfig, dp: privacy.DPConfig
 
 
 def _check_rounds_not_below_completed(config: ExperimentConfig) -> None:
-  """Refuses a resume with fewer `rounds` than its checkpoints completed.
+  """Checks a resume's records, and refuses fewer `rounds` than completed.
 
-  The rounds that ran cannot be undone (their noise is spent, their client
-  states are saved); a shorter resume would report fewer. Raises
-  `ResumeError` before anything is written.
+  Every run directory (the experiment's, each earlier stage's and each
+  group's) must pass `training_loop.check_records` (the rounds-started
+  record epsilon accounts; checkpoints that hold the round they are named
+  for), before any client-state store is opened. The rounds that ran cannot
+  be undone (their noise is spent, their client states are saved); a
+  shorter resume would report fewer. Raises `training_loop.CheckpointError`
+  or `ResumeError` before anything is written.
   """
+  if not config.resume:
+    return
   groups_dir = os.path.join(config.experiment_dir, GROUPS_DIRNAME)
+  stages_dir = os.path.join(config.experiment_dir, 'stages')
+  for parent in (stages_dir, groups_dir):  # Each stage's and group's run.
+    for name in (sorted(os.listdir(parent)) if os.path.isdir(parent)
+                 else ()):
+      training_loop.check_records(os.path.join(parent, name))
+  training_loop.check_records(config.experiment_dir)
   directories = [config.experiment_dir] + (
       [os.path.join(groups_dir, g) for g in sorted(os.listdir(groups_dir))]
       if os.path.isdir(groups_dir) else [])
   for directory in directories:  # A per-group stage's runs have their own.
-    rounds = training_loop.checkpoint_rounds(directory)
-    if config.resume and rounds and rounds[-1] > config.rounds:
+    completed = training_loop.completed_round(directory)  # Its contents'.
+    if completed is not None and completed > config.rounds:
       raise ResumeError(
-          f'{directory} has completed {rounds[-1]} rounds; '
+          f'{directory} has completed {completed} rounds; '
           f'--rounds={config.rounds} is below that. Rounds that ran cannot be '
-          f'undone: resume with --rounds >= {rounds[-1]}, or re-evaluate the '
+          f'undone: resume with --rounds >= {completed}, or re-evaluate the '
           'run with binaries.evaluate. Nothing was changed.')
 
 
@@ -1159,7 +1177,7 @@ RESUMABLE_FIELDS = EVALUATION_FIELDS + (
     'simulation_shards', 'eval_every', 'checkpoint_every', 'keep_checkpoints',
     'resume', 'rounds',
     'root_output_dir', 'experiment_name', 'use_gpu', 'workers',
-    'intra_op_threads', 'inter_op_threads')
+    'intra_op_threads', 'inter_op_threads', 'verify_data_checksums')
 
 
 class ResumeError(training_loop.CheckpointError):
@@ -1339,12 +1357,12 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
         'its evaluation is in summary.json, each group\'s in '
         f'{GROUPS_DIRNAME}/<group>/eval_metrics.csv')
   # The round is the last checkpoint's (the store must be committed there).
-  checkpointed = training_loop.checkpoint_rounds(config.experiment_dir)
-  if not checkpointed or checkpointed[-1] < 1:
+  rounds = training_loop.completed_round(config.experiment_dir)
+  if not rounds:
     raise training_loop.CheckpointError(
         f'{config.experiment_dir} has no checkpoint of a trained round '
-        f'(checkpoints: {checkpointed or "none"})')
-  rounds = checkpointed[-1]
+        f'(checkpoints: '
+        f'{training_loop.checkpoint_rounds(config.experiment_dir) or "none"})')
   # The evaluation's local pass reads the data of the run's last round.
   config = dataclasses.replace(config, rounds=rounds)
   population = task.population
@@ -1367,7 +1385,8 @@ def evaluate_experiment(task, config: ExperimentConfig, eval_name: str,
             if started.get('dp') else dp)
   run_report = run_privacy_report(
       config, run_dp, rounds, training_loop.rounds_started(
-          config.experiment_dir), _earlier_stages_noised(config))
+          config.experiment_dir, required=True),
+      _earlier_stages_noised(config))
   proc = stages_lib.final_process(
       build_process(task, config, privacy.build_aggregator(dp), dp))
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)

@@ -21,6 +21,10 @@ the `n`-th time (default 1) it reaches `<point>`, one of `POINTS`:
 
 Without the variable every point is a no-op. The variable is read here
 only. Standard library only.
+
+A test in the same process can instead run its own action at a point,
+`on(point, n, action)`: e.g. fill the disk after the n-th checkpoint, to
+see the run's next write fail as it would in the field.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ POINTS = ('mid_round', 'mid_checkpoint', 'after_checkpoint',
           'mid_evaluation', 'mid_store_commit')
 
 _hits: collections.Counter = collections.Counter()
+_actions: dict[str, tuple[int, Any]] = {}
+
+
+def on(name: str, n: int, action) -> None:
+  """Runs `action()` the `n`-th time this process reaches point `name`."""
+  if name not in POINTS:
+    raise ValueError(f'unknown fault point {name!r}; known: {POINTS}')
+  _actions[name] = (n, action)
 
 
 def _target() -> tuple[str, int] | None:
@@ -57,6 +69,12 @@ def point(name: str) -> None:
   its n-th hit; otherwise does nothing."""
   if name not in POINTS:
     raise ValueError(f'unknown fault point {name!r}; known: {POINTS}')
+  if name in _actions:
+    _hits[name] += 1
+    n, action = _actions[name]
+    if _hits[name] == n:
+      action()
+    return
   target = _target()
   if target is None or target[0] != name:
     return

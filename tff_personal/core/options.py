@@ -24,6 +24,21 @@ from typing import Any, Callable, Mapping, Sequence
 
 OPTION_TYPES = (bool, int, float, str)
 
+# The largest integer a run accepts in a flag, config field or option: the
+# loop's counters are 32-bit where they reach TensorFlow (the round number in
+# a checkpoint, step counters, seeds of stateless ops).
+INT_LIMIT = 2**31 - 1
+
+
+def check_int_range(name: str, value: Any) -> None:
+  """Raises ValueError naming `name` if the int `value` is outside
+  [-INT_LIMIT - 1, INT_LIMIT]; anything but an int passes."""
+  if (isinstance(value, int) and not isinstance(value, bool)
+      and not -INT_LIMIT - 1 <= value <= INT_LIMIT):
+    raise ValueError(f'{name}={value} is out of range: integers must be in '
+                     f'[{-INT_LIMIT - 1}, {INT_LIMIT}] (32-bit, what a '
+                     'run\'s counters hold)')
+
 # name -> (type, default, accepts None)
 Specs = dict[str, tuple[type, Any, bool]]
 
@@ -106,6 +121,7 @@ def check(specs: Specs, values: Mapping[str, Any], owner: str,
     if type(value) is not kind:
       raise ValueError(f'{owner} {what} {key}={value!r} must be of type '
                        f'{kind.__name__}, got {type(value).__name__}')
+    check_int_range(f'{owner} {what} {key}', value)
     out[key] = value
   return out
 

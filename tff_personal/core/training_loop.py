@@ -221,18 +221,37 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
 ROUNDS_STARTED_FILENAME = 'rounds_started.json'
 
 
-def rounds_started(experiment_dir: str) -> Optional[int]:
+def rounds_started(experiment_dir: str,
+                   required: bool = False) -> Optional[int]:
   """How many rounds `run_training` started in `experiment_dir`, or None.
 
   Counted over every process that ran the experiment, rounds replayed after
   a kill included: the loop records round r as started (durably) before it
-  runs `process.next` for it. None when the directory has no record.
+  runs `process.next` for it, and records 0 before its first checkpoint.
+  It is the only record of replayed rounds, which the privacy accounting
+  counts, so a directory with checkpoints must have it.
+
+  Args:
+    experiment_dir: the directory `run_training` ran in.
+    required: raise instead of returning None when the record is missing.
+
+  Returns:
+    The count, or None when the directory has no record (and not
+    `required`).
 
   Raises:
-    CheckpointError: the record exists but cannot be read (names the file).
+    CheckpointError: the record exists but cannot be read, or is missing
+      and `required` (names the file).
   """
   path = os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME)
   if not os.path.exists(path):
+    if required:
+      raise CheckpointError(
+          f'{path} is missing: it is the only record of the rounds this run '
+          'started, replays after a kill included, and epsilon accounts every '
+          'one of them; without it the privacy report could under-count. '
+          'Restore the file from a backup, or start a new --experiment_name. '
+          'Nothing was changed.')
     return None
   try:
     with open(path, encoding='utf-8') as f:
@@ -247,6 +266,45 @@ def rounds_started(experiment_dir: str) -> Optional[int]:
   return started
 
 
+def check_records(experiment_dir: str,
+                  versions: Optional[Sequence[int]] = None) -> Optional[int]:
+  """Checks what a resume of `experiment_dir` relies on; reads only.
+
+  The newest checkpoint must hold the round its name says (`held_round`),
+  and the rounds-started record, which epsilon accounts, must be there,
+  readable, and count at least the rounds the run is known to have started:
+  its newest checkpoint's round and its newest released training round. A
+  record that counted fewer would under-count the rounds noised.
+
+  Args:
+    experiment_dir: the directory `run_training` ran in.
+    versions: its checkpoint rounds (default: read them).
+
+  Returns:
+    The rounds started, or None when the directory has no checkpoint.
+
+  Raises:
+    CheckpointError: naming the file and the problem; nothing is changed.
+  """
+  versions = checkpoint_rounds(experiment_dir) if versions is None else (
+      sorted(versions))
+  if not versions:
+    return None
+  held_round(experiment_dir, versions[-1])
+  started = rounds_started(experiment_dir, required=True)
+  released = _released_rounds(os.path.join(experiment_dir,
+                                            'train_metrics.csv'))
+  known = max([max(versions, default=0), *released])
+  if started < known:
+    raise CheckpointError(
+        f'{os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME)} counts '
+        f'{started} rounds started, but the run has a checkpoint or released '
+        f'metrics of round {known}: the record is inconsistent, and epsilon '
+        'would under-count the rounds noised. Restore the file from a '
+        'backup, or start a new --experiment_name. Nothing was changed.')
+  return started
+
+
 def _record_rounds_started(experiment_dir: str, started: int) -> None:
   write_summary(os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME),
                 {'rounds_started': started})
@@ -257,12 +315,56 @@ def _store_name(store) -> str:
 
 
 def checkpoint_rounds(experiment_dir: str) -> list[int]:
-  """Rounds of the server checkpoints `run_training` saved, ascending."""
+  """Rounds of the server checkpoints `run_training` saved, ascending.
+
+  Read from the directories' names (`program_state_<round>`);
+  `completed_round` reads the newest one's round from its contents.
+  """
   ckpt_dir = os.path.join(experiment_dir, 'checkpoints')
   if not os.path.isdir(ckpt_dir):
     return []
   return sorted(asyncio.run(
       tff.program.FileProgramStateManager(ckpt_dir).get_versions()) or [])
+
+
+# Where `tff.program.FileProgramStateManager` keeps the saved program state's
+# 'round_num' in the checkpoint of its SavedModel.
+_ROUND_VARIABLE = '_value/round_num/.ATTRIBUTES/VARIABLE_VALUE'
+
+
+def held_round(experiment_dir: str, version: int) -> int:
+  """The round that checkpoint `version` holds, read from its contents.
+
+  Reads one scalar of the checkpoint (not the server state). Raises
+  `CheckpointError` naming the directory when it cannot be read or holds
+  another round than its name says (a copied or renamed directory).
+  """
+  directory = os.path.join(experiment_dir, 'checkpoints',
+                           f'program_state_{version}')
+  try:
+    reader = tf.train.load_checkpoint(
+        os.path.join(directory, 'variables', 'variables'))
+    held = int(reader.get_tensor(_ROUND_VARIABLE))
+  except (tf.errors.OpError, ValueError, TypeError) as e:
+    raise CheckpointError(
+        f'checkpoint {directory} cannot be read ({type(e).__name__}: '
+        f'{str(e).splitlines()[0] if str(e) else ""}). Nothing was '
+        'changed.') from e
+  if held != version:
+    raise CheckpointError(
+        f'checkpoint {directory} holds round {held}, not {version}: the '
+        'directory was copied or renamed. Remove it (or restore the '
+        'original) to resume. Nothing was changed.')
+  return held
+
+
+def completed_round(experiment_dir: str) -> Optional[int]:
+  """The round of the newest server checkpoint, read from its contents.
+
+  None without checkpoints. Raises `CheckpointError` as `held_round` does.
+  """
+  rounds = checkpoint_rounds(experiment_dir)
+  return held_round(experiment_dir, rounds[-1]) if rounds else None
 
 
 def load_checkpoint(process, experiment_dir: str, round_num: int):
@@ -353,6 +455,7 @@ def run_training(
           f'{ckpt_dir} already holds checkpoints (rounds {versions}); pass '
           '--resume to continue that run, or choose a new --experiment_name. '
           'Nothing was changed.')
+    check_records(config.experiment_dir, versions)
     latest, program_state = _restore(
         manager, ckpt_dir, versions, store, initial_state)
     state = program_state['server_state']
@@ -363,6 +466,10 @@ def run_training(
     state = initial_state
     if store.num_saved():  # states of a run killed before its first checkpoint
       store.rollback(0)
+    # The record exists before any checkpoint does: a directory with
+    # checkpoints and no record has lost it (`check_records`).
+    if rounds_started(config.experiment_dir) is None:
+      _record_rounds_started(config.experiment_dir, 0)
     asyncio.run(manager.save(
         {'server_state': _to_numpy_state(state), 'round_num': 0}, 0))
     store.commit(0)
@@ -381,9 +488,7 @@ def run_training(
            'released before the run stopped)')
     eval_metrics = _evaluate_and_release(
         eval_fn, state, resumed_from, lambda v, r: release(v, r, eval_release))
-  started = rounds_started(config.experiment_dir)
-  if started is None:  # A run from before the record: its checkpoint's count.
-    started = resumed_from or 0
+  started = rounds_started(config.experiment_dir, required=True)
   round_times = []
   train_metrics: dict = {}
   first_round_seconds = None
