@@ -417,11 +417,14 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
 
 def dp_new_user_state(states: dict[str, tuple], flag_values,
                       variant: str = fedperc.EMBEDDING,
-                      report: Optional[dict] = None) -> tuple:
+                      report: Optional[dict] = None,
+                      seed: Optional[int] = None) -> tuple:
   """The DP noisy average of the known users' private states (TFF).
 
   Clipped at `--fedperc_dp_clip`, default the variant's scale
-  (`fedperc_alg.dp_clip_norm`). If `report` is given, it is filled with
+  (`fedperc_alg.dp_clip_norm`); its noise drawn from `seed` (the run's, so
+  that evaluating the same run again gives the same average; None:
+  unseeded). If `report` is given, it is filled with
   what the clip does to the known states (`fedperc_alg.dp_clip_report`:
   fraction clipped, median norm and its ratio to the clip), a simulation
   diagnostic that eval.json records next to the results.
@@ -434,7 +437,7 @@ def dp_new_user_state(states: dict[str, tuple], flag_values,
     report.update(fedperc_alg.dp_clip_report(values, clip))
   dp_mean = fedperc_alg.build_dp_mean(
       value_type, noise_multiplier=flag_values.fedperc_dp_noise_multiplier,
-      clip_norm=clip, num_clients=len(values))
+      clip_norm=clip, num_clients=len(values), seed=seed)
   with runtime.local_runtime():
     mean = dp_mean(values)
   return tuple(fedperc_alg.new_user_private_state(mean)[
@@ -472,7 +475,7 @@ def evaluate(name: str, trained: dict, flag_values, seed: int,
     if algo.variant in (fedperc.EMBEDDING, fedperc.GENERATED):
       dp_clip = {}
       new_private = dp_new_user_state(trained['states'], flag_values,
-                                      algo.variant, dp_clip)
+                                      algo.variant, dp_clip, seed=seed)
     else:  # Split-Learning: the pre-trained head (zero delta), no data read.
       new_private = tuple(v.numpy() * 0 for v in model.private_variables)
 

@@ -196,3 +196,23 @@ def test_dp_new_user_state_clips_at_the_variant_scale_and_reports_it():
   assert report['median_norm_over_clip'] > 10
 
 
+
+
+def test_the_new_user_dp_average_is_seeded_and_has_the_stated_noise():
+  """The run's seed fixes the new-user average's noise (two evaluations of
+  one run give the same withheld-user numbers); another seed draws other
+  noise, of stddev z * C / n per coordinate, as TFF's gaussian_fixed."""
+  import types  # pylint: disable=g-import-not-at-top
+  from papers import fedperc as fedperc_paper  # pylint: disable=g-import-not-at-top
+  n, dim, z, clip = 5, 4096, 2.0, 1.0
+  states = {f'u{i}': (np.zeros(dim, np.float32),) for i in range(n)}
+  flags_ = types.SimpleNamespace(fedperc_dp_noise_multiplier=z,
+                                 fedperc_dp_clip=clip)
+  first, again, other = (
+      fedperc_paper.dp_new_user_state(states, flags_, 'embedding', seed=s)[0]
+      for s in (7, 7, 8))
+  np.testing.assert_array_equal(first, again)
+  assert not np.allclose(first, other)
+  for noise in (first, other):  # The mean of zeros is the noise alone.
+    assert np.std(noise) == pytest.approx(z * clip / n, rel=0.05)
+    assert abs(np.mean(noise)) < 4 * z * clip / n / np.sqrt(dim)

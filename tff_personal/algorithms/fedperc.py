@@ -54,6 +54,7 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
+import tensorflow_privacy as tfp
 
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
@@ -356,17 +357,63 @@ build_meta_learning = _registered('meta_learning')
 # ------------------------------------------------------------ new users
 
 
+class SeededGaussianSumQuery(tfp.GaussianSumQuery):
+  """tensorflow-privacy's `GaussianSumQuery`, its noise drawn from a seed.
+
+  Clipping, the noise's scale and the DP event are the parent's; only the
+  draw differs: `tf.random.stateless_normal` with seed `(seed, leaf index)`
+  instead of an unseeded initializer, so that a one-off release (the
+  new-user average of a finished run) is the same in every evaluation of
+  the same run. tensorflow-privacy offers no seed, hence this subclass.
+  Every call draws the same noise: use it for a value released once, never
+  for a value released every round.
+  """
+
+  def __init__(self, l2_norm_clip: float, stddev: float, seed: int):
+    super().__init__(l2_norm_clip, stddev)
+    self._seed = int(seed)
+
+  def get_noised_result(self, sample_state, global_state):
+    leaves = tf.nest.flatten(sample_state)
+    noised = [v + tf.cast(tf.random.stateless_normal(
+        tf.shape(v), seed=tf.constant([self._seed, i], tf.int64),
+        stddev=global_state.stddev), v.dtype) for i, v in enumerate(leaves)]
+    event = dp_accounting.GaussianDpEvent(
+        global_state.stddev / global_state.l2_norm_clip)
+    return (tf.nest.pack_sequence_as(sample_state, noised), global_state,
+            event)
+
+
 def build_dp_mean(private_type: tff.Type, *, noise_multiplier: float,
-                  clip_norm: float, num_clients: int) -> tff.Computation:
-  """`{private}@CLIENTS -> noisy mean@SERVER` through TFF's DP factory."""
+                  clip_norm: float, num_clients: int,
+                  seed: Optional[int] = None) -> tff.Computation:
+  """`{private}@CLIENTS -> noisy mean@SERVER` through TFF's DP factory.
+
+  Args:
+    private_type: the type of one client's value.
+    noise_multiplier: the Gaussian noise's stddev over `clip_norm`.
+    clip_norm: each client's value is clipped to this L2 norm.
+    num_clients: the mean's denominator (the number of clients).
+    seed: draw the noise from this seed (`SeededGaussianSumQuery`: every
+      call gives the same noise); None: TFF's `gaussian_fixed`, unseeded.
+
+  Returns:
+    A federated computation.
+  """
   if noise_multiplier < 0 or clip_norm <= 0 or num_clients < 1:
     raise ValueError(
         f'DP mean needs noise_multiplier >= 0 (got {noise_multiplier}), '
         f'clip_norm > 0 (got {clip_norm}), num_clients >= 1 '
         f'(got {num_clients})')
-  factory = tff.aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
-      noise_multiplier=noise_multiplier, clients_per_round=num_clients,
-      clip=clip_norm)
+  if seed is None:
+    factory = tff.aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
+        noise_multiplier=noise_multiplier, clients_per_round=num_clients,
+        clip=clip_norm)
+  else:  # As gaussian_fixed builds it, with the seeded sum query.
+    factory = tff.aggregators.DifferentiallyPrivateFactory(
+        tfp.NormalizedQuery(
+            SeededGaussianSumQuery(clip_norm, clip_norm * noise_multiplier,
+                                   seed), denominator=num_clients))
   aggregation = factory.create(private_type)
 
   @tff.federated_computation(tff.FederatedType(private_type, tff.CLIENTS))

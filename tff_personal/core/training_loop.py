@@ -292,8 +292,14 @@ def check_records(experiment_dir: str,
     return None
   held_round(experiment_dir, versions[-1])
   started = rounds_started(experiment_dir, required=True)
-  released = _released_rounds(os.path.join(experiment_dir,
-                                            'train_metrics.csv'))
+  metrics = os.path.join(experiment_dir, 'train_metrics.csv')
+  try:
+    released = _released_rounds(metrics)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(
+        f'{metrics} cannot be read ({type(e).__name__}: {e}); its rounds '
+        'are checked against the record of rounds started, which epsilon '
+        'accounts. Nothing was changed.') from e
   known = max([max(versions, default=0), *released])
   if started < known:
     raise CheckpointError(
