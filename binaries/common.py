@@ -92,9 +92,10 @@ def define_flags():
                     '--noverify_data_checksums uses a modified copy on '
                     'purpose.')
   _group('task', ['task', 'task_options', 'data_seed', 'data_dir',
-                  'verify_data_checksums', 'num_users', 'population', 'batch_size',
-                  'local_epochs', 'max_chars', 'lstm_units', 'cold_fraction',
-                  'encoder_weights', 'freeze_encoder', 'speech_encoder'])
+                  'verify_data_checksums', 'num_users', 'population',
+                  'batch_size', 'local_epochs', 'max_chars', 'lstm_units',
+                  'cold_fraction', 'encoder_weights', 'freeze_encoder',
+                  'speech_encoder'])
   # Algorithm.
   flags.DEFINE_string('algorithm', 'global_plus',
                       f'One of {sorted(algorithm_registry.ALGORITHMS)}.')

@@ -19,9 +19,9 @@ uncompressed contents against the canonical one (`MD5`), so that a file with
 flipped bytes and a valid header is refused; a verified file is remembered
 by its path, size, modification time and inode in a small cache file
 (`verified_cache_path()`), so that later loads of the unchanged file pay
-nothing. `set_verify_checksums(False)` (the binaries' `--noverify_data_checksums`)
-or `load_mnist(..., verify=False)` skips the check, for a deliberately
-modified copy. With `data_dir=None` it falls back to `tensorflow_datasets`,
+nothing. `set_verify_checksums(False)` (the binaries'
+`--noverify_data_checksums`) or `load_mnist(..., verify=False)` skips the
+check, for a deliberately modified copy. With `data_dir=None` it falls back to `tensorflow_datasets`,
 which needs network access for its first download (and checks its own).
 """
 

@@ -431,7 +431,7 @@ def test_a_disk_failure_is_one_line_naming_the_path_then_resumes(
   if os.geteuid() != 0:
     pytest.skip('making disk failures needs root (mount, setfsuid)')
   from binaries import train  # pylint: disable=g-import-not-at-top
-  from resource import RLIMIT_FSIZE, getrlimit, setrlimit  # pylint: disable=g-import-not-at-top,g-importing-member
+  import resource  # pylint: disable=g-import-not-at-top
   root = tmp_path / 'disk'
   if cause == 'permission denied':  # Below a directory all may traverse.
     root = pathlib.Path(tempfile.mkdtemp(prefix='tff_personal_disk_'))
@@ -440,12 +440,12 @@ def test_a_disk_failure_is_one_line_naming_the_path_then_resumes(
   if mounted:
     _mount_tmpfs(root)
   root.mkdir(exist_ok=True)
-  limits = getrlimit(RLIMIT_FSIZE)
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
   if cause in ('no space', 'file-size limit'):  # Mid-run, a fresh run.
     values = _flag_values(root, 'run', client_state_backend=(
         'sqlite' if cause == 'no space' else 'memory'))
     action = (lambda: _fill(root)) if cause == 'no space' else (
-        lambda: setrlimit(RLIMIT_FSIZE, (4096, limits[1])))
+        lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1])))
     fault.on('after_checkpoint', 1, action)  # Round 1's store commit fails.
   else:  # At the start of a resume of the run killed mid-round 2.
     killed_values, _, _ = killed['mid_round-sqlite']
@@ -471,7 +471,7 @@ def test_a_disk_failure_is_one_line_naming_the_path_then_resumes(
       code = train.main(['train'])
   finally:
     _setfsuid(0)
-    setrlimit(RLIMIT_FSIZE, limits)
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     fault._actions.clear()  # pylint: disable=protected-access
     fault._hits.clear()  # pylint: disable=protected-access
     if cause == 'read-only':
