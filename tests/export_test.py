@@ -1,0 +1,130 @@
+"""binaries.export on a FedEmbed-Prototype run on real MNIST: the SavedModels
+load in a fresh process that imports only TensorFlow and NumPy, and give the
+library's predictions for three users and the library's local update."""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+from absl import flags
+from absl.testing import flagsaver
+import numpy as np
+import tensorflow as tf
+
+from binaries import common
+from binaries import export as export_binary
+from binaries import train
+from tasks import registry as task_registry
+from tff_personal import export
+from tff_personal.core import evaluation
+from tff_personal.core import process as process_lib
+from tff_personal.core import production
+
+FLAGS = flags.FLAGS
+CLIENTS = (0, 7, 13)
+
+# Loads the SavedModels with TensorFlow alone and runs them on the inputs.
+_FRESH = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+export_dir, inputs, out = sys.argv[1:]
+data = np.load(inputs, allow_pickle=False)
+results = {}
+for cid in json.loads(str(data['clients'])):
+  model = tf.saved_model.load(f'{export_dir}/personalized/{cid}')
+  results[f'predict_{cid}'] = model.predict(data[f'x_{cid}']).numpy()
+device = tf.saved_model.load(f'{export_dir}/device')
+n = lambda p: sorted(k for k in data.files if k.startswith(p))
+got = device.local_update(
+    tuple(data[k] for k in n('trainable_')),
+    tuple(data[k] for k in n('non_trainable_')),
+    tuple(data[k] for k in n('private_')), data['rounds'],
+    {k[len('example_'):]: data[k] for k in n('example_')})
+for i, v in enumerate(tf.nest.flatten(got['update'])):
+  results[f'update_{i:03d}'] = v.numpy()
+for i, v in enumerate(got['private']):
+  results[f'new_private_{i:03d}'] = v.numpy()
+results['rounds_participated'] = got['rounds_participated'].numpy()
+assert not [m for m in sys.modules if m.startswith(('tensorflow_federated',
+                                                    'tff_personal'))]
+np.savez(out, **results)
+"""
+
+
+def _flag_values(tmp_path, mnist_dir):
+  return dict(task='mnist_preference', algorithm='fedembed_prototype',
+              data_dir=mnist_dir, num_users=20, rounds=2, clients_per_round=5,
+              eval_clients=5, root_output_dir=str(tmp_path / 'runs'),
+              experiment_name='fp', seed=1)
+
+
+def test_exported_models_predict_and_update_as_the_library(tmp_path,
+                                                           mnist_dir):
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  values = _flag_values(tmp_path, mnist_dir)
+  export_dir = str(tmp_path / 'export')
+  with flagsaver.flagsaver(**values):
+    assert train.main(['train']) == 0
+  with flagsaver.flagsaver(**values, export_dir=export_dir,
+                           export_clients=[str(c) for c in CLIENTS]):
+    assert export_binary.main(['export']) == 0
+    config, task_kwargs = common.configs_from_flags(FLAGS)
+  with open(os.path.join(export_dir, 'export.json')) as f:
+    assert json.load(f)['clients'] == list(CLIENTS)
+  # The library: the run's final weights and states, its evaluation.
+  task = task_registry.build_task('mnist_preference', **task_kwargs)
+  proc, _, weights, states = export.final_weights_and_states(
+      task, config, CLIENTS)
+  eval_states = process_lib.eval_client_states(proc, weights, states)
+  personal_eval = evaluation.build_personal_eval(
+      proc.eval_model_fn or proc.model_fn, proc.model_weights_type,
+      proc.eval_client_state_type)
+  outputs = personal_eval(weights, eval_states,
+                          task.eval_datasets(list(CLIENTS)))
+  inputs = {'clients': json.dumps(list(CLIENTS))}
+  for cid, data in zip(CLIENTS, task.eval_datasets(list(CLIENTS))):
+    inputs[f'x_{cid}'] = np.concatenate([b['x'] for b in data.as_numpy_iterator()])
+  # The device's local update of client 0 on its next round's examples.
+  examples = collections.OrderedDict(
+      (k, np.concatenate([b[k] for b in task.train_datasets([CLIENTS[0]], 3)[
+          0].as_numpy_iterator()])) for k in task.train_datasets(
+              [CLIENTS[0]], 3)[0].element_spec)
+  batch = getattr(task, 'batch_size', None) or 10
+  form = production.production_form(proc)
+  want = form.device(weights, states[0], tf.data.Dataset.from_tensor_slices(
+      examples).batch(batch))
+  for i, v in enumerate(weights.trainable):
+    inputs[f'trainable_{i:03d}'] = np.asarray(v)
+  for i, v in enumerate(weights.non_trainable):
+    inputs[f'non_trainable_{i:03d}'] = np.asarray(v)
+  for i, v in enumerate(states[0][process_lib.CLIENT_STATE_PRIVATE]):
+    inputs[f'private_{i:03d}'] = np.asarray(v)
+  inputs['rounds'] = np.asarray(states[0][process_lib.CLIENT_STATE_ROUNDS])
+  for k, v in examples.items():
+    inputs[f'example_{k}'] = v
+  np.savez(tmp_path / 'inputs.npz', **inputs)
+  done = subprocess.run(
+      [sys.executable, '-c', _FRESH, export_dir,
+       str(tmp_path / 'inputs.npz'), str(tmp_path / 'out.npz')],
+      capture_output=True, text=True, timeout=600, check=False,
+      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  assert done.returncode == 0, done.stderr[-3000:]
+  got = np.load(tmp_path / 'out.npz')
+  for cid, out in zip(CLIENTS, outputs):
+    np.testing.assert_allclose(got[f'predict_{cid}'], np.asarray(
+        out['outputs']), rtol=1e-6, atol=1e-7, err_msg=f'client {cid}')
+  updates = sorted(k for k in got.files if k.startswith('update_'))
+  for k, v in zip(updates, tf.nest.flatten(want['update']), strict=True):
+    np.testing.assert_allclose(got[k], np.asarray(v), rtol=1e-6, atol=1e-7,
+                               err_msg=k)
+  privates = sorted(k for k in got.files if k.startswith('new_private_'))
+  for k, v in zip(privates, want['client_state'][
+      process_lib.CLIENT_STATE_PRIVATE], strict=True):
+    np.testing.assert_allclose(got[k], np.asarray(v), rtol=1e-6, atol=1e-7,
+                               err_msg=k)
+  assert int(got['rounds_participated']) == int(
+      want['client_state'][process_lib.CLIENT_STATE_ROUNDS])

@@ -1,0 +1,109 @@
+"""Production forms over the registry (`core/production.py`).
+
+Every registered algorithm, each stage of a staged one, is compiled by
+TFF's `tff.backends.mapreduce` to `MapReduceForm` and
+`DistributeAggregateForm`, without DP and with `gaussian_fixed`, or fails
+with the reason `production.NOT_COMPILED` names: none is skipped silently.
+For one algorithm of each family the compiled `MapReduceForm` is run piece
+by piece over a cohort (prepare, work, zero/accumulate/merge, report, the
+secure sums, update), with the device part writing each client's new state,
+and equals two simulated rounds. The tiny models are the conformance
+suite's (`tests/conformance_test.py`).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import conformance_test as conformance
+from tests import fedembed_testdata
+from tests import fedperc_testdata
+from tff_personal.algorithms import registry
+from tff_personal.core import privacy
+from tff_personal.core import production
+
+_DP = privacy.build_aggregator(privacy.DPConfig(
+    mechanism='gaussian_fixed', noise_multiplier=1.0, clip_norm=1.0,
+    clients_per_round=3, population=100, rounds=2))
+COMPILED = []  # (name, dp, stage) that compiled, for the count below.
+
+
+def _built(name, dp):
+  overrides = {} if dp == 'none' else {'aggregator_factory': _DP}
+  if name == 'feddva':  # Small encoders: compilation reads every graph.
+    overrides.update(pretrain_rounds=2, dim=2, channels='2,2,2,3', hidden=5)
+  return conformance._build(name, **overrides)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('dp', ['none', 'gaussian_fixed'])
+@pytest.mark.parametrize('name', sorted(registry.SPECS))
+def test_every_algorithm_compiles_to_production_forms(name, dp):
+  for stage, form in production.production_forms(_built(name, dp)):
+    reason = production.NOT_COMPILED.get((name, dp))
+    if reason is not None:
+      with pytest.raises(production.NotProductionReadyError,
+                         match=reason[:40]):
+        form.map_reduce_form()
+      continue
+    mrf = form.map_reduce_form()
+    form.distribute_aggregate_form()
+    # The device takes its client state with its data; nothing
+    # client-placed leaves the round.
+    assert mrf.work.type_signature.parameter[0].client_state.is_equivalent_to(
+        form.process.client_state_type)
+    assert all(t.placement.is_server()
+               for t in form.next.type_signature.result)
+    COMPILED.append((name, dp, stage))
+
+
+def test_the_count_that_compiles():
+  """Runs after the compilation tests (file order): what compiled, and
+  that every other (algorithm, DP) pair has its stated reason."""
+  pairs = {(name, dp) for name, dp, _ in COMPILED}
+  if not pairs:
+    pytest.skip('run with the compilation tests')
+  every = {(n, dp) for n in registry.SPECS for dp in ('none', 'gaussian_fixed')}
+  assert pairs | set(production.NOT_COMPILED) == every
+  assert not pairs & set(production.NOT_COMPILED)
+
+
+def _states_close(got, want, what):
+  for i, (x, y) in enumerate(zip(tf.nest.flatten(got), tf.nest.flatten(want),
+                                 strict=True)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5,
+                               atol=1e-6, err_msg=f'{what}: leaf {i}')
+
+
+# One per family: the split model, FedEmbed, FedPerC, a FedDVA stage and a
+# group stage (the per-group FedAvg of groupperfl).
+FAMILIES = [('ditto', 0), ('fedembed_prototype', 0), ('fedperc', 0),
+            ('feddva', 0), ('groupperfl', 1)]
+
+
+@pytest.mark.parametrize('name,stage', FAMILIES)
+def test_hand_run_map_reduce_form_equals_the_simulated_rounds(name, stage):
+  """Two rounds of the compiled form run by hand, two cohorts of three
+  users with different example counts, equal two rounds of `process.next`
+  (the server weights and every client's new state; float32 summation
+  order differs, so to 1e-5)."""
+  _, form = production.production_forms(_built(name, 'none'))[stage]
+  proc = form.process
+  sizes = [4, 7, 5]
+  data_fn = (fedperc_testdata.datasets if conformance._is_fedperc(name)  # pylint: disable=protected-access
+             else lambda s, r: conformance._datasets(s, r))  # pylint: disable=protected-access
+  clients = fedembed_testdata.initial_states(proc, len(sizes), seed=4)
+  sim_state, sim_clients = proc.initialize(), list(clients)
+  hand_state, hand_clients = form.initialize(), list(clients)
+  for r in range(2):
+    data = data_fn(sizes, r)
+    sim_state, sim_clients, _ = proc.next(sim_state, sim_clients, data)
+    hand_state, _, hand_clients = form.run_map_reduce_round(
+        hand_state, hand_clients, data, merge_after=1)
+  _states_close(form.broadcast_weights(hand_state),
+                form.broadcast_weights(sim_state), f'{name} server weights')
+  for u, (got, want) in enumerate(zip(hand_clients, sim_clients)):
+    _states_close(got, want, f'{name} client {u}')
+  moved = [not np.allclose(np.asarray(x), np.asarray(y)) for x, y in zip(
+      tf.nest.flatten(form.broadcast_weights(sim_state)),
+      tf.nest.flatten(form.broadcast_weights(form.initialize())))]
+  assert any(moved), f'{name}: the rounds changed nothing'
