@@ -76,8 +76,9 @@ class ProductionForm:
 
   @functools.cached_property
   def _map_reduce_form(self):
-    return tff.backends.mapreduce.get_map_reduce_form_for_computation(
-        self.next)
+    return _compiled(
+        tff.backends.mapreduce.get_map_reduce_form_for_computation,
+        self.next, 'MapReduceForm')
 
   def map_reduce_form(self) -> tff.backends.mapreduce.MapReduceForm:
     """`next` compiled to TFF's `MapReduceForm` (cached)."""
@@ -85,8 +86,9 @@ class ProductionForm:
 
   @functools.cached_property
   def _distribute_aggregate_form(self):
-    return (tff.backends.mapreduce.
-            get_distribute_aggregate_form_for_computation(self.next))
+    return _compiled(
+        tff.backends.mapreduce.get_distribute_aggregate_form_for_computation,
+        self.next, 'DistributeAggregateForm')
 
   def distribute_aggregate_form(
       self) -> tff.backends.mapreduce.DistributeAggregateForm:
@@ -115,6 +117,15 @@ class ProductionForm:
         [{'client_state': c, 'data': d}
          for c, d in zip(client_states, datasets)], merge_after)
     return new_state, output, new_client_states
+
+
+def _compiled(compile_fn, computation, form: str):
+  """`compile_fn(computation)`; TFF's refusal as `NotProductionReadyError`."""
+  try:
+    return compile_fn(computation)
+  except (ValueError, TypeError) as e:
+    raise NotProductionReadyError(
+        f'the round does not compile to {form}: {e}') from e
 
 
 def production_form(process) -> ProductionForm:

@@ -1,0 +1,104 @@
+"""Generates docs/production.md's table: each algorithm's production forms
+and what its device keeps and sends per client.
+
+Whether a pair compiles is `production.NOT_COMPILED`'s to say (and
+`tests/production_test.py` holds every other pair to compile); the sizes
+are read from each process's types on the paper task the algorithm runs on
+here (MNIST from `--data_dir`; FedPerC on the tests' tiny backbone, so its
+sizes scale with the backbone's hidden size, stated as such).
+
+Usage (from the repository root):
+
+  .venv/bin/python tools/production_table.py --data_dir=../shared/data/mnist
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, 'docs', 'production.md')
+BLOCK = re.compile(r'(<!-- production:begin -->\n)(.*?)(<!-- production:end -->)',
+                   re.S)
+
+
+def _bytes(tff_type) -> int:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  specs = tf.nest.flatten(tff.types.type_to_tf_tensor_specs(tff_type))
+  return sum(int(np.prod(s.shape)) * s.dtype.size for s in specs)
+
+
+def _size(n: int) -> str:
+  return f'{n / 1024:.1f} KiB' if n < 1 << 20 else f'{n / (1 << 20):.2f} MiB'
+
+
+def table(data_dir: str) -> str:
+  """The Markdown table."""
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+  # pylint: disable=g-import-not-at-top
+  from tasks import registry as task_registry
+  from tests import fedperc_testdata
+  from tff_personal import experiment
+  from tff_personal.algorithms import registry
+  from tff_personal.core import production
+  # pylint: enable=g-import-not-at-top
+  tasks = {
+      'mnist_preference': dict(num_users=20, population='balanced'),
+      'label_skew_mnist': dict(num_clients=20)}
+  built_tasks = {}
+  rows = ['| algorithm | task | stage | MapReduceForm and DistributeAggregate'
+          'Form, no DP / gaussian_fixed | private state per client | shared '
+          'model (broadcast, and the update sent) |', '|---|---|---|---|---|---|']
+  for name in sorted(registry.SPECS):
+    compiled = ' / '.join(
+        'does not compile: ' + production.NOT_COMPILED[(name, dp)]
+        if (name, dp) in production.NOT_COMPILED else 'yes'
+        for dp in ('none', 'gaussian_fixed'))
+    if registry.spec(name).model == 'fedperc':
+      task_name = 'tiny tv_shows (tests)'
+      built = registry.build_for_task(name, fedperc_testdata.TASK)
+    else:
+      task_name = next(t for t in tasks if not registry.missing_for(
+          name, task_registry.spec(t).capabilities, {}))
+      if task_name not in built_tasks:
+        built_tasks[task_name] = task_registry.build_task(
+            task_name, data_dir=data_dir, seed=0, **tasks[task_name])
+      options = ({'allow_unprotected_best_client': True}
+                 if name == 'fedembed_som' else {})
+      config = experiment.ExperimentConfig(
+          algorithm=name, rounds=1, clients_per_round=2,
+          root_output_dir='/tmp', experiment_name='table',
+          algorithm_options=options,
+          embedding_dim=28 if name in ('global_plus', 'furl') else None)
+      built = experiment.build_process(built_tasks[task_name], config)
+    for stage, form in production.production_forms(built):
+      proc = form.process
+      private = _bytes(proc.client_state_type)
+      rows.append(f'| {name} | {task_name} | {stage} | {compiled} | '
+                  f'{_size(private)} | {_size(_bytes(proc.model_weights_type))}'
+                  ' |')
+  return '\n'.join(rows) + '\n'
+
+
+def main(argv: list[str]) -> int:
+  data_dir = next((a.split('=', 1)[1] for a in argv[1:]
+                   if a.startswith('--data_dir=')),
+                  os.path.join(ROOT, '..', 'shared', 'data', 'mnist'))
+  with open(DOC, encoding='utf-8') as f:
+    text = f.read()
+  if not BLOCK.search(text):
+    raise ValueError(f'{DOC} has no <!-- production:begin/end --> markers')
+  text = BLOCK.sub(lambda m: m.group(1) + table(data_dir) + m.group(3), text)
+  with open(DOC, 'w', encoding='utf-8') as f:
+    f.write(text)
+  print(f'written: {DOC}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv))
