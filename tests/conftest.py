@@ -41,7 +41,8 @@ def mnist_dir():
 # together, instead of one running a long file alone at the end. The other
 # files follow in their usual order; a file's tests keep their order.
 _SLOWEST_FIRST = (
-    'determinism_test.py', 'train_binary_test.py', 'fault_test.py',
+    'production_test.py', 'determinism_test.py', 'train_binary_test.py',
+    'fault_test.py', 'export_test.py',
     'feddva_paper_test.py', 'evaluate_binary_test.py', 'multi_worker_test.py',
     'furl_paper_test.py', 'fedembed_paper_test.py', 'benchmark_test.py',
     'pretrain_backbone_test.py')

@@ -20,8 +20,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, 'docs', 'production.md')
-BLOCK = re.compile(r'(<!-- production:begin -->\n)(.*?)(<!-- production:end -->)',
-                   re.S)
+BLOCK = re.compile(
+    r'(<!-- production:begin -->\n)(.*?)(<!-- production:end -->)', re.S)
 
 
 def _bytes(tff_type) -> int:
@@ -51,14 +51,13 @@ def table(data_dir: str) -> str:
       'mnist_preference': dict(num_users=20, population='balanced'),
       'label_skew_mnist': dict(num_clients=20)}
   built_tasks = {}
-  rows = ['| algorithm | task | stage | MapReduceForm and DistributeAggregate'
-          'Form, no DP / gaussian_fixed | private state per client | shared '
-          'model (broadcast, and the update sent) |', '|---|---|---|---|---|---|']
+  rows = ['| algorithm | task | stage | forms it compiles to, no DP / '
+          'gaussian_fixed | private state per client | shared model '
+          '(broadcast, and the update sent) |', '|---|---|---|---|---|---|']
   for name in sorted(registry.SPECS):
     compiled = ' / '.join(
-        'does not compile: ' + production.NOT_COMPILED[(name, dp)]
-        if (name, dp) in production.NOT_COMPILED else 'yes'
-        for dp in ('none', 'gaussian_fixed'))
+        'MapReduceForm only' if (name, dp) in production.NOT_COMPILED
+        else 'both' for dp in ('none', 'gaussian_fixed'))
     if registry.spec(name).model == 'fedperc':
       task_name = 'tiny tv_shows (tests)'
       built = registry.build_for_task(name, fedperc_testdata.TASK)

@@ -54,7 +54,15 @@ class NotProductionReadyError(ValueError):
 
 # (algorithm, DP mechanism) pairs whose round does not compile, and why
 # (docs/production.md gives the nearest form that does).
-NOT_COMPILED: dict[tuple[str, str], str] = {}
+NOT_COMPILED: dict[tuple[str, str], str] = {
+    ('fedembed_som', 'none'): (
+        'compiles to MapReduceForm, not to DistributeAggregateForm: the '
+        'paper\'s best-scoring SOM update is chosen by an aggregation whose '
+        'merge step is a function placed at the server, which that form '
+        'cannot hold (and it hands one client\'s update to the server '
+        'verbatim); with gaussian_fixed its noised SOM average compiles to '
+        'both'),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +105,13 @@ class ProductionForm:
 
   def broadcast_weights(self, state):
     """What the server sends each device: the global model weights."""
-    if isinstance(state, Mapping):  # As `initialize` returns it.
-      return state['global_model_weights']
+    if isinstance(state, Mapping):  # As `initialize` and `update` give it.
+      weights = state['global_model_weights']
+      if isinstance(weights, Mapping):
+        weights = process_lib.ModelWeights(
+            trainable=tuple(weights['trainable']),
+            non_trainable=tuple(weights['non_trainable']))
+      return weights
     return self.process.get_model_weights(state)
 
   def run_map_reduce_round(self, state, client_states: Sequence[Any],
