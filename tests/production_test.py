@@ -122,3 +122,32 @@ def test_hand_run_map_reduce_form_equals_the_simulated_rounds(name, stage):
       tf.nest.flatten(form.broadcast_weights(sim_state)),
       tf.nest.flatten(form.broadcast_weights(form.initialize())))]
   assert any(moved), f'{name}: the rounds changed nothing'
+
+
+def test_secure_aggregation_compiles_and_its_sums_give_the_mean():
+  """With TFF's secure aggregator the update travels on MapReduceForm's
+  secure-sum path (32-bit quantized); its sums, added up as a platform's
+  secure aggregation would, give the plain weighted mean's rounds to the
+  quantization (TFF's local runtime cannot run secure sums, so the
+  reference is the simulation with the plain mean)."""
+  secure = tff.learning.secure_aggregator(zeroing=False, clipping=False)
+  form = production.production_form(conformance._build(  # pylint: disable=protected-access
+      'ditto', aggregator_factory=secure))
+  mrf = form.map_reduce_form()
+  form.distribute_aggregate_form()
+  assert tf.nest.flatten(mrf.secure_sum_bitwidth())  # The path is used.
+  plain = conformance._build('ditto')  # pylint: disable=protected-access
+  sizes = [4, 7, 5]
+  clients = fedembed_testdata.initial_states(plain, len(sizes), seed=4)
+  sim_state, sim_clients = plain.initialize(), list(clients)
+  hand_state, hand_clients = form.initialize(), list(clients)
+  for r in range(2):
+    data = conformance._datasets(sizes, r)  # pylint: disable=protected-access
+    sim_state, sim_clients, _ = plain.next(sim_state, sim_clients, data)
+    hand_state, _, hand_clients = form.run_map_reduce_round(
+        hand_state, hand_clients, data, merge_after=2)
+  for x, y in zip(tf.nest.flatten(form.broadcast_weights(hand_state)),
+                  tf.nest.flatten(plain.get_model_weights(sim_state)),
+                  strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+  _states_close(hand_clients, sim_clients, 'ditto clients')
