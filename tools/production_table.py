@@ -33,6 +33,8 @@ def _bytes(tff_type) -> int:
 
 
 def _size(n: int) -> str:
+  if n < 1024:
+    return f'{n} B'
   return f'{n / 1024:.1f} KiB' if n < 1 << 20 else f'{n / (1 << 20):.2f} MiB'
 
 
@@ -41,6 +43,7 @@ def table(data_dir: str) -> str:
   if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
   # pylint: disable=g-import-not-at-top
+  import tensorflow_federated as tff
   from tasks import registry as task_registry
   from tests import fedperc_testdata
   from tff_personal import experiment
@@ -52,15 +55,18 @@ def table(data_dir: str) -> str:
       'label_skew_mnist': dict(num_clients=20)}
   built_tasks = {}
   rows = ['| algorithm | task | stage | forms it compiles to, no DP / '
-          'gaussian_fixed | private state per client | shared model '
-          '(broadcast, and the update sent) |', '|---|---|---|---|---|---|']
+          'gaussian_fixed | client state kept on the device | shared model '
+          'received | update sent |', '|---|---|---|---|---|---|---|']
   for name in sorted(registry.SPECS):
     compiled = ' / '.join(
         'MapReduceForm only' if (name, dp) in production.NOT_COMPILED
         else 'both' for dp in ('none', 'gaussian_fixed'))
     if registry.spec(name).model == 'fedperc':
       task_name = 'tiny tv_shows (tests)'
-      built = registry.build_for_task(name, fedperc_testdata.TASK)
+      built = registry.build_for_task(
+          name, fedperc_testdata.TASK,
+          client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+          server_optimizer=tff.learning.optimizers.build_sgdm(1.0))
     else:
       task_name = next(t for t in tasks if not registry.missing_for(
           name, task_registry.spec(t).capabilities, {}))
@@ -79,8 +85,9 @@ def table(data_dir: str) -> str:
       proc = form.process
       private = _bytes(proc.client_state_type)
       rows.append(f'| {name} | {task_name} | {stage} | {compiled} | '
-                  f'{_size(private)} | {_size(_bytes(proc.model_weights_type))}'
-                  ' |')
+                  f'{_size(private)} | '
+                  f'{_size(_bytes(proc.model_weights_type))} | '
+                  f'{_size(_bytes(proc.aggregation_value_type))} |')
   return '\n'.join(rows) + '\n'
 
 
