@@ -438,6 +438,27 @@ def disk_error(e: BaseException) -> Optional[str]:
 
 _RESUMABLE_AFTER = ('the state on disk is consistent: remove the cause and '
                     'rerun with --resume')
+# Failures of a run's directory or state that end a binary with exit 3.
+STATE_ERRORS = (training_loop.CheckpointError,
+                client_state_lib.ClientStateStoreError,
+                run_lock.ExperimentLockedError, OSError, tf.errors.OpError)
+
+
+def state_failure(e: BaseException, resumable: bool = False) -> bool:
+  """Prints the one `error:` line of a `STATE_ERRORS` failure and returns
+  True (the binary exits 3); False for an OS or TensorFlow error the disk
+  did not cause (the caller re-raises it). `resumable`: a training run,
+  whose state a full disk or a store error leaves consistent; the line
+  says so."""
+  line = disk_error(e)
+  if isinstance(e, (OSError, tf.errors.OpError)) and line is None:
+    return False
+  hint = resumable and not isinstance(e, (
+      training_loop.CheckpointError, run_lock.ExperimentLockedError,
+      client_state_lib.CorruptStateError))
+  print(f'error: {line or e}' + (f'; {_RESUMABLE_AFTER}' if hint else ''),
+        file=sys.stderr)
+  return True
 
 
 def run(config, task_kwargs, f) -> int:
@@ -475,15 +496,6 @@ def run(config, task_kwargs, f) -> int:
       summary = experiment.run_experiment(
           task, config, log_fn=lambda s: print(s, flush=True),
           flag_values=flag_values(f))
-  except (training_loop.CheckpointError, run_lock.ExperimentLockedError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 3
-  except client_state_lib.CorruptStateError as e:  # Names the file.
-    print(f'error: {e}', file=sys.stderr)
-    return 3
-  except client_state_lib.ClientStateStoreError as e:  # Names the file.
-    print(f'error: {disk_error(e) or e}; {_RESUMABLE_AFTER}', file=sys.stderr)
-    return 3
   except training_loop.NonFiniteRoundError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
@@ -492,11 +504,9 @@ def run(config, task_kwargs, f) -> int:
       run_lock.remove_if_unused(config.experiment_dir)
     print(f'error: {e}', file=sys.stderr)
     return 2
-  except (OSError, tf.errors.OpError) as e:
-    line = disk_error(e)
-    if line is None:
+  except STATE_ERRORS as e:  # One line naming the path.
+    if not state_failure(e, resumable=True):
       raise
-    print(f'error: {line}; {_RESUMABLE_AFTER}', file=sys.stderr)
     return 3
   print(json.dumps({k: summary[k] for k in (
       'task', 'algorithm', 'rounds_completed', 'seconds_per_round', 'eval',
@@ -556,16 +566,9 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   except experiment.EvaluationError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  except (training_loop.CheckpointError,
-          client_state_lib.ClientStateStoreError,
-          run_lock.ExperimentLockedError) as e:
-    print(f'error: {disk_error(e) or e}', file=sys.stderr)
-    return 3
-  except (OSError, tf.errors.OpError) as e:
-    line = disk_error(e)
-    if line is None:
+  except STATE_ERRORS as e:
+    if not state_failure(e):
       raise
-    print(f'error: {line}', file=sys.stderr)
     return 3
   print(json.dumps({k: record[k] for k in (
       'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},

@@ -26,9 +26,7 @@ from tasks import registry as task_registry
 from tff_personal import experiment
 from tff_personal import export
 from tff_personal import run_lock
-from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import runtime
-from tff_personal.core import training_loop
 
 FLAGS = flags.FLAGS
 common.define_flags()
@@ -57,10 +55,9 @@ def _export(config, task_kwargs) -> int:
         runtime.local_runtime()):
       export.export_run(task, config, FLAGS.export_dir, clients,
                         getattr(task, 'batch_size', None) or FLAGS.batch_size)
-  except (training_loop.CheckpointError,
-          client_state_lib.ClientStateStoreError,
-          run_lock.ExperimentLockedError) as e:
-    print(f'error: {common.disk_error(e) or e}', file=sys.stderr)
+  except common.STATE_ERRORS as e:
+    if not common.state_failure(e):
+      raise
     return 3
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
