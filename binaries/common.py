@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -19,7 +19,10 @@ import tensorflow as tf
 from tasks import mnist_io
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal import run_evaluation as run_evaluation_lib
 from tff_personal import run_lock
+from tff_personal import run_records
+from tff_personal import runs
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import client_state as client_state_lib
@@ -41,10 +44,12 @@ def define_flags():
   if 'task' in flags.FLAGS:
     return
   # Task.
-  flags.DEFINE_enum('task', 'mnist_preference', task_registry.TASKS,
-                    'The federated task (tasks/registry.py; '
-                    '`binaries.train --list` shows which algorithms run on '
-                    'which task).')
+  flags.DEFINE_string('task', 'mnist_preference',
+                      f'The federated task: one of {task_registry.TASKS} '
+                      '(tasks/registry.py), or your own as '
+                      'package.module:factory (docs/your_own_task.md). '
+                      '`binaries.train --list` shows which algorithms run '
+                      'on which task.')
   flags.DEFINE_list('task_options', [],
                     'The task builder\'s own settings as key=value (Python '
                     'literals), e.g. alpha=0.1,num_clients=50 for '
@@ -98,7 +103,8 @@ def define_flags():
                   'speech_encoder'])
   # Algorithm.
   flags.DEFINE_string('algorithm', 'global_plus',
-                      f'One of {sorted(algorithm_registry.ALGORITHMS)}.')
+                      f'One of {sorted(algorithm_registry.ALGORITHMS)}, or '
+                      'your own AlgorithmSpec as package.module:attribute.')
   flags.DEFINE_integer('embedding_dim', None,
                        'Personal (private) embedding size; default: the '
                        "algorithm's (global_plus 28, furl 32).")
@@ -254,9 +260,12 @@ def configs_from_flags(f):
   `--task=mnist_preference --algorithm=fedembed_prototype` alone runs the
   paper's cell.
   """
-  if f.algorithm not in algorithm_registry.ALGORITHMS:
-    raise ValueError(f'unknown --algorithm={f.algorithm!r}; known: '
-                     f'{sorted(algorithm_registry.ALGORITHMS)}')
+  for flag, registry in (('algorithm', algorithm_registry),
+                         ('task', task_registry)):
+    try:  # An unknown name, or an outside one that does not load.
+      registry.spec(f[flag].value)
+    except ValueError as e:
+      raise ValueError(f'--{flag}={f[flag].value!r}: {e}') from e
   missing = algorithm_registry.missing_for(
       f.algorithm, task_registry.spec(f.task).capabilities,
       algorithm_registry.parse_algorithm_options(f.algorithm,
@@ -367,15 +376,31 @@ def _task_kwargs(f) -> dict:
   return kwargs
 
 
-def listing() -> str:
-  """The algorithm x task matrix, then each algorithm's and task's options."""
+def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
+            ) -> str:
+  """The algorithm x task matrix, then each algorithm's and task's options.
+
+  `tasks`, `algorithms`: outside ones (`package.module:attribute`) to list
+  with the registered ones.
+  """
   lines = ['Algorithms x tasks (yes: runs; no: what the task lacks):', '',
-           task_registry.format_matrix(), '', 'Algorithms:']
-  for name, spec in algorithm_registry.SPECS.items():
+           task_registry.format_matrix(tasks=tasks), '', 'Algorithms:']
+  outside = [n for n in algorithms if n not in algorithm_registry.SPECS]
+  for name in list(algorithm_registry.SPECS) + outside:
+    spec = algorithm_registry.spec(name)
+    missing = {t: algorithm_registry.missing_for(
+        name, task_registry.spec(t).capabilities)
+               for t in task_registry.TASKS + list(tasks)} if (
+                   name in outside) else {}
+    runs = (f'; runs on: {", ".join(t for t, m in missing.items() if not m)}'
+            if name in outside else '')
     lines.append(f'  {name} ({spec.family}): {spec.summary}; options: '
-                 + options_lib.describe(algorithm_registry._option_specs(name)))  # pylint: disable=protected-access
+                 + options_lib.describe(algorithm_registry._option_specs(name))  # pylint: disable=protected-access
+                 + runs)
   lines += ['', 'Tasks:']
-  for name, spec in task_registry.SPECS.items():
+  for name in list(task_registry.SPECS) + [
+      t for t in tasks if t not in task_registry.SPECS]:
+    spec = task_registry.spec(name)
     lines.append(f'  {name}: {spec.summary}; capabilities: '
                  f'{", ".join(spec.capabilities)}; options: '
                  + options_lib.describe(task_registry._option_specs(name)))  # pylint: disable=protected-access
@@ -493,7 +518,7 @@ def run(config, task_kwargs, f) -> int:
         log_path=os.path.join(config.experiment_dir, 'worker_binary.log'),
         workers=f.workers, intra_op_threads=f.intra_op_threads,
         inter_op_threads=f.inter_op_threads):
-      summary = experiment.run_experiment(
+      summary = runs.run_experiment(
           task, config, log_fn=lambda s: print(s, flush=True),
           flag_values=flag_values(f))
   except training_loop.NonFiniteRoundError as e:
@@ -516,7 +541,7 @@ def run(config, task_kwargs, f) -> int:
 
 # Flags a re-evaluation (binaries.evaluate) may change: those a resumed run
 # may change, but the rounds (the run's). Every other flag must be the run's.
-EVALUATION_FLAGS = tuple(name for name in experiment.RESUMABLE_FIELDS
+EVALUATION_FLAGS = tuple(name for name in run_records.RESUMABLE_FIELDS
                          if name != 'rounds')
 
 
@@ -530,11 +555,11 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   summary_path = os.path.join(config.experiment_dir, 'summary.json')
   if os.path.exists(summary_path):
     try:
-      recorded = experiment.read_json_record(summary_path).get('flags') or {}
+      recorded = run_records.read_json_record(summary_path).get('flags') or {}
     except ValueError as e:
       print(f'error: {e}', file=sys.stderr)
       return 2
-    differences = experiment.flag_differences(
+    differences = run_records.flag_differences(
         recorded, flag_values(f), ignore=EVALUATION_FLAGS)
     if differences:
       print(f'error: {summary_path} was trained with other flags:\n  ' +
@@ -560,10 +585,10 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
         runtime.local_runtime(workers=f.workers,
                               intra_op_threads=f.intra_op_threads,
                               inter_op_threads=f.inter_op_threads)):
-      record = experiment.evaluate_experiment(
+      record = run_evaluation_lib.evaluate_experiment(
           task, config, eval_name, log_fn=lambda s: print(s, flush=True),
           overwrite=overwrite, flag_values=flag_values(f))
-  except experiment.EvaluationError as e:
+  except run_evaluation_lib.EvaluationError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   except STATE_ERRORS as e:
@@ -573,6 +598,6 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   print(json.dumps({k: record[k] for k in (
       'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},
                    indent=1, default=str))
-  print(f'written: {experiment.evaluation_path(config, eval_name)}')
+  print(f'written: {run_evaluation_lib.evaluation_path(config, eval_name)}')
   return 0
 

@@ -20,6 +20,8 @@ prints which algorithms run on which task (and, for the others, what the
 task lacks), each algorithm's options and each task's options.
 """
 
+import sys
+
 from absl import app
 from absl import flags
 
@@ -32,8 +34,14 @@ flags.DEFINE_bool('list', False, 'Print the algorithm x task matrix and '
 
 
 def main(argv):
-  if FLAGS.list:
-    print(common.listing())
+  if FLAGS.list:  # With an outside --task or --algorithm, listed too.
+    outside = lambda name: [name] if ':' in name else []
+    try:
+      print(common.listing(tasks=outside(FLAGS.task),
+                           algorithms=outside(FLAGS.algorithm)))
+    except ValueError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 2
     return 0
   return common.main(
       argv, FLAGS, lambda config, task_kwargs: common.run(

@@ -29,7 +29,7 @@
   `pretrain_rounds`; they are extra communication rounds the baselines do not
   get), and a 2-FC head on [mu_z; mu_c], tuned together by FedAvg.
 
-Every method trains on the one run path (`experiment.run_experiment`): the
+Every method trains on the one run path (`runs.run_experiment`): the
 baselines are the registered `global` (FedAvg), `fedavg_ft` (its evaluation
 fine-tunes one local pass, the task's local epochs) and `ditto`, each run in
 its cell's directory; FedDVA is one run of the registered `feddva`
@@ -84,6 +84,8 @@ from tasks import feddva_tasks
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_evaluation
+from tff_personal import runs
 from tff_personal.algorithms import feddva
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
@@ -653,7 +655,7 @@ def _train(task, config, log_fn) -> None:
   """Runs `config` unless it finished (summary.json); a killed run resumes
   from its checkpoints. Call inside a runtime this program owns."""
   if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
-    experiment.run_experiment(task, config, log_fn=log_fn)
+    runs.run_experiment(task, config, log_fn=log_fn)
 
 
 def pretrain_key(task_name: str, num_clients: int, f, dim: int,
@@ -713,7 +715,7 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
     if _decoder(f) == 'private':
       decoders = [tuple(np.asarray(w) for w in s[
           process_lib.CLIENT_STATE_PRIVATE])
-                  for s in experiment.load_client_states(
+                  for s in run_evaluation.load_client_states(
                       stage.process, config, run.population, directory,
                       stage.rounds)]
     else:  # One decoder for every client.

@@ -110,6 +110,8 @@ from tasks import registry as task_registry
 from tasks import speech_spectrogram
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_evaluation
+from tff_personal import runs
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import evaluation
@@ -714,11 +716,11 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   config = experiment_config(cell, flag_values, out_dir, task.population)
   with runtime.local_runtime(
       log_path=os.path.join(out_dir, 'worker_binary.log')):
-    summary = experiment.run_experiment(
+    summary = runs.run_experiment(
         task, config, export_private_states=True,
         # The evaluated users are data: drawn by the data seed.
         eval_ids=(None if data_seed == cell.seed else
-                  experiment.eval_client_ids(task.population,
+                  run_evaluation.eval_client_ids(task.population,
                                              config.eval_clients, data_seed)),
         log_fn=lambda line: print(f'  {cell.method}: {line}', flush=True))
   metrics = cell_metrics(
@@ -786,7 +788,7 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
         encoder, speech_spectrogram.to_unit(q)[..., np.newaxis])
   else:
     features = speech_spectrogram.mean_loud_spectrum
-  ids = experiment.eval_client_ids(task.population, s['eval_clients'],
+  ids = run_evaluation.eval_client_ids(task.population, s['eval_clients'],
                                    data_seed)
   data = task.data
   train, test = [], []

@@ -70,6 +70,8 @@ from tasks import tv_shows_task
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_evaluation
+from tff_personal import runs
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.algorithms import registry
 from tff_personal.core import process as process_lib
@@ -380,7 +382,7 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
   with runtime.local_runtime():
     if not os.path.exists(os.path.join(config.experiment_dir,
                                        'summary.json')):
-      experiment.run_experiment(
+      runs.run_experiment(
           task, config, log_fn=lambda s: print(
               f'fedperc {variant} seed {seed}: {s}', flush=True))
     process = experiment.build_process(task, config)
@@ -391,7 +393,7 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
   for a, b in zip(trained.non_trainable, initial.non_trainable, strict=True):
     if not np.array_equal(np.asarray(a), np.asarray(b)):
       raise AssertionError('the frozen backbone changed during training')
-  loaded = experiment.load_client_states(
+  loaded = run_evaluation.load_client_states(
       process, config, task.population, config.experiment_dir, config.rounds)
   states = {name: tuple(np.asarray(p) for p in s[
       process_lib.CLIENT_STATE_PRIVATE])

@@ -45,6 +45,7 @@ from tasks import speaker_context
 from tasks import speaker_task
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import runs
 from tff_personal.algorithms import centralized
 from tff_personal.core import privacy
 from tff_personal.core import runtime
@@ -231,7 +232,7 @@ def _run_fl(task, cell, f, out_dir, dim) -> dict:
       test_fine_tune=cell.method == 'personalized_fl')
   with runtime.local_runtime(
       log_path=os.path.join(out_dir, 'worker_binary.log')):
-    summary = experiment.run_experiment(
+    summary = runs.run_experiment(
         task, config, export_private_states=cell.method == 'personalized_fl')
   exp_dir = config.experiment_dir
   curve = _fl_curve(os.path.join(exp_dir, 'eval_metrics.csv'),

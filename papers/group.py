@@ -87,6 +87,7 @@ from tasks import shakespeare_groups
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import runs
 from tff_personal.algorithms import group_fl
 from tff_personal.algorithms import update_clustering
 from tff_personal.core import runtime
@@ -419,7 +420,7 @@ def _train(task, config, log_fn):
   """Runs `config` on the one path unless it finished (summary.json); a
   killed run resumes from its checkpoints."""
   if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
-    experiment.run_experiment(
+    runs.run_experiment(
         task, config, log_fn=lambda s: log_fn(
             f'group {config.experiment_name}: {s}'))
 
@@ -679,7 +680,7 @@ def _train_fl_curve(task, config, validation, log_fn) -> None:
   """Runs the controls' FL run unless it finished (summary.json),
   evaluating the validation clients."""
   if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
-    experiment.run_experiment(
+    runs.run_experiment(
         task, config, eval_ids=validation,
         log_fn=lambda s: log_fn(f'group fl_curve: {s}'))
 

@@ -10,6 +10,7 @@ compatible algorithm on your data:
   import tensorflow_federated as tff
   from tasks import client_data_task
   from tff_personal import experiment
+  from tff_personal import runs
 
   train = tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
       ids, lambda cid: my_dataset(cid, 'train'))   # elements OrderedDict(x, y)
@@ -18,7 +19,7 @@ compatible algorithm on your data:
   task = client_data_task.ClientDataTask(
       'mine', train, test, model_builder=client_data_task.keras_classifier(
           lambda: tf.keras.Sequential([...])))
-  experiment.run_experiment(task, experiment.ExperimentConfig(
+  runs.run_experiment(task, experiment.ExperimentConfig(
       algorithm='ditto', rounds=10, clients_per_round=5,
       root_output_dir='/tmp/out', experiment_name='mine'))
 

@@ -29,6 +29,7 @@ from tasks import speech_task
 from tasks import synthetic_task
 from tasks import tv_shows_task
 from tff_personal.algorithms import registry as algorithms
+from tff_personal.core import imported
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
 
@@ -113,9 +114,50 @@ RUN_ARGUMENTS = ('data_dir', 'seed')
 
 
 def spec(name: str) -> TaskSpec:
+  """The named task's spec: a registered name, or `package.module:factory`
+  for a task defined outside the repository (`outside_spec`)."""
+  if imported.is_import_path(name):
+    return outside_spec(name)
   if name not in SPECS:
-    raise ValueError(f'unknown task {name!r}; known: {TASKS}')
+    raise ValueError(f'unknown task {name!r}; known: {TASKS}, or '
+                     'package.module:factory for your own')
   return SPECS[name]
+
+
+def outside_spec(name: str) -> TaskSpec:
+  """The spec of the task `package.module:factory` names.
+
+  The attribute is either a `TaskSpec` or a builder `(data_dir, **kwargs)
+  -> task` that declares what the task provides in a `capabilities`
+  attribute (names of `core/task.CAPABILITIES`), and optionally `flags`
+  (shared binary flags it always takes). Its keyword arguments with
+  scalar defaults are its options, as for a registered task. The summary
+  is the first line of its docstring.
+
+  Example (mypkg/mytask.py; then `--task=mypkg.mytask:make`):
+
+    def make(data_dir, seed=0, clients=100):
+      # Docstring: its first line is the summary --list shows.
+      return client_data_task.ClientDataTask(...)
+    make.capabilities = ('split_model', 'batches')
+  """
+  target = imported.load(name, 'task')
+  if isinstance(target, TaskSpec):
+    return dataclasses.replace(target, name=name)
+  if not callable(target):
+    raise ValueError(f'task {name!r} is a {type(target).__name__}, not a '
+                     'task builder or a tasks.registry.TaskSpec')
+  capabilities = getattr(target, 'capabilities', None)
+  if capabilities is None:
+    raise ValueError(
+        f'task {name!r} declares no capabilities: set '
+        f'`{name.partition(":")[2]}.capabilities = (...)` to the names of '
+        f'what its tasks provide (from {sorted(task_lib.CAPABILITIES)}), or '
+        'export a tasks.registry.TaskSpec; the algorithm x task matrix is '
+        'read from them without loading data')
+  summary = (inspect.getdoc(target) or name).splitlines()[0].rstrip('.')
+  return TaskSpec(name, target, tuple(capabilities), summary,
+                  flags=tuple(getattr(target, 'flags', ())))
 
 
 def _option_specs(name: str) -> options_lib.Specs:
@@ -157,15 +199,22 @@ def build_task(name: str, **kwargs):
     if unknown:
       raise ValueError(f'task {name!r} takes no {unknown}; its options: '
                        f'{options_lib.describe(_option_specs(name))}')
-  return task_spec.builder(kwargs.pop('data_dir', None), **kwargs)
+  data_dir = kwargs.pop('data_dir', None)
+  if data_dir is not None:
+    data_dir = os.path.abspath(data_dir)
+  task = task_spec.builder(data_dir, **kwargs)
+  task_lib.set_build_record(task, name, dict(kwargs, data_dir=data_dir))
+  return task
 
 
-def matrix() -> list[dict[str, Any]]:
+def matrix(tasks: Sequence[str] = ()) -> list[dict[str, Any]]:
   """Every (algorithm, task) pair: whether it runs, and if not what the task
-  lacks. Rows in registry order."""
+  lacks. Rows in registry order; `tasks`: the registered tasks and these
+  (e.g. an outside task's `package.module:factory`)."""
   rows = []
   for algorithm in algorithms.SPECS:
-    for task_spec in _SPECS:
+    for task_spec in _SPECS + tuple(spec(t) for t in tasks
+                                    if t not in SPECS):
       missing = algorithms.missing_for(algorithm, task_spec.capabilities)
       rows.append(dict(algorithm=algorithm, task=task_spec.name,
                        runs=not missing, missing=missing))
@@ -184,20 +233,23 @@ def _test_of(module: str, root: str) -> str:
       'tests/conformance_test.py')
 
 
-def format_matrix(links_from: str | None = None) -> str:
+def format_matrix(links_from: str | None = None,
+                  tasks: Sequence[str] = ()) -> str:
   """The matrix as a Markdown table ('yes', or 'no: ' what is missing).
 
   With `links_from` (the repository root), each algorithm and task name
-  links to its code, and each algorithm to its test.
+  links to its code, and each algorithm to its test. `tasks`: outside
+  tasks to add as columns (`matrix`).
   """
-  cells = {(r['algorithm'], r['task']): r for r in matrix()}
+  cells = {(r['algorithm'], r['task']): r for r in matrix(tasks)}
+  names = TASKS + [t for t in tasks if t not in SPECS]
   header = [f'[{t}]({_source(spec(t).builder.__module__)})' if links_from
-            else t for t in TASKS]
+            else t for t in names]
   lines = ['| algorithm | ' + ' | '.join(header) + ' |',
-           '|---|' + '---|' * len(TASKS)]
+           '|---|' + '---|' * len(names)]
   for algorithm, algorithm_spec in algorithms.SPECS.items():
     row = []
-    for task in TASKS:
+    for task in names:
       cell = cells[(algorithm, task)]
       row.append('yes' if cell['runs'] else
                  'no: ' + ', '.join(m.split(' (')[0] for m in cell['missing']))

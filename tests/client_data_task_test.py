@@ -15,6 +15,7 @@ import tensorflow_federated as tff
 from tasks import client_data_task
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal import runs
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
@@ -71,7 +72,7 @@ def test_the_same_run_on_either_task(both, tmp_path):
         algorithm='global_plus', rounds=2, clients_per_round=3,
         root_output_dir=str(tmp_path), experiment_name=task.name,
         embedding_dim=28, eval_clients=2)
-    experiment.run_experiment(task, config, log_fn=lambda s: None)
+    runs.run_experiment(task, config, log_fn=lambda s: None)
     proc = experiment.build_process(task, config)
     state = training_loop.load_checkpoint(proc, config.experiment_dir, 2)
     weights.append(tf.nest.flatten(proc.get_model_weights(state).trainable))

@@ -258,6 +258,7 @@ def test_your_own_task_code_runs(tmp_path):
     path.write_text(block)
     exec(compile(block, str(path), 'exec'), namespace)  # pylint: disable=exec-used
   assert 'accuracy' in namespace['summary']['eval']
+  assert len(namespace['states']) == 3 and namespace['run'].finished
   assert namespace['metrics']['train']['clients'] == 3
 
 

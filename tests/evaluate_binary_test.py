@@ -15,7 +15,7 @@ from binaries import evaluate
 from binaries import train
 from tasks import registry as task_registry
 from tests import files
-from tff_personal import experiment
+from tff_personal import run_evaluation
 
 FLAGS = flags.FLAGS
 
@@ -133,9 +133,9 @@ def test_library_call_checks_the_recorded_config(finished_run, mnist_dir):
     config, task_kwargs = common.configs_from_flags(FLAGS)
   task = task_registry.build_task('mnist_preference', **task_kwargs)
   other = dataclasses.replace(config, client_learning_rate=0.5)
-  with pytest.raises(experiment.EvaluationError,
+  with pytest.raises(run_evaluation.EvaluationError,
                      match='client_learning_rate: 0.003 when the run started'):
-    experiment.evaluate_experiment(task, other, 'library')
+    run_evaluation.evaluate_experiment(task, other, 'library')
   assert not os.path.exists(root / 'run' / 'evaluations' / 'library.json')
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal import run_evaluation
+from tff_personal import runs
 
 
 @pytest.fixture(scope='module')
@@ -36,7 +38,7 @@ def test_every_evaluation_tests_the_given_clients(task, tmp_path,
     return evaluate(outputs, client_ids)
 
   monkeypatch.setattr(task, 'evaluate', recording)
-  experiment.run_experiment(task, _config(tmp_path, 'ids'),
+  runs.run_experiment(task, _config(tmp_path, 'ids'),
                             log_fn=lambda s: None, eval_ids=[7, 1, 4])
   # After rounds 1 and 2 (the last is the final evaluation): each on the
   # given clients (sorted), not the 5 that eval_clients would draw.
@@ -55,9 +57,9 @@ def test_curve_points_test_a_fixed_subset_and_the_last_tests_all(
   monkeypatch.setattr(task, 'evaluate', recording)
   config = dataclasses.replace(_config(tmp_path, 'curve'), rounds=3,
                                curve_eval_clients=2)
-  experiment.run_experiment(task, config, log_fn=lambda s: None)
-  everyone = experiment.eval_client_ids(12, 5, config.seed)
-  subset = experiment.curve_eval_ids(everyone, 2, config.seed)
+  runs.run_experiment(task, config, log_fn=lambda s: None)
+  everyone = run_evaluation.eval_client_ids(12, 5, config.seed)
+  subset = run_evaluation.curve_eval_ids(everyone, 2, config.seed)
   assert len(subset) == 2 and set(subset) < set(everyone)
   # Rounds 1 and 2 test the subset; round 3, the summary's, tests all 5.
   assert seen == [subset, subset, everyone]
@@ -65,23 +67,23 @@ def test_curve_points_test_a_fixed_subset_and_the_last_tests_all(
 
 def test_curve_eval_ids_draws_by_seed_and_refuses_too_many():
   ids = [3, 9, 1, 7, 5]
-  assert experiment.curve_eval_ids(ids, 0, 0) == [1, 3, 5, 7, 9]
-  draws = {tuple(experiment.curve_eval_ids(ids, 3, seed))
+  assert run_evaluation.curve_eval_ids(ids, 0, 0) == [1, 3, 5, 7, 9]
+  draws = {tuple(run_evaluation.curve_eval_ids(ids, 3, seed))
            for seed in range(6)}
   assert len(draws) > 1  # The seed draws the subset.
   assert all(len(d) == 3 and set(d) < set(ids) for d in draws)
   with pytest.raises(ValueError, match='curve_eval_clients'):
-    experiment.curve_eval_ids(ids, 6, 0)
+    run_evaluation.curve_eval_ids(ids, 6, 0)
 
 
 def test_too_many_curve_clients_are_refused_before_the_run(task, tmp_path):
   config = dataclasses.replace(_config(tmp_path, 'bad_curve'),
                                curve_eval_clients=6)
   with pytest.raises(ValueError, match='curve_eval_clients'):
-    experiment.run_experiment(task, config, log_fn=lambda s: None)
+    runs.run_experiment(task, config, log_fn=lambda s: None)
   with pytest.raises(experiment.ConfigurationError,
                      match='curve_eval_clients'):
-    experiment.run_experiment(
+    runs.run_experiment(
         task, dataclasses.replace(config, curve_eval_clients=2),
         log_fn=lambda s: None, eval_ids=[4])
   assert not os.path.exists(config.experiment_dir)
@@ -93,6 +95,6 @@ def test_bad_eval_ids_are_refused_before_the_run(task, tmp_path, ids,
                                                  message):
   config = _config(tmp_path, 'bad')
   with pytest.raises(experiment.ConfigurationError, match=message):
-    experiment.run_experiment(task, config, log_fn=lambda s: None,
+    runs.run_experiment(task, config, log_fn=lambda s: None,
                               eval_ids=ids)
   assert not os.path.exists(config.experiment_dir)

@@ -5,7 +5,7 @@ Each kill is one process running `binaries.train`'s main with
 itself at that point. To pay TensorFlow's import once, one helper process
 imports the binary and forks a child per kill, two at a time (each child is
 a whole training process with its own TFF worker, killed with SIGKILL).
-Each resume then runs in this process through `experiment.run_experiment`
+Each resume then runs in this process through `runs.run_experiment`
 (it already has TensorFlow and a TFF runtime, and the task is built once)
 and must equal an uninterrupted run bit for bit: the final server
 checkpoint, every released evaluation and training metric (but wall
@@ -32,9 +32,10 @@ import tensorflow as tf
 
 from binaries import common
 from tasks import registry as task_registry
-from tff_personal import experiment
 from tests import files
 from tff_personal import fault
+from tff_personal import run_records
+from tff_personal import runs
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
@@ -105,14 +106,14 @@ _TASKS = {}
 
 def _train_here(values, mnist_dir):
   """The binary's run, in this process: flags -> config, the task (built
-  once), `experiment.run_experiment` in the test session's TFF runtime."""
+  once), `runs.run_experiment` in the test session's TFF runtime."""
   _parse_flags()
   with flagsaver.flagsaver(data_dir=mnist_dir, **values):
     config, task_kwargs = common.configs_from_flags(FLAGS)
     key = json.dumps(task_kwargs, sort_keys=True, default=str)
     if key not in _TASKS:
       _TASKS[key] = task_registry.build_task(FLAGS.task, **task_kwargs)
-    return experiment.run_experiment(
+    return runs.run_experiment(
         _TASKS[key], config, log_fn=lambda s: None,
         flag_values=common.flag_values(FLAGS))
 
@@ -338,13 +339,13 @@ def _damage(run_dir, backend, damage):
     return (training_loop.CheckpointError,
             'program_state_99 holds round 1, not 99: .* copied or renamed')
   assert damage == 'edited record'
-  path = os.path.join(run_dir, experiment.RUN_CONFIG_FILENAME)
+  path = os.path.join(run_dir, run_records.RUN_CONFIG_FILENAME)
   with open(path) as f:
     record = json.load(f)
   record['config']['client_learning_rate'] = 0.5
   with open(path, 'w') as f:
     json.dump(record, f)
-  return (experiment.ResumeError, 'client_learning_rate: 0.5')
+  return (run_records.ResumeError, 'client_learning_rate: 0.5')
 
 
 _DAMAGES = ('deleted store', 'corrupted store', 'edited record',

@@ -10,6 +10,7 @@ import tensorflow_federated as tff
 
 from tests import fedembed_testdata
 from tff_personal import experiment
+from tff_personal import run_evaluation
 from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import pfedkm
 from tff_personal.algorithms import pfedme
@@ -279,7 +280,7 @@ def _personal_outputs(proc, states):
       algorithm='pfedme', rounds=1, clients_per_round=1,
       root_output_dir='unused', experiment_name='unused')
   # pylint: disable-next=protected-access
-  evaluate, _, data_fn = experiment._personal_evaluator(
+  evaluate, _, data_fn = run_evaluation.personal_evaluator(
       _Task(), proc, config, _Store(states), num_shards=0)
   return [np.asarray(o['outputs'])
           for o in evaluate(proc.initialize(), data_fn)]

@@ -454,7 +454,7 @@ def test_data_seed_fixes_data_and_evaluated_users_not_training(
     ran.append((config.seed, kw['eval_ids']))
     raise RuntimeError('stop here')
   monkeypatch.setattr(fedembed, '_build_task', fake_build)
-  monkeypatch.setattr(fedembed.experiment, 'run_experiment', fake_run)
+  monkeypatch.setattr(fedembed.runs, 'run_experiment', fake_run)
   monkeypatch.setattr(fedembed.runtime, 'local_runtime',
                       lambda **kw: contextlib.nullcontext())
   cells = [c for c in fedembed.TABLES['2'].cells(3)
@@ -471,9 +471,9 @@ def test_data_seed_fixes_data_and_evaluated_users_not_training(
   # With --data_seed=0: the data and the evaluated users of seed 0 for all.
   assert built[3:] == [0, 0, 0]
   assert ran[3][1] is None  # seed 0 is its own data seed
-  expected = fedembed.experiment.eval_client_ids(9000, 500, 0)
+  expected = fedembed.run_evaluation.eval_client_ids(9000, 500, 0)
   assert [list(r[1]) for r in ran[4:]] == [list(expected)] * 2
-  assert list(fedembed.experiment.eval_client_ids(9000, 500, 1)) != list(
+  assert list(fedembed.run_evaluation.eval_client_ids(9000, 500, 1)) != list(
       expected)
   assert [r[0] for r in ran] == [0, 1, 2, 0, 1, 2]  # training seeds vary
 

@@ -1,6 +1,6 @@
 """GroupFL and GroupPerFL on the one run path (a per-group last stage).
 
-The one path (`experiment.run_experiment` with `groupfl` / `groupperfl`,
+The one path (`runs.run_experiment` with `groupfl` / `groupperfl`,
 `core/stages.Stage(per_group=True)`) must equal the paper's algorithms driven
 by hand with `algorithms/group_fl`'s building blocks: FedAvg over everyone,
 then per group FedAvg from the FL model with a fresh server optimizer and
@@ -24,6 +24,9 @@ import tensorflow_federated as tff
 from tasks import shakespeare_groups as sg
 from tasks import speaker_context_io
 from tff_personal import experiment
+from tff_personal import run_records
+from tff_personal import runs
+from tff_personal import training
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import group_fl
 from tff_personal.core import privacy
@@ -66,7 +69,7 @@ def _config(tmp_path, algorithm, name, rounds=2, options=None, **kwargs):
 
 
 def _run(task, config):
-  return experiment.run_experiment(task, config, log_fn=lambda s: None)
+  return runs.run_experiment(task, config, log_fn=lambda s: None)
 
 
 def _close(a, b, rtol=1e-6):
@@ -121,6 +124,9 @@ def _perplexities(task, sums):
 
 def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
   task = _task()
+  # Identified (as a task built by name is): runs under one root share the
+  # FL stage.
+  task_lib.set_build_record(task, 'tiny_genres', {'seed': 0})
   requests = []  # Training data asked for, call by call.
   train_datasets = task.train_datasets
   task.train_datasets = lambda ids, r: (requests.append(list(ids)),
@@ -128,13 +134,27 @@ def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
   summary = _run(task, _config(tmp_path, 'groupfl', 'groupfl'))
   # Two FL rounds over everyone, then each group's two rounds ask for its
   # own clients' data only.
-  assert len(requests) == 2 + 2 * len(task.group_names)
+  groups = len(task.group_names)
+  assert len(requests) == 2 + 2 * groups
   for i, g in enumerate(task.group_names):
     for ids in requests[2 + 2 * i:4 + 2 * i]:
       assert set(ids) <= set(task.clients_of(g)), (g, ids)
-  del task.train_datasets
+  # GroupPerFL and the shuffled control train no FL round: they continue
+  # from the FL stage GroupFL trained (the hand-driven checks below hold
+  # GroupPerFL to the paper's algorithm from that stage).
   personal = _run(task, _config(tmp_path, 'groupperfl', 'groupperfl',
                                 options={'personalization_lr': 0.3}))
+  _run(task, _config(tmp_path, 'groupfl', 'shuffled',
+                     options={'grouping': 'shuffled'}))
+  # Each run's group rounds, and GroupPerFL's evaluation, which fine-tunes
+  # each group's evaluated clients on their own data (one call per group).
+  assert len(requests) == 2 + 3 * 2 * groups + groups
+  del task.train_datasets
+  links = {os.path.realpath(experiment.stage_directory(
+      _config(tmp_path, 'groupfl', name), 'fl'))
+           for name in ('groupfl', 'groupperfl', 'shuffled')}
+  assert len(links) == 1 and os.path.dirname(links.pop()) == os.path.join(
+      os.path.realpath(tmp_path), training.SHARED_STAGES_DIRNAME)
   fl, models = _by_hand(task)
   wtype = fl.model_weights_type
   # Each group's checkpoint is its hand-driven model, in both algorithms.
@@ -187,7 +207,7 @@ def test_killed_between_rounds_and_resumed_equals_uninterrupted(tmp_path):
     for name in ('whole', 'parts'):
       assert training_loop.checkpoint_rounds(experiment.group_directory(
           _config(tmp_path, 'groupfl', name), g))[-1] == 2
-  with pytest.raises(experiment.ResumeError, match='completed 2 rounds'):
+  with pytest.raises(run_records.ResumeError, match='completed 2 rounds'):
     _run(task, _config(tmp_path, 'groupfl', 'parts', rounds=1, resume=True))
 
 
@@ -225,6 +245,22 @@ def test_dp_epsilon_per_group_is_the_composed_accounting(tmp_path):
   # Under DP the training-metric sums are not released by default.
   assert not any(k.startswith('train/') for g in summary['groups'].values()
                  for k in g['final_train_metrics'])
+  # Reopened: each group's final model and its members' states load into the
+  # DP process, and evaluating them again gives the run's pooled and
+  # per-group numbers and its privacy report.
+  run = runs.Run.open(os.path.join(tmp_path, 'dp'), task=task)
+  assert run.privacy_report()['groups'] == report['groups']
+  members = task.clients_of(sg.COMEDY)
+  assert len(run.client_states(members, group=sg.COMEDY)) == len(members)
+  comedy = run.weights(group=sg.COMEDY)
+  assert any(not np.allclose(a, b) for a, b in zip(
+      comedy.trainable, run.weights(group=sg.HISTORY).trainable))
+  again = run.evaluate()
+  assert again['eval'] == summary['eval']
+  for g in task.group_names:
+    assert again['groups'][g] == summary['groups'][g]['eval']
+  with pytest.raises(runs.RunError, match='name one: group='):
+    run.weights()
 
 
 def test_refusals_name_the_problem_and_leave_nothing(tmp_path):

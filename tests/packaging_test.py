@@ -23,6 +23,7 @@ _PROGRAM = textwrap.dedent('''
     assert not any(p.rstrip('/') == {repo!r} for p in sys.path), sys.path
     from tasks import registry as task_registry
     from tff_personal import experiment
+    from tff_personal import runs
     from tff_personal.core import runtime
     task = task_registry.build_task(
         'label_skew_mnist', data_dir={mnist!r}, seed=0, num_clients=3,
@@ -31,7 +32,7 @@ _PROGRAM = textwrap.dedent('''
         algorithm='ditto', rounds=1, clients_per_round=2,
         root_output_dir={out!r}, experiment_name='installed')
     with runtime.local_runtime():
-      summary = experiment.run_experiment(task, config, log_fn=lambda s: None)
+      summary = runs.run_experiment(task, config, log_fn=lambda s: None)
     print('accuracy', summary['eval']['accuracy'], summary['rounds_completed'])
 ''')
 

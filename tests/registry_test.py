@@ -19,6 +19,7 @@ from binaries import train  # pylint: disable=unused-import  (defines the flags)
 from tasks import registry as task_registry
 from tasks import speech_task
 from tff_personal import experiment
+from tff_personal import runs
 from tff_personal.algorithms import registry
 from tff_personal.core import task as task_lib
 
@@ -128,7 +129,7 @@ def test_incompatible_pair_is_refused_before_any_work(tmp_path, mnist_dir):
       root_output_dir=str(tmp_path), experiment_name='x')
   with pytest.raises(ValueError, match='global_plus cannot run on task '
                      "'label_skew_mnist': it needs personal_embedding"):
-    experiment.run_experiment(task, config, log_fn=lambda s: None)
+    runs.run_experiment(task, config, log_fn=lambda s: None)
   assert not list(tmp_path.iterdir())
 
 

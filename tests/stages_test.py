@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal import runs
 from tff_personal.core import privacy
 from tff_personal.core import stages
 from tff_personal.core import training_loop
@@ -44,16 +45,16 @@ def _final_weights(task, config):
 
 def test_staged_run_resumes_to_the_uninterrupted_result(task, tmp_path):
   whole = _config(tmp_path, 'whole', rounds=2)
-  experiment.run_experiment(task, whole, log_fn=lambda s: None)
+  runs.run_experiment(task, whole, log_fn=lambda s: None)
   pretrain_dir = experiment.stage_directory(whole, 'pretrain')
   assert training_loop.checkpoint_rounds(pretrain_dir)[-1] == 2
   assert training_loop.checkpoint_rounds(whole.experiment_dir)[-1] == 2
   # Stopped after one classifier round, then resumed to two: the VAE stage
   # runs no round again and the classifier continues from its checkpoint.
   first = _config(tmp_path, 'split', rounds=1)
-  experiment.run_experiment(task, first, log_fn=lambda s: None)
+  runs.run_experiment(task, first, log_fn=lambda s: None)
   logs = []
-  experiment.run_experiment(
+  runs.run_experiment(
       task, _config(tmp_path, 'split', rounds=2, resume=True),
       log_fn=logs.append)
   assert not any(line.startswith('[pretrain] round') for line in logs), logs
@@ -66,7 +67,7 @@ def test_privacy_covers_every_stage(task, tmp_path):
   dp = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0,
                         clip_norm=1.0)
   config = _config(tmp_path, 'dp', rounds=1, dp=dp)
-  summary = experiment.run_experiment(task, config, log_fn=lambda s: None)
+  summary = runs.run_experiment(task, config, log_fn=lambda s: None)
   resolved = experiment.validate(config, task.population)
   assert resolved.rounds == 3  # two VAE rounds and one classifier round
   want = privacy.privacy_report(resolved, 3)['epsilon']
@@ -74,3 +75,18 @@ def test_privacy_covers_every_stage(task, tmp_path):
   assert want > privacy.privacy_report(resolved, 1)['epsilon']
   assert os.path.isdir(os.path.join(config.experiment_dir, 'stages',
                                     'pretrain', 'checkpoints'))
+  # Reopened from its directory alone (the task rebuilt from the record):
+  # its final weights and states load into the DP process, each stage's
+  # weights are there, and evaluating them again gives the run's numbers.
+  run = runs.Run.open(config.experiment_dir)
+  assert run.privacy_report()['epsilon'] == pytest.approx(want)
+  final = run.weights()
+  for a, b in zip(tf.nest.flatten(final.trainable),
+                  _final_weights(task, config), strict=True):
+    np.testing.assert_array_equal(a, b)
+  vae = run.weights(stage='pretrain')
+  assert len(vae.trainable) != len(final.trainable)
+  assert len(run.client_states([0, 1, 2])) == 3
+  assert run.evaluate()['eval'] == summary['eval']
+  with pytest.raises(runs.RunError, match="no earlier stage 'vae'"):
+    run.weights(stage='vae')

@@ -9,6 +9,7 @@ import pytest
 
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal import runs
 from tff_personal.core import training_loop
 
 
@@ -40,7 +41,7 @@ def test_a_million_user_run_stores_only_the_sampled_users(tmp_path):
       algorithm='global_plus', rounds=2, clients_per_round=6,
       root_output_dir=str(tmp_path), experiment_name='m', embedding_dim=32,
       eval_clients=4, client_state_backend='sqlite', seed=4)
-  summary = experiment.run_experiment(task, config, log_fn=lambda s: None)
+  summary = runs.run_experiment(task, config, log_fn=lambda s: None)
   assert summary['population'] == 1_000_000
   sampled = set()
   for r in (1, 2):

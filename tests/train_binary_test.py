@@ -39,7 +39,8 @@ def _base(tmp_path, mnist_dir, **overrides):
 
 @pytest.mark.parametrize('overrides,message', [
     (dict(clients_per_round=50), 'larger than the population'),
-    (dict(algorithm='fedfoo'), "unknown --algorithm='fedfoo'"),
+    (dict(algorithm='fedfoo'), "--algorithm='fedfoo': unknown algorithm"),
+    (dict(task='mnist_prefs'), "--task='mnist_prefs': unknown task"),
     (dict(dp='gaussian_fixed', noise_multiplier=-1.0), 'noise_multiplier'),
     (dict(dp='gaussian_fixed'), 'needs --noise_multiplier or --target_epsilon'),
     (dict(rounds=0), 'rounds must be >= 1'),

@@ -13,7 +13,7 @@ import pytest
 
 from binaries import train
 from tests import files
-from tff_personal import experiment
+from tff_personal import run_evaluation
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
@@ -215,7 +215,7 @@ def _csv_rows(path):
 
 def test_resume_after_a_kill_in_evaluation_releases_what_was_lost(
     tmp_path, mnist_dir, monkeypatch):
-  evaluator = experiment._personal_evaluator  # pylint: disable=protected-access
+  evaluator = run_evaluation.personal_evaluator  # pylint: disable=protected-access
 
   def dying_evaluator(*args, **kwargs):
     _, ids, data_fn = evaluator(*args, **kwargs)
@@ -225,7 +225,7 @@ def test_resume_after_a_kill_in_evaluation_releases_what_was_lost(
     return die, ids, data_fn
 
   with monkeypatch.context() as m:
-    m.setattr(experiment, '_personal_evaluator', dying_evaluator)
+    m.setattr(run_evaluation, 'personal_evaluator', dying_evaluator)
     with pytest.raises(_Killed):
       _train(tmp_path, mnist_dir)
   run = tmp_path / 'ckpt'

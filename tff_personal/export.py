@@ -25,8 +25,7 @@ import os
 from typing import Callable, Sequence
 
 from tff_personal import experiment
-from tff_personal.core import client_state as client_state_lib
-from tff_personal.core import privacy
+from tff_personal import run_evaluation
 from tff_personal.core import process as process_lib
 from tff_personal.core import production
 from tff_personal.core import stages as stages_lib
@@ -106,28 +105,16 @@ def final_weights_and_states(task, config: experiment.ExperimentConfig,
   if bad or not client_ids:
     raise ValueError(f'client ids must be in [0, population={population}) '
                      f'and at least one; got {list(client_ids)}')
-  dp = experiment.validate(config, population)
-  proc = stages_lib.final_process(experiment.build_process(
-      task, config, privacy.build_aggregator(dp), dp))
+  proc = stages_lib.final_process(experiment.build_process(task, config))
   rounds = training_loop.completed_round(config.experiment_dir)
   if not rounds:
     raise training_loop.CheckpointError(
         f'{config.experiment_dir} has no checkpoint of a trained round')
   state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)
   weights = proc.get_model_weights(state)
-  store = client_state_lib.make_store(
-      config.client_state_backend,
-      experiment.initial_client_state_fn(proc, config),
-      population=population,
-      directory=os.path.join(config.experiment_dir, 'client_states'))
+  store = run_evaluation.open_committed_store(proc, config, population,
+                                          config.experiment_dir, rounds)
   try:
-    if isinstance(store, client_state_lib.InMemoryClientStateStore):
-      store.restore(rounds)
-    elif store.committed_round() != rounds:
-      raise client_state_lib.ClientStateStoreError(
-          f'the client-state store in {config.experiment_dir} is committed '
-          f'at round {store.committed_round()}, not at the run\'s last '
-          f'round {rounds}')
     states = store.load(list(client_ids))
   finally:
     store.close()

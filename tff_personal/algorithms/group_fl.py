@@ -13,7 +13,7 @@ Three stages that compose through model weights:
    the group model; Algorithm 3): each client fine-tunes the model on its
    own data; the personalized model stays at CLIENTS, never aggregated.
 
-On the one run path (`experiment.run_experiment`, `binaries.train`) these
+On the one run path (`runs.run_experiment`, `binaries.train`) these
 are two registered multi-stage algorithms (`core/stages.py`): `groupfl` is
 `fl_rounds` rounds of FedAvg over every client, then a per-group stage (one
 FedAvg run per group from the FL model, each client evaluated with its
@@ -80,8 +80,10 @@ def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
                                    fl.get_model_weights(fl_state))
 
   return stages.Staged((
+      # The same FL stage for GroupFL, GroupPerFL and every grouping.
       stages.Stage('fl', fl, rounds=fl_rounds,
-                   clients_per_round=fl_clients_per_round),
+                   clients_per_round=fl_clients_per_round,
+                   shared_as='fedavg_global'),
       stages.Stage('group', group, handoff=handoff, per_group=True,
                    grouping=grouping)))
 

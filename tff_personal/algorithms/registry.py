@@ -43,6 +43,7 @@ from tff_personal.algorithms import furl
 from tff_personal.algorithms import group_fl
 from tff_personal.algorithms import pfedkm
 from tff_personal.algorithms import pfedme
+from tff_personal.core import imported
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
 
@@ -180,9 +181,24 @@ EXPERIMENT_ARGUMENTS = ('client_optimizer', 'server_optimizer',
 
 
 def spec(name: str) -> AlgorithmSpec:
-  """The named algorithm's spec; a clear error for unknown names."""
+  """The named algorithm's spec; a clear error for unknown names.
+
+  `name` is a registered name, or `package.module:attribute` naming an
+  `AlgorithmSpec` defined outside the repository (its builder of the
+  uniform signature, its model kind and needs), listed and checked like
+  the registered ones.
+  """
+  if imported.is_import_path(name):
+    target = imported.load(name, 'algorithm')
+    if not isinstance(target, AlgorithmSpec):
+      raise ValueError(
+          f'algorithm {name!r} is a {type(target).__name__}, not an '
+          'AlgorithmSpec (tff_personal/algorithms/registry.py): declare '
+          'its builder, model kind and needs with one')
+    return dataclasses.replace(target, name=name)
   if name not in SPECS:
-    raise ValueError(f'unknown algorithm {name!r}; known: {sorted(SPECS)}')
+    raise ValueError(f'unknown algorithm {name!r}; known: {sorted(SPECS)}, '
+                     'or package.module:attribute for your own')
   return SPECS[name]
 
 

@@ -31,7 +31,7 @@ lost device) at the cost `personal_epsilon` reports. What it costs: a head of
 d coordinates gets noise of norm about `noise_multiplier * clip_norm *
 sqrt(d)` per pass against a change of norm at most `clip_norm`.
 
-Only TensorFlow here (and the accounting); `experiment.py` wires it.
+Only TensorFlow here (and the accounting); `experiment.build_process` wires it.
 `dp_accounting` has the Gaussian mechanism's RDP; the clipping and noising of a
 client's own state is written here because tensorflow-privacy's queries
 aggregate over records (a one-record "aggregate" of the private state would be

@@ -2,7 +2,7 @@
 
 A multi-stage algorithm's builder (e.g. FedDVA: the dual VAE, then a
 classifier on its encoders) returns a `Staged`: its stages in order. The run
-path (`experiment.run_experiment`) drives each stage with the same loop
+path (`runs.run_experiment`) drives each stage with the same loop
 (`training_loop.run_training`) in its own directory (checkpoints and
 client-state store under `<experiment>/stages/<name>/`), and starts each
 stage from the previous stage's final server state through the stage's
@@ -55,6 +55,13 @@ class Stage:
       `groups`), 'shuffled' (groups of the same sizes with members drawn
       at random by the run's seed: a control) or 'one' (a single group of
       every client: FL continued, a control).
+    shared_as: for an earlier stage whose run is fully determined by the
+      experiment's training settings (task, optimizers, aggregator and DP,
+      seed, sampling), its cohort, its rounds and this name of its process
+      (e.g. 'fedavg_global'): runs under the same root that agree on all
+      of them share one run of the stage (`<root>/shared_stages/`), so
+      GroupFL, GroupPerFL and their controls train their FL stage once.
+      Empty: the stage is the experiment's own.
   """
   name: str
   process: Any
@@ -63,6 +70,7 @@ class Stage:
   per_group: bool = False
   clients_per_round: int = 0
   grouping: str = 'task'
+  shared_as: str = ''
 
   def __post_init__(self):
     if self.grouping not in GROUPINGS:
@@ -91,6 +99,9 @@ class Staged:
       if stage.rounds < 1:
         raise ValueError(f'stage {stage.name!r} needs rounds >= 1, got '
                          f'{stage.rounds}')
+    if self.stages[-1].shared_as:
+      raise ValueError(f'stage {self.stages[-1].name!r}: only an earlier '
+                       'stage can be shared')
     for stage in self.stages[:-1]:
       if stage.per_group:
         raise ValueError(f'stage {stage.name!r}: only the last stage can run '

@@ -2,7 +2,7 @@
 
 A task is federated data plus model factories plus metrics. It builds
 `tf.data` datasets (or numpy `ClientBatches`) and Keras-backed `SplitModel`
-builders; it never builds TFF computations. `experiment.run_experiment`
+builders; it never builds TFF computations. `runs.run_experiment`
 drives any object that satisfies `Task`; an algorithm spec
 (`algorithms/registry.py`) names the capabilities it needs beyond it, and
 `missing_capabilities` says which of them a task lacks.
@@ -56,7 +56,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import tensorflow as tf
 
@@ -168,6 +168,28 @@ def check_task(task) -> None:
 
 def task_name(task) -> str:
   return getattr(task, 'name', type(task).__name__)
+
+
+# The attribute a task built by name carries: how to build it again.
+_BUILD_RECORD = '_tff_personal_build_record'
+
+
+def set_build_record(task, name: str, arguments: dict) -> None:
+  """Records on `task` how it was built (`tasks/registry.build_task`): its
+  registry name (or `package.module:factory`) and the builder's keyword
+  arguments. A run records it (run_config.json), so that `Run.open`
+  rebuilds the task from the run's directory alone. A task object that
+  takes no attributes is left as it is."""
+  try:
+    setattr(task, _BUILD_RECORD, {'name': name, 'arguments': dict(arguments)})
+  except AttributeError:
+    pass
+
+
+def build_record(task) -> Optional[dict]:
+  """`{'name', 'arguments'}` of a task built by name, else None (a task
+  built directly: a run of it is reopened with the task given)."""
+  return getattr(task, _BUILD_RECORD, None)
 
 
 def describe(task) -> str:

@@ -1,0 +1,152 @@
+"""`runs.Run`: a finished DP run reopened from its directory alone gives its
+final weights and client states, and evaluating them again equals the run's
+own final evaluation; an outside task named `package.module:factory` is
+listed, trained and reopened like a registered one.
+
+The FedDVA (staged) and group (per-group) families are reopened in
+tests/stages_test.py and tests/group_stage_test.py, on their DP runs.
+"""
+
+import contextlib
+import io
+import textwrap
+
+from absl import flags
+from absl.testing import flagsaver
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from binaries import train
+from tasks import registry as task_registry
+from tasks import tv_shows_task
+from tests import fedperc_testdata
+from tff_personal import experiment
+from tff_personal import runs
+from tff_personal.core import privacy
+from tff_personal.core import training_loop
+
+FLAGS = flags.FLAGS
+_DP = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0,
+                       clip_norm=0.5)
+_TINY_MNIST = dict(num_clients=6, train_per_client=12, test_per_client=6,
+                   channels='2,2,2,2', hidden=8, batch_size=6)
+
+
+def _assert_states_equal(got, want):
+  for a, b in zip(tf.nest.flatten(got), tf.nest.flatten(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_split_model_dp_run_reopens_from_its_directory_alone(tmp_path,
+                                                             mnist_dir):
+  task = task_registry.build_task('label_skew_mnist', data_dir=mnist_dir,
+                                  seed=0, **_TINY_MNIST)
+  config = experiment.ExperimentConfig(
+      algorithm='fedrep', rounds=2, clients_per_round=3,
+      root_output_dir=str(tmp_path), experiment_name='fedrep_dp', dp=_DP,
+      client_learning_rate=0.05, simulation_shards=0)
+  trained = runs.run_experiment(task, config, log_fn=lambda s: None)
+  assert trained['rounds_completed'] == 2  # It reads as its summary.
+
+  # A process of its own: the task is rebuilt from run_config.json.
+  run = runs.Run.open(config.experiment_dir)
+  assert run.finished and run.digest == trained.digest
+  assert run.task.population == task.population
+  assert run.privacy_report()['epsilon'] == pytest.approx(
+      trained['privacy']['epsilon'])
+  weights = run.weights()
+  proc = run.process()
+  state = training_loop.load_checkpoint(proc, config.experiment_dir, 2)
+  _assert_states_equal(weights, proc.get_model_weights(state))
+  states = run.client_states(range(task.population))
+  initial = experiment.initial_client_state_fn(proc, config)
+  trained_clients = [c for c in range(task.population)
+                     if int(states[c]['rounds_participated'])]
+  assert trained_clients
+  for c in trained_clients:  # Their private heads moved.
+    assert not np.allclose(states[c]['private'][0],
+                           initial(c)['private'][0])
+  again = run.evaluate()
+  assert again['eval'] == trained['eval']
+  assert again['privacy']['epsilon'] == pytest.approx(
+      trained['privacy']['epsilon'])
+  assert [r['round'] for r in run.curves()['eval']] == [2]
+  with pytest.raises(runs.RunError, match='no checkpoint of round 7'):
+    run.weights(round=7)
+  # Extended by one round: the handle resumes it, and epsilon grows.
+  longer = run.resume(rounds=3, log_fn=lambda s: None)
+  assert longer['rounds_completed'] == 3
+  assert longer['privacy']['epsilon'] > trained['privacy']['epsilon']
+
+
+def test_fedperc_dp_run_reopens_and_evaluates_as_it_did(tmp_path):
+  task = tv_shows_task.TvShowsTask(
+      fedperc_testdata.spec(), fedperc_testdata.tv_show_users(),
+      max_tokens=fedperc_testdata.MAX_TOKENS, local_steps=2, batch_size=3,
+      generator_tokens=4, seed=0)
+  config = experiment.ExperimentConfig(
+      algorithm='fedperc', rounds=2, clients_per_round=2,
+      root_output_dir=str(tmp_path), experiment_name='fedperc_dp', dp=_DP,
+      client_learning_rate=0.05, eval_clients=4)
+  trained = runs.run_experiment(task, config, log_fn=lambda s: None)
+  # A task built directly is not in the record: the handle asks for it.
+  with pytest.raises(runs.RunError, match='pass it'):
+    runs.Run.open(config.experiment_dir).task  # pylint: disable=expression-not-assigned
+  run = runs.Run.open(config.experiment_dir, task=task)
+  states = run.client_states([0, 1])
+  assert len(states) == 2 and 'private' in states[0]
+  assert run.evaluate()['eval'] == trained['eval']
+  assert run.privacy_report()['rounds_noised'] == 2
+
+
+_OUTSIDE = '''
+"""MNIST users of my own (a task defined outside the repository)."""
+from tasks import client_data_task
+
+
+def make(data_dir, seed=0, users=6):
+  """Six MNIST users with label skew, defined outside the repository."""
+  return client_data_task.label_skew_mnist_task(
+      data_dir, num_clients=users, train_per_client=12, test_per_client=6,
+      channels='2,2,2,2', hidden=8, batch_size=6, seed=seed)
+
+
+make.capabilities = ('split_model', 'batches', 'named_head', 'digit_images')
+'''
+
+
+def test_outside_task_is_listed_trained_and_reopened(tmp_path, mnist_dir,
+                                                    monkeypatch):
+  package = tmp_path / 'mypkg'
+  package.mkdir()
+  (package / '__init__.py').write_text('')
+  (package / 'mytask.py').write_text(textwrap.dedent(_OUTSIDE))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  out = io.StringIO()
+  with flagsaver.flagsaver(task='mypkg.mytask:make', list=True), \
+      contextlib.redirect_stdout(out):
+    assert train.main(['train']) == 0
+  listing = out.getvalue()
+  assert '| mypkg.mytask:make |' in listing.splitlines()[2]
+  assert ('mypkg.mytask:make: Six MNIST users with label skew, defined '
+          'outside the repository; capabilities: batches, digit_images, '
+          'named_head, split_model; options: users (int, default 6)'
+          ) in listing
+  with flagsaver.flagsaver(task='mypkg.mytask:make', list=True,
+                           algorithm='mypkg.mytask:nothing'):
+    assert train.main(['train']) == 2  # Named in one line.
+  values = dict(task='mypkg.mytask:make', algorithm='ditto',
+                data_dir=mnist_dir, rounds=1, clients_per_round=2,
+                task_options=['users=5'], root_output_dir=str(tmp_path),
+                experiment_name='outside', simulation_shards=0)
+  with flagsaver.flagsaver(**values):
+    assert train.main(['train']) == 0
+  run = runs.Run.open(str(tmp_path / 'outside'))
+  assert run.task.population == 5
+  assert run.evaluate()['eval'] == run['eval']
+  with flagsaver.flagsaver(**dict(values, task='mypkg.nosuch:make',
+                                  experiment_name='x')):
+    assert train.main(['train']) == 2

@@ -1,0 +1,198 @@
+"""A run's privacy report: epsilon for the rounds it noised, replays and
+earlier stages included, per group for a per-group stage, and what it
+released (covered by epsilon or not)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from tff_personal import experiment
+from tff_personal.core import private_noise
+from tff_personal.core import privacy
+from tff_personal.core import training_loop
+
+
+def per_group_privacy(config: experiment.ExperimentConfig, dp, groups, noised,
+                       earlier_noised: int, report: dict) -> dict:
+  """The privacy report's per-group fields: epsilon per group (the earlier
+  stages' rounds over everyone, then the group's run over its clients) and
+  the largest of them as the run's epsilon."""
+  per_group = {}
+  for name, members in groups.items():
+    group_dp = dataclasses.replace(dp, population=len(members))
+    composed = privacy.compute_epsilon_phases(
+        [(dp, earlier_noised), (group_dp, noised[name])])
+    per_group[name] = dict(
+        epsilon=composed['epsilon'], accountant=composed['accountant'],
+        population=len(members),
+        sampling_probability=config.clients_per_round / len(members),
+        rounds_noised=noised[name])
+  worst = max(per_group, key=lambda g: per_group[g]['epsilon'])
+  return {
+      'epsilon': per_group[worst]['epsilon'],
+      'accountant': per_group[worst]['accountant'],
+      'epsilon_rdp': None, 'epsilon_pld': None,
+      'groups': per_group,
+      'rounds_noised': earlier_noised + max(noised.values()),
+      'notes': (report.get('notes', '') + ' Per-group stage: a user took '
+                f'part in the first {earlier_noised} noised rounds (cohorts '
+                'from every client) and in its own group\'s run only '
+                '(cohorts from the group\'s clients); each group\'s epsilon '
+                'composes the two, and epsilon is the largest over groups '
+                '(groups).').strip()}
+
+
+def earlier_stages_noised(config: experiment.ExperimentConfig) -> int:
+  """The rounds a finished run's earlier stages noised (0 for a
+  single-stage algorithm), read from their directories."""
+  stages_dir = os.path.join(config.experiment_dir, 'stages')
+  total = 0
+  for name in (sorted(os.listdir(stages_dir)) if os.path.isdir(stages_dir)
+               else ()):
+    directory = os.path.join(stages_dir, name)
+    completed = training_loop.completed_round(directory)
+    total += max(completed or 0, training_loop.rounds_started(
+        directory, required=completed is not None) or 0)
+  return total
+
+
+def run_privacy_report(config: experiment.ExperimentConfig,
+                       dp: privacy.DPConfig,
+                       rounds_completed: int,
+                       rounds_started: Optional[int],
+                       earlier_stages_noised: int = 0) -> Optional[dict]:
+  """The privacy report of a run (None without DP).
+
+  `dp` is the run's resolved DP config. Epsilon accounts every round whose
+  noised aggregate was computed, `rounds_noised`: the rounds started in the
+  experiment directory (`training_loop.rounds_started`), which include rounds
+  replayed after a kill, and at least `rounds_completed`, plus
+  `earlier_stages_noised`, those of a multi-stage algorithm's earlier
+  stages (`core/stages.py`). A replay trains and noises the round again, so
+  it is accounted as another release.
+  """
+  noised = max(rounds_completed, rounds_started or 0) + earlier_stages_noised
+  report = privacy.privacy_report(dp, noised)
+  if report is None:
+    return None
+  report['rounds_completed'] = rounds_completed
+  report['rounds_noised'] = noised
+  report['notes'] = (report.get('notes', '') + ' Epsilon accounts '
+                     'rounds_noised rounds: every round started, including '
+                     'rounds replayed after a kill (a replay trains and '
+                     'noises the round again, another release).').strip()
+  noise = experiment.private_noise_of(config, dp)
+  if noise is not None:
+    report['personal_heads'] = private_noise.personal_report(
+        noise, personal_passes(config, noised),
+        report['delta'], report['neighboring_relation'])
+  report['released'] = released_values(config, dp)
+  report['train_metrics_released'] = experiment.releases_train_metrics(config)
+  report['unnoised_metrics_released'] = experiment.releases_unnoised(config)
+  if experiment.releases_unnoised(config):
+    report['notes'] = (report.get('notes', '') + ' Un-noised diagnostics '
+                       '(--release_unnoised_metrics) are released and are not '
+                       'covered by epsilon; see released.').strip()
+  return report
+
+
+RELEASE_BASES = ('dp', 'public', 'timing', 'evaluation', 'unnoised',
+                 'separate_dp')
+
+
+def _released(name: str, basis: str, why: str) -> dict:
+  return dict(name=name, covered=basis in ('dp', 'public'), basis=basis,
+              why=why)
+
+
+def released_values(config: experiment.ExperimentConfig, dp: privacy.DPConfig
+                    ) -> list[dict]:
+  """What a DP run releases, each `{name, covered, basis, why}`.
+
+  `covered` says whether the (epsilon, delta) of the privacy report bounds
+  what the value reveals about a user; `basis` says why or why not:
+  'dp' (computed from the noised aggregate only: accounted in epsilon),
+  'public' (depends on no user: covered trivially), 'timing' (wall time,
+  which may depend on the users' data: not covered), 'evaluation' (the
+  simulation's held-out evaluation: not covered), 'unnoised' (opt-in
+  diagnostics, `release_unnoised_metrics`: not covered), 'separate_dp'
+  (noised personal heads: bounded by their own epsilon, not the shared
+  one). The list follows
+  what the run writes to train_metrics.csv, eval_metrics.csv, TensorBoard,
+  summary.json and its log.
+  """
+  released = [
+      _released('shared model update', 'dp',
+                f'clipped to {dp.clip_norm} and noised by the {dp.mechanism} '
+                'DP aggregator; accounted in epsilon'),
+      _released('aggregator and finalizer measurements', 'dp',
+                'computed on the server from the noised aggregate (e.g. the '
+                'adaptive clip, the server optimizer\'s state): '
+                'post-processing'),
+      _released('round number, configuration, epsilon and delta', 'public',
+                'functions of the configuration and of the rounds run, not '
+                'of any user\'s data')]
+  unnoised = experiment.releases_unnoised(config)
+  if experiment.releases_train_metrics(config):
+    released.append(_released(
+        'training-metric sums', 'unnoised',
+        'loss, accuracy and non-finite counts summed over the cohort '
+        'without noise (--release_unnoised_metrics; --notrain_metrics '
+        'withholds them)'))
+  if config.sampling == 'fixed_size':
+    released.append(_released(
+        'cohort_size', 'public',
+        'always clients_per_round under fixed-size sampling: it depends '
+        'on no user'))
+  elif unnoised:
+    released.append(_released(
+        'cohort_size', 'unnoised',
+        'under Poisson sampling the number of users sampled depends on '
+        'who took part, and the accounting assumes it is not released '
+        '(--release_unnoised_metrics)'))
+  released.append(_released(
+      'round_seconds and other timings', 'timing',
+      'wall time of rounds and set-up, which can depend on the cohort\'s '
+      'data; released as the simulation\'s cost'))
+  released.append(_released(
+      'evaluation metrics', 'evaluation',
+      'measured by the simulation on each evaluated user\'s held-out data '
+      'and private state, without noise: a measurement of the experiment, '
+      'which a deployment would not release'))
+  if config.dp_personal_heads == 'noised':
+    released.append(_released(
+        'personal heads', 'separate_dp',
+        'noised on their own; bounded by personal_heads.epsilon, not by '
+        'the shared epsilon'))
+  return released
+
+
+def personal_passes(config: experiment.ExperimentConfig, rounds: int) -> int:
+  """An upper bound on the noised local passes of one user's personal head:
+  one per round, one per intermediate evaluation (each fine-tunes from the
+  stored state), and the final evaluation's, the held-out test's and the
+  fine-tuned test's (a user who never trained has at most the evaluations').
+  """
+  intermediate = rounds // config.eval_every if config.eval_every else 0
+  return rounds + intermediate + 3
+
+
+def group_privacy_report(config: experiment.ExperimentConfig,
+                         dp: privacy.DPConfig, groups: dict[str, list[int]],
+                         earlier_noised: int) -> Optional[dict]:
+  """The privacy report of a per-group run, from the rounds each group's
+  directory records as started (None without DP)."""
+  noised = {}
+  for name in groups:
+    directory = experiment.group_directory(config, name)
+    completed = training_loop.completed_round(directory) or 0
+    noised[name] = max(completed, training_loop.rounds_started(
+        directory, required=bool(completed)) or 0)
+  report = run_privacy_report(config, dp, config.rounds,
+                              max(noised.values()), earlier_noised)
+  if report is not None:
+    report.update(per_group_privacy(config, dp, groups, noised,
+                                     earlier_noised, report))
+  return report

@@ -1,0 +1,415 @@
+"""Runs: `run_experiment` trains one; `Run` is the handle on any run's directory.
+
+`Run.open(directory)` rebuilds a finished or interrupted run from what it
+recorded when it started (`run_config.json`: the configuration with DP as
+resolved, and how its task was built), so nothing outside the library
+parses a run's files. A `Run` reads as its summary (a mapping: `run['eval']`)
+once the run has finished, and offers:
+
+* `config`, `digest`, `task`, `summary`, `finished`, `privacy_report()`;
+* `curves()`: the released training and evaluation metrics per round;
+* `weights(round=, stage=, group=)`, `client_states(ids, ...)`: the shared
+  model and the clients' private states as checkpointed (the process is
+  rebuilt with the run's DP aggregator, so DP runs load);
+* `evaluate(...)`: the run's final state evaluated again, under other
+  evaluation settings if asked;
+* `resume(rounds=)`: continues an interrupted run, or extends a finished one.
+
+Example:
+
+  run = runs.run_experiment(task, config)     # trains; a Run
+  run = runs.Run.open('/tmp/out/fedrep_dp')   # any run, later
+  print(run['eval'], run.privacy_report()['epsilon'])
+  weights = run.weights()                     # the last checkpoint's
+  states = run.client_states([0, 1, 2])
+  again = run.evaluate(eval_fine_tune=True)   # returned, not written
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Callable, Optional, Sequence
+
+from tasks import registry as task_registry
+from tff_personal import experiment
+from tff_personal import run_evaluation
+from tff_personal import run_privacy
+from tff_personal import run_records
+from tff_personal import training
+from tff_personal.core import privacy
+from tff_personal.core import stages as stages_lib
+from tff_personal.core import task as task_lib
+from tff_personal.core import training_loop
+
+SUMMARY_FILENAME = 'summary.json'
+
+
+def run_experiment(task, config: experiment.ExperimentConfig,
+                   log_fn: Callable[[str], None] = print,
+                   flag_values: Optional[dict[str, Any]] = None,
+                   export_private_states: bool = False,
+                   eval_ids: Optional[Sequence[int]] = None) -> 'Run':
+  """Trains and evaluates one run (`training.train`); returns its `Run`.
+
+  Args:
+    task: the task (`core/task.py`); one built by name
+      (`tasks.registry.build_task`) is recorded so that `Run.open` rebuilds
+      it.
+    config: the run's configuration; the run lives in
+      `config.experiment_dir` (with `config.resume`, an interrupted run
+      there continues).
+    log_fn: progress lines.
+    flag_values: a binary's grouped flags, recorded with the run.
+    export_private_states: also write the evaluated clients' final private
+      states to `private_states.npz`.
+    eval_ids: the clients every evaluation tests (None: `eval_clients` of
+      them drawn by the seed).
+
+  Returns:
+    The finished run, which reads as its summary (`run['eval']`).
+  """
+  summary = training.train(task, config, log_fn=log_fn,
+                             flag_values=flag_values,
+                             export_private_states=export_private_states,
+                             eval_ids=eval_ids)
+  record = run_records.read_json_record(
+      os.path.join(config.experiment_dir, run_records.RUN_CONFIG_FILENAME),
+      RunError)
+  return Run(dataclasses.replace(config, resume=False), record, task=task,
+             summary=summary)
+
+
+class RunError(ValueError):
+  """A directory cannot be opened as a run, or a request of it is invalid;
+  the message names the file or the argument."""
+
+
+def digest(record: dict) -> str:
+  """A run's identity: a digest of its recorded configuration (its DP as
+  resolved, its task's build), leaving out what a resumed run may change
+  (`run_records.RESUMABLE_FIELDS`: evaluation, simulation, where it lives)
+  and the task's data directory."""
+  def strip(value, skip):
+    if isinstance(value, dict):
+      return {k: strip(v, skip) for k, v in value.items() if k not in skip}
+    return value
+  identity = {
+      'config': strip(record.get('config', {}), run_records.RESUMABLE_FIELDS),
+      'task': strip(record.get('task') or {}, ('data_dir',))}
+  return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str)
+                        .encode()).hexdigest()[:16]
+
+
+def config_from_record(record: dict, directory: str
+                       ) -> experiment.ExperimentConfig:
+  """The `ExperimentConfig` run_config.json records, living in `directory`
+  (its DP as the run resolved it: a target epsilon is its noise
+  multiplier)."""
+  fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)}
+  values = {k: v for k, v in record.get('config', {}).items() if k in fields}
+  dp_fields = {f.name for f in dataclasses.fields(privacy.DPConfig)}
+  values['dp'] = privacy.DPConfig(**{
+      k: v for k, v in (values.get('dp') or {}).items() if k in dp_fields})
+  directory = os.path.abspath(directory)
+  values.update(root_output_dir=os.path.dirname(directory),
+                experiment_name=os.path.basename(directory), resume=False)
+  try:
+    return experiment.ExperimentConfig(**values)
+  except TypeError as e:
+    raise RunError(f'{directory}/{run_records.RUN_CONFIG_FILENAME} does not '
+                   f'hold a run configuration: {e}') from e
+
+
+class Run(collections.abc.Mapping):
+  """A run's directory, its record, and what can be read or done with it.
+
+  Build one with `Run.open(directory)` or take the one `run_experiment`
+  returns. As a mapping it is the run's summary
+  (summary.json); an unfinished run has none (`finished` is False).
+  """
+
+  def __init__(self, config: experiment.ExperimentConfig, record: dict,
+               task=None, summary: Optional[dict] = None):
+    self._config = config
+    self._record = record
+    self._task = task
+    self._summary = summary
+
+  @classmethod
+  def open(cls, directory: str, task=None) -> 'Run':
+    """The run in `directory`, from its run_config.json alone.
+
+    Args:
+      directory: a run's directory (`<root_output_dir>/<experiment_name>`).
+      task: the run's task, when it was not built by name (a task built
+        by `tasks.registry.build_task`, as the binaries do, is rebuilt
+        from the record when first needed).
+
+    Raises:
+      RunError: the directory holds no run record, or it is unreadable.
+    """
+    path = os.path.join(directory, run_records.RUN_CONFIG_FILENAME)
+    if not os.path.exists(path):
+      raise RunError(f'{path} does not exist: {directory} is not a run '
+                     'directory (a run writes it before its first round)')
+    record = run_records.read_json_record(path, RunError)
+    return cls(config_from_record(record, directory), record, task=task)
+
+  # The summary as a mapping.
+  def _finished_summary(self) -> dict:
+    summary = self.summary
+    if summary is None:
+      raise RunError(f'{self.directory} has not finished (no '
+                     f'{SUMMARY_FILENAME}); resume it with run.resume()')
+    return summary
+
+  def __getitem__(self, key):
+    return self._finished_summary()[key]
+
+  def __iter__(self):
+    return iter(self._finished_summary())
+
+  def __len__(self):
+    return len(self._finished_summary())
+
+  def __repr__(self):
+    state = 'finished' if self.finished else 'unfinished'
+    return (f'Run({self.directory!r}, {self._config.algorithm}, '
+            f'{self.task_name}, {state})')
+
+  @property
+  def directory(self) -> str:
+    return self._config.experiment_dir
+
+  @property
+  def config(self) -> experiment.ExperimentConfig:
+    """The run's configuration, DP as resolved."""
+    return self._config
+
+  @property
+  def record(self) -> dict:
+    """run_config.json: the configuration, flags and the task's build."""
+    return self._record
+
+  @property
+  def digest(self) -> str:
+    """The run's identity (`digest`)."""
+    return digest(self._record)
+
+  @property
+  def task_name(self) -> str:
+    if self._task is not None:
+      return task_lib.task_name(self._task)
+    return (self._record.get('task') or {}).get('name', '?')
+
+  @property
+  def task(self):
+    """The run's task: the one given, else rebuilt from the record."""
+    if self._task is None:
+      built = self._record.get('task')
+      if not built:
+        raise RunError(
+            f'{self.directory}: the run\'s task was not built by name (its '
+            'run_config.json records no `task`), so it cannot be rebuilt; '
+            'pass it: Run.open(directory, task=...)')
+      self._task = task_registry.build_task(built['name'],
+                                            **built['arguments'])
+    return self._task
+
+  @property
+  def summary(self) -> Optional[dict]:
+    """summary.json, or None while the run has not finished."""
+    if self._summary is None:
+      path = os.path.join(self.directory, SUMMARY_FILENAME)
+      if os.path.exists(path):
+        self._summary = run_records.read_json_record(path, RunError)
+    return self._summary
+
+  @property
+  def finished(self) -> bool:
+    return self.summary is not None
+
+  def privacy_report(self) -> Optional[dict]:
+    """The run's privacy report (None without DP), recomputed from its
+    recorded DP configuration and the rounds its directories record as
+    started, replays included: for an interrupted run, what it has spent
+    so far."""
+    if self._config.dp.mechanism == 'none':
+      return None
+    config, dp = self._config, self._resolved_dp()
+    earlier = run_privacy.earlier_stages_noised(config)  # pylint: disable=protected-access
+    if self._per_group():
+      groups = experiment.group_members(
+          self.task, config, self._built().stages[-1].grouping)
+      return run_privacy.group_privacy_report(config, dp, groups, earlier)
+    completed = training_loop.completed_round(self.directory) or 0
+    started = training_loop.rounds_started(self.directory,
+                                           required=bool(completed))
+    return run_privacy.run_privacy_report(config, dp, completed, started,
+                                         earlier)
+
+  def curves(self, stage: Optional[str] = None,
+             group: Optional[str] = None) -> dict[str, list[dict]]:
+    """`{'train': rows, 'eval': rows}`: the released metrics per round
+    (train_metrics.csv, eval_metrics.csv), each row a dict with `round`,
+    of the run, or of an earlier `stage` or a `group`'s run."""
+    directory = self._directory_of(stage, group)
+    return {kind: [
+        {k: training_loop._number(v) for k, v in row.items()  # pylint: disable=protected-access
+         if v not in (None, '')}
+        for row in training_loop._read_csv(  # pylint: disable=protected-access
+            os.path.join(directory, f'{kind}_metrics.csv'))]
+            for kind in ('train', 'eval')}
+
+  def rounds(self, stage: Optional[str] = None,
+             group: Optional[str] = None) -> list[int]:
+    """The rounds with a checkpoint (the run's, or a stage's or group's)."""
+    return training_loop.checkpoint_rounds(self._directory_of(stage, group))
+
+  def process(self, stage: Optional[str] = None):
+    """The process the run trained (or its earlier `stage`'s), with the
+    run's aggregator, DP included."""
+    built = self._built()
+    if stage is None:
+      return stages_lib.final_process(built)
+    names = ([s.name for s in built.stages]
+             if isinstance(built, stages_lib.Staged) else [])
+    if stage not in names[:-1]:
+      raise RunError(f'{self._config.algorithm} has no earlier stage '
+                     f'{stage!r}; its earlier stages: {names[:-1]}')
+    return built.stages[names.index(stage)].process
+
+  def weights(self, round: Optional[int] = None,  # pylint: disable=redefined-builtin
+              stage: Optional[str] = None, group: Optional[str] = None):
+    """The shared model's weights (`tff.learning.models.ModelWeights`) at a
+    checkpointed round (None: the last) of the run, an earlier `stage` or
+    a `group`'s run."""
+    directory, proc, round_num = self._checkpoint(round, stage, group)
+    return proc.get_model_weights(
+        training_loop.load_checkpoint(proc, directory, round_num))
+
+  def server_state(self, round: Optional[int] = None,  # pylint: disable=redefined-builtin
+                   stage: Optional[str] = None, group: Optional[str] = None):
+    """The whole server state at a checkpointed round (None: the last)."""
+    directory, proc, round_num = self._checkpoint(round, stage, group)
+    return training_loop.load_checkpoint(proc, directory, round_num)
+
+  def client_states(self, ids: Sequence[int], round: Optional[int] = None,  # pylint: disable=redefined-builtin
+                    stage: Optional[str] = None,
+                    group: Optional[str] = None) -> list:
+    """The client states of `ids` (the task's client ids; of a `group`'s
+    run, its members) as committed at a round (None: the last checkpoint's),
+    read only. The in-memory store keeps the snapshots of its checkpoints;
+    the SQLite store only its last round."""
+    directory, proc, round_num = self._checkpoint(round, stage, group)
+    population = self.task.population
+    local = list(ids)
+    if group is not None:
+      members = self._groups()[group]
+      where = {c: i for i, c in enumerate(members)}
+      outside = [c for c in ids if c not in where]
+      if outside:
+        raise RunError(f'clients {outside[:5]} are not in group {group!r}')
+      local, population = [where[c] for c in ids], len(members)
+    bad = [c for c in local if not 0 <= c < population]
+    if bad:
+      raise RunError(f'client ids {bad[:5]} are not in [0, {population})')
+    store = run_evaluation.open_committed_store(proc, self._config, population,
+                                            directory, round_num)
+    try:
+      return store.load(local)
+    finally:
+      store.close()
+
+  def evaluate(self, eval_name: Optional[str] = None, overwrite: bool = False,
+               log_fn: Callable[[str], None] = lambda s: None,
+               **evaluation: Any) -> dict:
+    """The finished run's final state evaluated again
+    (`run_evaluation.evaluate_experiment`).
+
+    Args:
+      eval_name: write the record to `evaluations/<eval_name>.json` too
+        (None: only return it).
+      overwrite: replace an existing record of that name.
+      log_fn: progress lines.
+      **evaluation: evaluation settings to change
+        (`run_records.EVALUATION_FIELDS`, e.g. `eval_fine_tune=True`).
+
+    Returns:
+      `{'eval', 'test', 'test_fine_tuned', 'cold_start', 'privacy', ...}`;
+      a per-group run's also has each group's `groups`.
+    """
+    unknown = sorted(set(evaluation) - set(run_records.EVALUATION_FIELDS))
+    if unknown:
+      raise RunError(f'evaluate() changes only the evaluation settings '
+                     f'{run_records.EVALUATION_FIELDS}; got {unknown}')
+    config = dataclasses.replace(self._config, **evaluation)
+    return run_evaluation.evaluate_experiment(self.task, config, eval_name,
+                                          log_fn=log_fn, overwrite=overwrite)
+
+  def resume(self, rounds: Optional[int] = None,
+             log_fn: Callable[[str], None] = print) -> 'Run':
+    """Continues the run from its last checkpoint (an interrupted run), or
+    extends a finished one to `rounds`; returns the finished run."""
+    config = dataclasses.replace(self._config, resume=True,
+                                 rounds=rounds or self._config.rounds)
+    summary = self.summary
+    flags = summary.get('flags') if summary else None
+    return run_experiment(
+        self.task, config, log_fn=log_fn,
+        flag_values=flags if isinstance(flags, dict) and all(
+            isinstance(v, dict) for v in flags.values()) else None)
+
+  # Helpers.
+  def _resolved_dp(self) -> privacy.DPConfig:
+    return experiment.validate(self._config, self.task.population)
+
+  def _built(self):
+    return experiment.build_process(self.task, self._config,
+                                    dp=self._resolved_dp())
+
+  def _per_group(self) -> bool:
+    return os.path.isdir(os.path.join(self.directory,
+                                      experiment.GROUPS_DIRNAME))
+
+  def _groups(self) -> dict[str, list[int]]:
+    built = self._built()
+    if not (isinstance(built, stages_lib.Staged) and built.per_group):
+      raise RunError(f'{self._config.algorithm} does not run per group')
+    return experiment.group_members(self.task, self._config,
+                                    built.stages[-1].grouping)
+
+  def _directory_of(self, stage: Optional[str], group: Optional[str]) -> str:
+    if stage is not None and group is not None:
+      raise RunError('give a stage or a group, not both')
+    if stage is not None:
+      self.process(stage)  # An unknown stage fails here.
+      return experiment.stage_directory(self._config, stage)
+    if group is not None:
+      if group not in self._groups():
+        raise RunError(f'no group {group!r}; groups: '
+                       f'{sorted(self._groups())}')
+      return experiment.group_directory(self._config, group)
+    if self._per_group():
+      raise RunError(f'{self.directory} ran its last stage once per group; '
+                     f'name one: group= one of {sorted(self._groups())}')
+    return self.directory
+
+  def _checkpoint(self, round_num, stage, group):
+    directory = self._directory_of(stage, group)
+    proc = self.process(stage)
+    if round_num is None:
+      round_num = training_loop.completed_round(directory)
+      if not round_num:
+        raise training_loop.CheckpointError(
+            f'{directory} has no checkpoint of a trained round')
+    elif round_num not in training_loop.checkpoint_rounds(directory):
+      raise RunError(
+          f'{directory} has no checkpoint of round {round_num}; it keeps '
+          f'rounds {training_loop.checkpoint_rounds(directory)} (more with '
+          'keep_checkpoints)')
+    return directory, proc, round_num
