@@ -601,3 +601,47 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   print(f'written: {run_evaluation_lib.evaluation_path(config, eval_name)}')
   return 0
 
+
+def evaluate_run_dir(run_dir: str, f, eval_name: str,
+                     overwrite: bool = False) -> int:
+  """Re-evaluates the finished run in `run_dir` from its own record
+  (`runs.Run.open`; binaries.evaluate --run_dir): its task and
+  configuration are the run's; the evaluation flags given on the command
+  line (`run_records.EVALUATION_FIELDS`) change its evaluation. Exit codes
+  as `run_evaluation`."""
+  if not f.use_gpu:
+    tf.config.set_visible_devices([], 'GPU')
+  if not f['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  changes = {name: f[name].value for name in run_records.EVALUATION_FIELDS
+             if name in f and not f[name].using_default_value}
+  try:
+    worker_threads.resolve(f.intra_op_threads, '--intra_op_threads')
+    worker_threads.resolve(f.inter_op_threads, '--inter_op_threads')
+    if not f.workers:
+      runtime.configure_driver_threads(f.intra_op_threads,
+                                       f.inter_op_threads)
+    mnist_io.set_verify_checksums(f.verify_data_checksums)
+    run = runs.Run.open(run_dir)
+    run.task  # pylint: disable=pointless-statement  # Built here: exit 2.
+  except ValueError as e:  # RunError, or the task's data.
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  try:
+    with runtime.local_runtime(workers=f.workers,
+                               intra_op_threads=f.intra_op_threads,
+                               inter_op_threads=f.inter_op_threads):
+      record = run.evaluate(eval_name, overwrite=overwrite,
+                            log_fn=lambda s: print(s, flush=True), **changes)
+  except run_evaluation_lib.EvaluationError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  except STATE_ERRORS as e:
+    if not state_failure(e):
+      raise
+    return 3
+  print(json.dumps({k: record[k] for k in (
+      'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},
+                   indent=1, default=str))
+  print(f'written: {run_evaluation_lib.evaluation_path(run.config, eval_name)}')
+  return 0

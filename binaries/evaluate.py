@@ -1,7 +1,13 @@
 r"""Evaluates a finished experiment again, e.g. with test-time fine-tuning.
 
+  python -m binaries.evaluate --run_dir=<root_output_dir>/<experiment_name> \
+    [--eval_fine_tune] [--eval_clients=N] --eval_name=fine_tuned
   python -m binaries.evaluate <the run's binaries.train flags> \
     [--eval_fine_tune] [--eval_clients=N] --eval_name=fine_tuned
+
+With --run_dir the run is reopened from its own record (`runs.Run.open`):
+its task and configuration are the run's, and only the evaluation flags
+given on the command line change. Otherwise the run's flags are given again.
 
 Reads <root_output_dir>/<experiment_name>/: summary.json (the run's flags;
 they must match these, except the evaluation and runtime flags), the
@@ -23,9 +29,16 @@ flags.DEFINE_string('eval_name', 'evaluation',
                     'Name of the result file: evaluations/<eval_name>.json.')
 flags.DEFINE_bool('overwrite_evaluation', False,
                   'Replace an existing evaluations/<eval_name>.json.')
+flags.DEFINE_string('run_dir', None,
+                    'A run\'s directory: evaluate it from its own record '
+                    '(the other flags but the evaluation and runtime ones '
+                    'are ignored).')
 
 
 def main(argv):
+  if FLAGS.run_dir:
+    return common.evaluate_run_dir(FLAGS.run_dir, FLAGS, FLAGS.eval_name,
+                                   overwrite=FLAGS.overwrite_evaluation)
   return common.main(
       argv, FLAGS, lambda config, task_kwargs: common.run_evaluation(
           config, task_kwargs, FLAGS, FLAGS.eval_name,

@@ -78,6 +78,29 @@ def test_reevaluation_reproduces_the_run_and_changes_nothing(
           if not k.startswith('evaluations')} == before
 
 
+def test_run_dir_alone_reevaluates_the_run(finished_run, capsys):
+  """--run_dir: the run's own record gives its task and configuration; the
+  evaluation flags given change its evaluation, and nothing else."""
+  root, summary = finished_run
+  with flagsaver.flagsaver(run_dir=str(root / 'run'), eval_name='by_dir',
+                           task='speaker_context', rounds=99):
+    assert evaluate.main(['evaluate']) == 0
+  record = _read(root, 'by_dir')
+  assert record['round'] == 2
+  for key, value in summary['eval'].items():
+    if isinstance(value, float):
+      np.testing.assert_allclose(record['eval'][key], value, rtol=1e-6,
+                                 err_msg=key)
+  with flagsaver.flagsaver(run_dir=str(root / 'run'), eval_name='by_dir_12',
+                           eval_clients=12):
+    assert evaluate.main(['evaluate']) == 0
+  assert _read(root, 'by_dir_12')['eval']['num_clients'] == 12
+  capsys.readouterr()
+  with flagsaver.flagsaver(run_dir=str(root / 'nowhere')):
+    assert evaluate.main(['evaluate']) == 2
+  assert 'is not a run directory' in capsys.readouterr().err
+
+
 def test_fine_tuned_and_subset_evaluations(finished_run, mnist_dir):
   root, summary = finished_run
   # (The run itself evaluated after the local pass: the MNIST default.)
