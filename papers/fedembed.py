@@ -721,7 +721,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
         # The evaluated users are data: drawn by the data seed.
         eval_ids=(None if data_seed == cell.seed else
                   run_evaluation.eval_client_ids(task.population,
-                                             config.eval_clients, data_seed)),
+                                                 config.eval_clients, data_seed)),
         log_fn=lambda line: print(f'  {cell.method}: {line}', flush=True))
   metrics = cell_metrics(
       summary, _prevalence(task_name, cell.setting['population']))
@@ -789,7 +789,7 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   else:
     features = speech_spectrogram.mean_loud_spectrum
   ids = run_evaluation.eval_client_ids(task.population, s['eval_clients'],
-                                   data_seed)
+                                       data_seed)
   data = task.data
   train, test = [], []
   for n, user in enumerate(ids):

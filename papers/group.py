@@ -576,7 +576,7 @@ def _personalize(task, cfg, stages, method, models, key_of, eval_clients,
 
   def run(lr, clients):
     return {str(c): v for c, v in personalized(lr, models, key_of,
-                                                 clients).items()}
+                                               clients).items()}
 
   by_lr = {}
   for lr in cfg['personalization_lrs']:
@@ -1114,7 +1114,7 @@ def make_curves_figure(root_output_dir: str, pipeline_dir: str) -> None:
       os.path.dirname(pipeline_dir), 'seed_*', 'pipeline.json'))):
     seed_dir = os.path.dirname(path)
     paths = [os.path.join(seed_dir, n) for n in ('fl_curves.json',
-                                                  'curves.json')]
+                                                 'curves.json')]
     if not all(os.path.exists(p) for p in paths):
       continue  # Made before the curves existed.
     with open(paths[0]) as f:

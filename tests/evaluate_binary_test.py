@@ -181,7 +181,7 @@ def test_sqlite_store_run_is_reevaluated_too(tmp_path, mnist_dir):
 
 
 def test_round_and_privacy_come_from_the_run_not_from_summary(tmp_path,
-                                                               mnist_dir):
+                                                              mnist_dir):
   """A hand-edited summary.json changes neither the evaluated round nor the
   privacy report: they are derived from the checkpoints and run_config.json."""
   _parse_flags()

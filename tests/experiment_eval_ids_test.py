@@ -39,7 +39,7 @@ def test_every_evaluation_tests_the_given_clients(task, tmp_path,
 
   monkeypatch.setattr(task, 'evaluate', recording)
   runs.run_experiment(task, _config(tmp_path, 'ids'),
-                            log_fn=lambda s: None, eval_ids=[7, 1, 4])
+                      log_fn=lambda s: None, eval_ids=[7, 1, 4])
   # After rounds 1 and 2 (the last is the final evaluation): each on the
   # given clients (sorted), not the 5 that eval_clients would draw.
   assert seen == [[1, 4, 7], [1, 4, 7]]
@@ -96,5 +96,5 @@ def test_bad_eval_ids_are_refused_before_the_run(task, tmp_path, ids,
   config = _config(tmp_path, 'bad')
   with pytest.raises(experiment.ConfigurationError, match=message):
     runs.run_experiment(task, config, log_fn=lambda s: None,
-                              eval_ids=ids)
+                        eval_ids=ids)
   assert not os.path.exists(config.experiment_dir)

@@ -194,7 +194,7 @@ def test_every_method_has_the_same_budget_and_dp():
   assert len(configs) == 1
   (dp,) = configs
   d = defaults.defaults_for('mnist_preference', 'fedembed_prototype',
-                           'gaussian_fixed')
+                            'gaussian_fixed')
   resolved = privacy.resolve(dataclasses.replace(
       dp, clients_per_round=d['clients_per_round'], population=9000,
       rounds=d['rounds']))
@@ -362,7 +362,7 @@ def test_public_encoder_cells_are_their_own_and_need_the_encoder(tmp_path):
 
 
 def test_spectral_encoder_cells_build_the_spectral_task(tmp_path,
-                                                      monkeypatch):
+                                                        monkeypatch):
   spectral = fedembed.TABLES['3_spectral'].cells(1)
   table3 = fedembed.TABLES['3'].cells(1)
   assert not {c.key() for c in spectral} & {c.key() for c in table3}

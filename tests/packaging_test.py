@@ -38,7 +38,7 @@ _PROGRAM = textwrap.dedent('''
 
 
 def test_installed_package_runs_an_algorithm_from_elsewhere(tmp_path,
-                                                             mnist_dir):
+                                                            mnist_dir):
   venv = tmp_path / 'venv'
   subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv)],
                  check=True)

@@ -117,7 +117,7 @@ make.capabilities = ('split_model', 'batches', 'named_head', 'digit_images')
 
 
 def test_outside_task_is_listed_trained_and_reopened(tmp_path, mnist_dir,
-                                                    monkeypatch):
+                                                     monkeypatch):
   package = tmp_path / 'mypkg'
   package.mkdir()
   (package / '__init__.py').write_text('')

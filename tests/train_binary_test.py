@@ -312,7 +312,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
 
 
 def test_resume_under_other_settings_is_refused(tmp_path, mnist_dir,
-                                                 capsys):
+                                                capsys):
   """A resumed run is the run that started: its settings are recorded."""
   _parse_flags()
   dp = dict(dp='gaussian_fixed', target_epsilon=8.0, clip_norm=0.5)

@@ -374,7 +374,7 @@ _SHUFFLED_GROUPS = 0x6A0
 
 
 def group_members(task, config: ExperimentConfig,
-               grouping: str = 'task') -> dict[str, list[int]]:
+                  grouping: str = 'task') -> dict[str, list[int]]:
   """`{group name: its client ids}` of a per-group stage.
 
   'task': the task's groups in its order (`group_names` where it has one,

@@ -113,7 +113,7 @@ def final_weights_and_states(task, config: experiment.ExperimentConfig,
   state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)
   weights = proc.get_model_weights(state)
   store = run_evaluation.open_committed_store(proc, config, population,
-                                          config.experiment_dir, rounds)
+                                              config.experiment_dir, rounds)
   try:
     states = store.load(list(client_ids))
   finally:

@@ -25,7 +25,7 @@ from tff_personal.core import training_loop
 
 
 def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
-                        num_shards: int, eval_ids=None):
+                       num_shards: int, eval_ids=None):
   """`(evaluate, eval_ids, eval_data_fn)` for `proc`'s state on `task`.
 
   `evaluate(state, datasets_fn, ids=eval_ids, fine_tune=config.eval_fine_tune,
@@ -307,7 +307,7 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
       result = {'eval': evaluate(state, eval_data_fn)}
       log_fn(f'eval: {format_metrics(result["eval"])}')
       result.update(final_evaluations(task, proc, state, store, config,
-                                       evaluate, log_fn))
+                                      evaluate, log_fn))
     finally:
       store.close()
   record = {
@@ -380,7 +380,7 @@ def pooled_metrics(task, ids: list, outputs: list) -> dict:
 
 
 def evaluate_per_group(task, proc, config: experiment.ExperimentConfig, dp,
-                        groups: dict[str, list[int]]) -> dict:
+                       groups: dict[str, list[int]]) -> dict:
   """`{'eval': pooled metrics, 'groups': {group: its metrics}}` of a finished
   per-group run: each evaluated client tested with its group's last
   checkpoint and its state committed there, as training's last

@@ -15,7 +15,7 @@ from tff_personal.core import training_loop
 
 
 def per_group_privacy(config: experiment.ExperimentConfig, dp, groups, noised,
-                       earlier_noised: int, report: dict) -> dict:
+                      earlier_noised: int, report: dict) -> dict:
   """The privacy report's per-group fields: epsilon per group (the earlier
   stages' rounds over everyone, then the group's run over its clients) and
   the largest of them as the run's epsilon."""
@@ -194,5 +194,5 @@ def group_privacy_report(config: experiment.ExperimentConfig,
                               max(noised.values()), earlier_noised)
   if report is not None:
     report.update(per_group_privacy(config, dp, groups, noised,
-                                     earlier_noised, report))
+                                    earlier_noised, report))
   return report

@@ -99,7 +99,7 @@ def check_rounds_not_below_completed(
 
 
 def check_store_present(config: experiment.ExperimentConfig, population: int,
-                         directory: Optional[str] = None) -> None:
+                        directory: Optional[str] = None) -> None:
   """Refuses to resume checkpoints whose client-state store is gone.
 
   `directory`: where the checkpoints and the store are (default the
@@ -188,8 +188,8 @@ def flat_flags(grouped: Optional[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_record(config: experiment.ExperimentConfig, dp: privacy.DPConfig,
-                flag_values: Optional[dict[str, Any]],
-                task_record: Optional[dict] = None) -> dict:
+               flag_values: Optional[dict[str, Any]],
+               task_record: Optional[dict] = None) -> dict:
   """run_config.json's content: the config with DP as resolved, the flags,
   and how the task was built (`task.build_record`) where known."""
   record = dataclasses.asdict(config)
@@ -202,7 +202,7 @@ def run_record(config: experiment.ExperimentConfig, dp: privacy.DPConfig,
 
 
 def differences(old: dict, new: dict, prefix: str = '',
-                 ignore=RESUMABLE_FIELDS) -> list[str]:
+                ignore=RESUMABLE_FIELDS) -> list[str]:
   lines = []
   for name in sorted(set(old) & set(new)):
     if name in ignore:
@@ -221,7 +221,7 @@ def flag_differences(recorded: dict[str, Any], current: dict[str, Any],
   """`--name: ...` lines for grouped flags (summary.json's) that differ,
   but those in `ignore`; flags one side lacks are not compared."""
   return differences(flat_flags(recorded), flat_flags(as_json(current)),
-                      '--', ignore)
+                     '--', ignore)
 
 
 def check_or_record_run_config(config: experiment.ExperimentConfig,
@@ -266,7 +266,7 @@ def check_or_record_run_config(config: experiment.ExperimentConfig,
   lines = (differences(old.get('config', {}), record['config']) +
            differences(old.get('flags', {}), record['flags'], '--') +
            differences(old.get('task', {}), record.get('task', {}),
-                        'task.', ignore=('data_dir',)))
+                       'task.', ignore=('data_dir',)))
   if lines:
     raise ResumeError(
         f'{config.experiment_dir} started with another configuration ({path}):'

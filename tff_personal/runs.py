@@ -73,9 +73,9 @@ def run_experiment(task, config: experiment.ExperimentConfig,
     The finished run, which reads as its summary (`run['eval']`).
   """
   summary = training.train(task, config, log_fn=log_fn,
-                             flag_values=flag_values,
-                             export_private_states=export_private_states,
-                             eval_ids=eval_ids)
+                           flag_values=flag_values,
+                           export_private_states=export_private_states,
+                           eval_ids=eval_ids)
   record = run_records.read_json_record(
       os.path.join(config.experiment_dir, run_records.RUN_CONFIG_FILENAME),
       RunError)
@@ -93,13 +93,13 @@ def digest(record: dict) -> str:
   resolved, its task's build), leaving out what a resumed run may change
   (`run_records.RESUMABLE_FIELDS`: evaluation, simulation, where it lives)
   and the task's data directory."""
-  def strip(value, skip):
-    if isinstance(value, dict):
-      return {k: strip(v, skip) for k, v in value.items() if k not in skip}
-    return value
+  task = dict(record.get('task') or {})
+  task['arguments'] = {k: v for k, v in task.get('arguments', {}).items()
+                       if k != 'data_dir'}
   identity = {
-      'config': strip(record.get('config', {}), run_records.RESUMABLE_FIELDS),
-      'task': strip(record.get('task') or {}, ('data_dir',))}
+      'config': {k: v for k, v in record.get('config', {}).items()
+                 if k not in run_records.RESUMABLE_FIELDS},
+      'task': task}
   return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str)
                         .encode()).hexdigest()[:16]
 
@@ -138,6 +138,7 @@ class Run(collections.abc.Mapping):
     self._record = record
     self._task = task
     self._summary = summary
+    self._built_process = None  # Built once, when first needed.
 
   @classmethod
   def open(cls, directory: str, task=None) -> 'Run':
@@ -250,7 +251,7 @@ class Run(collections.abc.Mapping):
     started = training_loop.rounds_started(self.directory,
                                            required=bool(completed))
     return run_privacy.run_privacy_report(config, dp, completed, started,
-                                         earlier)
+                                          earlier)
 
   def curves(self, stage: Optional[str] = None,
              group: Optional[str] = None) -> dict[str, list[dict]]:
@@ -319,7 +320,7 @@ class Run(collections.abc.Mapping):
     if bad:
       raise RunError(f'client ids {bad[:5]} are not in [0, {population})')
     store = run_evaluation.open_committed_store(proc, self._config, population,
-                                            directory, round_num)
+                                                directory, round_num)
     try:
       return store.load(local)
     finally:
@@ -349,7 +350,7 @@ class Run(collections.abc.Mapping):
                      f'{run_records.EVALUATION_FIELDS}; got {unknown}')
     config = dataclasses.replace(self._config, **evaluation)
     return run_evaluation.evaluate_experiment(self.task, config, eval_name,
-                                          log_fn=log_fn, overwrite=overwrite)
+                                              log_fn=log_fn, overwrite=overwrite)
 
   def resume(self, rounds: Optional[int] = None,
              log_fn: Callable[[str], None] = print) -> 'Run':
@@ -369,8 +370,10 @@ class Run(collections.abc.Mapping):
     return experiment.validate(self._config, self.task.population)
 
   def _built(self):
-    return experiment.build_process(self.task, self._config,
-                                    dp=self._resolved_dp())
+    if self._built_process is None:
+      self._built_process = experiment.build_process(
+          self.task, self._config, dp=self._resolved_dp())
+    return self._built_process
 
   def _per_group(self) -> bool:
     return os.path.isdir(os.path.join(self.directory,
