@@ -720,8 +720,8 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
         task, config, export_private_states=True,
         # The evaluated users are data: drawn by the data seed.
         eval_ids=(None if data_seed == cell.seed else
-                  run_evaluation.eval_client_ids(task.population,
-                                                 config.eval_clients, data_seed)),
+                  run_evaluation.eval_client_ids(
+                      task.population, config.eval_clients, data_seed)),
         log_fn=lambda line: print(f'  {cell.method}: {line}', flush=True))
   metrics = cell_metrics(
       summary, _prevalence(task_name, cell.setting['population']))

@@ -285,8 +285,8 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
   t_start = time.perf_counter()
   if per_group:
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
-    run_report = run_privacy.group_privacy_report(config, run_dp, groups,
-                                      run_privacy.earlier_stages_noised(config))
+    run_report = run_privacy.group_privacy_report(
+        config, run_dp, groups, run_privacy.earlier_stages_noised(config))
     result = evaluate_per_group(task, proc, config, dp, groups)
     log_fn(f'eval, each client on its group\'s model: '
            f'{format_metrics(result["eval"])}')

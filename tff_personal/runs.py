@@ -1,4 +1,4 @@
-"""Runs: `run_experiment` trains one; `Run` is the handle on any run's directory.
+"""Runs: `run_experiment` trains one; `Run` is the handle on any run.
 
 `Run.open(directory)` rebuilds a finished or interrupted run from what it
 recorded when it started (`run_config.json`: the configuration with DP as
@@ -349,8 +349,8 @@ class Run(collections.abc.Mapping):
       raise RunError(f'evaluate() changes only the evaluation settings '
                      f'{run_records.EVALUATION_FIELDS}; got {unknown}')
     config = dataclasses.replace(self._config, **evaluation)
-    return run_evaluation.evaluate_experiment(self.task, config, eval_name,
-                                              log_fn=log_fn, overwrite=overwrite)
+    return run_evaluation.evaluate_experiment(
+        self.task, config, eval_name, log_fn=log_fn, overwrite=overwrite)
 
   def resume(self, rounds: Optional[int] = None,
              log_fn: Callable[[str], None] = print) -> 'Run':

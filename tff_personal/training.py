@@ -31,10 +31,10 @@ from tff_personal.core import training_loop
 
 @run_records.holding_lock(create=True)
 def train(task, config: experiment.ExperimentConfig,
-                   log_fn: Callable[[str], None] = print,
-                   flag_values: Optional[dict[str, Any]] = None,
-                   export_private_states: bool = False,
-                   eval_ids: Optional[Sequence[int]] = None) -> dict:
+          log_fn: Callable[[str], None] = print,
+          flag_values: Optional[dict[str, Any]] = None,
+          export_private_states: bool = False,
+          eval_ids: Optional[Sequence[int]] = None) -> dict:
   """Trains and evaluates; writes and returns the summary (summary.json).
 
   `runs.run_experiment` is the public entry: it returns this run's handle
@@ -62,7 +62,7 @@ def train(task, config: experiment.ExperimentConfig,
   resuming = bool(training_loop.checkpoint_rounds(config.experiment_dir))
   if resuming:  # Checks against the record; writes nothing.
     run_records.check_or_record_run_config(config, dp, flag_values,
-                               task_lib.build_record(task))
+                                           task_lib.build_record(task))
     finished = run_records.finished_summary(config)
     if finished is not None:
       log_fn(f'{config.experiment_dir} already finished its {config.rounds} '
@@ -84,7 +84,7 @@ def train(task, config: experiment.ExperimentConfig,
   if not resuming:  # A new run's record, once its process could be built.
     os.makedirs(config.experiment_dir, exist_ok=True)
     run_records.check_or_record_run_config(config, dp, flag_values,
-                               task_lib.build_record(task))
+                                           task_lib.build_record(task))
   initial_state, earlier_noised = None, 0
   if isinstance(built, stages_lib.Staged):  # e.g. FedDVA: VAE, classifier
     initial_state, earlier_noised = _run_earlier_stages(task, built, config,
@@ -99,7 +99,7 @@ def train(task, config: experiment.ExperimentConfig,
       task, proc, config, store, num_shards, eval_ids)
 
   curve_ids = run_evaluation.curve_eval_ids(eval_ids, config.curve_eval_clients,
-                             config.seed)
+                                            config.seed)
 
   def eval_fn(state, round_num):
     if round_num < config.rounds:  # A point of the learning curve.
@@ -123,7 +123,7 @@ def train(task, config: experiment.ExperimentConfig,
 
   # Every stage's shared update went through the run's aggregator.
   report = run_privacy.run_privacy_report(config, dp, result.rounds_completed,
-                              result.rounds_started, earlier_noised)
+                                          result.rounds_started, earlier_noised)
   summary = {
       'task': getattr(task, 'name', type(task).__name__),
       'algorithm': config.algorithm,
@@ -278,10 +278,10 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
   noised = {name: max(r.rounds_completed, r.rounds_started or 0)
             for name, r in results.items()}
   report = run_privacy.run_privacy_report(config, dp, config.rounds,
-                              max(noised.values()), earlier_noised)
+                                          max(noised.values()), earlier_noised)
   if report is not None:
     report.update(run_privacy.per_group_privacy(config, dp, groups, noised,
-                                     earlier_noised, report))
+                                                earlier_noised, report))
   times = [r.seconds_per_round for r in results.values()
            if r.seconds_per_round is not None]
   summary = {
