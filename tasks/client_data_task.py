@@ -43,7 +43,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -144,6 +144,10 @@ class ClientDataTask:
     has_digit_images: whether examples are 28 x 28 x 1 images in [0, 1]
       with a label in 0..9 (what FedDVA's models take).
     cache_clients: how many clients' numpy examples are kept in memory.
+    client_groups: each client's group (sub-population), a mapping from
+      ClientData client id to group name; gives the `groups` capability
+      (GroupFL, GroupPerFL). The groups are named in order of first
+      appearance over the client ids.
   """
   name: str
   train_data: tff.simulation.datasets.ClientData
@@ -160,6 +164,7 @@ class ClientDataTask:
   has_named_head: bool = False
   has_digit_images: bool = False
   cache_clients: int = 4096
+  client_groups: Optional[Mapping[str, str]] = None
 
   def __post_init__(self):
     if self.batch_size < 1:
@@ -184,6 +189,12 @@ class ClientDataTask:
     if self.num_types is not None and 'type' not in spec:
       raise ValueError(f'{self.name}: FedEmbed\'s model (num_types) needs a '
                        "'type' feature in every example")
+    if self.client_groups is not None:
+      ungrouped = [c for c in self._ids if c not in self.client_groups]
+      if ungrouped:
+        raise ValueError(f'{self.name}: {len(ungrouped)} clients have no '
+                         f'group in client_groups, e.g. {ungrouped[:3]}')
+      self._group_of = [str(self.client_groups[c]) for c in self._ids]
     self._spec = _batched_spec(collections.OrderedDict(
         (k, spec[k]) for k in spec))
     self._arrays = functools.lru_cache(maxsize=self.cache_clients)(
@@ -192,6 +203,24 @@ class ClientDataTask:
   @property
   def population(self) -> int:
     return len(self._ids)
+
+  @property
+  def groups(self) -> Optional[Callable[[Sequence[int]], np.ndarray]]:
+    """`groups(client_indices) -> their group names` (the `groups`
+    capability), or None without `client_groups`."""
+    if self.client_groups is None:
+      return None
+    def groups_of(client_ids: Sequence[int]) -> np.ndarray:
+      self._check_ids(client_ids)
+      return np.asarray([self._group_of[int(c)] for c in client_ids])
+    return groups_of
+
+  @property
+  def group_names(self) -> list[str]:
+    """The groups in order of first appearance ([] without groups)."""
+    if self.client_groups is None:
+      return []
+    return list(dict.fromkeys(self._group_of))
 
   @property
   def client_names(self) -> list:

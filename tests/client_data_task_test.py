@@ -16,6 +16,7 @@ from tasks import client_data_task
 from tasks import registry as task_registry
 from tff_personal import experiment
 from tff_personal import runs
+from tff_personal.algorithms import registry
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
@@ -110,6 +111,34 @@ def test_bad_client_data_is_named():
     task.train_batches([1], 1)
   with pytest.raises(ValueError, match='has no personal embedding'):
     task.model_fn_factory(4)()
+
+
+def test_client_groups_give_the_groups_capability():
+  """`client_groups` makes a ClientData task a grouped one (GroupFL runs on
+  it); its per-group stage splits the clients by those groups."""
+  builder = client_data_task.keras_classifier(
+      lambda: tf.keras.Sequential([tf.keras.layers.Dense(2)]))
+  ids = ['a', 'b', 'c', 'd', 'e']
+  data = _client_data(ids, _xy(3))
+  plain = client_data_task.ClientDataTask('t', data, data, builder)
+  assert 'groups' not in task_lib.capabilities(plain)
+  with pytest.raises(ValueError, match='groups'):
+    registry.check_compatible('groupfl', plain)
+  task = client_data_task.ClientDataTask(
+      't', data, data, builder,
+      client_groups={'a': 'x', 'b': 'y', 'c': 'x', 'd': 'y', 'e': 'x'})
+  assert 'groups' in task_lib.capabilities(task)
+  registry.check_compatible('groupfl', task)
+  assert task.group_names == ['x', 'y']
+  assert list(task.groups([4, 1])) == ['x', 'y']
+  config = experiment.ExperimentConfig(
+      algorithm='groupfl', rounds=1, clients_per_round=2,
+      root_output_dir='/tmp', experiment_name='g')
+  assert experiment.group_members(task, config) == {'x': [0, 2, 4],
+                                                     'y': [1, 3]}
+  with pytest.raises(ValueError, match=r"1 clients have no group.*\['e'\]"):
+    client_data_task.ClientDataTask('t', data, data, builder,
+                                    client_groups={c: 'x' for c in ids[:4]})
 
 
 def test_classification_metrics_are_per_client():
