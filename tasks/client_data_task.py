@@ -200,6 +200,19 @@ class ClientDataTask:
     self._arrays = functools.lru_cache(maxsize=self.cache_clients)(
         self._read_arrays)
 
+  # How each optional capability is given (named when a pair is refused).
+  capability_hints = {
+      'named_head': "has_named_head=True, with the model's output layer "
+                    "named 'head'",
+      'personal_embedding': 'supports_personal_embedding=True, with a '
+                            'model_builder that takes embedding_dim > 0',
+      'fedembed_model': "fedembed_encoder_fn and num_types (examples with a "
+                        "'type' feature)",
+      'groups': 'client_groups={client id: group}',
+      'digit_images': 'has_digit_images=True (28 x 28 x 1 images in [0, 1], '
+                      'labels 0..9)',
+  }
+
   @property
   def population(self) -> int:
     return len(self._ids)

@@ -122,7 +122,7 @@ def test_client_groups_give_the_groups_capability():
   data = _client_data(ids, _xy(3))
   plain = client_data_task.ClientDataTask('t', data, data, builder)
   assert 'groups' not in task_lib.capabilities(plain)
-  with pytest.raises(ValueError, match='groups'):
+  with pytest.raises(ValueError, match=r'gives it with: client_groups='):
     registry.check_compatible('groupfl', plain)
   task = client_data_task.ClientDataTask(
       't', data, data, builder,

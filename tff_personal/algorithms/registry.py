@@ -256,9 +256,14 @@ def check_compatible(name: str, task, options: Mapping[str, Any] = ()
   (with its `options`)."""
   missing = missing_for(name, task_lib.capabilities(task), options)
   if missing:
+    # A generic task says how each capability is given (`capability_hints`).
+    hints = getattr(task, 'capability_hints', None) or {}
+    given = [hints[m.split(' (')[0]] for m in missing
+             if m.split(' (')[0] in hints]
     raise ValueError(
         f'{name} cannot run on task {task_lib.task_name(task)!r}: it needs '
-        + '; '.join(missing))
+        + '; '.join(missing) + (
+            '. The task gives it with: ' + '; '.join(given) if given else ''))
 
 
 def model_factory(name: str, task, options: Mapping[str, Any] = ()):
