@@ -196,6 +196,37 @@ def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
   assert summary['privacy'] is None
 
 
+def test_server_state_keep_carries_the_fl_optimizer_state(tmp_path):
+  """server_state='keep': each group's run starts from the FL stage's final
+  server-optimizer state (Adam's moments and step), not a fresh one; the
+  FL stage is the same run either way (shared)."""
+  task = _task()
+  task_lib.set_build_record(task, 'tiny_genres', {'seed': 0})
+  _run(task, _config(tmp_path, 'groupfl', 'fresh'))
+  kept = _config(tmp_path, 'groupfl', 'kept',
+                 options={'server_state': 'keep'})
+  _run(task, kept)
+  staged = experiment.build_process(task, kept)
+  fl = staged.stages[0]
+  fl_final = training_loop.load_checkpoint(
+      fl.process, experiment.stage_directory(kept, 'fl'), 2)
+  fresh = staged.final.initialize()
+  for g in task.group_names:
+    starts = {name: training_loop.load_checkpoint(
+        staged.final, experiment.group_directory(
+            _config(tmp_path, 'groupfl', name), g), 0)
+              for name in ('fresh', 'kept')}
+    _close(starts['kept'].finalizer, fl_final.finalizer, rtol=0)
+    _close(starts['fresh'].finalizer, fresh.finalizer, rtol=0)
+    _close(starts['kept'].global_model_weights,
+           starts['fresh'].global_model_weights, rtol=0)
+  assert any(not np.allclose(a, b) for a, b in zip(
+      tf.nest.flatten(fl_final.finalizer), tf.nest.flatten(fresh.finalizer)))
+  with pytest.raises(experiment.ConfigurationError, match='server_state'):
+    _run(task, _config(tmp_path, 'groupfl', 'bad',
+                       options={'server_state': 'warm'}))
+
+
 def test_killed_between_rounds_and_resumed_equals_uninterrupted(tmp_path):
   task = _task()
   whole = _run(task, _config(tmp_path, 'groupfl', 'whole'))

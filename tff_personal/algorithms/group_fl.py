@@ -51,10 +51,13 @@ from tff_personal.models import split_model as split_model_lib
 ModelWeights = tff.learning.models.ModelWeights
 
 
+SERVER_STATES = ('fresh', 'keep')
+
+
 def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
                   embedding_dim: int, fl_clients_per_round: int,
                   grouping: str, personalization_lr: float = 0.0,
-                  **common) -> stages.Staged:
+                  server_state: str = 'fresh', **common) -> stages.Staged:
   if personalization_lr < 0:
     raise ValueError('personalization_lr must be >= 0 (0: the experiment\'s '
                      f'optimizer), got {personalization_lr}')
@@ -64,6 +67,9 @@ def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
                      f'{embedding_dim})')
   if fl_rounds < 1:
     raise ValueError(f'fl_rounds must be >= 1, got {fl_rounds}')
+  if server_state not in SERVER_STATES:
+    raise ValueError(f'server_state must be one of {SERVER_STATES}, got '
+                     f'{server_state!r}')
   fl = fedavg.build_global(model_fn_factory, **common)
   if personalize:
     common = dict(common)
@@ -75,9 +81,13 @@ def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
   else:
     group = fedavg.build_global(model_fn_factory, **common)
 
-  def handoff(fl_state):  # Fresh server-optimizer state, the FL model.
-    return group.set_model_weights(group.initialize(),
-                                   fl.get_model_weights(fl_state))
+  def handoff(fl_state):  # The FL model; the server optimizer's state
+    # fresh, or the FL stage's carried on (e.g. Adam's moments and step).
+    state = group.set_model_weights(group.initialize(),
+                                    fl.get_model_weights(fl_state))
+    if server_state == 'keep':
+      state = state._replace(finalizer=fl_state.finalizer)
+    return state
 
   return stages.Staged((
       # The same FL stage for GroupFL, GroupPerFL and every grouping.
@@ -96,14 +106,17 @@ def build_groupfl_algorithm(model_fn_factory, *,
                             seed: Optional[int] = None,
                             embedding_dim: int = 0, private_optimizer=None,
                             fl_rounds: int = 20, fl_clients_per_round: int = 0,
-                            grouping: str = 'task') -> stages.Staged:
+                            grouping: str = 'task',
+                            server_state: str = 'fresh') -> stages.Staged:
   """GroupFL (Algorithms 1 and 2) as a multi-stage algorithm.
 
   Stage 'fl': `fl_rounds` rounds of FedAvg over every client, cohorts of
   `fl_clients_per_round` (0: the experiment's `clients_per_round`; under DP
   it must be). Stage 'group' (the experiment's rounds and cohort, T_g):
-  per group, FedAvg from the FL model with a fresh server optimizer,
-  cohorts among the group's clients. Each client is evaluated with its own
+  per group, FedAvg from the FL model, cohorts among the group's clients,
+  its server optimizer's state `server_state`: 'fresh' (a new optimizer
+  state) or 'keep' (the FL stage's final state carried on: Adam's moments
+  and step count, so its first group steps are not learning-rate sized). Each client is evaluated with its own
   group's model. `grouping`: 'task' (the task's groups), or a control:
   'shuffled' (random groups of the same sizes), 'one' (one group of every
   client: FL continued with a fresh server optimizer).
@@ -119,6 +132,7 @@ def build_groupfl_algorithm(model_fn_factory, *,
   return _group_stages(
       model_fn_factory, personalize=False, fl_rounds=fl_rounds,
       fl_clients_per_round=fl_clients_per_round, grouping=grouping,
+      server_state=server_state,
       embedding_dim=embedding_dim, client_optimizer=client_optimizer,
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
@@ -133,7 +147,8 @@ def build_groupperfl_algorithm(
     seed: Optional[int] = None, embedding_dim: int = 0,
     private_optimizer=None, fl_rounds: int = 20,
     fl_clients_per_round: int = 0, grouping: str = 'task',
-    personalization_lr: float = 0.0) -> stages.Staged:
+    personalization_lr: float = 0.0,
+    server_state: str = 'fresh') -> stages.Staged:
   """GroupPerFL (Algorithms 1-3): GroupFL, then at evaluation each client
   fine-tunes its group's model on its own training data (one pass of the
   task's local epochs) and tests the result; nothing leaves the client.
@@ -146,7 +161,7 @@ def build_groupperfl_algorithm(
   return _group_stages(
       model_fn_factory, personalize=True, fl_rounds=fl_rounds,
       fl_clients_per_round=fl_clients_per_round, grouping=grouping,
-      personalization_lr=personalization_lr,
+      personalization_lr=personalization_lr, server_state=server_state,
       embedding_dim=embedding_dim, client_optimizer=client_optimizer,
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
