@@ -242,7 +242,7 @@ class Run(collections.abc.Mapping):
     if self._config.dp.mechanism == 'none':
       return None
     config, dp = self._config, self._resolved_dp()
-    earlier = run_privacy.earlier_stages_noised(config)  # pylint: disable=protected-access
+    earlier = run_privacy.earlier_stages_noised(config)
     if self._per_group():
       groups = experiment.group_members(
           self.task, config, self._built().stages[-1].grouping)
