@@ -49,7 +49,6 @@ initialisation).
 from __future__ import annotations
 
 import collections
-import csv
 import glob
 import hashlib
 import json
@@ -70,13 +69,11 @@ from tasks import tv_shows_task
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
-from tff_personal import run_evaluation
 from tff_personal import runs
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.algorithms import registry
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
-from tff_personal.core import training_loop
 from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc
 from tff_personal.models import fedperc_backbone
@@ -380,33 +377,25 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
   config = train_config(variant, flag_values, seed, cache_dir)
   # Every TFF call (the read-back's too) in a runtime this program owns.
   with runtime.local_runtime():
-    if not os.path.exists(os.path.join(config.experiment_dir,
-                                       'summary.json')):
-      runs.run_experiment(
-          task, config, log_fn=lambda s: print(
-              f'fedperc {variant} seed {seed}: {s}', flush=True))
-    process = experiment.build_process(task, config)
-    state = training_loop.load_checkpoint(process, config.experiment_dir,
-                                          config.rounds)
-    trained = process.get_model_weights(state)
-    initial = process.get_model_weights(process.initialize())
+    run = runs.Run.open(config.experiment_dir, task=task) if os.path.exists(
+        os.path.join(config.experiment_dir, 'summary.json')) else (
+            runs.run_experiment(task, config, log_fn=lambda s: print(
+                f'fedperc {variant} seed {seed}: {s}', flush=True)))
+    trained = run.weights()
+    initial = run.process().get_model_weights(run.process().initialize())
+    loaded = run.client_states(range(task.population))
   for a, b in zip(trained.non_trainable, initial.non_trainable, strict=True):
     if not np.array_equal(np.asarray(a), np.asarray(b)):
       raise AssertionError('the frozen backbone changed during training')
-  loaded = run_evaluation.load_client_states(
-      process, config, task.population, config.experiment_dir, config.rounds)
   states = {name: tuple(np.asarray(p) for p in s[
       process_lib.CLIENT_STATE_PRIVATE])
             for name, s in zip(task.client_names, loaded)}
-  with open(os.path.join(config.experiment_dir, 'train_metrics.csv')) as f:
-    rows = sorted(csv.DictReader(f), key=lambda r: int(r['round']))
-  curve = dict(round=[], perplexity=[])
-  eval_csv = os.path.join(config.experiment_dir, 'eval_metrics.csv')
-  if os.path.exists(eval_csv):
-    with open(eval_csv) as f:
-      for r in sorted(csv.DictReader(f), key=lambda r: int(r['round'])):
-        curve['round'].append(int(r['round']))
-        curve['perplexity'].append(float(r['perplexity']))
+  curves = run.curves()
+  rows = sorted(curves['train'], key=lambda r: r['round'])
+  evals = sorted((r for r in curves['eval'] if 'perplexity' in r),
+                 key=lambda r: r['round'])
+  curve = dict(round=[int(r['round']) for r in evals],
+               perplexity=[float(r['perplexity']) for r in evals])
   return dict(
       weights=tff.learning.models.ModelWeights(
           trainable=tuple(np.asarray(w) for w in trained.trainable),
