@@ -425,24 +425,15 @@ def _train(task, config, log_fn):
             f'group {config.experiment_name}: {s}'))
 
 
-def _models(task, config, grouping, round_num=None, staged=None):
+def _models(task, config, round_num=None, run=None):
   """(FL model, {group: its model}, weights type) from the run's
   checkpoints: stage 'fl''s final one, then each group's run's of
-  `round_num` (None: its last round, `config.rounds`). `staged`: the run's
-  process (`experiment.build_process(task, config)`), built if None."""
-  staged = staged or experiment.build_process(task, config)
-  fl_stage = staged.stages[0]
-  state = training_loop.load_checkpoint(
-      fl_stage.process, experiment.stage_directory(config, fl_stage.name),
-      fl_stage.rounds)
-  fl_weights = fl_stage.process.get_model_weights(state)
-  models = {}
-  for g in experiment.group_members(task, config, grouping):
-    state = training_loop.load_checkpoint(
-        staged.final, experiment.group_directory(config, g),
-        config.rounds if round_num is None else round_num)
-    models[g] = staged.final.get_model_weights(state)
-  return fl_weights, models, staged.final.model_weights_type
+  `round_num` (None: its last round). `run`: the run's handle, opened if
+  None."""
+  run = run or runs.Run.open(config.experiment_dir, task=task)
+  models = {g: run.weights(round=round_num, group=g) for g in run.groups()}
+  return (run.weights(stage='fl'), models,
+          run.process().model_weights_type)
 
 
 def _participations(config, members, rounds, cohort):
@@ -502,7 +493,7 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   config = train_config(cfg, seed, directory,
                         keep_checkpoints=_pipeline_keep(cfg))
   _train(task, config, log_fn)
-  global_weights, group_weights, wtype = _models(task, config, 'task')
+  global_weights, group_weights, wtype = _models(task, config)
   fl_part = _fl_participations(task, config, cfg)
   group_part = _group_participations(task, config, 'task')
   group_of = dict(enumerate(task.client_groups))
@@ -547,7 +538,7 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   lrs = {m: sweep[m]['lr'] for m in sweep}
   stages.json('curves', lambda: _control_curves(
       task, cfg, seed, directory, eval_clients, lrs, wtype, log_fn,
-      runs=_CONTROL_RUNS[:1]))
+      control_runs=_CONTROL_RUNS[:1]))
   staged = experiment.build_process(task, config)
   fl_stage = staged.stages[0]
   stages.json('fl_curves', lambda: _global_curves(
@@ -794,7 +785,7 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
     config = train_config(cfg_t, seed, directory, grouping, num_groups,
                           keep_checkpoints=_control_keep(cfg))
     _train(task, config, log_fn)
-    fl_weights, models, wtype = _models(task, config, grouping)
+    fl_weights, models, wtype = _models(task, config)
     members = experiment.group_members(task, config, grouping)
     starts[name] = (models, {c: g for g, ms in members.items() for c in ms})
     if grouping == 'task':
@@ -851,9 +842,9 @@ _CONTROL_RUNS = (('task', 'groupfl', 'groupperfl'),
 
 
 def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
-                    log_fn, runs=_CONTROL_RUNS) -> dict:
+                    log_fn, control_runs=_CONTROL_RUNS) -> dict:
   """Held-out learning curves of group stages (the controls', or with
-  `runs=_CONTROL_RUNS[:1]` the tables' GroupFL and GroupPerFL).
+  `control_runs=_CONTROL_RUNS[:1]` the tables' GroupFL and GroupPerFL).
 
   For each group-stage run (`runs`) and each round r = 0..T_g,
   every evaluated client is tested with its group's model after r group
@@ -875,17 +866,15 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
   pools[ALL] = list(eval_clients)
   rounds = list(range(cfg_t['group_rounds'] + 1))
   out = {}
-  for grouping, method, personal in runs:
+  for grouping, method, personal in control_runs:
     config = train_config(cfg_t, seed, directory, grouping, num_groups)
-    staged = experiment.build_process(task, config)
-    members = experiment.group_members(task, config, grouping)
-    key_of = {c: g for g, ms in members.items() for c in ms}
+    run = runs.Run.open(config.experiment_dir, task=task)
+    key_of = {c: g for g, ms in run.groups().items() for c in ms}
     for name in (method, personal):
       out[name] = {'round': rounds, **{g: [] for g in pools}}
     for r in rounds:
       log_fn(f'group: curves of {method} / {personal}, group round {r}')
-      fl_weights, models, _ = _models(task, config, grouping,
-                                      max(r, 1), staged)
+      fl_weights, models, _ = _models(task, config, max(r, 1), run)
       if r == 0:
         models = {g: fl_weights for g in models}
       sums = {}

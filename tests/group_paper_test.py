@@ -127,7 +127,7 @@ def _check_controls(f, root, records):
   for grouping in ('task', 'shuffled', 'one'):
     config = group.train_config(cfg_t, 0, directory, grouping,
                                 len(task.group_names))
-    fl, models, _ = group._models(task, config, grouping)
+    fl, models, _ = group._models(task, config)
     fl_weights.append(fl)
     sizes = sorted(len(m) for m in experiment.group_members(
         task, config, grouping).values())

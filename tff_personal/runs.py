@@ -310,7 +310,7 @@ class Run(collections.abc.Mapping):
     population = self.task.population
     local = list(ids)
     if group is not None:
-      members = self._groups()[group]
+      members = self.groups()[group]
       where = {c: i for i, c in enumerate(members)}
       outside = [c for c in ids if c not in where]
       if outside:
@@ -379,7 +379,8 @@ class Run(collections.abc.Mapping):
     return os.path.isdir(os.path.join(self.directory,
                                       experiment.GROUPS_DIRNAME))
 
-  def _groups(self) -> dict[str, list[int]]:
+  def groups(self) -> dict[str, list[int]]:
+    """`{group: its client ids}` of a run whose last stage ran per group."""
     built = self._built()
     if not (isinstance(built, stages_lib.Staged) and built.per_group):
       raise RunError(f'{self._config.algorithm} does not run per group')
@@ -393,13 +394,13 @@ class Run(collections.abc.Mapping):
       self.process(stage)  # An unknown stage fails here.
       return experiment.stage_directory(self._config, stage)
     if group is not None:
-      if group not in self._groups():
+      if group not in self.groups():
         raise RunError(f'no group {group!r}; groups: '
-                       f'{sorted(self._groups())}')
+                       f'{sorted(self.groups())}')
       return experiment.group_directory(self._config, group)
     if self._per_group():
       raise RunError(f'{self.directory} ran its last stage once per group; '
-                     f'name one: group= one of {sorted(self._groups())}')
+                     f'name one: group= one of {sorted(self.groups())}')
     return self.directory
 
   def _checkpoint(self, round_num, stage, group):
