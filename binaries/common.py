@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -580,14 +580,24 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  try:
+  def evaluate():
     with run_lock.hold(config.experiment_dir, create=False), (
         runtime.local_runtime(workers=f.workers,
                               intra_op_threads=f.intra_op_threads,
                               inter_op_threads=f.inter_op_threads)):
-      record = run_evaluation_lib.evaluate_experiment(
+      return run_evaluation_lib.evaluate_experiment(
           task, config, eval_name, log_fn=lambda s: print(s, flush=True),
           overwrite=overwrite, flag_values=flag_values(f))
+
+  return _report_evaluation(
+      evaluate, run_evaluation_lib.evaluation_path(config, eval_name))
+
+
+def _report_evaluation(evaluate: Callable[[], dict], path: str) -> int:
+  """Runs a re-evaluation; prints its record and `path`, or one error line.
+  Returns the exit code (0, 2 refused, 3 the run's state)."""
+  try:
+    record = evaluate()
   except run_evaluation_lib.EvaluationError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
@@ -598,7 +608,7 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
   print(json.dumps({k: record[k] for k in (
       'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},
                    indent=1, default=str))
-  print(f'written: {run_evaluation_lib.evaluation_path(config, eval_name)}')
+  print(f'written: {path}')
   return 0
 
 
@@ -627,21 +637,12 @@ def evaluate_run_dir(run_dir: str, f, eval_name: str,
   except ValueError as e:  # RunError, or the task's data.
     print(f'error: {e}', file=sys.stderr)
     return 2
-  try:
+  def evaluate():
     with runtime.local_runtime(workers=f.workers,
                                intra_op_threads=f.intra_op_threads,
                                inter_op_threads=f.inter_op_threads):
-      record = run.evaluate(eval_name, overwrite=overwrite,
-                            log_fn=lambda s: print(s, flush=True), **changes)
-  except run_evaluation_lib.EvaluationError as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  except STATE_ERRORS as e:
-    if not state_failure(e):
-      raise
-    return 3
-  print(json.dumps({k: record[k] for k in (
-      'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},
-                   indent=1, default=str))
-  print(f'written: {run_evaluation_lib.evaluation_path(run.config, eval_name)}')
-  return 0
+      return run.evaluate(eval_name, overwrite=overwrite,
+                          log_fn=lambda s: print(s, flush=True), **changes)
+
+  return _report_evaluation(
+      evaluate, run_evaluation_lib.evaluation_path(run.config, eval_name))
