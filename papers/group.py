@@ -64,6 +64,9 @@ Readings of the paper, and choices made for the CPU budget
     round, fresh FedAdam state), then (perfl_more) personalized;
   - `groupfl_shuffled` / `groupperfl_shuffled`: GroupFL / GroupPerFL on
     random groups of the genres' sizes;
+  - `groupfl_keep` / `groupperfl_keep`: GroupFL / GroupPerFL whose group
+    stages start from the FL stage's FedAdam state (`server_state=keep`)
+    instead of a fresh one;
   - `margin` (groupfl, groupperfl rows of `control_margin`): the method's
     perplexity minus the lower of its two controls'; negative where the
     genre groups beat both.
@@ -83,6 +86,7 @@ from absl import flags
 import numpy as np
 import tensorflow_federated as tff
 
+from tasks import registry as task_registry
 from tasks import shakespeare_groups
 from tff_personal import atomic_io
 from tff_personal import experiment
@@ -98,10 +102,13 @@ PAPER = 'group'
 METHODS = ('fl', 'perfl', 'groupfl', 'groupperfl')
 ALL = 'all'
 # The controls' methods, and each group method's two controls.
-CONTROL_METHODS = ('fl', 'fl_more', 'groupfl', 'groupfl_shuffled',
-                   'perfl', 'perfl_more', 'groupperfl', 'groupperfl_shuffled')
+CONTROL_METHODS = ('fl', 'fl_more', 'groupfl', 'groupfl_keep',
+                   'groupfl_shuffled', 'perfl', 'perfl_more', 'groupperfl',
+                   'groupperfl_keep', 'groupperfl_shuffled')
 CONTROLS_OF = {'groupfl': ('fl_more', 'groupfl_shuffled'),
-               'groupperfl': ('perfl_more', 'groupperfl_shuffled')}
+               'groupfl_keep': ('fl_more', 'groupfl_shuffled'),
+               'groupperfl': ('perfl_more', 'groupperfl_shuffled'),
+               'groupperfl_keep': ('perfl_more', 'groupperfl_shuffled')}
 PLATEAU = 'plateau'  # The setting of the controls' cells: FL to a plateau.
 _COLUMNS = [reporting.Column(g, {'group': g})
             for g in shakespeare_groups.GROUP_NAMES + (ALL,)]
@@ -381,8 +388,10 @@ def _config_dir(root, cfg, seed):
 
 
 def _task(cfg, seed):
-  return shakespeare_groups.shakespeare_groups_task(
-      cfg['data_dir'], vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
+  """The registered `shakespeare_groups` task (built through the registry,
+  so that runs on it record how it was built and share their FL stage)."""
+  return task_registry.build_task(
+      'shakespeare_groups', data_dir=cfg['data_dir'], vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
       embedding_dim=cfg['embedding_dim'], lstm_units=cfg['lstm_units'],
       lstm_layers=cfg['lstm_layers'], seed=_data_seed(cfg, seed),
       max_clients=cfg['max_clients'], local_epochs=cfg['local_epochs'])
@@ -390,7 +399,8 @@ def _task(cfg, seed):
 
 def train_config(cfg: dict, seed: int, directory: str,
                  grouping: str = 'task', num_groups: int = 1,
-                 keep_checkpoints: int = 3) -> experiment.ExperimentConfig:
+                 keep_checkpoints: int = 3,
+                 server_state: str = 'fresh') -> experiment.ExperimentConfig:
   """The one-path run (`groupfl`) behind the tables.
 
   Stage 'fl': T rounds of `clients_per_round` over every client; then T_g
@@ -400,19 +410,24 @@ def train_config(cfg: dict, seed: int, directory: str,
   `num_groups` per round): its FL stage is the same run, hence the same FL
   model. `keep_checkpoints`: the newest checkpoints each run directory
   keeps (the controls keep every group round's, for their curves).
+  `server_state`: `groupfl`'s option: 'fresh' (a new FedAdam state per
+  group, the tables') or 'keep' (each group stage starts from the FL
+  stage's optimizer state; the `*_keep` controls).
   """
   one = grouping == 'one'
+  keep = {'server_state': server_state} if server_state != 'fresh' else {}
   return experiment.ExperimentConfig(
       algorithm='groupfl', rounds=cfg['group_rounds'],
       clients_per_round=cfg['group_clients_per_round'] * (
           num_groups if one else 1),
       root_output_dir=directory,
-      experiment_name='fl_more' if one else f'groupfl_{grouping}',
+      experiment_name=('fl_more' if one else f'groupfl_{grouping}') + (
+          f'_{server_state}' if keep else ''),
       client_optimizer='sgd', client_learning_rate=cfg['client_lr'],
       server_optimizer='adam', server_learning_rate=cfg['server_lr'],
       algorithm_options={'fl_rounds': cfg['rounds'],
                          'fl_clients_per_round': cfg['clients_per_round'],
-                         'grouping': grouping},
+                         'grouping': grouping, **keep},
       keep_checkpoints=keep_checkpoints, seed=seed, resume=True)
 
 
@@ -780,21 +795,21 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
   num_groups = len(task.group_names)
   starts = {}  # method -> ({model key: weights}, {client: model key})
   wtype = None
-  for grouping, name in (('task', 'groupfl'), ('shuffled', 'groupfl_shuffled'),
-                         ('one', 'fl_more')):
+  for grouping, server_state, name, _ in _CONTROL_RUNS:
     config = train_config(cfg_t, seed, directory, grouping, num_groups,
-                          keep_checkpoints=_control_keep(cfg))
+                          keep_checkpoints=_control_keep(cfg),
+                          server_state=server_state)
     _train(task, config, log_fn)
     fl_weights, models, wtype = _models(task, config)
     members = experiment.group_members(task, config, grouping)
     starts[name] = (models, {c: g for g, ms in members.items() for c in ms})
-    if grouping == 'task':
+    if name == 'groupfl':
       starts['fl'] = ({ALL: fl_weights},
                       {c: ALL for c in range(task.population)})
   evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
                                           wtype)
   sums, sweep = {}, {}
-  for method in ('fl', 'fl_more', 'groupfl', 'groupfl_shuffled'):
+  for method in ('fl',) + tuple(run[2] for run in _CONTROL_RUNS):
     models, key_of = starts[method]
 
     def compute(models=models, key_of=key_of):
@@ -807,9 +822,8 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
     log_fn(f'group: evaluating {method}')
     sums[method] = {int(c): v for c, v in stages.json(
         f'eval_{method}', compute).items()}
-  for method, start in (('perfl', 'fl'), ('perfl_more', 'fl_more'),
-                        ('groupperfl', 'groupfl'),
-                        ('groupperfl_shuffled', 'groupfl_shuffled')):
+  for method, start in (('perfl', 'fl'),) + tuple(
+      (personal, name) for _, _, name, personal in _CONTROL_RUNS):
     models, key_of = starts[start]
     sums[method], sweep[method] = _personalize(
         task, cfg, stages, method, models, key_of, eval_clients,
@@ -835,10 +849,13 @@ def _control_keep(cfg) -> int:
   return max(cfg['group_rounds'], 3)
 
 
-# The controls' group-stage runs: (grouping, method, its personalized method).
-_CONTROL_RUNS = (('task', 'groupfl', 'groupperfl'),
-                 ('shuffled', 'groupfl_shuffled', 'groupperfl_shuffled'),
-                 ('one', 'fl_more', 'perfl_more'))
+# The controls' group-stage runs: (grouping, server_state, method, its
+# personalized method). They share one FL stage (`Stage.shared_as`).
+_CONTROL_RUNS = (('task', 'fresh', 'groupfl', 'groupperfl'),
+                 ('task', 'keep', 'groupfl_keep', 'groupperfl_keep'),
+                 ('shuffled', 'fresh', 'groupfl_shuffled',
+                  'groupperfl_shuffled'),
+                 ('one', 'fresh', 'fl_more', 'perfl_more'))
 
 
 def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
@@ -866,8 +883,9 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
   pools[ALL] = list(eval_clients)
   rounds = list(range(cfg_t['group_rounds'] + 1))
   out = {}
-  for grouping, method, personal in control_runs:
-    config = train_config(cfg_t, seed, directory, grouping, num_groups)
+  for grouping, server_state, method, personal in control_runs:
+    config = train_config(cfg_t, seed, directory, grouping, num_groups,
+                          server_state=server_state)
     run = runs.Run.open(config.experiment_dir, task=task)
     key_of = {c: g for g, ms in run.groups().items() for c in ms}
     for name in (method, personal):
@@ -1228,8 +1246,8 @@ def make_control_curves_figure(root_output_dir: str,
   # The group stage as each seed's change from its FL model at T: the
   # seeds' evaluated clients differ, and so do their levels.
   base = [t['fl'][ALL]['perplexity'] for t in tables]
-  colors = ('tab:red', 'tab:purple', 'tab:blue')
-  for ax, column, start in ((axes[1], 1, 'fl'), (axes[2], 2, 'perfl')):
+  colors = ('tab:red', 'tab:orange', 'tab:purple', 'tab:blue')
+  for ax, column, start in ((axes[1], 2, 'fl'), (axes[2], 3, 'perfl')):
     for run, color in zip(_CONTROL_RUNS, colors):
       method = run[column]
       reporting.plot_seed_band(
