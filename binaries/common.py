@@ -546,8 +546,9 @@ EVALUATION_FLAGS = tuple(name for name in run_records.RESUMABLE_FIELDS
 
 
 def run_evaluation(config, task_kwargs, f, eval_name: str,
-                   overwrite: bool = False) -> int:
-  """Re-evaluates the finished run of `f`'s flags (binaries.evaluate)."""
+                   overwrite: bool = False, new_users=None) -> int:
+  """Re-evaluates the finished run of `f`'s flags (binaries.evaluate);
+  `new_users`: a `run_evaluation.NewUsers`, or None."""
   if not f.use_gpu:
     tf.config.set_visible_devices([], 'GPU')
   if not f['verbosity'].present:
@@ -587,7 +588,8 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
                               inter_op_threads=f.inter_op_threads)):
       return run_evaluation_lib.evaluate_experiment(
           task, config, eval_name, log_fn=lambda s: print(s, flush=True),
-          overwrite=overwrite, flag_values=flag_values(f))
+          overwrite=overwrite, flag_values=flag_values(f),
+          new_users=new_users)
 
   return _report_evaluation(
       evaluate, run_evaluation_lib.evaluation_path(config, eval_name))
@@ -606,19 +608,19 @@ def _report_evaluation(evaluate: Callable[[], dict], path: str) -> int:
       raise
     return 3
   print(json.dumps({k: record[k] for k in (
-      'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start')},
-                   indent=1, default=str))
+      'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start',
+      'new_users') if k in record}, indent=1, default=str))
   print(f'written: {path}')
   return 0
 
 
 def evaluate_run_dir(run_dir: str, f, eval_name: str,
-                     overwrite: bool = False) -> int:
+                     overwrite: bool = False, new_users=None) -> int:
   """Re-evaluates the finished run in `run_dir` from its own record
   (`runs.Run.open`; binaries.evaluate --run_dir): its task and
   configuration are the run's; the evaluation flags given on the command
-  line (`run_records.EVALUATION_FIELDS`) change its evaluation. Exit codes
-  as `run_evaluation`."""
+  line (`run_records.EVALUATION_FIELDS`) change its evaluation; `new_users`
+  as for `run_evaluation`. Exit codes as `run_evaluation`."""
   if not f.use_gpu:
     tf.config.set_visible_devices([], 'GPU')
   if not f['verbosity'].present:
@@ -642,7 +644,8 @@ def evaluate_run_dir(run_dir: str, f, eval_name: str,
                                intra_op_threads=f.intra_op_threads,
                                inter_op_threads=f.inter_op_threads):
       return run.evaluate(eval_name, overwrite=overwrite,
-                          log_fn=lambda s: print(s, flush=True), **changes)
+                          log_fn=lambda s: print(s, flush=True),
+                          new_users=new_users, **changes)
 
   return _report_evaluation(
       evaluate, run_evaluation_lib.evaluation_path(run.config, eval_name))

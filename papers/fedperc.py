@@ -39,7 +39,7 @@ the user's first n fine-tuning utterances (n < 15) or on 15 of them sampled
 (all); the adapted values are local copies, discarded after the user is
 scored. `fedperc_generated` runs its generators once over the n utterances.
 Withheld users start from the DP noisy average of the trained users'
-personal embeddings (`algorithms/fedperc.build_dp_mean`, a TFF computation
+personal embeddings (`core/new_users.build_dp_mean`, a TFF computation
 over the states at CLIENTS; section 3.2) for both FedPerC variants; a
 withheld Split-Learning user starts with a zero personal-head delta, i.e.
 the pre-trained output layer (the paper only describes the embeddings'
@@ -64,6 +64,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tasks import context_task
 from tasks import tv_shows
 from tasks import tv_shows_task
 from tff_personal import atomic_io
@@ -72,6 +73,7 @@ from tff_personal import reporting
 from tff_personal import runs
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.algorithms import registry
+from tff_personal.core import new_users
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.models import bpe_trainer
@@ -318,9 +320,9 @@ def _method_of(variant: str) -> str:
               if fedperc_alg.algorithm(m).variant == variant)
 
 
-def task_of(flag_values, seed: int) -> tv_shows_task.TvShowsTask:
+def task_of(flag_values, seed: int) -> context_task.ContextTask:
   """The `tv_shows` task under the paper's flags (users from `_users`)."""
-  return tv_shows_task.TvShowsTask(
+  return tv_shows_task.from_users(
       _spec(flag_values), _users(flag_values, seed),
       max_tokens=flag_values.fedperc_max_tokens,
       local_steps=flag_values.fedperc_local_steps,
@@ -416,7 +418,7 @@ def dp_new_user_state(states: dict[str, tuple], flag_values,
   (`fedperc_alg.dp_clip_norm`); its noise drawn from `seed` (the run's, so
   that evaluating the same run again gives the same average; None:
   unseeded). If `report` is given, it is filled with
-  what the clip does to the known states (`fedperc_alg.dp_clip_report`:
+  what the clip does to the known states (`new_users.dp_clip_report`:
   fraction clipped, median norm and its ratio to the clip), a simulation
   diagnostic that eval.json records next to the results.
   """
@@ -425,8 +427,8 @@ def dp_new_user_state(states: dict[str, tuple], flag_values,
       tff.TensorType(v.dtype, v.shape) for v in values[0]))
   clip = fedperc_alg.dp_clip_norm(variant, flag_values.fedperc_dp_clip)
   if report is not None:
-    report.update(fedperc_alg.dp_clip_report(values, clip))
-  dp_mean = fedperc_alg.build_dp_mean(
+    report.update(new_users.dp_clip_report(values, clip))
+  dp_mean = new_users.build_dp_mean(
       value_type, noise_multiplier=flag_values.fedperc_dp_noise_multiplier,
       clip_norm=clip, num_clients=len(values), seed=seed)
   with runtime.local_runtime():

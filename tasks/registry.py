@@ -22,6 +22,7 @@ import os
 from typing import Any, Callable, Mapping, Sequence
 
 from tasks import client_data_task
+from tasks import context_task
 from tasks import preference_task
 from tasks import shakespeare_groups
 from tasks import speaker_task
@@ -101,9 +102,13 @@ _SPECS = (
              'loop at a million users)',
              flags=('num_users', 'batch_size', 'local_epochs')),
     TaskSpec('tv_shows', tv_shows_task.tv_shows_task,
-             ('batches', 'fedperc_model'),
+             ('batches', 'fedperc_model', 'withheld'),
              'FedPerC: Friends and Game of Thrones characters\' utterances, '
              'a frozen GPT-2 language model'),
+    TaskSpec('context_table', context_task.context_table_task,
+             ('batches', 'fedperc_model', 'withheld'),
+             'FedPerC on any (user, context, text) table, from options: '
+             'e.g. Shakespeare\'s characters in their plays'),
 )
 
 SPECS: dict[str, TaskSpec] = {s.name: s for s in _SPECS}

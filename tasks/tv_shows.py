@@ -115,14 +115,31 @@ def encode(tokenizer, texts: Sequence[str], context: int, max_tokens: int,
 
 def build_users(sentences: dict[str, list[str]], tokenizer, *,
                 max_tokens: int, end_id: int, seed: int,
-                max_utterances_per_user: int | None = None
+                max_utterances_per_user: int | None = None,
+                users: Sequence[str] = USERS,
+                context_of: dict[str, int] | None = None
                 ) -> dict[str, UserData]:
-  """Tokenized, subsampled and split data of every user."""
+  """Tokenized, subsampled and split data of every user.
+
+  Args:
+    sentences: each user's sentences.
+    tokenizer: the backbone's tokenizer.
+    max_tokens, end_id: `encode`'s.
+    seed: the subsample's and the split's seed (with the user's index in
+      `users`).
+    max_utterances_per_user: utterances kept per user before the split
+      (None: all).
+    users: the users, in order (default: the TV-show users).
+    context_of: each user's context index (default: its TV show's).
+
+  Returns:
+    `{user: UserData}`.
+  """
   out = {}
-  for index, user in enumerate(USERS):
-    context = CONTEXTS.index(
-        speaker_context_io.FRIENDS if user in FRIENDS_USERS
-        else speaker_context_io.GAME_OF_THRONES)
+  for index, user in enumerate(users):
+    context = context_of[user] if context_of is not None else (
+        CONTEXTS.index(speaker_context_io.FRIENDS if user in FRIENDS_USERS
+                       else speaker_context_io.GAME_OF_THRONES))
     rng = np.random.default_rng([seed, index])
     candidates = [sentences[user][i]
                   for i in rng.permutation(len(sentences[user]))]

@@ -55,7 +55,7 @@ def test_training_is_the_registered_algorithm_on_the_one_path(
   its weights, private states and losses are those of the same process
   driven by hand over the task's rounds (full cohorts), read back from the
   run's checkpoint, store and metrics."""
-  task = tv_shows_task.TvShowsTask(
+  task = tv_shows_task.from_users(
       fedperc_testdata.spec(), fedperc_testdata.tv_show_users(),
       max_tokens=fedperc_testdata.MAX_TOKENS, local_steps=2, batch_size=3,
       generator_tokens=4, seed=0)

@@ -7,6 +7,7 @@ import tensorflow_federated as tff
 
 from tasks import tv_shows
 from tff_personal.algorithms import fedperc as fedperc_alg
+from tff_personal.core import new_users
 from tff_personal.core import process as process_lib
 from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc
@@ -124,7 +125,7 @@ def test_new_user_initialisation_is_the_dp_aggregate():
   rng = np.random.default_rng(0)
   values = [(rng.normal(size=HIDDEN).astype(np.float32) * 0.1,)
             for _ in range(4)]
-  exact = fedperc_alg.build_dp_mean(value_type, noise_multiplier=0.0,
+  exact = new_users.build_dp_mean(value_type, noise_multiplier=0.0,
                                     clip_norm=100.0, num_clients=4)
   # Known users' states go in at CLIENTS; only the aggregate is at SERVER.
   assert exact.type_signature.parameter.placement == tff.CLIENTS
@@ -133,13 +134,13 @@ def test_new_user_initialisation_is_the_dp_aggregate():
                                                        0), rtol=1e-5)
   # Clipping: a huge state counts with norm clip_norm only.
   big = values[:3] + [(np.full(HIDDEN, 100.0, np.float32),)]
-  clipped = fedperc_alg.build_dp_mean(value_type, noise_multiplier=0.0,
+  clipped = new_users.build_dp_mean(value_type, noise_multiplier=0.0,
                                       clip_norm=1.0, num_clients=4)(big)[0]
   expected = (np.sum([v[0] for v in values[:3]], 0) +
               np.full(HIDDEN, 1.0 / np.sqrt(HIDDEN))) / 4
   np.testing.assert_allclose(clipped, expected, rtol=1e-4, atol=1e-6)
   # Noise: std noise_multiplier * clip / n per coordinate.
-  noisy = fedperc_alg.build_dp_mean(value_type, noise_multiplier=2.0,
+  noisy = new_users.build_dp_mean(value_type, noise_multiplier=2.0,
                                     clip_norm=1.0, num_clients=4)
   mean = np.mean([v[0] for v in values], 0)
   draws = np.stack([noisy(values)[0] - mean for _ in range(25)])
@@ -150,9 +151,9 @@ def test_new_user_initialisation_is_the_dp_aggregate():
   np.testing.assert_array_equal(
       state[process_lib.CLIENT_STATE_PRIVATE][0], release[0])
   assert state[process_lib.CLIENT_STATE_ROUNDS] == 0
-  assert fedperc_alg.dp_mean_epsilon(2.0, 1e-5) > 0
+  assert new_users.dp_mean_epsilon(2.0, 1e-5) > 0
   with pytest.raises(ValueError, match='clip_norm'):
-    fedperc_alg.build_dp_mean(value_type, noise_multiplier=1.0, clip_norm=0.0,
+    new_users.build_dp_mean(value_type, noise_multiplier=1.0, clip_norm=0.0,
                               num_clients=4)
 
 
@@ -167,7 +168,7 @@ def test_dp_clip_is_per_variant_and_its_effect_is_reported():
   # Norms 3, 5 (a two-tensor state: clipped by its global norm), 20, 30.
   states = [(np.array([3.0, 0.0]),), (np.array([3.0]), np.array([4.0])),
             (np.array([0.0, 20.0]),), (np.array([30.0, 0.0]),)]
-  report = fedperc_alg.dp_clip_report(states, 16.0)
+  report = new_users.dp_clip_report(states, 16.0)
   assert report == dict(clip_norm=16.0, num_users=4, fraction_clipped=0.5,
                         median_norm=12.5, median_norm_over_clip=12.5 / 16,
                         max_norm=30.0)

@@ -81,7 +81,7 @@ def test_split_model_dp_run_reopens_from_its_directory_alone(tmp_path,
 
 
 def test_fedperc_dp_run_reopens_and_evaluates_as_it_did(tmp_path):
-  task = tv_shows_task.TvShowsTask(
+  task = tv_shows_task.from_users(
       fedperc_testdata.spec(), fedperc_testdata.tv_show_users(),
       max_tokens=fedperc_testdata.MAX_TOKENS, local_steps=2, batch_size=3,
       generator_tokens=4, seed=0)

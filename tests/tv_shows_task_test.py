@@ -29,7 +29,7 @@ def _users():
 
 @pytest.fixture(scope='module')
 def task():
-  return tv_shows_task.TvShowsTask(
+  return tv_shows_task.from_users(
       fedperc_testdata.spec(), _users(), max_tokens=fedperc_testdata.MAX_TOKENS,
       local_steps=3, batch_size=5, generator_tokens=4, seed=7)
 

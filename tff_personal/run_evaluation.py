@@ -4,18 +4,21 @@ a finished run (`evaluate_experiment`)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+import tensorflow_federated as tff
 
 from tff_personal import experiment
 from tff_personal import run_privacy
 from tff_personal import run_records
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
+from tff_personal.core import new_users as new_users_lib
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
@@ -198,7 +201,8 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
                         eval_name: Optional[str],
                         log_fn: Callable[[str], None] = print,
                         overwrite: bool = False,
-                        flag_values: Optional[dict[str, Any]] = None) -> dict:
+                        flag_values: Optional[dict[str, Any]] = None,
+                        new_users: Optional['NewUsers'] = None) -> dict:
   """Evaluates a finished run's final state again; writes nothing else.
 
   Needs `<experiment_dir>/summary.json` (a run writes it when it ends) and
@@ -218,7 +222,9 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
   `binaries.evaluate` also compares its flags (the task's too) with
   summary.json. The record's privacy report is recomputed from
   run_config.json's DP configuration and the rounds the run started
-  (`run_privacy_report`), not copied from summary.json.
+  (`run_privacy_report`), not copied from summary.json. With `new_users`,
+  the task's withheld users are evaluated as new users too
+  (`evaluate_new_users`; the record's `new_users`).
 
   Raises:
     EvaluationError: the run has not finished, was trained under another
@@ -283,6 +289,9 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
                                    dp)
   proc = stages_lib.final_process(built)
   t_start = time.perf_counter()
+  if per_group and new_users is not None:
+    raise EvaluationError('new users are evaluated on one final model; this '
+                          'run ended with a model per group')
   if per_group:
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
     run_report = run_privacy.group_privacy_report(
@@ -308,6 +317,12 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
       log_fn(f'eval: {format_metrics(result["eval"])}')
       result.update(final_evaluations(task, proc, state, store, config,
                                       evaluate, log_fn))
+      if new_users is not None:
+        result['new_users'] = evaluate_new_users(
+            task, proc, state, store, config, new_users,
+            (run_dp.target_delta or privacy.default_target_delta(
+                population)) if run_dp.is_private else None, log_fn)
+        result['new_users']['settings'] = dataclasses.asdict(new_users)
     finally:
       store.close()
   record = {
@@ -466,6 +481,174 @@ def evaluate_cold_start(task, proc, state, store,
     sl = slice(i, i + config.eval_chunk)
     outputs.extend(cold_eval(weights, states[sl], train[sl], test[sl]))
   return task.evaluate(outputs, ids)
+
+
+# How a new user starts (`NewUsers.start`).
+NEW_USER_STARTS = ('initial', 'dp_average')
+DEFAULT_NEW_USERS_DELTA = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class NewUsers:
+  """How the task's withheld users are evaluated: as new users.
+
+  Each withheld user (never trained on) starts from `start`, then the
+  algorithm's own test-time adaptation (its evaluation model: FedPerC's
+  fine-tuning or generation) reads its first k adaptation samples, for
+  each k of `samples`, and its test split is scored.
+
+  Attributes:
+    samples: the adaptation sample counts, ints >= 1 or 'all'.
+    start: 'initial': the process's new-user state (FedPerC's: zero
+      offsets; others: the store's documented initial state of an id past
+      the population). 'dp_average': the DP average of the trained users'
+      private states (`core/new_users.build_dp_mean`), released once, its
+      noise drawn from the run's seed.
+    noise_multiplier: the DP average's noise stddev over its clip.
+    clip_norm: each trained user's state is clipped to this L2 norm; None:
+      the process's `new_user_dp_clip` (FedPerC's per variant).
+    delta: the DP average's delta (None: the run's DP delta, else 1e-5).
+
+  Example:
+
+    run.evaluate(new_users=NewUsers(samples=(1, 'all'), start='dp_average'))
+  """
+  samples: tuple = ('all',)
+  start: str = 'initial'
+  noise_multiplier: float = 1.0
+  clip_norm: Optional[float] = None
+  delta: Optional[float] = None
+
+  def __post_init__(self):
+    samples = tuple(s if s == 'all' else int(s) for s in self.samples)
+    if not samples or any(s != 'all' and s < 1 for s in samples):
+      raise ValueError(f'new-user samples must be ints >= 1 or "all", got '
+                       f'{self.samples}')
+    object.__setattr__(self, 'samples', samples)
+    if self.start not in NEW_USER_STARTS:
+      raise ValueError(f'new-user start must be one of {NEW_USER_STARTS}, '
+                       f'got {self.start!r}')
+    if self.noise_multiplier < 0 or (self.clip_norm is not None and
+                                     not self.clip_norm > 0):
+      raise ValueError(f'new-user DP average needs noise_multiplier >= 0 '
+                       f'and clip_norm > 0, got {self.noise_multiplier}, '
+                       f'{self.clip_norm}')
+    if self.delta is not None and not 0 < self.delta < 1:
+      raise ValueError(f'new-user delta must be in (0, 1), got {self.delta}')
+
+  @classmethod
+  def parse_samples(cls, values) -> tuple:
+    """'1,5,all' or ['1', 'all'] -> (1, 'all') (flag values)."""
+    if isinstance(values, str):
+      values = values.split(',')
+    try:
+      return tuple(v if v == 'all' else int(v)
+                   for v in (str(x).strip() for x in values) if v)
+    except ValueError as e:
+      raise ValueError(f'new-user samples must be ints or "all", got '
+                       f'{values}') from e
+
+
+def _dp_average_start(proc, store, population: int, new_users: NewUsers,
+                      config: experiment.ExperimentConfig,
+                      run_delta: Optional[float]) -> tuple:
+  """(the DP average of the trained clients' private states, its record)."""
+  states = store.load(list(range(population)))
+  private = [tuple(np.asarray(v) for v in s[process_lib.CLIENT_STATE_PRIVATE])
+             for s in states
+             if int(s.get(process_lib.CLIENT_STATE_ROUNDS, 1)) > 0]
+  if not private or not private[0]:
+    raise EvaluationError(
+        'the dp_average new-user start needs trained clients with a private '
+        f'state; this run has {len(private)} trained clients'
+        + (' and no private state' if private else ''))
+  base = getattr(proc, 'base_process', proc)
+  clip = new_users.clip_norm or getattr(base, 'new_user_dp_clip', None)
+  if clip is None:
+    raise EvaluationError(
+        'the dp_average new-user start needs a clip norm: the algorithm '
+        'declares none (new_user_dp_clip); give one (--new_users_clip)')
+  delta = new_users.delta or run_delta or DEFAULT_NEW_USERS_DELTA
+  private_type = tff.types.to_type(tuple(
+      tff.TensorType(v.dtype, v.shape) for v in private[0]))
+  dp_mean = new_users_lib.build_dp_mean(
+      private_type, noise_multiplier=new_users.noise_multiplier,
+      clip_norm=clip, num_clients=len(private), seed=config.seed)
+  mean = tuple(np.asarray(v) for v in dp_mean(private))
+  record = dict(
+      users=len(private), clip_norm=float(clip),
+      noise_multiplier=float(new_users.noise_multiplier),
+      epsilon=new_users_lib.dp_mean_epsilon(new_users.noise_multiplier,
+                                            delta),
+      delta=float(delta), seed=config.seed,
+      accounting='one Gaussian release, RDP (dp_accounting), add-or-remove '
+                 'one trained user',
+      released='the DP average of the trained users\' private states, '
+               'once: every new user starts from it',
+      clip=new_users_lib.dp_clip_report(private, clip))
+  return mean, record
+
+
+def evaluate_new_users(task, proc, state, store,
+                       config: experiment.ExperimentConfig,
+                       new_users: NewUsers, run_delta: Optional[float] = None,
+                       log_fn: Optional[Callable[[str], None]] = None
+                       ) -> dict:
+  """The task's withheld users, evaluated as new users (`NewUsers`).
+
+  Args:
+    task: a task with the `withheld` capability.
+    proc: the run's (final) process; `state` its server state.
+    store: the run's client-state store at that state's round.
+    config: the run's config (its seed draws the DP average's noise).
+    new_users: how they start and adapt.
+    run_delta: the delta of the run's own DP guarantee, if it has one (the
+      DP average's default delta).
+    log_fn: where each sample count's metrics are logged.
+
+  Returns:
+    `{'users': n, 'start': ..., 'samples': {'1': metrics, 'all': ...},
+    'dp_average': the release's record (dp_average only)}`; the
+    DP average's (epsilon, delta) covers only that one release.
+
+  Raises:
+    EvaluationError: the task has no withheld users, or the start cannot be
+      made.
+  """
+  names = list(getattr(task, 'withheld_names', ()) or ())
+  if not names:
+    raise EvaluationError(
+        f'task {task_lib.task_name(task)} has no withheld users (the '
+        '`withheld` capability) to evaluate as new users')
+  ids = list(range(len(names)))
+  population = task.population
+  weights = proc.get_model_weights(state)
+  initial = experiment.initial_client_state_fn(proc, config)
+  starts = [collections.OrderedDict(initial(population + i)) for i in ids]
+  out = {'users': len(ids), 'start': new_users.start}
+  if new_users.start == 'dp_average':
+    mean, out['dp_average'] = _dp_average_start(proc, store, population,
+                                                new_users, config, run_delta)
+    for s in starts:
+      s[process_lib.CLIENT_STATE_PRIVATE] = mean
+  states = process_lib.eval_client_states(proc, weights, starts)
+  personal_eval = evaluation.build_personal_eval(
+      getattr(proc, 'eval_model_fn', proc.model_fn), proc.model_weights_type,
+      getattr(proc, 'eval_client_state_type', proc.client_state_type))
+  out['samples'] = {}
+  for samples in new_users.samples:
+    data = task.withheld_eval_datasets(ids, None if samples == 'all'
+                                       else samples)
+    outputs = []
+    for i in range(0, len(ids), config.eval_chunk):
+      sl = slice(i, i + config.eval_chunk)
+      outputs.extend(personal_eval(weights, states[sl], data[sl]))
+    out['samples'][str(samples)] = task.evaluate(outputs, ids)
+    if log_fn:
+      log_fn(f'new users ({len(ids)} withheld, start {new_users.start}, '
+             f'{samples} samples): '
+             f'{format_metrics(out["samples"][str(samples)])}')
+  return out
 
 
 def write_private_states(store, ids, directory) -> None:

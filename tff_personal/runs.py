@@ -328,6 +328,7 @@ class Run(collections.abc.Mapping):
 
   def evaluate(self, eval_name: Optional[str] = None, overwrite: bool = False,
                log_fn: Callable[[str], None] = lambda s: None,
+               new_users: Optional[run_evaluation.NewUsers] = None,
                **evaluation: Any) -> dict:
     """The finished run's final state evaluated again
     (`run_evaluation.evaluate_experiment`).
@@ -337,12 +338,15 @@ class Run(collections.abc.Mapping):
         (None: only return it).
       overwrite: replace an existing record of that name.
       log_fn: progress lines.
+      new_users: also evaluate the task's withheld users as new users
+        (`run_evaluation.NewUsers`: their start and adaptation samples).
       **evaluation: evaluation settings to change
         (`run_records.EVALUATION_FIELDS`, e.g. `eval_fine_tune=True`).
 
     Returns:
       `{'eval', 'test', 'test_fine_tuned', 'cold_start', 'privacy', ...}`;
-      a per-group run's also has each group's `groups`.
+      a per-group run's also has each group's `groups`; with `new_users`,
+      `new_users` (`run_evaluation.evaluate_new_users`).
     """
     unknown = sorted(set(evaluation) - set(run_records.EVALUATION_FIELDS))
     if unknown:
@@ -350,7 +354,8 @@ class Run(collections.abc.Mapping):
                      f'{run_records.EVALUATION_FIELDS}; got {unknown}')
     config = dataclasses.replace(self._config, **evaluation)
     return run_evaluation.evaluate_experiment(
-        self.task, config, eval_name, log_fn=log_fn, overwrite=overwrite)
+        self.task, config, eval_name, log_fn=log_fn, overwrite=overwrite,
+        new_users=new_users)
 
   def resume(self, rounds: Optional[int] = None,
              log_fn: Callable[[str], None] = print) -> 'Run':

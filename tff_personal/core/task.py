@@ -33,6 +33,10 @@ task has):
 * `test_split`: `test_datasets(ids)`, a held-out split tested after training;
 * `cold_start`: `cold_client_ids` and `cold_start_datasets(ids, epochs)`,
   users withheld from training;
+* `withheld`: `withheld_names` and `withheld_eval_datasets(ids, samples)`,
+  users never trained on, each with its first `samples` adaptation
+  examples and its test examples in the evaluation's form
+  (`run_evaluation.evaluate_new_users`);
 * `groups`: `groups(ids)`, a group (sub-population) per client;
 * `named_head`: the model's output layer is named 'head' (declared by
   `has_named_head = True`), FedRep's and pFedMe's personal head;
@@ -106,6 +110,10 @@ CAPABILITIES: dict[str, tuple[tuple[str, ...], str]] = {
         ('train_batches',),
         'numpy ClientBatches for the sharded simulation'),
     'test_split': (('test_datasets',), 'a held-out test split'),
+    'withheld': (
+        ('withheld_names', 'withheld_eval_datasets'),
+        'users never trained on, evaluated as new users: a start state, then '
+        'the algorithm\'s adaptation on k of their samples'),
     'cold_start': (
         ('cold_client_ids', 'cold_start_datasets'),
         'users withheld from training, evaluated after local steps'),
