@@ -12,7 +12,8 @@ text (`tff_personal/models/bpe_trainer.py`; keras-nlp has no trainer), then a
 public and not user data of the tv_shows task: WikiText-2 (`valid.txt` and all
 but the last `--heldout_paragraphs` paragraphs of `test.txt` train; the rest
 measure held-out perplexity) and, with `--shakespeare_dir`, the Moby
-Shakespeare's speeches (dialogue; the last `--heldout_speeches` held out). The
+Shakespeare's speeches (dialogue; the last `--heldout_speeches` held out, or
+every speech of the plays `--heldout_contexts` names). The
 output directory is a keras-nlp preset: `GPT2Backbone.from_preset(dir)` and
 `GPT2Tokenizer.from_preset(dir)` load it, and `--backbone=dir` selects it for
 FedPerC. `pretrain_summary.json` records the flags, step count, time and
@@ -73,6 +74,11 @@ def define_flags():
   flags.DEFINE_integer('heldout_speeches', 1000,
                        'Last Shakespeare speeches kept for held-out '
                        'perplexity (with --shakespeare_dir).')
+  flags.DEFINE_list('heldout_contexts', [],
+                    'Plays (the `play` ids of shakespeare.tsv.gz) whose '
+                    'speeches are all held out instead of the last '
+                    '--heldout_speeches: a context task on those plays then '
+                    'meets a backbone that never read them.')
   flags.DEFINE_integer(
       'heldout_paragraphs', 200,
       'Last paragraphs of test.txt kept for held-out perplexity.')
@@ -137,8 +143,20 @@ def main(argv):
             f'Shakespeare speech to train on ({len(speeches)} read)',
             file=sys.stderr)
       return 2
-    heldout_speeches = speeches[-FLAGS.heldout_speeches:]
-    train_text += speeches[:-FLAGS.heldout_speeches]
+    if FLAGS.heldout_contexts:
+      utterances = speaker_context_io.load_shakespeare(FLAGS.shakespeare_dir)
+      plays = set(FLAGS.heldout_contexts)
+      unknown = sorted(plays - {u.community for u in utterances})
+      if unknown:
+        print(f'error: --heldout_contexts: no speeches of plays {unknown} in '
+              f'{FLAGS.shakespeare_dir}', file=sys.stderr)
+        return 2
+      heldout_speeches = [u.text for u in utterances if u.community in plays]
+      train_text += [u.text for u in utterances
+                     if u.community not in plays]
+    else:
+      heldout_speeches = speeches[-FLAGS.heldout_speeches:]
+      train_text += speeches[:-FLAGS.heldout_speeches]
 
   vocabulary, merges = bpe_trainer.train_bpe(train_text, FLAGS.vocabulary_size)
   bpe_seconds = time.time() - start
@@ -201,7 +219,7 @@ def main(argv):
           'hidden_dim', 'intermediate_dim', 'sequence_length',
           'max_sequence_length', 'batch_size', 'learning_rate', 'minutes',
           'max_epochs', 'max_steps', 'heldout_paragraphs', 'shakespeare_dir',
-          'heldout_speeches', 'seed')},
+          'heldout_speeches', 'heldout_contexts', 'seed')},
       parameters=int(backbone.count_params()),
       train_tokens=int(train_blocks.size),
       heldout_tokens=int(heldout_blocks.size),
