@@ -67,6 +67,11 @@ def test_split_model_dp_run_reopens_from_its_directory_alone(tmp_path,
   for c in trained_clients:  # Their private heads moved.
     assert not np.allclose(states[c]['private'][0],
                            initial(c)['private'][0])
+  # The evaluation counts the clients never sampled (their heads are
+  # random) and scores the trained ones apart.
+  never = task.population - len(trained_clients)
+  assert 0 < never and trained['eval']['never_trained_clients'] == never
+  assert trained['eval']['trained/clients'] == len(trained_clients)
   again = run.evaluate()
   assert again['eval'] == trained['eval']
   assert again['privacy']['epsilon'] == pytest.approx(

@@ -86,6 +86,8 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
     eval_ids = eval_client_ids(task.population, config.eval_clients,
                                config.seed)
 
+  rounds_of = []  # The last `outputs_of` call's clients' participations.
+
   def outputs_of(state, datasets_fn, ids=eval_ids,
                  fine_tune=config.eval_fine_tune, test=False):
     fine_tune = fine_tune or always_fine_tune
@@ -93,10 +95,12 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
     plain, tuned = ((test_eval, test_fine_tune_eval) if test else
                     (personal_eval, fine_tune_eval))
     outputs = []
+    rounds_of.clear()
     for i in range(0, len(ids), config.eval_chunk):
       chunk = ids[i:i + config.eval_chunk]
-      states = process_lib.eval_client_states(proc, weights,
-                                              store.load(chunk))
+      stored = store.load(chunk)
+      rounds_of.extend(s.get(process_lib.CLIENT_STATE_ROUNDS) for s in stored)
+      states = process_lib.eval_client_states(proc, weights, stored)
       if not fine_tune:
         outputs.extend(plain(weights, states, datasets_fn(chunk)))
       else:  # The same fixed local pass at every evaluation.
@@ -107,11 +111,40 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
 
   def evaluate(state, datasets_fn, ids=eval_ids,
                fine_tune=config.eval_fine_tune, test=False):
-    return task.evaluate(outputs_of(state, datasets_fn, ids, fine_tune, test),
-                         ids)
+    outputs = outputs_of(state, datasets_fn, ids, fine_tune, test)
+    return with_never_trained(task, task.evaluate(outputs, ids), ids,
+                              outputs, list(rounds_of))
 
   evaluate.outputs = outputs_of
   return evaluate, eval_ids, eval_data_fn
+
+
+NEVER_TRAINED = 'never_trained_clients'
+TRAINED_PREFIX = 'trained/'
+
+
+def with_never_trained(task, metrics: dict, ids: Sequence[int],
+                       outputs: Sequence[Any], rounds: Sequence[Any]) -> dict:
+  """`metrics` (over every evaluated client) and how many of those clients
+  never took part in a training round (`never_trained_clients`, from their
+  states' `rounds_participated`); when some did and some did not, also the
+  metrics of the trained ones alone (`trained/<name>`): a client never
+  sampled is scored on its initial private state (a random head, say),
+  which the pooled number mixes in.
+
+  Unchanged when the states count no participation.
+  """
+  if not rounds or any(r is None for r in rounds):
+    return metrics
+  trained = [i for i, r in enumerate(rounds) if int(r) > 0]
+  out = dict(metrics)
+  out[NEVER_TRAINED] = len(rounds) - len(trained)
+  if 0 < len(trained) < len(rounds):
+    apart = task.evaluate([outputs[i] for i in trained],
+                          [ids[i] for i in trained])
+    out.update({TRAINED_PREFIX + k: v for k, v in apart.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+  return out
 
 
 def curve_eval_ids(eval_ids: Sequence[int], curve_eval_clients: int,
