@@ -20,8 +20,11 @@ from tff_personal.core import best_scoring
 from tff_personal.core import client_data
 from tff_personal.core import evaluation
 from tff_personal.core import privacy
+from tff_personal.core import flat_transport
 from tff_personal.core import process as process_lib
+from tff_personal.core import shard_threads
 from tff_personal.core import sharded
+from tff_personal.core import sharded_eval
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 
@@ -307,7 +310,7 @@ def test_sharded_personal_eval_equals_per_client_eval():
   want = evaluation.build_personal_eval(
       proc.model_fn, proc.model_weights_type, proc.client_state_type)(
           weights, client_states, datasets)
-  got = sharded.ShardedPersonalEval(proc.model_fn, num_shards=2)(
+  got = sharded_eval.ShardedPersonalEval(proc.model_fn, num_shards=2)(
           weights, client_states, datasets)
   assert len(got) == len(sizes)
   for g, w, n in zip(got, want, sizes):
@@ -447,7 +450,7 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
   no_tuning = evaluation.build_personal_eval(
       proc.model_fn, proc.model_weights_type, proc.client_state_type)(
           weights, client_states, test)
-  evaluate = sharded.ShardedPersonalEval(
+  evaluate = sharded_eval.ShardedPersonalEval(
       proc.model_fn, num_shards=2, fine_tune_optimizer=optimizer,
       train_wire=wire)
   got = evaluate(weights, client_states, train, test)
@@ -468,7 +471,7 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
   assert not np.allclose(got[0]['outputs'], np.asarray(no_tuning[0]['outputs']),
                          atol=1e-4)
   with pytest.raises(ValueError, match='train_data, datasets'):
-    sharded.ShardedPersonalEval(
+    sharded_eval.ShardedPersonalEval(
         proc.model_fn, fine_tune_optimizer=optimizer)(
             weights, client_states, test)
 
@@ -624,11 +627,11 @@ def test_shard_pool_works_in_a_forked_child():
   none of its threads): the child's shard loops still run, in its own."""
   runs = [lambda x: x + 1, lambda x: x + 2]
   for _ in range(5):  # Rounds: the parent's threads are started and idle.
-    assert sharded._run_concurrently(runs, None, [(1,), (2,)]) == [2, 4]
+    assert shard_threads.run_concurrently(runs, None, [(1,), (2,)]) == [2, 4]
   time.sleep(0.5)
   pid = os.fork()
   if pid == 0:  # The child: exit 0 only if the loops ran.
-    ok = sharded._run_concurrently(runs, None, [(1,), (2,)]) == [2, 4]
+    ok = shard_threads.run_concurrently(runs, None, [(1,), (2,)]) == [2, 4]
     os._exit(0 if ok else 1)
   deadline = time.monotonic() + 30
   while time.monotonic() < deadline:
@@ -654,7 +657,7 @@ def test_flat_transport_carries_a_structure_bit_for_bit():
               np.array([1e-38, -0.0, np.inf, np.nan], np.float32)],
       count=np.int64(2**40 + 3), weight=np.float32(0.1),
       flags=np.array([-7, 9], np.int32))
-  transport = sharded.FlatTransport(specs)
+  transport = flat_transport.FlatTransport(specs)
   packed = transport.pack(value)
   # One vector per dtype: float32 (6 + 4 + 1), int32 (2), int64 (1).
   assert [(p.dtype, p.shape) for p in packed] == [
@@ -679,12 +682,12 @@ def test_flat_transport_carries_a_structure_bit_for_bit():
       np.testing.assert_array_equal(got.reshape(-1).view(np.uint8),
                                     want.reshape(-1).view(np.uint8))
   with pytest.raises(ValueError, match='fully known shapes'):
-    sharded.FlatTransport([tf.TensorSpec([None, 3], tf.float32)])
+    flat_transport.FlatTransport([tf.TensorSpec([None, 3], tf.float32)])
   strings = [tf.TensorSpec([2], tf.float32), tf.TensorSpec([], tf.string)]
-  assert not sharded.FlatTransport.fits(strings)
-  assert sharded.FlatTransport.fits(strings[:1])
+  assert not flat_transport.FlatTransport.fits(strings)
+  assert flat_transport.FlatTransport.fits(strings[:1])
   with pytest.raises(ValueError, match='numbers and booleans'):
-    sharded.FlatTransport(strings)
+    flat_transport.FlatTransport(strings)
 
 
 @pytest.mark.parametrize('dp', [False, True])
@@ -707,7 +710,7 @@ def test_packed_transport_changes_no_bit_of_a_round(dp, monkeypatch):
             embedding_dim=28, metrics_fn=None), 2)
     init = states(build(), len(sizes), seed=7)
   packed = run_rounds(build(), 2, init, sizes)
-  monkeypatch.setattr(sharded.FlatTransport, 'fits',
+  monkeypatch.setattr(flat_transport.FlatTransport, 'fits',
                       classmethod(lambda cls, specs: False))
   leafwise = build()
   plain = run_rounds(leafwise, 2, init, sizes)
@@ -719,7 +722,7 @@ def test_packed_transport_changes_no_bit_of_a_round(dp, monkeypatch):
 
 
 def _dense_loop_factory(traces, lazy=False):
-  """`make_fn` for `_SharedTrace`: a Dense model (built now unless `lazy`)
+  """`make_fn` for `SharedTrace`: a Dense model (built now unless `lazy`)
   and a loop that loads `w` into it and returns its loss and gradient on
   `x`; `traces` counts the times its Python runs (is traced)."""
 
@@ -747,7 +750,7 @@ _DENSE_SIGNATURE = (tf.TensorSpec([4, 3]), tf.TensorSpec([None, 4]))
 
 def test_shard_loops_share_one_trace_and_keep_their_own_variables():
   traces = []
-  shared = sharded._SharedTrace()
+  shared = shard_threads.SharedTrace()
   runs = [shared.build(_dense_loop_factory(traces), _DENSE_SIGNATURE)
           for _ in range(3)]
   assert len(traces) == 1
@@ -759,7 +762,7 @@ def test_shard_loops_share_one_trace_and_keep_their_own_variables():
   args = [(rng.normal(size=(4, 3)).astype(np.float32),
            rng.normal(size=(5, 4)).astype(np.float32)) for _ in runs]
   gc.collect()  # The builds' models are gone; their variables must not be.
-  futures = [sharded._shard_pool().submit(run, *a)
+  futures = [shard_threads.shard_pool().submit(run, *a)
              for run, a in zip(runs, args)]
   got = [f.result() for f in futures]
   for (loss, grad), a in zip(got, args):
@@ -776,7 +779,7 @@ def test_shard_loops_share_one_trace_and_keep_their_own_variables():
                                     'other_signature'])
 def test_shard_loops_are_traced_again_when_not_the_same_program(change):
   traces = []
-  shared = sharded._SharedTrace()
+  shared = shard_threads.SharedTrace()
   lazy = change == 'lazy_variables'
   shared.build(_dense_loop_factory(traces, lazy=lazy), _DENSE_SIGNATURE)
   first = len(traces)
@@ -817,7 +820,7 @@ def test_shard_loops_drawing_op_seeded_randoms_are_each_traced():
 
     return fn
 
-  shared = sharded._SharedTrace()
+  shared = shard_threads.SharedTrace()
   shared.build(make_fn, _DENSE_SIGNATURE)
   run = shared.build(make_fn, _DENSE_SIGNATURE)
   assert len(traces) == 2

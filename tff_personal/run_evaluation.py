@@ -22,6 +22,7 @@ from tff_personal.core import new_users as new_users_lib
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
+from tff_personal.core import sharded_eval
 from tff_personal.core import stages as stages_lib
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
@@ -60,18 +61,18 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   fine_tune_train_fn = (task.train_batches if batches_train else
                         task.train_datasets)
   if num_shards:  # The same per-user outputs, users packed in shards.
-    personal_eval = sharded.ShardedPersonalEval(
+    personal_eval = sharded_eval.ShardedPersonalEval(
         model_fn, num_shards, wire=wire if batches_eval else None)
     # Held-out test sets (test_datasets) are tf.data datasets.
-    test_eval = (sharded.ShardedPersonalEval(model_fn, num_shards)
+    test_eval = (sharded_eval.ShardedPersonalEval(model_fn, num_shards)
                  if batches_eval else personal_eval)
     fine_tune_eval = test_fine_tune_eval = None
     if fine_tune_optimizer is not None:
-      fine_tune_eval = sharded.ShardedPersonalEval(
+      fine_tune_eval = sharded_eval.ShardedPersonalEval(
           model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
           wire=wire if batches_eval else None,
           train_wire=wire if batches_train else None)
-      test_fine_tune_eval = (sharded.ShardedPersonalEval(
+      test_fine_tune_eval = (sharded_eval.ShardedPersonalEval(
           model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
           train_wire=wire if batches_train else None)
                              if batches_eval else fine_tune_eval)

@@ -29,8 +29,8 @@ code, traced once per concurrent shard), and then runs the process's TFF
 round with a client work that returns those results: the aggregation, DP
 noise and server update stay in TFF. That round takes only what the
 aggregation reads (no client states) and takes the server state and the
-results packed, one vector per dtype (`FlatTransport`; bit for bit the
-same round). Through the executor (`IN_EXECUTOR`,
+results packed, one vector per dtype (`flat_transport.FlatTransport`; bit
+for bit the same round). Through the executor (`IN_EXECUTOR`,
 TFF running the shards as its clients), every round serialised every
 shard's examples into the `worker_binary` and the results back. With
 several workers the shards run on them (`runtime.worker_map`). The two
@@ -84,24 +84,20 @@ forms on users of unequal sizes, where no such tie occurs.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import os
-import threading
 from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
-# For `_SharedTrace`: TF has no public way to run one traced function over
-# another set of variables.
-from tensorflow.python.eager.polymorphic_function import function_type_utils  # pylint: disable=g-direct-tensorflow-import
 
 from tff_personal.core import best_scoring
 from tff_personal.core import client_data
+from tff_personal.core import flat_transport
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
-from tff_personal.core import split_training
+from tff_personal.core import shard_threads
 from tff_personal.core import statistics_process
 
 SHARD_EXAMPLES = 'examples'
@@ -263,7 +259,7 @@ def shard_ranges(num_users: int, num_shards: int) -> list[range]:
   return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _stack_states(states: Sequence[Any]):
+def stack_states(states: Sequence[Any]):
   return tf.nest.map_structure(lambda *xs: np.stack([np.asarray(x) for x in xs]),
                                *states)
 
@@ -410,167 +406,13 @@ def _shard_signature(shard) -> collections.OrderedDict:
           v)) for k, v in shard.items())
 
 
-def _call_signature(weights, states, *shards) -> tuple:
+def call_signature(weights, states, *shards) -> tuple:
   """The input signature of a shard loop called with `(weights, stacked
   states, *shards)` shaped as these, for any user, batch and example
   count."""
   return (tf.nest.map_structure(lambda t: _relaxed(t, 0), weights),
           tf.nest.map_structure(lambda t: _relaxed(t, 1), states),
           *[_shard_signature(shard) for shard in shards])
-
-
-# Random ops whose state lives in their kernel (seeded per op), not in a
-# variable or an argument; `Stateless*` ops are not among them.
-_OP_SEEDED_RANDOM_OPS = frozenset([
-    'Multinomial', 'ParameterizedTruncatedNormal', 'TruncatedNormal'])
-
-
-def _draws_op_seeded_randoms(graph_def) -> bool:
-  """Whether a graph, or a function in its library, has an op-seeded
-  random op."""
-  nodes = list(graph_def.node)
-  for function in graph_def.library.function:
-    nodes.extend(function.node_def)
-  return any(n.op.startswith('Random') or n.op in _OP_SEEDED_RANDOM_OPS
-             for n in nodes)
-
-
-class _SharedTrace:
-  """Traces a shard loop once and runs each further shard's loop on it.
-
-  Concurrent shards each need their own model variables (a thread never
-  shares a model), but their loops are the same TF program: tracing one
-  costs seconds (the per-user step, the model's forward and backward pass),
-  and a sharded run used to trace it once per shard at start-up. Here the
-  first `build` traces; each later one builds the loop's Python (its model,
-  so fresh variables, in the order the first build created them) and
-  returns the first trace called with the new variables in place of the
-  first build's (`ConcreteFunction._call_flat` with other captured inputs;
-  TF offers no public API for it, hence this class).
-
-  It falls back to tracing whenever that would not be the same program: a
-  traced resource input that is not one of the variables the build
-  created (a variable created while tracing, say), builds that create
-  variables of other shapes, dtypes or number, or another signature. It
-  also traces each loop whose program draws from op-seeded random ops
-  (`tf.random.uniform`, Keras dropout): one program's kernels, and so their
-  random state, are shared by its concurrent calls, which would make the
-  draws depend on the threads' timing.
-  """
-
-  def __init__(self):
-    self._planned = False
-    self._template = None  # (signature, concrete function, plan, specs)
-
-  def build(self, make_fn, signature, **function_kwargs):
-    """`make_fn()`'s function, as a callable traced for `signature`.
-
-    Args:
-      make_fn: Builds the loop's model (eagerly) and returns the Python
-        function to trace over it.
-      signature: The `tf.function` input signature.
-      **function_kwargs: Passed to `tf.function` (e.g. `autograph`).
-
-    Returns:
-      A callable taking the signature's arguments.
-    """
-    created = []
-
-    def record(next_creator, **kwargs):
-      v = next_creator(**kwargs)
-      created.append(v)
-      return v
-
-    with tf.variable_creator_scope(record):
-      fn = make_fn()
-    if self._template is not None:
-      run = self._rebound(signature, created)
-      if run is not None:
-        return run
-    traced = tf.function(fn, input_signature=signature, **function_kwargs)
-    concrete = traced.get_concrete_function()  # Traced now, not in a thread.
-    if not self._planned:  # The first trace only, rebindable or not.
-      self._planned = True
-      self._template = self._plan(signature, concrete, created)
-    return traced
-
-  @staticmethod
-  def _plan(signature, concrete, created):
-    """For each captured input of `concrete`: the index of the created
-    variable it is the handle of, or the input itself (a constant); None
-    if a resource input is not a created variable's."""
-    if _draws_op_seeded_randoms(concrete.graph.as_graph_def()):
-      return None
-    index = {id(v.handle): i for i, v in enumerate(created)}
-    plan = []
-    for t in concrete.captured_inputs:
-      if id(t) in index:
-        plan.append(index[id(t)])
-      elif t.dtype == tf.resource:
-        return None
-      else:
-        plan.append(t)
-    specs = [(v.dtype, tuple(v.shape)) for v in created]
-    return signature, concrete, plan, specs
-
-  def _rebound(self, signature, created):
-    old_signature, concrete, plan, specs = self._template
-    if ([(v.dtype, tuple(v.shape)) for v in created] != specs or
-        signature != old_signature):
-      return None
-    captures = [created[p].handle if isinstance(p, int) else p for p in plan]
-
-    def run(*args):
-      bound = function_type_utils.canonicalize_function_inputs(
-          args, {}, concrete.function_type)
-      return concrete._call_flat(  # pylint: disable=protected-access
-          concrete.function_type.unpack_inputs(bound), captures)
-
-    run.variables = created  # Kept alive as long as the loop.
-    return run
-
-
-_POOL = None
-_POOL_LOCK = threading.Lock()
-
-
-def _forget_pool_in_child() -> None:
-  """A forked child has none of the parent's threads: it starts its own
-  pool on first use."""
-  global _POOL, _POOL_LOCK
-  _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-def _shard_pool() -> concurrent.futures.ThreadPoolExecutor:
-  """The process's threads for concurrent shard loops, started on first use
-  and kept, so that a round does not pay for starting threads. Up to
-  max(8, CPU count) loops run at once; more wait for a free thread."""
-  global _POOL
-  with _POOL_LOCK:
-    if _POOL is None:
-      _POOL = concurrent.futures.ThreadPoolExecutor(
-          max_workers=max(8, os.cpu_count() or 1),
-          thread_name_prefix='tff_personal_shard')
-    return _POOL
-
-
-def _run_concurrently(runs: list, build, calls: Sequence[tuple]) -> list:
-  """`[runs[i](*calls[i]) for each call]`, the calls run at once in threads.
-
-  Each run is a traced shard loop on its own model (a thread never shares
-  one). Missing runs are first appended to `runs` by `build(calls[0])`, one
-  at a time in this thread (tracing is not done in threads).
-  """
-  while len(runs) < len(calls):
-    runs.append(build(calls[0]))
-  if len(calls) == 1:
-    return [runs[0](*calls[0])]
-  futures = [_shard_pool().submit(runs[i], *calls[i])
-             for i in range(len(calls))]
-  return [f.result() for f in futures]
 
 
 class DriverShardWork:
@@ -605,113 +447,24 @@ class DriverShardWork:
     self._element_spec = element_spec
     self._loop_args = (user_clip_norm, wire, count_users)
     self._runs = []  # One loop per concurrent shard, built on use.
-    self._trace = _SharedTrace()
+    self._trace = shard_threads.SharedTrace()
 
   def _build(self, example_call):
     """A fresh step and the shard loop over it, for arguments shaped as
     `example_call` with any user, batch and example count (traced once, in
-    this thread: `_SharedTrace`)."""
+    this thread: `shard_threads.SharedTrace`)."""
     return self._trace.build(
         lambda: _shard_loop(self._make_step(), self._result_spec,
                             self._element_spec, *self._loop_args),
-        _call_signature(*example_call), autograph=False)
+        call_signature(*example_call), autograph=False)
 
   def __call__(self, calls: Sequence[tuple]) -> list:
     to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
-    results = _run_concurrently(self._runs, self._build,
+    results = shard_threads.run_concurrently(self._runs, self._build,
                                 [to_tensors(c) for c in calls])
     return [tf.nest.map_structure(lambda t: t.numpy(), r) for r in results]
 
 
-def _packable(dtype: tf.DType) -> bool:
-  return dtype.is_numpy_compatible and (dtype.is_bool or dtype.is_integer or
-                                        dtype.is_floating or dtype.is_complex)
-
-
-class FlatTransport:
-  """A structure of fixed-shape tensors carried as one 1-D tensor per dtype.
-
-  A value passed into or out of a TFF computation is serialised leaf by
-  leaf, each leaf with its type, so a structure of many small tensors costs
-  far more to send than the same numbers in a few vectors. `pack` and
-  `unpack` (numpy, in the driver) and `pack_tensors` and `unpack_tensors`
-  (TF, inside a computation) concatenate the leaves of each dtype in
-  `tf.nest` order and split and reshape them back: the same values, bit for
-  bit. Written by hand: TFF has no packed wire form for Python values.
-
-  Example:
-    transport = FlatTransport(collections.OrderedDict(
-        a=tf.TensorSpec([2, 3], tf.float32), n=tf.TensorSpec([], tf.int32)))
-    packed = transport.pack(value)        # (float32[6], int32[1]), numpy
-    value_again = transport.unpack_tensors(packed)  # in a TF computation
-  """
-
-  def __init__(self, specs):
-    """Args: specs: a structure of numeric or boolean `tf.TensorSpec`s,
-    every shape known (strings have no fixed size to pack)."""
-    flat = tf.nest.flatten(specs)
-    for spec in flat:
-      if not spec.shape.is_fully_defined():
-        raise ValueError(f'FlatTransport needs fully known shapes, got {spec}')
-      if not _packable(spec.dtype):
-        raise ValueError(f'FlatTransport packs numbers and booleans, got {spec}')
-    self._specs = specs
-    self._shapes = [spec.shape.as_list() for spec in flat]
-    self._sizes = [int(np.prod(shape, dtype=np.int64)) for shape in
-                   self._shapes]
-    self._dtypes = sorted({spec.dtype for spec in flat}, key=lambda d: d.name)
-    self._groups = [[i for i, spec in enumerate(flat) if spec.dtype == d]
-                    for d in self._dtypes]
-
-  @classmethod
-  def fits(cls, specs) -> bool:
-    """Whether every leaf of `specs` has a fully known shape and a numeric
-    or boolean dtype."""
-    return all(s.shape.is_fully_defined() and _packable(s.dtype)
-               for s in tf.nest.flatten(specs))
-
-  @property
-  def packed_spec(self) -> tuple:
-    """The packed form's specs: one 1-D tensor per dtype (sorted by name)."""
-    return tuple(tf.TensorSpec([sum(self._sizes[i] for i in group)], d)
-                 for d, group in zip(self._dtypes, self._groups))
-
-  def pack(self, value) -> tuple:
-    """`value` (a structure as the specs, numpy values) packed, as numpy."""
-    flat = [np.asarray(x) for x in tf.nest.flatten(value)]
-    return tuple(
-        np.concatenate([flat[i].astype(d.as_numpy_dtype, copy=False).ravel()
-                        for i in group])
-        for d, group in zip(self._dtypes, self._groups))
-
-  def unpack(self, packed):
-    """The structure `pack` was given (numpy; rank 0 as numpy scalars)."""
-    flat = [None] * len(self._shapes)
-    for vector, group in zip(packed, self._groups):
-      offsets = np.cumsum([0] + [self._sizes[i] for i in group])
-      for k, i in enumerate(group):
-        part = np.asarray(vector)[offsets[k]:offsets[k + 1]].reshape(
-            self._shapes[i])
-        flat[i] = part[()] if not self._shapes[i] else part
-    return tf.nest.pack_sequence_as(self._specs, flat)
-
-  def pack_tensors(self, value) -> tuple:
-    """TF: `value` (a structure as the specs) packed."""
-    flat = tf.nest.flatten(value)
-    return tuple(tf.concat([tf.reshape(flat[i], [-1]) for i in group], 0)
-                 for group in self._groups)
-
-  def unpack_tensors(self, packed):
-    """TF: the structure `pack` or `pack_tensors` was given."""
-    flat = [None] * len(self._shapes)
-    for vector, group in zip(packed, self._groups):
-      parts = tf.split(vector, [self._sizes[i] for i in group])
-      for i, part in zip(group, parts):
-        flat[i] = tf.reshape(part, self._shapes[i])
-    return tf.nest.pack_sequence_as(self._specs, flat)
-
-
-# Where `ShardedProcess` computes a local run's shards (`shards_in`).
 IN_DRIVER = 'driver'
 IN_EXECUTOR = 'executor'
 
@@ -850,15 +603,16 @@ class ShardedProcess:
     Only what the aggregation reads crosses into TFF: the shards' new
     client states are taken from their results in the driver (the process
     returns the client work's states unchanged), so its client states are
-    empty, and the rest of a result travels packed (`FlatTransport`, when
-    every shape is known) and is unpacked inside the client work.
+    empty, and the rest of a result travels packed
+    (`flat_transport.FlatTransport`, when every shape is known) and is
+    unpacked inside the client work.
     """
     if self._from_results is None:
       weights_type = self._base.model_weights_type
       sent = tff.types.type_to_tf_tensor_specs(self._result_type)
       del sent['client_state']
-      self._transport = (FlatTransport(sent) if FlatTransport.fits(sent)
-                         else None)
+      self._transport = (flat_transport.FlatTransport(sent)
+                         if flat_transport.FlatTransport.fits(sent) else None)
       sent_type = tff.types.tensorflow_to_type(
           sent if self._transport is None else self._transport.packed_spec)
       no_state = tff.StructType([])
@@ -880,22 +634,23 @@ class ShardedProcess:
     noise and server step of `_process_from_results`. Returns the new
     server state and the round's metrics.
 
-    The server state crosses into TFF and back packed (`FlatTransport`,
-    when every shape is known): the call unpacks it at the server, runs
-    the process's `next` and packs the new state. The state held between
-    rounds is the process's own (structured) value.
+    The server state crosses into TFF and back packed
+    (`flat_transport.FlatTransport`, when every shape is known): the call
+    unpacks it at the server, runs the process's `next` and packs the new
+    state. The state held between rounds is the process's own (structured)
+    value.
     """
     if self._results_call is None:
       process = self._process_from_results()
       next_type = process.next.type_signature
       state_type = next_type.parameter[0].member
       state_spec = tff.types.type_to_tf_tensor_specs(state_type)
-      if not FlatTransport.fits(state_spec):
+      if not flat_transport.FlatTransport.fits(state_spec):
         def call(state, sent):
           state, _, metrics = process.next(state, [()] * len(sent), sent)
           return state, metrics
       else:
-        transport = FlatTransport(state_spec)
+        transport = flat_transport.FlatTransport(state_spec)
         packed_type = tff.types.tensorflow_to_type(transport.packed_spec)
 
         @tff.tensorflow.computation(packed_type)
@@ -997,7 +752,7 @@ class ShardedProcess:
     if not datasets:
       raise ValueError('a round needs at least one client')
     ranges = self.shards(len(datasets))
-    shard_states = [_stack_states([client_states[i] for i in r])
+    shard_states = [stack_states([client_states[i] for i in r])
                     for r in ranges]
     shard_data = [pack_datasets([datasets[i] for i in r], self._element_spec,
                                 self._wire)
@@ -1065,170 +820,3 @@ def maybe_shard(process, num_shards: int,
   if num_shards == 0:
     return process
   return ShardedProcess(process, num_shards, dp_config, wire, shards_in)
-
-
-class ShardedPersonalEval:
-  """`evaluation.build_personal_eval` (or, with a fine-tuning optimizer,
-  `evaluation.build_cold_start_eval`) with users packed in shards, run in
-  this process.
-
-  Called like the TFF computation it replaces:
-  `(weights, client_states, datasets) -> [OrderedDict(outputs, labels)]`,
-  or with fine-tuning `(weights, client_states, train_data, datasets)`,
-  one entry per user, computed with the user's private state (first
-  fine-tuned on the user's training batches, shared weights frozen, exactly
-  as `split_training.fine_tune_private` does for one client). The users are
-  split into `num_shards` shards (`pack_datasets`); each shard is a
-  `tf.function` looping over its users (`tf.while_loop`) on its own model,
-  and the shards run concurrently in threads. Outputs come back padded and
-  are cut to each user's example count.
-
-  Evaluation aggregates nothing and releases nothing, so it is run here
-  rather than in TFF's executor: routed through the executor, every call
-  serialised all the evaluated users' examples (in TFF's Python value
-  serialisation, several copies per nesting level) and that, not the
-  arithmetic, was most of an evaluation (docs/performance.md). The
-  per-user work is the same TF code as the per-client TFF computation's,
-  which `tests/sharded_test.py` holds equal. Each shard's model is built
-  once, on the first call, and every user's shared and private values are
-  loaded into it before use (they cover all its variables), so calls do
-  not leak state into each other.
-
-  Args:
-    model_fn: The split model builder of the evaluated process.
-    num_shards: Shards run concurrently (about the number of CPU cores).
-    fine_tune_optimizer: None, or the optimizer of the private-only local
-      pass before testing (then calls take training data too).
-    wire: The wire format of the evaluation items when they are
-      `ClientBatches` in a compact form (None: model form, e.g. `tf.data`
-      datasets).
-    train_wire: The same for the fine-tuning items.
-
-  Example:
-    evaluate = ShardedPersonalEval(proc.model_fn, num_shards=2)
-    outputs = evaluate(weights, client_states, task.eval_batches(ids))
-  """
-
-  def __init__(self, model_fn, num_shards: int = 1,
-               fine_tune_optimizer=None,
-               wire: client_data.WireFormat | None = None,
-               train_wire: client_data.WireFormat | None = None):
-    if num_shards < 1:
-      raise ValueError(f'num_shards must be >= 1, got {num_shards}')
-    self._model_fn = model_fn
-    self._num_shards = num_shards
-    self._fine_tune_optimizer = fine_tune_optimizer
-    self._fine_tune = fine_tune_optimizer is not None
-    self._wire, self._train_wire = wire, train_wire
-    self._element_spec = process_lib.model_input_spec(model_fn)
-    self._runs = []  # One shard loop per shard, built on first use.
-    self._trace = _SharedTrace()
-
-  def _build(self, example_args):
-    """A fresh model (built eagerly) and the shard loop over it, for
-    arguments shaped as `example_args` with any user, batch and example
-    count (traced once, in this thread: `_SharedTrace`)."""
-    return self._trace.build(lambda: self._shard_fn(),
-                             _call_signature(*example_args))
-
-  def _shard_fn(self):
-    """A fresh model and the Python function of a shard loop over it."""
-    model = self._model_fn()
-    element_spec, wire, train_wire = (self._element_spec, self._wire,
-                                      self._train_wire)
-    optimizer = self._fine_tune_optimizer
-    decode = wire.decode if wire is not None else (lambda b: b)
-
-    def run_shard(weights, states, shard, train_shard):
-      num_users = tf.shape(shard[SHARD_NUM_BATCHES])[0]
-      indices_shape = tf.shape(shard[SHARD_INDICES])
-      capacity = indices_shape[1] * indices_shape[2]
-
-      def user_examples(u):
-        # The user's batches in order, concatenated (as the per-client
-        # evaluation iterates its dataset).
-        mask = tf.sequence_mask(shard[SHARD_BATCH_SIZES][u],
-                                indices_shape[2])
-        idx = tf.boolean_mask(shard[SHARD_INDICES][u], mask)
-        return decode(tf.nest.map_structure(
-            lambda t: tf.gather(t[u], idx), shard[SHARD_EXAMPLES]))
-
-      def pad(t):
-        paddings = [[0, capacity - tf.shape(t)[0]]] + [[0, 0]] * (
-            t.shape.rank - 1)
-        return tf.pad(t, paddings)
-
-      def body(u, outputs, labels, counts):
-        private = tuple(states[process_lib.CLIENT_STATE_PRIVATE])
-        private_u = tf.nest.map_structure(lambda t: t[u], private)
-        split_training.assign_weights(model, weights, private_u)
-        if train_shard is not None:
-          split_training.fine_tune_private(
-              model, optimizer,
-              PackedBatches(train_shard, u, element_spec, train_wire))
-        batch = user_examples(u)
-        out = model.eval_output(batch, model.forward(batch, training=False))
-        n = tf.shape(batch['y'])[0]
-        return (u + 1, outputs.write(u, pad(out)),
-                labels.write(u, pad(batch['y'])), counts.write(u, n))
-
-      arrays = (tf.TensorArray(tf.float32, size=num_users, infer_shape=False),
-                tf.TensorArray(element_spec['y'].dtype, size=num_users,
-                               infer_shape=False),
-                tf.TensorArray(tf.int32, size=num_users))
-      # One user at a time: every user loads its values into the same
-      # model variables, so iterations must not overlap.
-      _, outputs, labels, counts = tf.while_loop(
-          lambda u, *_: u < num_users, body, (tf.constant(0),) + arrays,
-          parallel_iterations=1)
-      return collections.OrderedDict(
-          outputs=outputs.stack(), labels=labels.stack(),
-          counts=counts.stack())
-
-    if self._fine_tune:
-      return lambda w, s, t, d: run_shard(w, s, d, t)
-    return lambda w, s, d: run_shard(w, s, d, None)
-
-  def __call__(self, weights, client_states, *data) -> list:
-    """`(weights, states, datasets)`, or `(weights, states, train, datasets)`
-    when built with a fine-tuning optimizer."""
-    if len(data) != (2 if self._fine_tune else 1):
-      raise ValueError(
-          f'expected {"(train_data, datasets)" if self._fine_tune else "(datasets)"}'
-          f' after the client states, got {len(data)} arguments')
-    datasets = data[-1]
-    for d in data:
-      if len(client_states) != len(d):
-        raise ValueError(f'{len(client_states)} client states for '
-                         f'{len(d)} datasets')
-    if not datasets:
-      return []
-    to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
-    weights = to_tensors(weights)
-    # With fine-tuning the shards run one after another, in one shard:
-    # run concurrently, two shards' fine-tuning gave different outputs for
-    # the same user one run in three (FedEmbed-Prototype; a variable its
-    # fine-tuning writes is not each shard's own).
-    ranges = shard_ranges(len(datasets),
-                          1 if self._fine_tune else self._num_shards)
-
-    def shard_args(r):
-      states = to_tensors(_stack_states([client_states[i] for i in r]))
-      shard = to_tensors(pack_datasets([datasets[i] for i in r],
-                                       self._element_spec, self._wire))
-      if not self._fine_tune:
-        return weights, states, shard
-      train = to_tensors(pack_datasets([data[0][i] for i in r],
-                                       self._element_spec, self._train_wire))
-      return weights, states, train, shard
-
-    results = _run_concurrently(self._runs, self._build,
-                                [shard_args(r) for r in ranges])
-    out = []
-    for r, result in zip(ranges, results):
-      counts = result['counts'].numpy()
-      outputs, labels = result['outputs'].numpy(), result['labels'].numpy()
-      out.extend(collections.OrderedDict(outputs=outputs[u, :counts[u]],
-                                         labels=labels[u, :counts[u]])
-                 for u in range(len(r)))
-    return out
