@@ -81,6 +81,7 @@ import numpy as np
 
 from tasks import client_data_task
 from tasks import feddva_tasks
+from tff_personal import curve_bands
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
@@ -1057,7 +1058,7 @@ def make_figures(root: str, f, latent: bool = True,
     for m, extra, label in lines_to_draw:
       setting = {**task_setting(t, _marks(f)), 'rounds': _class_rounds(f),
                  **extra}
-      curves = reporting.seed_curves(os.path.dirname(
+      curves = curve_bands.seed_curves(os.path.dirname(
           os.path.dirname(_curve_path(root, m, setting, 0))))
       if curves:
         loaded.setdefault(t, []).append((label, curves))
@@ -1068,7 +1069,7 @@ def make_figures(root: str, f, latent: bool = True,
     for ax, t in zip(axes[0], tasks):
       seeds = sorted({len(curves) for _, curves in loaded[t]})
       for label, curves in loaded[t]:
-        reporting.plot_seed_band(ax, curves, 'round', 'mean', label=label)
+        curve_bands.plot_seed_band(ax, curves, 'round', 'mean', label=label)
       ax.set_title(f'{t}: mean over clients; mean ± 1 std over '
                    f'{", ".join(map(str, seeds))} seed(s)', fontsize=9)
       ax.set_xlabel('round')

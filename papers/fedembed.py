@@ -108,6 +108,7 @@ import numpy as np
 
 from tasks import registry as task_registry
 from tasks import speech_spectrogram
+from tff_personal import curve_bands
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal import run_evaluation
@@ -1011,7 +1012,7 @@ def make_figures(root_output_dir: str) -> list[str]:
 
 def _seed_curves(root, method, pattern) -> list[dict]:
   """The `curve.json` of every seed of the cells matching `pattern`."""
-  return reporting.seed_curves(os.path.join(
+  return curve_bands.seed_curves(os.path.join(
       root, reporting.RUNS_DIRNAME, PAPER, method, pattern))
 
 
@@ -1035,7 +1036,7 @@ def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
         if not curves:
           continue
         # One colour per method (tab10 has 10), the line style for DP.
-        if reporting.plot_seed_band(ax, curves, 'round', 'f1',
+        if curve_bands.plot_seed_band(ax, curves, 'round', 'f1',
                                     color=f'C{METHODS.index(method)}',
                                     linestyle=style):
           plotted_methods.add(method)

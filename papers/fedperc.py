@@ -67,6 +67,7 @@ import tensorflow_federated as tff
 from tasks import context_task
 from tasks import tv_shows
 from tasks import tv_shows_task
+from tff_personal import curve_bands
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
@@ -747,7 +748,7 @@ def _plot_variants(path: str, curves: dict, methods: dict, ylabel: str,
     seeds.add(len(curves[variant]))
     label = (f'{variant} ('
              + ', '.join(m for m in METHODS if m in methods[variant]) + ')')
-    reporting.plot_seed_band(ax, curves[variant], 'round', 'value',
+    curve_bands.plot_seed_band(ax, curves[variant], 'round', 'value',
                              label=label)
   if log:
     ax.set_yscale('log')

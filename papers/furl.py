@@ -43,6 +43,7 @@ import tensorflow as tf
 
 from tasks import speaker_context
 from tasks import speaker_task
+from tff_personal import curve_bands
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal import runs
@@ -312,10 +313,10 @@ def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
   # no DP cell).
   for i, method in enumerate(_METHODS):
     for dp, style in (('none', '-'), ('gaussian_fixed', '--')):
-      curves = reporting.seed_curves(os.path.join(
+      curves = curve_bands.seed_curves(os.path.join(
           runs, method, f'dp={dp}_embedding_dim={_DIM}-*'), x='epoch')
       label = method + (', DP' if dp != 'none' else '')
-      if reporting.plot_seed_band(ax, curves, 'epoch', 'eval_accuracy',
+      if curve_bands.plot_seed_band(ax, curves, 'epoch', 'eval_accuracy',
                                   color=f'C{i}', linestyle=style,
                                   label=label):
         seeds.add(len(curves))

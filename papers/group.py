@@ -88,6 +88,7 @@ import tensorflow_federated as tff
 
 from tasks import registry as task_registry
 from tasks import shakespeare_groups
+from tff_personal import curve_bands
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
@@ -1085,7 +1086,7 @@ def make_training_figure(root_output_dir: str, pipeline_dir: str) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6.5, 4))
-  reporting.plot_seed_band(ax, fl, 'round', 'perplexity', color='black',
+  curve_bands.plot_seed_band(ax, fl, 'round', 'perplexity', color='black',
                            label='fl: every client')
   offset = max(max(c['round']) for c in fl)
   genres = sorted({os.path.basename(g) for s in seeds
@@ -1098,7 +1099,7 @@ def make_training_figure(root_output_dir: str, pipeline_dir: str) -> None:
         c = _train_curve(path)
         curves.append({'round': [offset + r for r in c['round']],
                        'perplexity': c['perplexity']})
-    reporting.plot_seed_band(ax, curves, 'round', 'perplexity',
+    curve_bands.plot_seed_band(ax, curves, 'round', 'perplexity',
                              label=f'groupfl: {genre}')
   ax.axvline(offset + 0.5, color='gray', linewidth=0.8)
   ax.set_xlabel('round (FL, then each genre\'s group rounds)')
@@ -1135,13 +1136,13 @@ def make_curves_figure(root_output_dir: str, pipeline_dir: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(7, 4.2))
   for method, color in (('fl', 'black'), ('perfl', 'tab:green')):
-    reporting.plot_seed_band(
+    curve_bands.plot_seed_band(
         ax, [{'round': c['round'], 'perplexity': c[method][ALL]}
              for c in fl_curves], 'round', 'perplexity', color=color,
         label=method)
   offset = min(max(c['round']) for c in fl_curves)
   for method, color in (('groupfl', 'tab:red'), ('groupperfl', 'tab:blue')):
-    reporting.plot_seed_band(
+    curve_bands.plot_seed_band(
         ax, [{'round': [offset + r for r in c[method]['round']],
               'perplexity': c[method][ALL]} for c in curves],
         'round', 'perplexity', color=color, label=method)
@@ -1179,10 +1180,10 @@ def make_plateau_figure(root_output_dir: str, seed_dir: str) -> None:
   if not curves:
     return
   fig, ax = plt.subplots(figsize=(6, 4))
-  reporting.plot_seed_band(ax, curves, 'round', 'perplexity',
+  curve_bands.plot_seed_band(ax, curves, 'round', 'perplexity',
                            color='tab:blue', alpha=0.25,
                            label=f'FL, mean ± 1 std of {len(curves)} seed(s)')
-  mean = reporting.seed_band(curves, 'round', 'perplexity')[1]
+  mean = curve_bands.seed_band(curves, 'round', 'perplexity')[1]
   for i, t in enumerate(rounds):
     ax.axvline(t, color='tab:red', linewidth=0.8, alpha=0.7,
                label='plateau round T per seed' if i == 0 else None)
@@ -1230,7 +1231,7 @@ def make_control_curves_figure(root_output_dir: str,
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
   for method, color in (('fl', 'black'), ('perfl', 'tab:green')):
-    reporting.plot_seed_band(
+    curve_bands.plot_seed_band(
         axes[0], [{'round': c['round'], 'perplexity': c[method][ALL]}
                   for c in fl_curves], 'round', 'perplexity', color=color,
         label=method)
@@ -1250,7 +1251,7 @@ def make_control_curves_figure(root_output_dir: str,
   for ax, column, start in ((axes[1], 2, 'fl'), (axes[2], 3, 'perfl')):
     for run, color in zip(_CONTROL_RUNS, colors):
       method = run[column]
-      reporting.plot_seed_band(
+      curve_bands.plot_seed_band(
           ax, [{'round': c[method]['round'],
                 'perplexity': [v - b for v in c[method][ALL]]}
                for c, b in zip(curves, base)], 'round', 'perplexity',

@@ -11,6 +11,7 @@ import pytest
 from binaries import reproduce
 from papers import feddva as paper
 from tasks import client_data_task
+from tff_personal import curve_bands
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.algorithms import registry
@@ -394,8 +395,8 @@ def test_accuracy_curves_band_every_seed_of_a_method(tmp_path, monkeypatch):
       json.dump({'round': [1, 2], 'mean': [accuracy, accuracy + 0.1],
                  'std': [0.0, 0.0]}, fh)
   drawn = []
-  real = reporting.plot_seed_band
-  monkeypatch.setattr(reporting, 'plot_seed_band', lambda ax, curves, *a,
+  real = curve_bands.plot_seed_band
+  monkeypatch.setattr(curve_bands, 'plot_seed_band', lambda ax, curves, *a,
                       **k: drawn.append((k['label'], curves)) or real(
                           ax, curves, *a, **k))
   written = paper.make_figures(str(tmp_path), f, latent=False)

@@ -11,8 +11,8 @@ import pytest
 from papers import fedperc as paper
 from tasks import tv_shows_task
 from tests import fedperc_testdata
+from tff_personal import curve_bands
 from tff_personal import experiment
-from tff_personal import reporting
 from tff_personal.models import fedperc
 
 
@@ -120,9 +120,9 @@ def test_curve_figures_band_each_variant_over_its_seeds(
               'w') as fh:
       json.dump({'train_loss': loss, 'eval_curve': evals}, fh)
   drawn = []
-  real = reporting.plot_seed_band
+  real = curve_bands.plot_seed_band
   monkeypatch.setattr(
-      reporting, 'plot_seed_band', lambda ax, curves, *a, **k: drawn.append(
+      curve_bands, 'plot_seed_band', lambda ax, curves, *a, **k: drawn.append(
           (k['label'], curves)) or real(ax, curves, *a, **k))
   paths = paper.make_figures(root, f)
   assert [os.path.basename(p) for p in paths] == [

@@ -11,6 +11,7 @@ import pytest
 from papers import group
 from tasks import shakespeare_groups as sg
 from tests import conftest
+from tff_personal import curve_bands
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.core import client_state as client_state_lib
@@ -294,8 +295,8 @@ def test_training_figure_offsets_group_rounds_after_fl(tmp_path, monkeypatch):
           [3.0 + shift, 2.0 + shift])
     write(str(task / 'groups' / 'comedy' / 'train_metrics.csv'), [1.0])
   drawn = {}
-  real = reporting.plot_seed_band
-  monkeypatch.setattr(reporting, 'plot_seed_band',
+  real = curve_bands.plot_seed_band
+  monkeypatch.setattr(curve_bands, 'plot_seed_band',
                       lambda ax, curves, *a, **k: drawn.update(
                           {k['label']: curves}) or real(ax, curves, *a, **k))
   # A seed killed before its first round: a header and no rows.

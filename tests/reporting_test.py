@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from binaries import reproduce
+from tff_personal import curve_bands
 from tff_personal import reporting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,23 +203,23 @@ def test_data_seed_is_the_flag_or_the_cells_seed():
 def test_seed_band_is_mean_and_std_at_the_shared_rounds():
   curves = [{'round': [10, 20, 30], 'f1': [0.1, 0.5, 0.9]},
             {'round': [20, 10], 'f1': [0.7, 0.3]}]  # a seed still running
-  rounds, mean, std = reporting.seed_band(curves)
+  rounds, mean, std = curve_bands.seed_band(curves)
   assert rounds == [10, 20]
   np.testing.assert_allclose(mean, [0.2, 0.6])
   np.testing.assert_allclose(std, [np.sqrt(0.02)] * 2)
-  rounds, mean, std = reporting.seed_band(curves[:1])
+  rounds, mean, std = curve_bands.seed_band(curves[:1])
   assert rounds == [10, 20, 30] and std == [0.0] * 3
-  assert reporting.seed_band([]) == ([], [], [])
-  assert reporting.seed_band(
+  assert curve_bands.seed_band([]) == ([], [], [])
+  assert curve_bands.seed_band(
       [{'epoch': [1, 2], 'acc': [0.5, 0.6]}], 'epoch', 'acc')[0] == [1, 2]
-  assert reporting.seed_band([{'round': [], 'f1': []}] + curves) == (
+  assert curve_bands.seed_band([{'round': [], 'f1': []}] + curves) == (
       [], [], [])
 
 
 def test_seed_band_interpolates_a_seed_evaluated_at_other_points():
   every_round = {'epoch': [0.5, 1.0, 1.5, 2.0], 'acc': [0.1, 0.2, 0.3, 0.4]}
   every_epoch = {'epoch': [1.0, 2.0], 'acc': [0.4, 0.6]}
-  xs, mean, std = reporting.seed_band([every_round, every_epoch], 'epoch',
+  xs, mean, std = curve_bands.seed_band([every_round, every_epoch], 'epoch',
                                       'acc')
   assert xs == [1.0, 1.5, 2.0]  # where both seeds have a curve
   np.testing.assert_allclose(mean, [0.3, 0.4, 0.5])  # 1.5: (0.3 + 0.5) / 2
@@ -234,11 +235,11 @@ def test_seed_curves_reads_every_seed_of_the_matching_cells(tmp_path):
   write('dp=none-aa', 1, {'round': [1], 'f1': [0.3]})
   write('dp=none-aa', 2, {'round': [], 'f1': []})  # stopped before round 1
   write('dp=gaussian-bb', 0, {'round': [1], 'f1': [0.9]})
-  curves = reporting.seed_curves(str(tmp_path / 'dp=none*'))
+  curves = curve_bands.seed_curves(str(tmp_path / 'dp=none*'))
   assert [c['f1'] for c in curves] == [[0.1, 0.2], [0.3]]
-  assert reporting.seed_band(curves)[0] == [1]
-  assert reporting.seed_curves(str(tmp_path / 'dp=none*'), x='epoch') == []
-  assert len(reporting.seed_curves(str(tmp_path / '*'))) == 3
+  assert curve_bands.seed_band(curves)[0] == [1]
+  assert curve_bands.seed_curves(str(tmp_path / 'dp=none*'), x='epoch') == []
+  assert len(curve_bands.seed_curves(str(tmp_path / '*'))) == 3
 
 
 def test_huge_means_print_in_scientific_notation(tmp_path):
