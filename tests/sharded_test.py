@@ -721,20 +721,17 @@ def test_packed_transport_changes_no_bit_of_a_round(dp, monkeypatch):
   assert type(packed[0]) is type(plain[0])  # The state's own containers.
 
 
-def _dense_loop_factory(traces, lazy=False):
-  """`make_fn` for `SharedTrace`: a Dense model (built now unless `lazy`)
-  and a loop that loads `w` into it and returns its loss and gradient on
-  `x`; `traces` counts the times its Python runs (is traced)."""
+def _dense_loop_factory(traces):
+  """`make_fn` for `trace_loop`: a Dense model and a loop that loads `w`
+  into it and returns its loss and gradient on `x`; `traces` counts the
+  times its Python runs (is traced)."""
 
   def make_fn():
     layer = tf.keras.layers.Dense(3)
-    if not lazy:
-      layer.build((None, 4))
+    layer.build((None, 4))
 
     def fn(w, x):
       traces.append(1)
-      if not layer.built:  # Lazy: its variables are created while tracing.
-        layer.build((None, 4))
       layer.kernel.assign(w)
       with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tf.square(layer(x)))
@@ -748,13 +745,14 @@ def _dense_loop_factory(traces, lazy=False):
 _DENSE_SIGNATURE = (tf.TensorSpec([4, 3]), tf.TensorSpec([None, 4]))
 
 
-def test_shard_loops_share_one_trace_and_keep_their_own_variables():
+def test_concurrent_shard_loops_each_run_their_own_trace_and_variables():
+  """Each loop is traced over its own model (one trace shared by threads
+  with other variables bound in corrupted memory); run at once, each gives
+  what a loop traced alone gives, on its own variables."""
   traces = []
-  shared = shard_threads.SharedTrace()
-  runs = [shared.build(_dense_loop_factory(traces), _DENSE_SIGNATURE)
-          for _ in range(3)]
-  assert len(traces) == 1
-  # A loop traced on its own, the reference.
+  runs = [shard_threads.trace_loop(_dense_loop_factory(traces),
+                                   _DENSE_SIGNATURE) for _ in range(3)]
+  assert len(traces) == 3
   own = []
   reference = tf.function(_dense_loop_factory(own)(),
                           input_signature=_DENSE_SIGNATURE)
@@ -769,59 +767,4 @@ def test_shard_loops_share_one_trace_and_keep_their_own_variables():
     want_loss, want_grad = reference(*a)
     assert float(loss) == float(want_loss)
     np.testing.assert_array_equal(grad, want_grad)
-  # Each loop wrote its own variables: the last values assigned differ.
-  kernels = [r.variables[0].numpy() for r in runs[1:]]
-  np.testing.assert_array_equal(kernels[0], args[1][0])
-  np.testing.assert_array_equal(kernels[1], args[2][0])
-
-
-@pytest.mark.parametrize('change', ['lazy_variables', 'other_shapes',
-                                    'other_signature'])
-def test_shard_loops_are_traced_again_when_not_the_same_program(change):
-  traces = []
-  shared = shard_threads.SharedTrace()
-  lazy = change == 'lazy_variables'
-  shared.build(_dense_loop_factory(traces, lazy=lazy), _DENSE_SIGNATURE)
-  first = len(traces)
-  if change == 'other_shapes':
-
-    def make_fn():
-      layer = tf.keras.layers.Dense(3)
-      layer.build((None, 5))
-      traces.append(1)
-      return lambda w, x: (tf.reduce_sum(x), w)
-
-    run = shared.build(make_fn, _DENSE_SIGNATURE)
-    assert len(traces) == first + 1  # Built, then traced (not rebound).
-    assert isinstance(run, tf.types.experimental.GenericFunction)
-    return
-  signature = _DENSE_SIGNATURE
-  if change == 'other_signature':
-    signature = (tf.TensorSpec([4, 3]), tf.TensorSpec([2, 4]))
-  run = shared.build(_dense_loop_factory(traces, lazy=lazy), signature)
-  assert len(traces) > first
-  assert isinstance(run, tf.types.experimental.GenericFunction)
-
-
-def test_shard_loops_drawing_op_seeded_randoms_are_each_traced():
-  # One program's kernels are shared by its concurrent calls: the draws of
-  # an op-seeded random op would depend on the threads' timing.
-  traces = []
-
-  def make_fn():
-    layer = tf.keras.layers.Dense(3)
-    layer.build((None, 4))
-
-    def fn(w, x):
-      traces.append(1)
-      layer.kernel.assign(w)
-      noise = tf.random.uniform([3], seed=1)
-      return tf.reduce_sum(layer(x) + noise), w
-
-    return fn
-
-  shared = shard_threads.SharedTrace()
-  shared.build(make_fn, _DENSE_SIGNATURE)
-  run = shared.build(make_fn, _DENSE_SIGNATURE)
-  assert len(traces) == 2
-  assert isinstance(run, tf.types.experimental.GenericFunction)
+  assert len(traces) == 3  # Not traced again in the threads.

@@ -259,11 +259,8 @@ class Run(collections.abc.Mapping):
     (train_metrics.csv, eval_metrics.csv), each row a dict with `round`,
     of the run, or of an earlier `stage` or a `group`'s run."""
     directory = self._directory_of(stage, group)
-    return {kind: [
-        {k: training_loop._number(v) for k, v in row.items()  # pylint: disable=protected-access
-         if v not in (None, '')}
-        for row in training_loop._read_csv(  # pylint: disable=protected-access
-            os.path.join(directory, f'{kind}_metrics.csv'))]
+    return {kind: training_loop.read_metrics(
+        os.path.join(directory, f'{kind}_metrics.csv'))
             for kind in ('train', 'eval')}
 
   def rounds(self, stage: Optional[str] = None,

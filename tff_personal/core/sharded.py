@@ -447,13 +447,12 @@ class DriverShardWork:
     self._element_spec = element_spec
     self._loop_args = (user_clip_norm, wire, count_users)
     self._runs = []  # One loop per concurrent shard, built on use.
-    self._trace = shard_threads.SharedTrace()
 
   def _build(self, example_call):
     """A fresh step and the shard loop over it, for arguments shaped as
-    `example_call` with any user, batch and example count (traced once, in
-    this thread: `shard_threads.SharedTrace`)."""
-    return self._trace.build(
+    `example_call` with any user, batch and example count (traced in this
+    thread: `shard_threads.trace_loop`)."""
+    return shard_threads.trace_loop(
         lambda: _shard_loop(self._make_step(), self._result_spec,
                             self._element_spec, *self._loop_args),
         call_signature(*example_call), autograph=False)

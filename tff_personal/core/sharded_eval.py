@@ -75,14 +75,13 @@ class ShardedPersonalEval:
     self._wire, self._train_wire = wire, train_wire
     self._element_spec = process_lib.model_input_spec(model_fn)
     self._runs = []  # One shard loop per shard, built on first use.
-    self._trace = shard_threads.SharedTrace()
 
   def _build(self, example_args):
     """A fresh model (built eagerly) and the shard loop over it, for
     arguments shaped as `example_args` with any user, batch and example
-    count (traced once, in this thread: `shard_threads.SharedTrace`)."""
-    return self._trace.build(lambda: self._shard_fn(),
-                             sharded.call_signature(*example_args))
+    count (traced in this thread: `shard_threads.trace_loop`)."""
+    return shard_threads.trace_loop(self._shard_fn,
+                                    sharded.call_signature(*example_args))
 
   def _shard_fn(self):
     """A fresh model and the Python function of a shard loop over it."""
@@ -163,16 +162,16 @@ class ShardedPersonalEval:
     # the same user one run in three (FedEmbed-Prototype; a variable its
     # fine-tuning writes is not each shard's own).
     ranges = sharded.shard_ranges(len(datasets),
-                          1 if self._fine_tune else self._num_shards)
+                                  1 if self._fine_tune else self._num_shards)
 
     def shard_args(r):
       states = to_tensors(sharded.stack_states([client_states[i] for i in r]))
       shard = to_tensors(sharded.pack_datasets([datasets[i] for i in r],
-                                       self._element_spec, self._wire))
+                                               self._element_spec, self._wire))
       if not self._fine_tune:
         return weights, states, shard
-      train = to_tensors(sharded.pack_datasets([data[0][i] for i in r],
-                                       self._element_spec, self._train_wire))
+      train = to_tensors(sharded.pack_datasets(
+          [data[0][i] for i in r], self._element_spec, self._train_wire))
       return weights, states, train, shard
 
     results = shard_threads.run_concurrently(self._runs, self._build,

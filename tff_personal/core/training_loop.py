@@ -36,7 +36,6 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from absl import logging
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -615,12 +614,19 @@ def _released_rounds(path: str) -> set[int]:
   return {int(row['round']) for row in _read_csv(path)}
 
 
+def read_metrics(path: str) -> list[dict]:
+  """The rows of a metrics CSV the run released (train_metrics.csv,
+  eval_metrics.csv), each a dict of its non-empty values with numbers as
+  numbers, `round` included; [] if the file does not exist."""
+  return [{k: _number(v) for k, v in row.items() if v not in (None, '')}
+          for row in _read_csv(path)]
+
+
 def _released_row(path: str, round_num: int) -> dict:
   """The values of round `round_num`'s row of a metrics CSV ({} if none)."""
-  for row in _read_csv(path):
-    if int(row['round']) == round_num:
-      return {k: _number(v) for k, v in row.items()
-              if k != 'round' and v not in (None, '')}
+  for row in read_metrics(path):
+    if row['round'] == round_num:
+      return {k: v for k, v in row.items() if k != 'round'}
   return {}
 
 
