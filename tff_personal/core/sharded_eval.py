@@ -157,12 +157,7 @@ class ShardedPersonalEval:
       return []
     to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
     weights = to_tensors(weights)
-    # With fine-tuning the shards run one after another, in one shard:
-    # run concurrently, two shards' fine-tuning gave different outputs for
-    # the same user one run in three (FedEmbed-Prototype; a variable its
-    # fine-tuning writes is not each shard's own).
-    ranges = sharded.shard_ranges(len(datasets),
-                                  1 if self._fine_tune else self._num_shards)
+    ranges = sharded.shard_ranges(len(datasets), self._num_shards)
 
     def shard_args(r):
       states = to_tensors(sharded.stack_states([client_states[i] for i in r]))
