@@ -275,6 +275,10 @@ def load_table(path: str, *, user_column: str = 'user',
         raise TableError(f'{path}: no column {column!r}; its columns: '
                          f'{header}')
     for line, row in enumerate(reader, start=2):
+      if any(row[c] is None for c in user_parts + [context_column,
+                                                   text_column]):
+        raise TableError(f'{path}, line {line}: fewer columns than its '
+                         f'header ({header})')
       context = row[context_column]
       if keep and context not in keep:
         continue

@@ -88,6 +88,11 @@ def test_table_task_takes_its_users_contexts_and_withheld_users_from_options(
                      match="user 'X' has rows in contexts 'a' and 'b'"):
     context_task.context_table_task(str(tmp_path), backbone=preset,
                                     **_table_options(user_column='speaker'))
+  (tmp_path / 'short.tsv').write_text('play\tspeaker\ttext\na\tX\n')
+  with pytest.raises(context_task.TableError,
+                     match='line 2: fewer columns than its header'):
+    context_task.context_table_task(str(tmp_path), backbone=preset,
+                                    **_table_options(path='short.tsv'))
   with pytest.raises(ValueError, match='must leave users to train'):
     context_task.context_table_task(str(tmp_path), backbone=preset,
                                     **_table_options(withheld_users=6))

@@ -587,10 +587,13 @@ def _dp_average_start(proc, store, population: int, new_users: NewUsers,
                       config: experiment.ExperimentConfig,
                       run_delta: Optional[float]) -> tuple:
   """(the DP average of the trained clients' private states, its record)."""
-  states = store.load(list(range(population)))
-  private = [tuple(np.asarray(v) for v in s[process_lib.CLIENT_STATE_PRIVATE])
-             for s in states
-             if int(s.get(process_lib.CLIENT_STATE_ROUNDS, 1)) > 0]
+  private = []
+  for start in range(0, population, config.eval_chunk):
+    for s in store.load(list(range(start, min(start + config.eval_chunk,
+                                              population)))):
+      if int(s.get(process_lib.CLIENT_STATE_ROUNDS, 1)) > 0:
+        private.append(tuple(
+            np.asarray(v) for v in s[process_lib.CLIENT_STATE_PRIVATE]))
   if not private or not private[0]:
     raise EvaluationError(
         'the dp_average new-user start needs trained clients with a private '
