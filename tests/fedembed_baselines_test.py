@@ -283,7 +283,7 @@ def _personal_outputs(proc, states):
   evaluate, _, data_fn = run_evaluation.personal_evaluator(
       _Task(), proc, config, _Store(states), num_shards=0)
   return [np.asarray(o['outputs'])
-          for o in evaluate(proc.initialize(), data_fn)]
+          for o in evaluate.outputs(proc.initialize(), data_fn)]
 
 
 def test_pfedme_restart_evaluates_from_the_current_global_head():
