@@ -105,9 +105,13 @@ def test_every_algorithm_aggregates_only_shared_weights(name):
                                               input_spec=typed_spec)),
       fedperc_model_fn_factory=fedperc_testdata.factory,
       supports_personal_embedding=True, has_named_head=True)
-  # pFedMe's personal part is a head, Ditto's and FedAvg+FT's a copy of the
-  # whole model, FedPerC's embedding the backbone's size: no embedding.
-  dim = 0 if name.startswith('pfedme') or name in ('ditto', 'fedavg_ft') or (
+  # pFedMe's personal part is a head; Ditto, APFL and the methods that
+  # fine-tune, meta-learn, cluster or remember (FedAvg+FT, FedBABU,
+  # Per-FedAvg, HypCluster, kNN-Per) work on whole models; FedPerC's
+  # embedding is the backbone's size: no embedding.
+  whole = ('ditto', 'fedavg_ft', 'fedbabu', 'per_fedavg', 'apfl',
+           'hypcluster', 'knn_per')
+  dim = 0 if name.startswith('pfedme') or name in whole or (
       registry.spec(name).model == 'fedperc') else 28
   proc = registry.build(
       name, registry.model_factory(name, task),

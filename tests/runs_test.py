@@ -72,6 +72,7 @@ def test_split_model_dp_run_reopens_from_its_directory_alone(tmp_path,
   never = task.population - len(trained_clients)
   assert 0 < never and trained['eval']['never_trained_clients'] == never
   assert trained['eval']['trained/clients'] == len(trained_clients)
+  assert trained['eval']['never_trained/clients'] == never
   again = run.evaluate()
   assert again['eval'] == trained['eval']
   assert again['privacy']['epsilon'] == pytest.approx(

@@ -122,6 +122,7 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
 
 NEVER_TRAINED = 'never_trained_clients'
 TRAINED_PREFIX = 'trained/'
+NEVER_TRAINED_PREFIX = 'never_trained/'
 
 
 def with_never_trained(task, metrics: dict, ids: Sequence[int],
@@ -129,9 +130,10 @@ def with_never_trained(task, metrics: dict, ids: Sequence[int],
   """`metrics` (over every evaluated client) and how many of those clients
   never took part in a training round (`never_trained_clients`, from their
   states' `rounds_participated`); when some did and some did not, also the
-  metrics of the trained ones alone (`trained/<name>`): a client never
-  sampled is scored on its initial private state (a random head, say),
-  which the pooled number mixes in.
+  metrics of the trained ones alone (`trained/<name>`) and of the others
+  (`never_trained/<name>`): a client never sampled is scored on its
+  initial private state (a random head, say), which the pooled number
+  mixes in.
 
   Unchanged when the states count no participation.
   """
@@ -141,10 +143,13 @@ def with_never_trained(task, metrics: dict, ids: Sequence[int],
   out = dict(metrics)
   out[NEVER_TRAINED] = len(rounds) - len(trained)
   if 0 < len(trained) < len(rounds):
-    apart = task.evaluate([outputs[i] for i in trained],
-                          [ids[i] for i in trained])
-    out.update({TRAINED_PREFIX + k: v for k, v in apart.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    never = [i for i, r in enumerate(rounds) if int(r) == 0]
+    for prefix, part in ((TRAINED_PREFIX, trained),
+                         (NEVER_TRAINED_PREFIX, never)):
+      apart = task.evaluate([outputs[i] for i in part],
+                            [ids[i] for i in part])
+      out.update({prefix + k: v for k, v in apart.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)})
   return out
 
 

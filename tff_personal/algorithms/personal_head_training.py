@@ -1,4 +1,7 @@
-"""TF client steps of FedRep and pFedMe (no TFF here; see fedrep.py, pfedme.py).
+"""TF client steps of FedRep and pFedMe (no TFF here; see fedrep.py, pfedme.py),
+and the pass helpers other hand-written client steps share (`train_pass`,
+`reduce_batches`, `metric_zeros`, `accumulate`, `step_result`; Per-FedAvg,
+APFL).
 
 Both return what `core.split_training.local_train` returns, `(update,
 update_weight, new_private, metrics)`, with the same conventions: the update
@@ -57,7 +60,8 @@ def _all_finite(structure) -> tf.Tensor:
   return tf.reduce_all(tf.stack(flat)) if flat else tf.constant(True)
 
 
-def _metric_zeros(model, dataset, metrics_fn):
+def metric_zeros(model, dataset, metrics_fn):
+  """Zero sums shaped like `metrics_fn`'s on `dataset`'s batches."""
   if metrics_fn is None:
     return collections.OrderedDict()
   empty = tf.nest.map_structure(
@@ -69,7 +73,8 @@ def _metric_zeros(model, dataset, metrics_fn):
       (k, tf.zeros(v.shape, v.dtype)) for k, v in sample.items())
 
 
-def _specs(variables):
+def variable_specs(variables):
+  """The `tf.TensorSpec`s of `variables` (an optimizer's `initialize`)."""
   return tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
 
 
@@ -77,8 +82,9 @@ def _batch_size(batch):
   return tf.shape(tf.nest.flatten(batch)[0])[0]
 
 
-def _accumulate(model, metrics_fn, state, batch, outputs, loss):
-  """(num_examples, loss_sum, sums) of `state` plus this batch's."""
+def accumulate(model, metrics_fn, state, batch, outputs, loss):
+  """(num_examples, loss_sum, sums) of `state` plus this batch's (its
+  `outputs` and mean `loss`)."""
   num_examples, loss_sum, sums = state[:3]
   n = _batch_size(batch)
   if metrics_fn is not None:
@@ -89,13 +95,14 @@ def _accumulate(model, metrics_fn, state, batch, outputs, loss):
           loss_sum + loss * tf.cast(n, tf.float32), sums)
 
 
-def _reduce(model, dataset, metrics_fn, optimizer, variables, reduce_fn):
+def reduce_batches(model, dataset, metrics_fn, optimizer, variables,
+                   reduce_fn):
   """Runs `reduce_fn` over `dataset` from zero sums and a fresh optimizer
   state for `variables`; returns (num_examples, loss_sum, sums)."""
   num_examples, loss_sum, sums, _ = dataset.reduce(
       (tf.constant(0, tf.int64), tf.constant(0.0),
-       _metric_zeros(model, dataset, metrics_fn),
-       optimizer.initialize(_specs(variables))), reduce_fn)
+       metric_zeros(model, dataset, metrics_fn),
+       optimizer.initialize(variable_specs(variables))), reduce_fn)
   return num_examples, loss_sum, sums
 
 
@@ -119,14 +126,19 @@ def train_pass(model: split_model_lib.SplitModel,
                   for g, v in zip(grads, variables))
     opt_state, updated = optimizer.next(opt_state, tuple(variables), grads)
     _assign(variables, updated)
-    return _accumulate(model, metrics_fn, state, batch, outputs,
-                       loss) + (opt_state,)
+    return accumulate(model, metrics_fn, state, batch, outputs,
+                      loss) + (opt_state,)
 
-  return _reduce(model, dataset, metrics_fn, optimizer, variables, reduce_fn)
+  return reduce_batches(model, dataset, metrics_fn, optimizer, variables,
+                        reduce_fn)
 
 
-def _result(model, initial_weights, private_weights, num_examples, loss_sum,
-            sums):
+def step_result(model, initial_weights, private_weights, num_examples,
+                loss_sum, sums):
+  """A client step's `(update, weight, new_private, metrics)` from `model`'s
+  variables after training: the shared update `initial - final`; a
+  non-finite update or private state sends nothing (weight 0) and keeps the
+  old private state."""
   shared = model.shared_trainable_variables
   update = tuple(tf.subtract(a, b.read_value())
                  for a, b in zip(initial_weights.trainable, shared))
@@ -168,8 +180,8 @@ def fedrep_local_train(model: split_model_lib.SplitModel,
       model, body_optimizer, model.shared_trainable_variables, dataset,
       metrics_fn)
   private_noise.finish_pass(model, noise_start)
-  return _result(model, initial_weights, private_weights, num_examples,
-                 loss_sum, sums)
+  return step_result(model, initial_weights, private_weights, num_examples,
+                     loss_sum, sums)
 
 
 def pfedme_local_train(model: split_model_lib.SplitModel,
@@ -217,7 +229,7 @@ def pfedme_local_train(model: split_model_lib.SplitModel,
 
     # A graph loop written out (steps are traced without AutoGraph).
     tf.while_loop(lambda i, _: i < inner_steps, inner_step,
-                  (tf.constant(0), inner_optimizer.initialize(_specs(theta))))
+                  (tf.constant(0), inner_optimizer.initialize(variable_specs(theta))))
     with tf.GradientTape() as tape:
       outputs = model.forward(batch, training=True)
       loss = model.loss(batch, outputs)
@@ -227,11 +239,11 @@ def pfedme_local_train(model: split_model_lib.SplitModel,
     grads += [lam * (wi - ti) for wi, ti in zip(w, theta)]
     opt_state, updated = optimizer.next(opt_state, tuple(outer), tuple(grads))
     _assign(outer, updated)
-    return _accumulate(model, metrics_fn, state, batch, outputs,
-                       loss) + (opt_state,)
+    return accumulate(model, metrics_fn, state, batch, outputs,
+                      loss) + (opt_state,)
 
-  num_examples, loss_sum, sums = _reduce(model, dataset, metrics_fn,
-                                         optimizer, outer, reduce_fn)
+  num_examples, loss_sum, sums = reduce_batches(model, dataset, metrics_fn,
+                                                optimizer, outer, reduce_fn)
   private_noise.finish_pass(model, noise_start)
-  return _result(model, initial_weights, private_weights, num_examples,
-                 loss_sum, sums)
+  return step_result(model, initial_weights, private_weights, num_examples,
+                     loss_sum, sums)

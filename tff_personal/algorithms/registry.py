@@ -31,16 +31,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
+from tff_personal.algorithms import apfl
 from tff_personal.algorithms import ditto
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedavg_ft
+from tff_personal.algorithms import fedbabu
 from tff_personal.algorithms import feddva
 from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import fedembed_som
+from tff_personal.algorithms import fedper
 from tff_personal.algorithms import fedperc
 from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import furl
 from tff_personal.algorithms import group_fl
+from tff_personal.algorithms import hypcluster
+from tff_personal.algorithms import knn_per
+from tff_personal.algorithms import lg_fedavg
+from tff_personal.algorithms import per_fedavg
 from tff_personal.algorithms import pfedkm
 from tff_personal.algorithms import pfedme
 from tff_personal.core import imported
@@ -132,6 +139,32 @@ _SPECS = (
     AlgorithmSpec('fedavg_ft', fedavg_ft.build_fedavg_ft_algorithm, 'split',
                   (), 'baselines',
                   'FedAvg, then local fine-tuning at evaluation'),
+    AlgorithmSpec('fedper', fedper.build_fedper, 'split', ('named_head',),
+                  'baselines',
+                  'FedPer: shared body and private head, trained jointly'),
+    AlgorithmSpec('lg_fedavg', lg_fedavg.build_lg_fedavg, 'split',
+                  ('named_head',), 'baselines',
+                  'LG-FedAvg: private body (local representation), shared '
+                  'head'),
+    AlgorithmSpec('fedbabu', fedbabu.build_fedbabu, 'split', ('named_head',),
+                  'baselines',
+                  'FedBABU: body trained under a fixed random head, all '
+                  'fine-tuned at evaluation'),
+    AlgorithmSpec('per_fedavg', per_fedavg.build_per_fedavg, 'split', (),
+                  'baselines',
+                  'Per-FedAvg: FedAvg of a first-order (or Hessian-free) '
+                  'MAML learner, adapted at evaluation'),
+    AlgorithmSpec('apfl', apfl.build_apfl, 'split', (), 'baselines',
+                  'APFL: a learned per-client mixture of a personal and the '
+                  'global model'),
+    AlgorithmSpec('hypcluster', hypcluster.build_hypcluster, 'split', (),
+                  'baselines',
+                  'HypCluster: k shared models, each client trains the one '
+                  'that fits it best (a private choice)'),
+    AlgorithmSpec('knn_per', knn_per.build_knn_per, 'split', ('named_head',),
+                  'baselines',
+                  'kNN-Per: FedAvg, its features plus a local kNN memory at '
+                  'evaluation'),
     AlgorithmSpec('feddva', feddva.build_feddva_algorithm, 'split',
                   ('digit_images',), 'feddva',
                   'dual VAE (shared encoders, private decoders), then a '
@@ -242,10 +275,11 @@ def build(name: str, model_fn_factory, **kwargs):
 def missing_for(name: str, capabilities: Sequence[str],
                 options: Mapping[str, Any] = ()) -> list[str]:
   """What the named algorithm needs beyond `capabilities`, each with what it
-  is (empty: compatible). A `head_layer` in `options` names the personal
-  head itself, so the task need not have one named 'head'."""
-  have = set(capabilities) | (
-      {'named_head'} if 'head_layer' in dict(options) else set())
+  is (empty: compatible). A `head_layer` (or LG-FedAvg's `shared_layers`)
+  in `options` names the layer itself, so the task need not have one named
+  'head'."""
+  named = {'head_layer', 'shared_layers'} & set(dict(options))
+  have = set(capabilities) | ({'named_head'} if named else set())
   return [f'{n} ({task_lib.CAPABILITIES[n][1]})' for n in spec(name).needs
           if n not in have]
 

@@ -7,6 +7,9 @@ known name (the task models of this project call it 'head', see
 * `personal_head_model_fn` (FedRep): the head's variables become private
   (client state); everything below it stays shared. Private variables the
   task model already declares (a personal embedding) stay private.
+* `personal_body_model_fn` (LG-FedAvg): the reverse split; the named top
+  layers (the head) stay shared and every other trainable variable is
+  private.
 * `personal_copy_model_fn` (pFedMe, as FedEmbed Table 1 describes it: "a
   shared feature encoder with personal model heads regularized to minimize
   parameter difference from a global model head"): the shared model keeps its
@@ -21,18 +24,20 @@ known name (the task models of this project call it 'head', see
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import tensorflow as tf
 
 from tff_personal.models import split_model
 
 
-def _head_layer(model: tf.keras.Model, head_layer: str) -> tf.keras.layers.Layer:
+def named_layer(model: tf.keras.Model, name: str) -> tf.keras.layers.Layer:
+  """The model's layer `name`; an error listing its layers if it has none."""
   try:
-    return model.get_layer(head_layer)
+    return model.get_layer(name)
   except ValueError:
     raise ValueError(
-        f'the task model has no layer named {head_layer!r} to personalise; '
+        f'the task model has no layer named {name!r} to personalise; '
         f'its layers are {[l.name for l in model.layers]}') from None
 
 
@@ -49,7 +54,7 @@ def personal_head_model_fn(model_fn: split_model.SplitModelFn,
     base = model_fn()
     if head_layer is None:
       return base
-    head = _head_layer(base.model, head_layer)
+    head = named_layer(base.model, head_layer)
     private = list(base.private_variables) + [
         v for v in head.trainable_weights
         if v.ref() not in {p.ref() for p in base.private_variables}]
@@ -62,6 +67,40 @@ def personal_head_model_fn(model_fn: split_model.SplitModelFn,
           'would federate nothing; use a trainable encoder or another '
           'algorithm')
     return split
+
+  return fn
+
+
+def personal_body_model_fn(model_fn: split_model.SplitModelFn,
+                           shared_layers: Sequence[str] = ('head',)
+                           ) -> split_model.SplitModelFn:
+  """The model of `model_fn` with every trainable variable private except
+  those of the `shared_layers` (LG-FedAvg: local representations, a global
+  head).
+
+  Non-trainable variables keep the task model's split (a frozen encoder
+  stays shared, so it is not copied into every client's state). With
+  `shared_layers` naming every layer that has trainable variables nothing
+  becomes private: FedAvg.
+
+  Example:
+    model_fn = personal_body_model_fn(task.model_fn_factory(0), ['head'])
+  """
+  if not shared_layers:
+    raise ValueError('LG-FedAvg needs at least one shared layer (the head)')
+
+  def fn():
+    base = model_fn()
+    shared = {v.ref() for name in shared_layers
+              for v in named_layer(base.model, name).trainable_weights}
+    if not shared:
+      raise ValueError(f'the shared layers {list(shared_layers)} have no '
+                       'trainable variable: nothing would be federated')
+    private = list(base.private_variables)
+    known = {v.ref() for v in private}
+    private += [v for v in base.model.trainable_variables
+                if v.ref() not in shared and v.ref() not in known]
+    return dataclasses.replace(base, private_variables=private)
 
   return fn
 
@@ -86,7 +125,7 @@ def personal_copy_model_fn(model_fn: split_model.SplitModelFn,
                        'already has private variables '
                        f'{[v.name for v in base.private_variables]} (use '
                        'embedding_dim=0)')
-    head = _head_layer(base.model, head_layer)
+    head = named_layer(base.model, head_layer)
     config = head.get_config()
     config['name'] = 'personal_head'
     personal = head.__class__.from_config(config)
