@@ -186,3 +186,38 @@ def test_triplet_steps_leave_a_satisfied_embedding_alone():
   moved = fedembed_model.triplet_steps(
       tf.constant(e), tf.constant(protos), tf.constant(1), 1.0, 5, 0.1)
   np.testing.assert_array_equal(moved.numpy(), e)
+
+
+def test_assigned_head_mean_is_each_heads_mean_over_its_users():
+  """head_mean='assigned': a head moves by the mean over the clients that
+  used it, i.e. by `cohort / share`; everything else as the paper's
+  cohort mean, and the shares carry no weight of their own."""
+  clients = datasets([3, 3, 5, 7, 7, 7])  # shares 2/6, 1/6, 3/6
+  cohort, assigned = build('type'), build('type', head_mean='assigned')
+  states = initial_states(cohort, 6)
+  start = _named_weights(cohort, cohort.initialize())
+  state = assigned.set_model_weights(
+      assigned.initialize(), process.ModelWeights(
+          trainable=tuple(start[n] if n in start else np.zeros(10, np.float32)
+                          for n in _named_weights(
+                              assigned, assigned.initialize())),
+          non_trainable=assigned.get_model_weights(
+              assigned.initialize()).non_trainable))
+  want = _named_weights(cohort, cohort.next(cohort.initialize(), states,
+                                            clients)[0])
+  got = _named_weights(assigned, assigned.next(state, states, clients)[0])
+  share = np.zeros(10)
+  share[[3, 5, 7]] = [2 / 6, 1 / 6, 3 / 6]
+  for name in ('heads/kernel:0', 'heads/bias:0'):
+    moved = want[name] - start[name]
+    scaled = np.where(share.reshape((-1,) + (1,) * (moved.ndim - 1)) > 0,
+                      moved / np.maximum(share, 1e-9).reshape(
+                          (-1,) + (1,) * (moved.ndim - 1)), 0)
+    np.testing.assert_allclose(got[name] - start[name], scaled, rtol=1e-4,
+                               atol=1e-6)
+  for name in start:
+    if not name.startswith('heads/'):
+      np.testing.assert_allclose(got[name], want[name], rtol=1e-5,
+                                 atol=1e-6)
+  shares = [v for n, v in got.items() if n.startswith('head_shares')]
+  assert len(shares) == 1 and not np.any(shares[0])

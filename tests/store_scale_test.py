@@ -17,6 +17,7 @@ import pytest
 
 from binaries import store_benchmark
 from tff_personal.core import client_state as cs
+from tff_personal.core import state_codec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL, LARGE, COHORT = 2_000, 50_000, 200
@@ -234,7 +235,7 @@ def test_fast_flatten_agrees_with_general_path():
   codec = cs.StateCodec(tmpl)
   good = {'a': Pair(np.arange(3.0), np.int64(4)), 'z': np.ones(2),
           'm': (np.ones(1), [np.full(2, 7.0)])}  # list <-> tuple accepted.
-  general = [np.asarray(x) for _, x in cs._flatten_with_paths(good)]  # pylint: disable=protected-access
+  general = [np.asarray(x) for _, x in state_codec._flatten_with_paths(good)]  # pylint: disable=protected-access
   for got, want in zip(codec.flatten(good, 0), general):
     np.testing.assert_array_equal(got, want)
   bad_states = (

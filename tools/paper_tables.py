@@ -96,8 +96,13 @@ def stale_blocks(path: str) -> list[str]:
           if m.group('body') != render(m.group('paper'), m.group('table'))]
 
 
+# Reports outside docs/papers that hold generated tables.
+OTHER_REPORTS = (os.path.join(ROOT, 'docs', 'benchmark_personalization.md'),)
+
+
 def reports() -> list[str]:
-  return sorted(glob.glob(os.path.join(REPORTS, '*.md')))
+  return sorted(glob.glob(os.path.join(REPORTS, '*.md'))) + [
+      p for p in OTHER_REPORTS if os.path.exists(p)]
 
 
 def add(paper: str, source: str) -> int:

@@ -13,6 +13,11 @@ The server averages each head over all clients, as the paper says ("the
 server is unaware of each client's identity or sub-population membership"):
 a client's update is zero on the heads it does not use, so head k moves by the
 mean over the cohort of the updates of its users, weighted by examples.
+`head_mean='assigned'` (not the paper's; an experiment's option) averages
+each head over the clients that used it instead: the model gets K shared
+"share" scalars, each client sends the one-hot of its head there, and the
+server optimizer (`HeadNormalized`) divides each head's mean update by its
+share of the cohort, as HypCluster does per model (`hypcluster.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Optional
 
+import tensorflow as tf
 import tensorflow_federated as tff
+
+from tff_personal.core import split_training
 
 from tff_personal.core import process as process_lib
 from tff_personal.models import fedembed as fedembed_model
@@ -38,17 +46,136 @@ def build_fedembed(model_factory: FedEmbedModelFactory, *,
                    train_metrics: bool = True, seed: Optional[int] = None,
                    embedding_dim: int = 28,
                    num_subpopulations: Optional[int] = None,
-                   private_optimizer=None,
+                   private_optimizer=None, head_mean: str = 'cohort',
                    ) -> process_lib.StatefulClientProcess:
-  """Builds a FedEmbed process with the given sub-population assignment."""
+  """Builds a FedEmbed process with the given sub-population assignment.
+
+  `head_mean`: 'cohort' (the paper: each head averaged over every client)
+  or 'assigned' (over the clients that used it; module docstring).
+  """
   config = fedembed_model.FedEmbedConfig(
       assignment=assignment, embedding_dim=embedding_dim,
       num_subpopulations=num_subpopulations)  # None: the task's
-  return process_lib.build_split_model_process(
-      model_factory(config), client_optimizer=client_optimizer,
-      server_optimizer=server_optimizer, aggregator_factory=aggregator_factory,
-      metrics_fn=metrics_fn, train_metrics=train_metrics, seed=seed,
-      private_optimizer=private_optimizer)
+  if head_mean not in HEAD_MEANS:
+    raise ValueError(f'head_mean must be one of {HEAD_MEANS}, got '
+                     f'{head_mean!r}')
+  model_fn = model_factory(config)
+  if head_mean == 'cohort':
+    return process_lib.build_split_model_process(
+        model_fn, client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
+        train_metrics=train_metrics, seed=seed,
+        private_optimizer=private_optimizer)
+  if assignment not in ('prototype', 'type'):
+    raise ValueError("head_mean='assigned' needs shared sub-population "
+                     f"heads ('prototype' or 'type'), not {assignment!r}")
+  model_fn = with_head_shares(model_fn)
+  layout, head_slot = _head_layout(model_fn)
+
+  def make_step():
+    model = model_fn()
+
+    def step(weights, client_state, dataset):
+      update, weight, new_private, metrics = split_training.local_train(
+          model, client_optimizer, weights,
+          tuple(client_state[process_lib.CLIENT_STATE_PRIVATE]), dataset,
+          metrics_fn, private_optimizer)
+      k = next(w for w, kind in zip(update, layout) if kind == 'share').shape
+      onehot = tf.one_hot(new_private[head_slot], k[0]) * tf.cast(
+          weight > 0, tf.float32)
+      update = tuple(onehot if kind == 'share' else u
+                     for u, kind in zip(update, layout))
+      return process_lib.client_step_result(update, weight, new_private,
+                                            client_state, metrics)
+
+    return step
+
+  return process_lib.build_split_step_process(
+      model_fn, make_step,
+      server_optimizer=HeadNormalized(server_optimizer, layout),
+      aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+      seed=seed)
+
+
+HEAD_MEANS = ('cohort', 'assigned')
+
+
+def with_head_shares(model_fn: split_model_lib.SplitModelFn
+                     ) -> split_model_lib.SplitModelFn:
+  """`model_fn`'s FedEmbed model plus K shared scalars `head_shares` (zero;
+  they carry each client's one-hot head in the update)."""
+
+  def fn():
+    model = model_fn()
+    heads = _layer(model, fedembed_model.SubpopulationHeads)
+    model.model.add_weight(name='head_shares', shape=(heads.num_heads,),
+                           initializer='zeros', trainable=True)
+    return model
+
+  return fn
+
+
+def _layer(model, kind):
+  found = [l for l in model.model.layers if isinstance(l, kind)]
+  if len(found) != 1:
+    raise ValueError(f'the FedEmbed model has {len(found)} {kind.__name__} '
+                     'layers; head_mean=assigned needs exactly one')
+  return found[0]
+
+
+def _head_layout(model_fn):
+  """Per shared trainable weight: 'share', 'rows' (a head's kernel or bias:
+  row k is head k) or 'plain'; and the private slot of the assigned head."""
+  with tf.Graph().as_default():
+    model = model_fn()
+    heads = _layer(model, fedembed_model.SubpopulationHeads)
+    rows = {heads.kernel.ref(), heads.bias.ref()}
+    assigned = _layer(model, fedembed_model.ClientAssignment).head
+    layout = ['share' if v.name.startswith('head_shares') else
+              'rows' if v.ref() in rows else 'plain'
+              for v in model.shared_trainable_variables]
+    slot = [v.ref() for v in model.private_variables].index(assigned.ref())
+  if layout.count('share') != 1:
+    raise ValueError('head_shares not found among the shared weights')
+  return layout, slot
+
+
+class HeadNormalized(tff.learning.optimizers.Optimizer):
+  """Divides each head's aggregated update by its share of the cohort (the
+  aggregated one-hots) before `inner` applies it; heads with a share of at
+  most `min_share` get none, the shares themselves a zero update. Written
+  here: TFF's optimizers have no per-row rescaling."""
+
+  def __init__(self, inner, layout, min_share: float = 1e-3):
+    self._inner = inner
+    self._layout = layout
+    self._min_share = min_share
+
+  def initialize(self, specs):
+    return self._inner.initialize(specs)
+
+  def next(self, state, weights, gradients):
+    flat = tf.nest.flatten(gradients)
+    share = flat[self._layout.index('share')]
+    scale = tf.where(share > self._min_share,
+                     1.0 / tf.maximum(share, self._min_share), 0.0)
+    out = []
+    for g, kind in zip(flat, self._layout):
+      if kind == 'share':
+        out.append(tf.zeros_like(g))
+      elif kind == 'rows':
+        out.append(g * tf.reshape(scale, [-1] + [1] * (len(g.shape) - 1)))
+      else:
+        out.append(g)
+    return self._inner.next(state, weights,
+                            tf.nest.pack_sequence_as(gradients, out))
+
+  def get_hparams(self, state):
+    return self._inner.get_hparams(state)
+
+  def set_hparams(self, state, hparams):
+    return self._inner.set_hparams(state, hparams)
 
 
 def _variant(assignment: str):
