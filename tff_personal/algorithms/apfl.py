@@ -106,7 +106,8 @@ def _gradients(model, variables, batch):
     outputs = model.forward(batch, training=True)
     loss = model.loss(batch, outputs)
   grads = tape.gradient(loss, variables)
-  return [tf.zeros_like(v) if g is None else g
+  # Dense: an embedding's gradient comes as IndexedSlices.
+  return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
           for g, v in zip(grads, variables)], outputs, loss
 
 

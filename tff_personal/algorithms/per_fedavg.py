@@ -56,7 +56,8 @@ def _gradients(model, variables, batch):
     outputs = model.forward(batch, training=True)
     loss = model.loss(batch, outputs)
   grads = tape.gradient(loss, variables)
-  return [tf.zeros_like(v) if g is None else g
+  # Dense: an embedding's gradient comes as IndexedSlices.
+  return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
           for g, v in zip(grads, variables)], outputs, loss
 
 
@@ -67,7 +68,7 @@ def _hessian_vector(model, variables, batch, vector):
     dot = tf.add_n([tf.reduce_sum(g * tf.stop_gradient(v))
                     for g, v in zip(grads, vector)])
   hvp = outer.gradient(dot, variables)
-  return [tf.zeros_like(v) if h is None else h
+  return [tf.zeros_like(v) if h is None else tf.convert_to_tensor(h)
           for h, v in zip(hvp, variables)]
 
 
