@@ -64,11 +64,13 @@ def metric_zeros(model, dataset, metrics_fn):
   """Zero sums shaped like `metrics_fn`'s on `dataset`'s batches."""
   if metrics_fn is None:
     return collections.OrderedDict()
-  empty = tf.nest.map_structure(
-      lambda s: tf.zeros([0] + s.shape[1:].as_list(), s.dtype),
-      dataset.element_spec)
-  sample = metrics_fn(empty,
-                      model.predict(model.forward(empty, training=False)))
+  # The structure and static shapes from a forward pass traced (never run)
+  # on the batches' spec, as `core/split_training.local_train` does: Keras'
+  # LSTM cannot be traced on a batch whose size is statically 0.
+  sample = tf.function(
+      lambda b: metrics_fn(b, model.predict(model.forward(
+          b, training=False))), autograph=False).get_concrete_function(
+              dataset.element_spec).structured_outputs
   return collections.OrderedDict(
       (k, tf.zeros(v.shape, v.dtype)) for k, v in sample.items())
 
