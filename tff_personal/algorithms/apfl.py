@@ -101,16 +101,6 @@ def mixture_model_fn(model_fn: split_model_lib.SplitModelFn,
   return fn
 
 
-def _gradients(model, variables, batch):
-  with tf.GradientTape() as tape:
-    outputs = model.forward(batch, training=True)
-    loss = model.loss(batch, outputs)
-  grads = tape.gradient(loss, variables)
-  # Dense: an embedding's gradient comes as IndexedSlices.
-  return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-          for g, v in zip(grads, variables)], outputs, loss
-
-
 def apfl_local_train(model: MixtureModel,
                      optimizer: tff.learning.optimizers.Optimizer,
                      personal_optimizer: tff.learning.optimizers.Optimizer,
@@ -125,14 +115,14 @@ def apfl_local_train(model: MixtureModel,
 
   def reduce_fn(state, batch):
     g_state, p_state = state[3]
-    g_grads, _, _ = _gradients(model.global_model, g_vars, batch)
+    g_grads, _, _ = steps.gradients(model.global_model, g_vars, batch)
     a = model.alpha.read_value()
     g_start = [v.read_value() for v in g_vars]
     p_start = [v.read_value() for v in p_vars]
     with tf.control_dependencies(g_grads):
       for m, p, g in zip(m_vars, p_start, g_start):
         m.assign(a * p + (1.0 - a) * g)
-    m_grads, outputs, loss = _gradients(model.mixed_model, m_vars, batch)
+    m_grads, outputs, loss = steps.gradients(model.mixed_model, m_vars, batch)
     g_state, g_new = optimizer.next(g_state, tuple(g_start), tuple(g_grads))
     p_state, p_new = personal_optimizer.next(
         p_state, tuple(p_start), tuple(a * x for x in m_grads))

@@ -16,7 +16,7 @@ mean over the cohort of the updates of its users, weighted by examples.
 `head_mean='assigned'` (not the paper's; an experiment's option) averages
 each head over the clients that used it instead: the model gets K shared
 "share" scalars, each client sends the one-hot of its head there, and the
-server optimizer (`HeadNormalized`) divides each head's mean update by its
+server optimizer (`core/share_normalized.ShareNormalized`) divides each head's mean update by its
 share of the cohort, as HypCluster does per model (`hypcluster.py`).
 """
 
@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import share_normalized
 from tff_personal.core import split_training
 
 from tff_personal.core import process as process_lib
@@ -93,7 +94,8 @@ def build_fedembed(model_factory: FedEmbedModelFactory, *,
 
   return process_lib.build_split_step_process(
       model_fn, make_step,
-      server_optimizer=HeadNormalized(server_optimizer, layout),
+      server_optimizer=share_normalized.ShareNormalized(server_optimizer,
+                                                        layout),
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
       seed=seed)
 
@@ -139,43 +141,6 @@ def _head_layout(model_fn):
   if layout.count('share') != 1:
     raise ValueError('head_shares not found among the shared weights')
   return layout, slot
-
-
-class HeadNormalized(tff.learning.optimizers.Optimizer):
-  """Divides each head's aggregated update by its share of the cohort (the
-  aggregated one-hots) before `inner` applies it; heads with a share of at
-  most `min_share` get none, the shares themselves a zero update. Written
-  here: TFF's optimizers have no per-row rescaling."""
-
-  def __init__(self, inner, layout, min_share: float = 1e-3):
-    self._inner = inner
-    self._layout = layout
-    self._min_share = min_share
-
-  def initialize(self, specs):
-    return self._inner.initialize(specs)
-
-  def next(self, state, weights, gradients):
-    flat = tf.nest.flatten(gradients)
-    share = flat[self._layout.index('share')]
-    scale = tf.where(share > self._min_share,
-                     1.0 / tf.maximum(share, self._min_share), 0.0)
-    out = []
-    for g, kind in zip(flat, self._layout):
-      if kind == 'share':
-        out.append(tf.zeros_like(g))
-      elif kind == 'rows':
-        out.append(g * tf.reshape(scale, [-1] + [1] * (len(g.shape) - 1)))
-      else:
-        out.append(g)
-    return self._inner.next(state, weights,
-                            tf.nest.pack_sequence_as(gradients, out))
-
-  def get_hparams(self, state):
-    return self._inner.get_hparams(state)
-
-  def set_hparams(self, state, hparams):
-    return self._inner.set_hparams(state, hparams)
 
 
 def _variant(assignment: str):

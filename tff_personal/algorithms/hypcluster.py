@@ -10,7 +10,7 @@ others' gradients are zero), and sends the update of the chosen model with
 the one-hot of its choice in the share slots. Aggregated (weighted mean by
 examples, or a DP aggregator, which clips and noises the update and the
 one-hot together), slot j holds cluster j's share of the cohort;
-`ClusterNormalized` (the server optimizer's wrapper) divides each model's
+`core/share_normalized.ShareNormalized` (the server optimizer's wrapper) divides each model's
 mean update by its share, which makes it the mean over the clients that
 chose it (HypCluster's per-cluster FedAvg), and leaves the shares at 0. The
 server sees only aggregates: no client's choice reaches a server value.
@@ -36,6 +36,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.core import process as process_lib
+from tff_personal.core import share_normalized
 from tff_personal.core import split_training
 from tff_personal.models import split_model as split_model_lib
 
@@ -119,49 +120,6 @@ def owners(model_fn: split_model_lib.SplitModelFn) -> list[tuple[str, int]]:
             for v in model.shared_trainable_variables]
 
 
-class ClusterNormalized(tff.learning.optimizers.Optimizer):
-  """A server optimizer that turns HypCluster's aggregate into per-cluster
-  means before `inner` applies it (module docstring).
-
-  Each model's aggregated update is divided by its cluster's share (the
-  aggregated one-hot); a cluster whose share is at most `min_share` (no
-  client chose it, or under DP its noisy share is that small) gets no
-  update. The shares' own slots get a zero update. Written here: TFF's
-  optimizers have no per-part rescaling.
-  """
-
-  def __init__(self, inner: tff.learning.optimizers.Optimizer,
-               layout: list[tuple[str, int]], min_share: float):
-    self._inner = inner
-    self._layout = layout
-    self._min_share = min_share
-
-  def initialize(self, specs):
-    return self._inner.initialize(specs)
-
-  def next(self, state, weights, gradients):
-    flat = tf.nest.flatten(gradients)
-    shares = {j: flat[i] for i, (kind, j) in enumerate(self._layout)
-              if kind == 'share'}
-    out = []
-    for g, (kind, j) in zip(flat, self._layout):
-      if kind == 'share':
-        out.append(tf.zeros_like(g))
-      else:
-        s = shares[j]
-        out.append(tf.where(s > self._min_share,
-                            g / tf.maximum(s, self._min_share),
-                            tf.zeros_like(g)))
-    return self._inner.next(state, weights,
-                            tf.nest.pack_sequence_as(gradients, out))
-
-  def get_hparams(self, state):
-    return self._inner.get_hparams(state)
-
-  def set_hparams(self, state, hparams):
-    return self._inner.set_hparams(state, hparams)
-
-
 def hypcluster_client_step_factory(model_fn, client_optimizer, layout,
                                    metrics_fn=None):
   """`core.process.ClientStepFactory`: choose, train the chosen model, send
@@ -201,7 +159,7 @@ def build_hypcluster(model_fn_factory, *,
     model_fn_factory: the task's `embedding_dim -> model_fn`.
     client_optimizer: local optimizer of the chosen model.
     server_optimizer: applied to each cluster's mean update
-      (`ClusterNormalized` wraps it).
+      (`ShareNormalized` wraps it).
     aggregator_factory: `tff.aggregators` factory (default weighted mean).
     metrics_fn: per-batch training-metric sums.
     train_metrics: release training-metric sums.
@@ -226,7 +184,9 @@ def build_hypcluster(model_fn_factory, *,
           model_fn, client_optimizer, layout, metrics_fn),
       initial_weights=process_lib.initial_shared_weights(model_fn, seed),
       client_state_type=process_lib.split_client_state_type(model_fn),
-      server_optimizer=ClusterNormalized(server_optimizer, layout, min_share),
+      server_optimizer=share_normalized.ShareNormalized(
+          server_optimizer, ['share' if kind == 'share' else ('part', j)
+                             for kind, j in layout], min_share),
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
       eval_fine_tune=True,
       eval_fine_tune_optimizer=tff.learning.optimizers.build_sgdm(0.0))

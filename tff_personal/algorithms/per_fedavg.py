@@ -51,20 +51,10 @@ def halves(batch):
   return first, second
 
 
-def _gradients(model, variables, batch):
-  with tf.GradientTape() as tape:
-    outputs = model.forward(batch, training=True)
-    loss = model.loss(batch, outputs)
-  grads = tape.gradient(loss, variables)
-  # Dense: an embedding's gradient comes as IndexedSlices.
-  return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-          for g, v in zip(grads, variables)], outputs, loss
-
-
 def _hessian_vector(model, variables, batch, vector):
   """H f(w; batch) @ vector, by differentiating grad f . vector."""
   with tf.GradientTape() as outer:
-    grads, _, _ = _gradients(model, variables, batch)
+    grads, _, _ = steps.gradients(model, variables, batch)
     dot = tf.add_n([tf.reduce_sum(g * tf.stop_gradient(v))
                     for g, v in zip(grads, vector)])
   hvp = outer.gradient(dot, variables)
@@ -87,11 +77,11 @@ def per_fedavg_local_train(model: split_model_lib.SplitModel,
     opt_state = state[3]
     first, second = halves(batch)
     start = [v.read_value() for v in variables]
-    grads, _, _ = _gradients(model, variables, first)
+    grads, _, _ = steps.gradients(model, variables, first)
     with tf.control_dependencies(grads):
       for v, w, g in zip(variables, start, grads):
         v.assign(w - inner_lr * g)
-    meta, outputs, loss = _gradients(model, variables, second)
+    meta, outputs, loss = steps.gradients(model, variables, second)
     with tf.control_dependencies(meta):
       for v, w in zip(variables, start):
         v.assign(w)

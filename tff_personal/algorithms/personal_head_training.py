@@ -1,7 +1,7 @@
 """TF client steps of FedRep and pFedMe (no TFF here; see fedrep.py, pfedme.py),
 and the pass helpers other hand-written client steps share (`train_pass`,
-`reduce_batches`, `metric_zeros`, `accumulate`, `step_result`; Per-FedAvg,
-APFL).
+`gradients`, `reduce_batches`, `metric_zeros`, `accumulate`,
+`step_result`; Per-FedAvg, APFL).
 
 Both return what `core.split_training.local_train` returns, `(update,
 update_weight, new_private, metrics)`, with the same conventions: the update
@@ -106,6 +106,18 @@ def reduce_batches(model, dataset, metrics_fn, optimizer, variables,
        metric_zeros(model, dataset, metrics_fn),
        optimizer.initialize(variable_specs(variables))), reduce_fn)
   return num_examples, loss_sum, sums
+
+
+def gradients(model, variables, batch):
+  """`(grads, outputs, loss)` of `model`'s loss on `batch` with respect to
+  `variables`: zeros for a variable the loss does not reach, dense tensors
+  for an embedding's (IndexedSlices)."""
+  with tf.GradientTape() as tape:
+    outputs = model.forward(batch, training=True)
+    loss = model.loss(batch, outputs)
+  grads = tape.gradient(loss, variables)
+  return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+          for g, v in zip(grads, variables)], outputs, loss
 
 
 def train_pass(model: split_model_lib.SplitModel,
