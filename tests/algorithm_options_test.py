@@ -31,7 +31,7 @@ def test_options_are_the_builders_scalar_keywords():
   assert 'restart_personal_head' not in restart
   assert restart['lam'] == (float, 1.0)
   assert registry.algorithm_options('fedembed_prototype') == {
-      'num_subpopulations': (int, None)}
+      'num_subpopulations': (int, None), 'head_mean': (str, 'cohort')}
   assert registry.algorithm_options('global') == {}
   # som_config is a dataclass: not settable from a string, not listed.
   assert 'som_config' not in registry.algorithm_options('fedembed_som')
