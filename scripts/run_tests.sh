@@ -12,5 +12,5 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 WORKERS="${TEST_WORKERS:-2}"
 PARALLEL=()
 if [ "$WORKERS" != 0 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile); fi
-exec .venv/bin/python -m pytest tests -q -W ignore::DeprecationWarning --durations=25 \
+exec .venv/bin/python -m pytest tests -q -W ignore::DeprecationWarning --durations=60 \
   "${PARALLEL[@]}" "$@"

@@ -41,10 +41,12 @@ def mnist_dir():
 # together, instead of one running a long file alone at the end. The other
 # files follow in their usual order; a file's tests keep their order.
 _SLOWEST_FIRST = (
-    'production_test.py', 'determinism_test.py', 'train_binary_test.py',
-    'fault_test.py', 'export_test.py',
-    'feddva_paper_test.py', 'evaluate_binary_test.py', 'multi_worker_test.py',
-    'furl_paper_test.py', 'fedembed_paper_test.py', 'benchmark_test.py',
+    'group_paper_test.py', 'production_test.py', 'conformance_test.py',
+    'feddva_paper_test.py', 'group_stage_test.py', 'determinism_test.py',
+    'stages_test.py', 'context_task_test.py', 'furl_paper_test.py',
+    'train_binary_test.py', 'fault_test.py', 'export_test.py',
+    'fedperc_paper_test.py', 'benchmark_test.py', 'evaluate_binary_test.py',
+    'multi_worker_test.py', 'fedembed_paper_test.py',
     'pretrain_backbone_test.py')
 
 

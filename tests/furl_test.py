@@ -13,6 +13,7 @@ from tff_personal.core import process
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import furl_text
 from tff_personal.models import split_model
+from tff_personal.models import word_lm
 
 NUM_USERS, FEATURES, DIM, LR = 4, 5, 3, 0.1
 SPEC = collections.OrderedDict(
@@ -210,3 +211,34 @@ def test_private_optimizer_trains_only_private_variables():
   _, b, _ = split.next(split.initialize(), states, data)
   for x, y in zip(a, b):
     np.testing.assert_allclose(x['private'][0], y['private'][0], rtol=1e-6)
+
+
+@pytest.mark.parametrize('bidirectional', [False, True])
+def test_lstm_helper_computes_what_keras_lstm_computes(bidirectional):
+  """`word_lm.lstm` (the LSTM of the word LM and of FURL's text encoder)
+  equals `tf.keras.layers.LSTM` on the same weights: outputs and gradients,
+  on masked, right-padded sequences, forwards and both ways."""
+  def build(layer_fn):
+    chars = tf.keras.Input(shape=(9,), dtype=tf.int32)
+    h = tf.keras.layers.Embedding(30, 4, mask_zero=True)(chars)
+    layer = layer_fn(5, return_sequences=not bidirectional)
+    if bidirectional:
+      layer = tf.keras.layers.Bidirectional(layer)
+    return tf.keras.Model(chars, tf.keras.layers.Dense(3)(layer(h)))
+
+  ours, keras = build(word_lm.lstm), build(tf.keras.layers.LSTM)
+  ours.set_weights(keras.get_weights())
+  rng = np.random.RandomState(0)
+  x = rng.randint(1, 30, size=(6, 9))
+  for i, length in enumerate(rng.randint(2, 10, size=6)):
+    x[i, length:] = 0
+
+  def outputs_and_gradients(model):
+    with tf.GradientTape() as tape:
+      out = model(x)
+      loss = tf.reduce_sum(out ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    return [out] + [tf.convert_to_tensor(g) for g in grads]
+
+  for a, b in zip(outputs_and_gradients(ours), outputs_and_gradients(keras)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -124,6 +124,14 @@ def config_from_record(record: dict, directory: str
                    f'hold a run configuration: {e}') from e
 
 
+# Processes built for runs opened in this Python process, the most recent
+# `_BUILT_MAX`: `(id(task), repr(config)) -> (task, process)` (the task is
+# held so that its id is not reused). Opening one run again (a paper reads a
+# run's checkpoints round by round) does not trace its process again.
+_BUILT: dict = {}
+_BUILT_MAX = 8
+
+
 class Run(collections.abc.Mapping):
   """A run's directory, its record, and what can be read or done with it.
 
@@ -373,8 +381,15 @@ class Run(collections.abc.Mapping):
 
   def _built(self):
     if self._built_process is None:
-      self._built_process = experiment.build_process(
-          self.task, self._config, dp=self._resolved_dp())
+      key = (id(self.task), repr(self._config))
+      cached = _BUILT.get(key)
+      if cached is None:
+        cached = (self.task, experiment.build_process(
+            self.task, self._config, dp=self._resolved_dp()))
+        _BUILT[key] = cached
+        while len(_BUILT) > _BUILT_MAX:
+          del _BUILT[next(iter(_BUILT))]
+      self._built_process = cached[1]
     return self._built_process
 
   def _per_group(self) -> bool:

@@ -28,6 +28,7 @@ import dataclasses
 import tensorflow as tf
 
 from tff_personal.models import fedembed_mnist
+from tff_personal.models import word_lm
 from tff_personal.models import split_model
 
 
@@ -55,7 +56,7 @@ def _text_encoder(config: DocumentModelConfig, chars):
   x = tf.keras.layers.Embedding(config.vocab_size, config.char_embedding_dim,
                                 mask_zero=True, name='char_embedding')(chars)
   return tf.keras.layers.Bidirectional(
-      tf.keras.layers.LSTM(config.lstm_units), name='blstm')(x)
+      word_lm.lstm(config.lstm_units), name='blstm')(x)
 
 
 def _head(config: DocumentModelConfig, features):
