@@ -916,7 +916,7 @@ def render_by_prevalence(results: reporting.Results, prefix: str) -> str:
     for c in columns:
       for p in prevalences:
         table = TABLES[prefix if p == prevalences[-1] else f'{prefix}_{p}']
-        values = [m[table.metric] for m in reporting._metrics_for(  # pylint: disable=protected-access
+        values = [m[table.metric] for m in reporting.metrics_for(
             records, PAPER, method, c.setting) if table.metric in m]
         s = reporting.summarize(values)
         ours = (reporting.MISSING if s is None else

@@ -39,7 +39,6 @@ import datetime
 import hashlib
 import io
 import json
-import logging
 import math
 import os
 import re
@@ -48,12 +47,19 @@ from typing import (Any, Callable, Iterable, Mapping, Optional, Protocol,
                     Sequence, Union)
 
 from tff_personal import atomic_io
+from tff_personal.paper_results import canonical_json  # pylint: disable=unused-import
+from tff_personal.paper_results import Cell
+from tff_personal.paper_results import jsonable
+from tff_personal.paper_results import latest_records
+from tff_personal.paper_results import metrics_for
+from tff_personal.paper_results import RECORD_KEYS  # pylint: disable=unused-import
+from tff_personal.paper_results import Results
+from tff_personal.paper_results import ResultsFile
+from tff_personal.paper_results import RUNS_DIRNAME  # pylint: disable=unused-import
 
 RESULTS_FILENAME = 'results.jsonl'
 TABLES_DIRNAME = 'tables'
-RUNS_DIRNAME = 'runs'
 MISSING = '—'
-RECORD_KEYS = ('paper', 'method', 'setting', 'seed', 'metrics')
 CONFIG_KEY = 'config'
 CELL_CONFIG_FILENAME = 'config.json'  # In a cell's out_dir, when it starts.
 COMMON_CONFIG_FLAGS = ('data_dir', 'rounds', 'clients_per_round', 'num_users',
@@ -66,28 +72,6 @@ class ConfigError(ValueError):
   """A bad paper, table, filter or flag, detected before any cell runs."""
 
 
-def canonical_json(value: Any) -> str:
-  """Sorted-key, compact JSON: the identity of settings and cells."""
-  return json.dumps(value, sort_keys=True, separators=(',', ':'),
-                    allow_nan=False)
-
-
-def _jsonable(value: Any) -> Any:
-  """Converts numpy scalars/arrays (anything with .item()/.tolist()) to JSON."""
-  if isinstance(value, Mapping):
-    return {str(k): _jsonable(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_jsonable(v) for v in value]
-  if isinstance(value, (str, int, float, bool)) or value is None:
-    return value
-  if hasattr(value, 'tolist'):  # numpy arrays and scalars.
-    return _jsonable(value.tolist())
-  if hasattr(value, 'item'):
-    return value.item()
-  raise TypeError(f'not JSON-serializable: {value!r} '
-                  f'({type(value).__name__})')
-
-
 def setting_label(setting: Mapping[str, Any]) -> str:
   """Compact display of a setting, e.g. 'dp=none num_users=1000'."""
   if not setting:
@@ -97,186 +81,6 @@ def setting_label(setting: Mapping[str, Any]) -> str:
 
 def _display(value: Any) -> str:
   return value if isinstance(value, str) else json.dumps(value)
-
-
-# --------------------------------------------------------------------- cells
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Cell:
-  """One run of a paper's grid. Identity is `key()` (canonical JSON)."""
-  paper: str
-  method: str
-  setting: Mapping[str, Any]
-  seed: int
-
-  def __post_init__(self):
-    if not isinstance(self.paper, str) or not self.paper:
-      raise ValueError(f'Cell.paper must be a non-empty string, got '
-                       f'{self.paper!r}')
-    if not isinstance(self.method, str) or not self.method:
-      raise ValueError(f'Cell.method must be a non-empty string, got '
-                       f'{self.method!r}')
-    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-      raise ValueError(f'Cell.seed must be an int, got {self.seed!r}')
-    if not isinstance(self.setting, Mapping):
-      raise ValueError(f'Cell.setting must be a dict, got {self.setting!r}')
-    try:
-      setting = _jsonable(dict(self.setting))
-      canonical_json(setting)
-    except (TypeError, ValueError) as e:
-      raise ValueError(f'Cell.setting is not JSON-able: {e}') from e
-    object.__setattr__(self, 'setting', setting)
-
-  def key(self) -> str:
-    """Canonical JSON of (paper, method, setting, seed)."""
-    return canonical_json({'paper': self.paper, 'method': self.method,
-                           'setting': self.setting, 'seed': self.seed})
-
-  def __eq__(self, other):
-    return isinstance(other, Cell) and self.key() == other.key()
-
-  def __hash__(self):
-    return hash(self.key())
-
-  @classmethod
-  def from_record(cls, record: Mapping[str, Any]) -> 'Cell':
-    return cls(paper=record['paper'], method=record['method'],
-               setting=record['setting'], seed=record['seed'])
-
-  def out_dir(self, root_output_dir: str) -> str:
-    """Stable per-cell dir: <root>/runs/<paper>/<method>/<setting>/seed_<n>."""
-    label = '_'.join(f'{k}={self.setting[k]}' for k in sorted(self.setting))
-    label = re.sub(r'[^A-Za-z0-9_.=-]+', '-', label)[:80] or 'default'
-    digest = hashlib.sha1(
-        canonical_json(self.setting).encode()).hexdigest()[:8]
-    method = re.sub(r'[^A-Za-z0-9_.=-]+', '-', self.method)
-    return os.path.join(root_output_dir, RUNS_DIRNAME, self.paper, method,
-                        f'{label}-{digest}', f'seed_{self.seed}')
-
-
-# -------------------------------------------------------------- results file
-
-
-class ResultsFile:
-  """Append-only JSON-lines file of finished cells.
-
-  A line that does not parse (the truncated last line of a killed run, or one
-  that a later append terminated) is skipped with a warning naming its line
-  number; nothing is ever deleted or rewritten. When a cell appears twice, the
-  last line wins.
-  """
-
-  def __init__(self, path: str):
-    self.path = path
-    self._warned: set[tuple[int, str]] = set()
-
-  def append(self, cell: Cell, metrics: Mapping[str, Any],
-             extra: Optional[Mapping[str, Any]] = None) -> dict:
-    """Appends one record (write, flush, fsync); returns it."""
-    if not isinstance(metrics, Mapping):
-      raise TypeError(f'metrics must be a dict, got {type(metrics).__name__}')
-    record = {'paper': cell.paper, 'method': cell.method,
-              'setting': cell.setting, 'seed': cell.seed,
-              'metrics': _jsonable(dict(metrics))}
-    for k, v in (extra or {}).items():
-      if k in RECORD_KEYS:
-        raise ValueError(f'extra key {k!r} collides with a record key')
-      record[k] = _jsonable(v)
-    line = json.dumps(record, sort_keys=True) + '\n'
-    directory = os.path.dirname(self.path)
-    if directory:
-      os.makedirs(directory, exist_ok=True)
-    # A killed writer may have left a line without its newline: terminate it
-    # so that the new record stays a line of its own (the fragment is kept).
-    prefix = ''
-    if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
-      with open(self.path, 'rb') as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b'\n':
-          prefix = '\n'
-    with open(self.path, 'a', encoding='utf-8') as f:
-      f.write(prefix + line)
-      f.flush()
-      os.fsync(f.fileno())
-    return record
-
-  def records(self) -> list[dict]:
-    """All valid records in file order (duplicates included)."""
-    if not os.path.exists(self.path):
-      return []
-    with open(self.path, 'rb') as f:
-      data = f.read()
-    lines = data.split(b'\n')
-    records = []
-    for i, raw in enumerate(lines):
-      if not raw.strip():
-        continue
-      lineno = i + 1
-      is_last = i == len(lines) - 1  # No newline after it.
-      try:
-        record = json.loads(raw.decode('utf-8'))
-        _check_record(record)
-      except (UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
-        self._warn(lineno, raw, is_last, e)
-        continue
-      records.append(record)
-    return records
-
-  def _warn(self, lineno: int, raw: bytes, is_last: bool, error: Exception):
-    token = (lineno, hashlib.sha1(raw).hexdigest())
-    if token in self._warned:
-      return
-    self._warned.add(token)
-    what = ('truncated last line (a killed run?)' if is_last else
-            'unreadable line')
-    logging.warning('%s:%d: skipping %s: %s; the line is kept in the file.',
-                    self.path, lineno, what, error)
-
-  def latest(self) -> dict[str, dict]:
-    """Cell key -> its last record."""
-    return {Cell.from_record(r).key(): r for r in self.records()}
-
-  def finished_keys(self) -> set[str]:
-    return set(self.latest())
-
-  def metrics_for(self, paper: str, method: str,
-                  setting: Mapping[str, Any]) -> list[dict]:
-    """Metric dicts of the finished seeds of (paper, method, setting)."""
-    return _metrics_for(self.latest().values(), paper, method, setting)
-
-
-def _check_record(record: Any):
-  if not isinstance(record, dict):
-    raise ValueError('not a JSON object')
-  missing = [k for k in RECORD_KEYS if k not in record]
-  if missing:
-    raise ValueError(f'missing keys {missing}')
-  if not isinstance(record['setting'], dict):
-    raise ValueError('"setting" is not an object')
-  if not isinstance(record['metrics'], dict):
-    raise ValueError('"metrics" is not an object')
-  Cell.from_record(record)  # Validates the types.
-
-
-def _metrics_for(records: Iterable[Mapping[str, Any]], paper: str, method: str,
-                 setting: Mapping[str, Any]) -> list[dict]:
-  want = canonical_json(_jsonable(dict(setting)))
-  by_seed = {}
-  for r in records:
-    if (r['paper'] == paper and r['method'] == method and
-        canonical_json(r['setting']) == want):
-      by_seed[r['seed']] = r['metrics']
-  return [by_seed[s] for s in sorted(by_seed)]
-
-
-Results = Union[ResultsFile, Iterable[Mapping[str, Any]]]
-
-
-def _latest_records(results: Results) -> list[dict]:
-  if isinstance(results, ResultsFile):
-    return list(results.latest().values())
-  return list({Cell.from_record(r).key(): r for r in results}.values())
 
 
 # -------------------------------------------------------------------- tables
@@ -320,7 +124,7 @@ class Table:
       dup = sorted({n for n in names if list(names).count(n) > 1})
       if dup:
         raise ValueError(f'table {self.name!r}: duplicate {kind}s {dup}')
-    settings = [canonical_json(_jsonable(dict(c.setting)))
+    settings = [canonical_json(jsonable(dict(c.setting)))
                 for c in self.columns]
     if len(set(settings)) != len(settings):
       raise ValueError(f'table {self.name!r}: two columns have one setting')
@@ -331,9 +135,9 @@ class Table:
                          f'(method, column) ({method!r}, {column!r})')
 
   def column_for(self, setting: Mapping[str, Any]) -> Optional[Column]:
-    want = canonical_json(_jsonable(dict(setting)))
+    want = canonical_json(jsonable(dict(setting)))
     for c in self.columns:
-      if canonical_json(_jsonable(dict(c.setting))) == want:
+      if canonical_json(jsonable(dict(c.setting))) == want:
         return c
     return None
 
@@ -365,7 +169,7 @@ def _cell_summaries(records, table: Table):
   out = {}
   for method in table.methods:
     for column in table.columns:
-      metrics = _metrics_for(records, table.paper, method, column.setting)
+      metrics = metrics_for(records, table.paper, method, column.setting)
       values = [m[table.metric] * table.scale for m in metrics
                 if isinstance(m.get(table.metric), (int, float))]
       out[(method, column.name)] = summarize(values)
@@ -424,7 +228,7 @@ def _fmt(s: Optional[Summary], digits: int) -> str:
 def render_markdown(results: Results, table: Table) -> str:
   """A markdown table: per column, our 'mean ± std (n)' and the paper's
   (only ours when the table has no paper values, e.g. a control)."""
-  records = _latest_records(results)
+  records = latest_records(results)
   summaries = _cell_summaries(records, table)
   title = table.title or f'{table.paper} {table.name}'
   scale = f' × {table.scale:g}' if table.scale != 1 else ''
@@ -459,7 +263,7 @@ CSV_FIELDS = ('method', 'column', 'setting', 'metric', 'n', 'mean', 'std',
 
 def render_csv(results: Results, table: Table) -> str:
   """One row per (method, column): n, mean, std (scaled), ours, paper."""
-  summaries = _cell_summaries(_latest_records(results), table)
+  summaries = _cell_summaries(latest_records(results), table)
   buf = io.StringIO()
   writer = csv.writer(buf, lineterminator='\n')
   writer.writerow(CSV_FIELDS)
@@ -467,7 +271,7 @@ def render_csv(results: Results, table: Table) -> str:
     for c in table.columns:
       s = summaries[(m, c.name)]
       writer.writerow([
-          m, c.name, canonical_json(_jsonable(dict(c.setting))), table.metric,
+          m, c.name, canonical_json(jsonable(dict(c.setting))), table.metric,
           s.n if s else 0, repr(s.mean) if s else '', repr(s.std) if s else '',
           _fmt(s, table.digits), table.paper_values.get((m, c.name), '')])
   return buf.getvalue()
@@ -484,7 +288,7 @@ def write_tables(results: Results, tables: Union[Mapping[str, Table],
   """Writes <name>.md and <name>.csv per table atomically; returns the paths."""
   if isinstance(tables, Mapping):
     tables = tables.values()
-  records = _latest_records(results)
+  records = latest_records(results)
   paths = []
   for table in tables:
     for ext, render in (('md', render_markdown), ('csv', render_csv)):
@@ -582,7 +386,7 @@ def data_seed(flag_values: Any, seed: int) -> int:
 def _config_value(value: Any) -> Any:
   if isinstance(value, str) and value and os.path.exists(value):
     return os.path.realpath(value)  # One data set, however it was named.
-  return _jsonable(value)
+  return jsonable(value)
 
 
 def run_config(paper: str, module: Any, flag_values: Any) -> dict[str, Any]:
@@ -618,7 +422,7 @@ def config_conflicts(records: Iterable[Mapping[str, Any]], table: 'Table',
       continue
     for name in sorted(set(old) & set(config)):
       if name in seen or (canonical_json(old[name])
-                          == canonical_json(_jsonable(config[name]))):
+                          == canonical_json(jsonable(config[name]))):
         continue
       seen.add(name)
       lines.append(f'--{name}: {old[name]!r} in the recorded cell '
@@ -631,7 +435,7 @@ def config_conflicts(records: Iterable[Mapping[str, Any]], table: 'Table',
 def config_digest(config: Mapping[str, Any]) -> str:
   """A short name for a configuration (e.g. for caches shared by cells)."""
   return hashlib.sha1(
-      canonical_json(_jsonable(dict(config))).encode()).hexdigest()[:12]
+      canonical_json(jsonable(dict(config))).encode()).hexdigest()[:12]
 
 
 def _partial_run_conflicts(cells: Sequence[Cell], root_output_dir: str,
@@ -650,7 +454,7 @@ def _partial_run_conflicts(cells: Sequence[Cell], root_output_dir: str,
       continue
     names = sorted(n for n in set(old) & set(config)
                    if canonical_json(old[n])
-                   != canonical_json(_jsonable(config[n])))
+                   != canonical_json(jsonable(config[n])))
     if names:
       lines.append(f'{cell.method} {setting_label(cell.setting)} seed '
                    f'{cell.seed} ({os.path.dirname(path)}): started with ' +
@@ -684,7 +488,7 @@ def _filter_settings(cells: list[Cell], table: Table,
     raise ConfigError(f'unknown --settings {unknown} for table '
                       f'{table.name!r}; columns: {list(columns)} '
                       '(or key=value)')
-  wanted = {canonical_json(_jsonable(dict(columns[n].setting))) for n in names}
+  wanted = {canonical_json(jsonable(dict(columns[n].setting))) for n in names}
 
   def keep(cell):
     if wanted and canonical_json(cell.setting) not in wanted:
