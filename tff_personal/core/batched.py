@@ -1,0 +1,322 @@
+"""Batched local training: a cohort's clients trained together.
+
+The sharded simulation (`core/sharded.py`) runs a shard's users one after
+another, each with its own small steps (about 20 examples in batches of 10),
+so every op is tiny and its fixed cost dominates. Here a shard's users train
+*together*: their weights are stacked along a leading client axis, and each
+local step is one computation over all of them, every layer batched over the
+client axis by hand (a dense layer is an `einsum` with per-client kernels; a
+convolution is `tf.image.extract_patches` followed by a batched matmul with
+per-client filters). Ragged users are padded to the longest and masked: a
+user's padded examples carry no loss, and once its batches are done its
+weights and optimizer slots stop changing, so each user's result is what it
+would have been alone (up to float rounding of the batched ops).
+
+Written by hand: TFF, Keras and `tf.vectorized_map` have no batched form of
+a model with per-client weights (under `vectorized_map` a convolution whose
+filter differs per client, and its filter gradient, fall back to a loop).
+
+What it covers (anything else is refused with the layer's or the model's
+name): Keras models whose layers form a chain (nested `Sequential` or
+functional chains included) of `Dense`, `Conv2D` (channels-last, no
+dilation or groups), `ZeroPadding2D`, `LayerNormalization`, `Activation`,
+`ReLU`, `Flatten`, `MaxPooling2D` and `Dropout` at rate 0; no private or
+non-trainable variables and no `prepare_fn`; a loss that is the mean over a
+batch of a per-example loss (the client step's loss is applied to one
+example at a time); an element-wise `tff.learning.optimizers.Optimizer`
+(SGD, Adam, ...).
+
+Example:
+  model = model_fn()                       # a SplitModel, e.g. `global`'s
+  batched = BatchedModel(model)
+  out = batched_local_train(batched, optimizer, weights.trainable, shard)
+  out.updates       # per user, stacked: initial weights - final weights
+  out.num_examples  # per user
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.core import shard_packing
+from tff_personal.models import split_model as split_model_lib
+
+# Layers applied per example whatever the client (no weights).
+_PER_EXAMPLE = (tf.keras.layers.ZeroPadding2D, tf.keras.layers.MaxPooling2D)
+
+
+def _chain(layer: tf.keras.layers.Layer) -> list[tf.keras.layers.Layer]:
+  """The leaf layers of `layer` in order (nested models flattened)."""
+  if not isinstance(layer, tf.keras.Model):
+    return [layer]
+  return [leaf for inner in layer.layers
+          if not isinstance(inner, tf.keras.layers.InputLayer)
+          for leaf in _chain(inner)]
+
+
+def _check_chain(layers):
+  """Each layer takes one input, the previous layer's output shape."""
+  for before, after in zip(layers[:-1], layers[1:]):
+    try:
+      chained = not isinstance(after.input_shape, list) and (
+          tuple(before.output_shape) == tuple(after.input_shape))
+    except AttributeError:  # A layer used more than once.
+      chained = False
+    if not chained:
+      raise ValueError(
+          f'batched training needs a chain of layers; {after.name!r} does '
+          f'not take {before.name!r}\'s output alone')
+
+
+class BatchedModel:
+  """A `SplitModel`'s Keras model, applied with per-client weights.
+
+  `apply(weights, x)` takes each shared trainable variable's values stacked
+  along a leading client axis (`[clients, *variable.shape]`, in
+  `model.shared_trainable_variables` order) and inputs `[clients, batch,
+  ...]`, and returns the model's outputs `[clients, batch, ...]`, client c's
+  computed with client c's weights.
+
+  Raises:
+    ValueError: naming the first thing the batched form does not cover (see
+      the module docstring).
+  """
+
+  def __init__(self, model: split_model_lib.SplitModel):
+    if list(model.private_variables):
+      raise ValueError('batched training does not cover private variables '
+                       f'yet; the model has {len(model.private_variables)}')
+    if list(model.shared_non_trainable_variables):
+      raise ValueError('batched training does not cover non-trainable '
+                       'variables; the model has '
+                       f'{len(model.shared_non_trainable_variables)}')
+    if model.prepare_fn is not None:
+      raise ValueError('batched training does not cover a model with a '
+                       'prepare_fn')
+    if type(model).forward is not split_model_lib.SplitModel.forward:
+      raise ValueError('batched training does not cover a model with its own '
+                       f'forward ({type(model).__name__})')
+    if model.model.losses:
+      raise ValueError('batched training does not cover models with added '
+                       'losses (regularizers)')
+    self.model = model
+    self.layers = _chain(model.model)
+    for layer in self.layers:
+      _check_layer(layer)
+    _check_chain(self.layers)
+    index = {v.ref(): i for i, v in enumerate(
+        model.shared_trainable_variables)}
+    self._slots = []
+    for layer in self.layers:
+      try:
+        self._slots.append([index[v.ref()] for v in layer.trainable_weights])
+      except KeyError:
+        raise ValueError(f'layer {layer.name!r} has a weight that is not a '
+                         'shared trainable variable') from None
+    used = sorted(i for slots in self._slots for i in slots)
+    if used != list(range(len(index))):
+      raise ValueError('the model has shared trainable variables outside '
+                       'its chain of layers')
+
+  def apply(self, weights: Sequence[tf.Tensor], x: tf.Tensor) -> tf.Tensor:
+    h = x
+    for layer, slots in zip(self.layers, self._slots):
+      h = _apply_layer(layer, [weights[i] for i in slots], h)
+    return h
+
+
+def _check_layer(layer):
+  supported = (tf.keras.layers.Dense, tf.keras.layers.Conv2D,
+               tf.keras.layers.LayerNormalization, tf.keras.layers.Activation,
+               tf.keras.layers.ReLU, tf.keras.layers.Flatten,
+               tf.keras.layers.Dropout) + _PER_EXAMPLE
+  if type(layer) not in supported:  # pylint: disable=unidiomatic-typecheck
+    raise ValueError(f'batched training does not cover layer {layer.name!r} '
+                     f'({type(layer).__name__})')
+  if isinstance(layer, tf.keras.layers.Dropout) and layer.rate != 0:
+    raise ValueError(f'batched training does not cover dropout ({layer.name!r}'
+                     f' has rate {layer.rate})')
+  if isinstance(layer, tf.keras.layers.Conv2D) and (
+      layer.data_format != 'channels_last' or
+      tuple(layer.dilation_rate) != (1, 1) or layer.groups != 1 or
+      layer.padding not in ('valid', 'same')):
+    raise ValueError(f'batched training covers channels-last Conv2D without '
+                     f'dilation or groups; {layer.name!r} is not')
+  if isinstance(layer, _PER_EXAMPLE) and getattr(
+      layer, 'data_format', 'channels_last') != 'channels_last':
+    raise ValueError(f'{layer.name!r}: batched training needs channels-last')
+
+
+def _per_example(fn: Callable[[tf.Tensor], tf.Tensor], h: tf.Tensor):
+  """`fn` on `h` [clients, batch, ...] with the two axes merged."""
+  shape = tf.shape(h)
+  out = fn(tf.reshape(h, tf.concat([[-1], shape[2:]], 0)))
+  return tf.reshape(out, tf.concat([shape[:2], tf.shape(out)[1:]], 0))
+
+
+def _apply_layer(layer, w, h):
+  """One layer on [clients, batch, ...] with weights [clients, ...]."""
+  if isinstance(layer, tf.keras.layers.Dense):
+    h = tf.einsum('cb...i,cio->cb...o', h, w[0])
+    if layer.use_bias:
+      h += tf.reshape(w[1], [tf.shape(w[1])[0], 1] + [1] * (
+          h.shape.rank - 3) + [w[1].shape[-1]])
+    return layer.activation(h)
+  if isinstance(layer, tf.keras.layers.Conv2D):
+    kh, kw = layer.kernel_size
+    sh, sw = layer.strides
+    patches = _per_example(lambda t: tf.image.extract_patches(
+        t, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, 1, 1, 1],
+        padding=layer.padding.upper()), h)
+    # Patches hold (row, column, channel) in the kernel's order.
+    kernel = tf.reshape(w[0], [tf.shape(w[0])[0], -1, w[0].shape[-1]])
+    h = tf.einsum('cbhwk,cko->cbhwo', patches, kernel)
+    if layer.use_bias:
+      h += w[1][:, None, None, None, :]
+    return layer.activation(h)
+  if isinstance(layer, tf.keras.layers.LayerNormalization):
+    rank = h.shape.rank - 1  # An example's rank, its batch axis included.
+    axes = [a % rank for a in layer.axis]
+    stacked_axes = [a + 1 for a in axes]
+    mean, variance = tf.nn.moments(h, stacked_axes, keepdims=True)
+    h = (h - mean) * tf.math.rsqrt(variance + layer.epsilon)
+    shape = [-1, 1] + [h.shape[a + 1] if a in axes else 1
+                       for a in range(1, rank)]
+    i = 0
+    if layer.scale:
+      h *= tf.reshape(w[i], shape)
+      i += 1
+    if layer.center:
+      h += tf.reshape(w[i], shape)
+    return h
+  if isinstance(layer, tf.keras.layers.Flatten):
+    shape = tf.shape(h)
+    return tf.reshape(h, tf.concat([shape[:2], [-1]], 0))
+  if isinstance(layer, tf.keras.layers.Dropout):
+    return h
+  if isinstance(layer, _PER_EXAMPLE + (tf.keras.layers.Activation,
+                                       tf.keras.layers.ReLU)):
+    return _per_example(layer, h) if isinstance(layer, _PER_EXAMPLE) else (
+        layer(h))
+  raise AssertionError(type(layer))
+
+
+class BatchedResult(NamedTuple):
+  """What `batched_local_train` returns, one row per user.
+
+  Attributes:
+    updates: per shared trainable variable, [users, ...]: initial weights
+      minus final weights, as `split_training.local_train` (TFF's sign: the
+      server optimizer applies it as a gradient); zero for a user whose
+      training went non-finite.
+    num_examples: int64 [users], the examples a user trained on (0 when
+      non-finite), the update's weight.
+    loss_sum: float32 [users], the sum over batches of the batch loss times
+      the batch size (as `split_training.local_train`).
+    nonfinite: int32 [users], 1 for a user whose weights went non-finite.
+  """
+  updates: tuple
+  num_examples: tf.Tensor
+  loss_sum: tf.Tensor
+  nonfinite: tf.Tensor
+
+
+def _mask_state(new, old, active, num_users):
+  """Keeps `old` for inactive users in every tensor with a user axis."""
+  def pick(n, o):
+    if n.shape.rank and n.shape[0] == num_users:
+      mask = tf.reshape(active, [-1] + [1] * (n.shape.rank - 1))
+      return tf.where(mask, n, o)
+    return n
+  return tf.nest.map_structure(pick, new, old)
+
+
+def batched_local_train(batched: BatchedModel,
+                        optimizer: tff.learning.optimizers.Optimizer,
+                        initial_weights: Sequence[tf.Tensor],
+                        shard: Any) -> BatchedResult:
+  """Every user of a packed shard trains from `initial_weights` together.
+
+  Each user sees its batches in its own order (`shard_packing.pack_datasets`
+  keeps them), with its own optimizer state, exactly as
+  `split_training.local_train` trains it alone; the loss of a batch is the
+  mean over its real examples of the model's loss on each example.
+
+  Args:
+    batched: the model (`BatchedModel`).
+    optimizer: an element-wise TFF optimizer (its state's tensors either
+      scalars shared by all users, like Adam's step, or shaped like the
+      weights).
+    initial_weights: the broadcast shared trainable weights (unstacked).
+    shard: one packed shard (`shard_packing.pack_datasets`; in model form,
+      not wire form), with a static number of users.
+
+  Returns:
+    A `BatchedResult`.
+  """
+  num_batches = shard[shard_packing.SHARD_NUM_BATCHES]
+  num_users = num_batches.shape[0]
+  if num_users is None:
+    raise ValueError('batched training needs a static number of users')
+  examples = shard[shard_packing.SHARD_EXAMPLES]
+  indices = shard[shard_packing.SHARD_INDICES]
+  sizes = shard[shard_packing.SHARD_BATCH_SIZES]
+  model = batched.model
+  weights = tuple(tf.tile(w[None], [num_users] + [1] * w.shape.rank)
+                  for w in initial_weights)
+  opt_state = optimizer.initialize(
+      tuple(tf.TensorSpec(w.shape, w.dtype) for w in weights))
+  max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
+  batch_width = tf.shape(indices)[2]
+
+  def per_example_loss(batch, outputs):
+    return tf.vectorized_map(
+        lambda e: model.loss(
+            tf.nest.map_structure(lambda t: t[None], e[0]), e[1][None]),
+        (batch, outputs))
+
+  def step(s, weights, opt_state, loss_sum):
+    active = s < num_batches
+    idx = indices[:, s]
+    batch = tf.nest.map_structure(
+        lambda t: tf.gather(t, idx, batch_dims=1), examples)
+    size = tf.where(active, sizes[:, s], 0)
+    mask = tf.cast(tf.range(batch_width)[None, :] < size[:, None],
+                   tf.float32)
+    count = tf.maximum(tf.reduce_sum(mask, 1), 1.0)
+    with tf.GradientTape() as tape:
+      tape.watch(weights)
+      outputs = batched.apply(weights, batch['x'])
+      flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+      losses = tf.reshape(per_example_loss(
+          tf.nest.map_structure(flat, batch), flat(outputs)),
+                          [num_users, -1])
+      user_loss = tf.reduce_sum(losses * mask, 1) / count
+      total = tf.reduce_sum(user_loss)
+    grads = tape.gradient(total, weights)
+    new_state, new_weights = optimizer.next(opt_state, weights, grads)
+    new_weights = _mask_state(new_weights, weights, active, num_users)
+    new_state = _mask_state(new_state, opt_state, active, num_users)
+    loss_sum += tf.where(active, user_loss * tf.cast(size, tf.float32), 0.0)
+    return s + 1, tuple(new_weights), new_state, loss_sum
+
+  _, final, _, loss_sum = tf.while_loop(
+      lambda s, *_: s < max_steps, step,
+      (tf.constant(0), weights, opt_state, tf.zeros([num_users])))
+  updates = tuple(w - f for f, w in zip(final, weights))
+  finite = tf.reduce_all(tf.stack(
+      [tf.reduce_all(tf.math.is_finite(tf.reshape(u, [num_users, -1])), 1)
+       for u in updates], 1), 1)
+  updates = tuple(tf.where(tf.reshape(finite, [-1] + [1] * (u.shape.rank - 1)),
+                           u, tf.zeros_like(u)) for u in updates)
+  sizes_total = tf.reduce_sum(
+      tf.where(tf.range(tf.shape(sizes)[1])[None, :] < num_batches[:, None],
+               sizes, 0), 1)
+  return BatchedResult(
+      updates=updates,
+      num_examples=tf.where(finite, tf.cast(sizes_total, tf.int64), 0),
+      loss_sum=tf.where(finite, loss_sum, 0.0),
+      nonfinite=tf.cast(tf.logical_not(finite), tf.int32))
