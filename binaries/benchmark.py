@@ -100,7 +100,10 @@ FLAGS = flags.FLAGS
 PROJECT_SYSTEMS = ('global', 'global_plus', 'fedembed_prototype')
 CEILING = benchmark_report.CEILING
 ceiling_name = benchmark_report.ceiling_name
-SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS,
+# The project's systems whose shards train their users together
+# (`core/batched.py`): `<system>_batched`.
+BATCHED_SYSTEMS = ('global' + benchmark_report.BATCHED_SUFFIX,)
+SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS, *BATCHED_SYSTEMS,
            *(ceiling_name(s) for s in PROJECT_SYSTEMS), 'keras_central')
 render_markdown = benchmark_report.render_markdown
 LOCAL_LEARNING_RATE = 1e-3
@@ -285,9 +288,16 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
   With `final_weights` (a path), the last server model's trainable weights
   are saved there (`np.savez`, in order).
   """
+  batched = name in BATCHED_SYSTEMS
+  if batched:
+    name = name[:-len(benchmark_report.BATCHED_SUFFIX)]
   proc = build_project_process(name, seed)
   num_shards = sharded.resolve_num_shards(proc, shards)
-  train = sharded.maybe_shard(proc, num_shards, shards_in=shards_in)
+  if batched and not num_shards:
+    raise app.UsageError(f'{name}{benchmark_report.BATCHED_SUFFIX} needs '
+                         'shards (--simulation_shards != 0)')
+  train = sharded.maybe_shard(proc, num_shards, shards_in=shards_in,
+                              batched=batched)
   element_spec = tff.types.type_to_tf_tensor_specs(
       proc.client_data_type.element)
   keys = tuple(element_spec.keys())

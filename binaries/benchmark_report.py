@@ -33,10 +33,15 @@ README_SYSTEMS = ('fedembed_prototype', 'global', 'pfl_fedavg', 'tff_fedavg',
                   ceiling_name('fedembed_prototype'))
 
 
+BATCHED_SUFFIX = '_batched'
+
+
 def own_ceiling(system: str) -> str:
   """The ceiling of the model `system` trains (itself for a ceiling)."""
   if system.startswith(CEILING):
     return system
+  if system.endswith(BATCHED_SUFFIX):
+    system = system[:-len(BATCHED_SUFFIX)]
   return CEILING if system in FEDAVG_MODEL else ceiling_name(system)
 
 

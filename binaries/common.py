@@ -177,6 +177,12 @@ def define_flags():
       'n > 0 runs each round\'s users in n shards inside n TFF client '
       'computations (same results, much faster; core/sharded.py); -1 (auto): '
       'the CPU count when the algorithm supports sharding, else 0.')
+  flags.DEFINE_bool(
+      'simulation_batched', False,
+      'Train each shard\'s users together, weights stacked along a user '
+      'axis (core/batched.py; the same results up to float rounding). '
+      'Covers split-model FedAvg (global) on chains of dense, convolution '
+      'and LayerNorm layers; anything else is refused saying why.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')
@@ -199,7 +205,8 @@ def define_flags():
                       'eval_fine_tune', 'cold_start_epochs',
                       'resume', 'client_state_backend', 'train_metrics',
                       'use_gpu', 'workers', 'simulation_shards',
-                      'intra_op_threads', 'inter_op_threads'])
+                      'simulation_batched', 'intra_op_threads',
+                      'inter_op_threads'])
   # Privacy.
   flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
                     'User-level DP of the shared update.')
@@ -319,6 +326,7 @@ def configs_from_flags(f):
       curve_eval_clients=f.curve_eval_clients,
       eval_fine_tune=f.eval_fine_tune, resume=f.resume,
       simulation_shards=f.simulation_shards,
+      simulation_batched=f.simulation_batched,
       cold_start_epochs=f.cold_start_epochs,
       client_state_backend=f.client_state_backend,
       train_metrics=f.train_metrics, dp=dp,

@@ -1,5 +1,7 @@
 """Batched local training equals each user trained alone."""
 
+import collections
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -7,7 +9,9 @@ import tensorflow_federated as tff
 
 from tff_personal.algorithms import fedavg
 from tff_personal.core import batched
+from tff_personal.core import privacy
 from tff_personal.core import shard_packing
+from tff_personal.core import sharded
 from tff_personal.core import split_training
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import split_model
@@ -49,8 +53,9 @@ def _user_dataset(rng, n, epochs, batch):
 @pytest.mark.parametrize('optimizer', ['adam', 'sgd'])
 def test_ragged_users_train_as_they_would_alone(optimizer):
   """Users of 3, 20 and 13 examples, two shuffled epochs in batches of 10
-  (ragged: 1 to 4 batches, the last one partial): each user's update, example count
-  and loss sum equal `split_training.local_train` on that user alone."""
+  (ragged: 1 to 4 batches, the last one partial): each user's update,
+  example count and loss sum equal `split_training.local_train` on that
+  user alone."""
   opt = (fedavg.adam(1e-2) if optimizer == 'adam' else
          tff.learning.optimizers.build_sgdm(learning_rate=0.02))
   rng = np.random.RandomState(0)
@@ -107,3 +112,79 @@ def test_refuses_what_it_does_not_cover_by_name():
       loss_fn=fedembed_mnist.preference_loss, input_spec=None)
   with pytest.raises(ValueError, match="'concatenate.*Concatenate"):
     batched.BatchedModel(model)
+
+
+def _accuracy_sums(batch, predictions):
+  correct = tf.equal(tf.argmax(predictions, -1, output_type=tf.int32),
+                     batch['y'])
+  return {'correct': tf.reduce_sum(tf.cast(correct, tf.float32))}
+
+
+_SPEC = {'x': tf.TensorSpec([None, 28, 28, 1], tf.float32),
+         'y': tf.TensorSpec([None], tf.int32)}
+
+
+def _global(aggregator_factory=None):
+  spec = _SPEC
+  return fedavg.build_global(
+      lambda dim: lambda: fedembed_mnist.build_preference_model(
+          dim, input_spec=spec),
+      client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      aggregator_factory=aggregator_factory, metrics_fn=_accuracy_sums,
+      seed=0)
+
+
+@pytest.mark.parametrize('dp,shards_in', [
+    (False, sharded.IN_DRIVER), (True, sharded.IN_EXECUTOR)])
+def test_batched_process_equals_sharded_on_ragged_users(dp, shards_in):
+  """`global` batched and sharded (per user), two rounds of users of 5, 8,
+  3 and 6 examples in batches of 4, in two shards: the same server
+  weights, metrics and client states; with DP (noise 0, a clip that binds)
+  each user's update is clipped before the sum, in TFF's executor."""
+  sizes = [5, 8, 3, 6]
+  config = privacy.DPConfig(
+      mechanism='gaussian_fixed', noise_multiplier=0.0, clip_norm=0.05,
+      clients_per_round=len(sizes), population=100,
+      target_delta=1e-3) if dp else None
+  build = lambda: _global(privacy.build_aggregator(config) if dp else None)
+  init = [collections.OrderedDict(private=(), rounds_participated=np.int32(0))
+          ] * len(sizes)
+
+  def run(proc):
+    state, states = proc.initialize(), init
+    for r in range(2):
+      rng = np.random.RandomState(r)
+      datasets = [tf.data.Dataset.from_tensor_slices(
+          {'x': rng.rand(n, 28, 28, 1).astype(np.float32),
+           'y': rng.randint(0, 2, n).astype(np.int32)}).batch(4)
+                  for n in sizes]
+      state, states, metrics = proc.next(state, states, datasets)
+    return state, states, metrics
+
+  want = run(sharded.ShardedProcess(build(), 2, config, shards_in=shards_in))
+  got = run(sharded.ShardedProcess(build(), 2, config, shards_in=shards_in,
+                                   batched=True))
+  start = build().initialize().global_model_weights.trainable
+  moved = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(
+      want[0].global_model_weights.trainable, start))
+  assert moved > 1e-3  # The rounds trained.
+  for a, b in zip(tf.nest.flatten(got[0].global_model_weights),
+                  tf.nest.flatten(want[0].global_model_weights)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+  assert [s['rounds_participated'] for s in got[1]] == [2] * len(sizes)
+  got_m = got[2]['train']
+  want_m = want[2]['train']
+  assert sorted(got_m) == sorted(want_m)
+  for k in want_m:
+    np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-4, err_msg=k)
+
+
+def test_a_process_it_does_not_cover_is_refused_saying_why():
+  proc = fedavg.build_global_plus(
+      lambda dim: lambda: fedembed_mnist.build_preference_model(
+          dim, input_spec=_SPEC),
+      client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0))
+  with pytest.raises(ValueError, match='cannot run batched: .*'):
+    sharded.ShardedProcess(proc, 2, batched=True)

@@ -79,6 +79,10 @@ class ExperimentConfig:
   # (core/sharded.py: same results, much faster); -1 picks n automatically
   # (the CPU count when the algorithm supports it, else 0).
   simulation_shards: int = -1
+  # Train each shard's users together, their weights stacked along a user
+  # axis (core/batched.py: the same results up to float rounding, for the
+  # algorithms and models it covers; others are refused saying why).
+  simulation_batched: bool = False
   # Before testing, each evaluated client trains its private variables only
   # (shared weights frozen) on its own training data for one local pass (the
   # task's `local_epochs`), starting from its stored state: test-time

@@ -144,7 +144,8 @@ EVALUATION_FIELDS = ('eval_clients', 'curve_eval_clients', 'eval_chunk',
 # refused, while one with a given noise multiplier may be extended and is
 # accounted for all its rounds at that multiplier).
 RESUMABLE_FIELDS = EVALUATION_FIELDS + (
-    'simulation_shards', 'eval_every', 'checkpoint_every', 'keep_checkpoints',
+    'simulation_shards', 'simulation_batched', 'eval_every',
+    'checkpoint_every', 'keep_checkpoints',
     'resume', 'rounds',
     'root_output_dir', 'experiment_name', 'use_gpu', 'workers',
     'intra_op_threads', 'inter_op_threads', 'verify_data_checksums')

@@ -312,8 +312,11 @@ def _training_parts(task, proc, config: experiment.ExperimentConfig, dp,
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   # Tasks whose examples travel in a compact form (speech: uint8) say so.
   train_proc = sharded.maybe_shard(proc, num_shards, dp,
-                                   getattr(task, 'wire_format', None))
-  log_fn(f'simulation: {num_shards} shards per round' if num_shards else
+                                   getattr(task, 'wire_format', None),
+                                   batched=config.simulation_batched)
+  log_fn((f'simulation: {num_shards} shards per round'
+          + (', users trained together' if config.simulation_batched
+             else '')) if num_shards else
          'simulation: one user per TFF client')
   rounds = training_loop.checkpoint_rounds(directory)
   if rounds and not config.resume:  # Before the store is opened: SQLite

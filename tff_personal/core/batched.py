@@ -36,11 +36,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+import collections
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import process as process_lib
 from tff_personal.core import shard_packing
 from tff_personal.models import split_model as split_model_lib
 
@@ -217,17 +219,28 @@ class BatchedResult(NamedTuple):
     loss_sum: float32 [users], the sum over batches of the batch loss times
       the batch size (as `split_training.local_train`).
     nonfinite: int32 [users], 1 for a user whose weights went non-finite.
+    metrics: `metrics_fn`'s sums over every user's examples (an empty
+      dict without one; a user whose training went non-finite is counted
+      in them, unlike in `split_training.local_train`).
   """
   updates: tuple
   num_examples: tf.Tensor
   loss_sum: tf.Tensor
   nonfinite: tf.Tensor
+  metrics: Any
 
 
-def _mask_state(new, old, active, num_users):
-  """Keeps `old` for inactive users in every tensor with a user axis."""
+def _rank(t) -> int:
+  """A tensor's rank; 0 for a Python number (an optimizer's constant)."""
+  return t.shape.rank if tf.is_tensor(t) else 0
+
+
+def _mask_state(new, old, active):
+  """Keeps `old` for inactive users: in the weights, and in an element-wise
+  optimizer's state every tensor but its scalars (hyper-parameters and
+  Adam's step, shared by all users) is shaped as the stacked weights."""
   def pick(n, o):
-    if n.shape.rank and n.shape[0] == num_users:
+    if _rank(n):
       mask = tf.reshape(active, [-1] + [1] * (n.shape.rank - 1))
       return tf.where(mask, n, o)
     return n
@@ -237,7 +250,9 @@ def _mask_state(new, old, active, num_users):
 def batched_local_train(batched: BatchedModel,
                         optimizer: tff.learning.optimizers.Optimizer,
                         initial_weights: Sequence[tf.Tensor],
-                        shard: Any) -> BatchedResult:
+                        shard: Any, metrics_fn=None,
+                        decode: Callable[[Any], Any] | None = None
+                        ) -> BatchedResult:
   """Every user of a packed shard trains from `initial_weights` together.
 
   Each user sees its batches in its own order (`shard_packing.pack_datasets`
@@ -251,24 +266,34 @@ def batched_local_train(batched: BatchedModel,
       scalars shared by all users, like Adam's step, or shaped like the
       weights).
     initial_weights: the broadcast shared trainable weights (unstacked).
-    shard: one packed shard (`shard_packing.pack_datasets`; in model form,
-      not wire form), with a static number of users.
+    shard: one packed shard (`shard_packing.pack_datasets`).
+    metrics_fn: optional `(batch, predictions) -> dict` of per-batch sums
+      (as `split_training.local_train`'s); their sums over every user's
+      real examples are `BatchedResult.metrics`.
+    decode: the task's wire decoding of a batch, when the shard's examples
+      are in wire form (`client_data.WireFormat.decode`).
 
   Returns:
     A `BatchedResult`.
   """
   num_batches = shard[shard_packing.SHARD_NUM_BATCHES]
-  num_users = num_batches.shape[0]
-  if num_users is None:
-    raise ValueError('batched training needs a static number of users')
+  num_users = tf.shape(num_batches)[0]
+  decode = decode or (lambda b: b)
   examples = shard[shard_packing.SHARD_EXAMPLES]
   indices = shard[shard_packing.SHARD_INDICES]
   sizes = shard[shard_packing.SHARD_BATCH_SIZES]
   model = batched.model
-  weights = tuple(tf.tile(w[None], [num_users] + [1] * w.shape.rank)
+  weights = tuple(tf.tile(w[None], tf.concat([[num_users],
+                                              tf.ones([w.shape.rank],
+                                                      tf.int32)], 0))
                   for w in initial_weights)
-  opt_state = optimizer.initialize(
-      tuple(tf.TensorSpec(w.shape, w.dtype) for w in weights))
+  opt_state = tf.nest.map_structure(
+      lambda t: (tf.tile(t[None], tf.concat([[num_users],
+                                             tf.ones([t.shape.rank],
+                                                     tf.int32)], 0))
+                 if _rank(t) else t),
+      optimizer.initialize(tuple(tf.TensorSpec(w.shape, w.dtype)
+                                 for w in initial_weights)))
   max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
   batch_width = tf.shape(indices)[2]
 
@@ -278,11 +303,15 @@ def batched_local_train(batched: BatchedModel,
             tf.nest.map_structure(lambda t: t[None], e[0]), e[1][None]),
         (batch, outputs))
 
-  def step(s, weights, opt_state, loss_sum):
+  flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+  unflat = lambda t: tf.reshape(t, tf.concat([[num_users, batch_width],
+                                              tf.shape(t)[1:]], 0))
+
+  def step(s, weights, opt_state, loss_sum, sums):
     active = s < num_batches
     idx = indices[:, s]
-    batch = tf.nest.map_structure(
-        lambda t: tf.gather(t, idx, batch_dims=1), examples)
+    batch = tf.nest.map_structure(unflat, decode(tf.nest.map_structure(
+        lambda t: flat(tf.gather(t, idx, batch_dims=1)), examples)))
     size = tf.where(active, sizes[:, s], 0)
     mask = tf.cast(tf.range(batch_width)[None, :] < size[:, None],
                    tf.float32)
@@ -290,7 +319,6 @@ def batched_local_train(batched: BatchedModel,
     with tf.GradientTape() as tape:
       tape.watch(weights)
       outputs = batched.apply(weights, batch['x'])
-      flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
       losses = tf.reshape(per_example_loss(
           tf.nest.map_structure(flat, batch), flat(outputs)),
                           [num_users, -1])
@@ -298,14 +326,23 @@ def batched_local_train(batched: BatchedModel,
       total = tf.reduce_sum(user_loss)
     grads = tape.gradient(total, weights)
     new_state, new_weights = optimizer.next(opt_state, weights, grads)
-    new_weights = _mask_state(new_weights, weights, active, num_users)
-    new_state = _mask_state(new_state, opt_state, active, num_users)
+    new_weights = _mask_state(new_weights, weights, active)
+    new_state = _mask_state(new_state, opt_state, active)
     loss_sum += tf.where(active, user_loss * tf.cast(size, tf.float32), 0.0)
-    return s + 1, tuple(new_weights), new_state, loss_sum
+    if metrics_fn is not None:
+      real = tf.reshape(mask > 0, [-1])
+      step_sums = metrics_fn(
+          tf.nest.map_structure(lambda t: tf.boolean_mask(flat(t), real),
+                                batch),
+          model.predict(tf.boolean_mask(flat(outputs), real)))
+      sums = collections.OrderedDict(
+          (k, sums[k] + step_sums[k]) for k in sums)
+    return s + 1, tuple(new_weights), new_state, loss_sum, sums
 
-  _, final, _, loss_sum = tf.while_loop(
+  _, final, _, loss_sum, sums = tf.while_loop(
       lambda s, *_: s < max_steps, step,
-      (tf.constant(0), weights, opt_state, tf.zeros([num_users])))
+      (tf.constant(0), weights, opt_state, tf.zeros([num_users]),
+       _metric_zeros(metrics_fn, model, batched, examples, decode)))
   updates = tuple(w - f for f, w in zip(final, weights))
   finite = tf.reduce_all(tf.stack(
       [tf.reduce_all(tf.math.is_finite(tf.reshape(u, [num_users, -1])), 1)
@@ -317,6 +354,119 @@ def batched_local_train(batched: BatchedModel,
                sizes, 0), 1)
   return BatchedResult(
       updates=updates,
-      num_examples=tf.where(finite, tf.cast(sizes_total, tf.int64), 0),
+      num_examples=tf.where(finite, tf.cast(sizes_total, tf.int64),
+                            tf.constant(0, tf.int64)),
       loss_sum=tf.where(finite, loss_sum, 0.0),
-      nonfinite=tf.cast(tf.logical_not(finite), tf.int32))
+      nonfinite=tf.cast(tf.logical_not(finite), tf.int32),
+      metrics=sums)
+
+
+def _metric_zeros(metrics_fn, model, batched, examples, decode):
+  """Zeros shaped as `metrics_fn`'s sums (traced on one example, not run)."""
+  if metrics_fn is None:
+    return collections.OrderedDict()
+  spec = tf.nest.map_structure(
+      lambda t: tf.TensorSpec([None] + t.shape[2:].as_list(), t.dtype),
+      examples)
+
+  def sums(batch):
+    batch = decode(batch)
+    stacked = tf.nest.map_structure(lambda t: t[None], batch)
+    weights = [tf.zeros([1] + v.shape.as_list(), v.dtype)
+               for v in model.shared_trainable_variables]
+    outputs = batched.apply(weights, stacked['x'])[0]
+    return metrics_fn(batch, model.predict(outputs))
+
+  out = tf.function(sums, autograph=False).get_concrete_function(
+      spec).structured_outputs
+  return collections.OrderedDict(
+      (k, tf.zeros(v.shape, v.dtype)) for k, v in out.items())
+
+
+def unsupported_reason(make_step) -> Optional[str]:
+  """None when a process's client step can run batched, else why not.
+
+  Args:
+    make_step: the process's `Composition.client_step`.
+  """
+  if not isinstance(make_step, process_lib.SplitClientStep):
+    return ('its client step is not the joint local training of a split '
+            'model (process.split_client_step_factory)')
+  if make_step.private_optimizer is not None:
+    return 'it trains private variables with an optimizer of their own'
+  try:
+    BatchedModel(make_step.model_fn())
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def shard_loop(make_step: process_lib.SplitClientStep, spec,
+               user_clip_norm: Optional[float] = None, wire=None,
+               count_users: bool = False):
+  """A shard's client work with its users trained together.
+
+  The batched counterpart of `core/sharded.py`'s per-user shard loop, with
+  the same result: the weighted mean of the users' updates (weights: their
+  example counts) and its total weight or, with `user_clip_norm`, the sum of
+  their updates each clipped to that L2 norm (as `privacy.clip_user_update`)
+  and the user count; the stacked new client states; the summed metrics.
+
+  Args:
+    make_step: the process's client step (`unsupported_reason` is None).
+    spec: the tensor specs of one user's step result.
+    user_clip_norm: the DP clip of each user's update, or None.
+    wire: the task's `WireFormat` when the shard's examples are in it.
+    count_users: add the shard's user count (`shard_packing.SHARD_USERS`).
+
+  Returns:
+    `run(weights, states, shard) -> OrderedDict`, to be traced.
+  """
+  if 'selected' in spec:
+    raise ValueError('batched training does not cover a selection')
+  model = make_step.model_fn()
+  batched = BatchedModel(model)
+  decode = wire.decode if wire is not None else None
+
+  def run(weights, states, shard):
+    out = batched_local_train(batched, make_step.client_optimizer,
+                              tuple(weights.trainable), shard,
+                              make_step.metrics_fn, decode)
+    num_users = tf.shape(shard[shard_packing.SHARD_NUM_BATCHES])[0]
+    if user_clip_norm is None:
+      w = tf.cast(out.num_examples, tf.float32)
+      total_weight = tf.reduce_sum(w)
+      update = tuple(tf.math.divide_no_nan(tf.tensordot(w, u, 1),
+                                           total_weight)
+                     for u in out.updates)
+    else:
+      squares = tf.add_n([tf.reduce_sum(tf.reshape(u * u, [num_users, -1]), 1)
+                          for u in out.updates])
+      scale = user_clip_norm * tf.minimum(tf.math.rsqrt(squares),
+                                          1.0 / user_clip_norm)
+      update = tuple(tf.tensordot(scale, u, 1) for u in out.updates)
+      total_weight = tf.cast(num_users, tf.float32)
+    metrics = dict(out.metrics)
+    metrics.update(
+        loss_sum=tf.reduce_sum(out.loss_sum),
+        num_examples=tf.reduce_sum(out.num_examples),
+        nonfinite=tf.reduce_sum(out.nonfinite),
+        clients=tf.cast(num_users, tf.int32))
+    if set(metrics) != set(spec['metrics']):
+      raise ValueError(f'batched metrics {sorted(metrics)} are not the '
+                       f'step\'s {sorted(spec["metrics"])}')
+    new_states = collections.OrderedDict([
+        (process_lib.CLIENT_STATE_PRIVATE,
+         states[process_lib.CLIENT_STATE_PRIVATE]),
+        (process_lib.CLIENT_STATE_ROUNDS,
+         states[process_lib.CLIENT_STATE_ROUNDS] + 1)])
+    result = collections.OrderedDict(
+        update=tf.nest.pack_sequence_as(spec['update'], list(update)),
+        update_weight=total_weight, client_state=new_states,
+        metrics=collections.OrderedDict(
+            (k, metrics[k]) for k in spec['metrics']))
+    if count_users:
+      result[shard_packing.SHARD_USERS] = tf.cast(num_users, tf.float32)
+    return result
+
+  return run

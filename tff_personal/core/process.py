@@ -606,6 +606,32 @@ def client_step_result(update, update_weight, new_private, client_state,
       metrics=metrics)
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitClientStep:
+  """`split_client_step_factory`'s step factory: calling it makes the step.
+
+  Its fields say what the step trains, so that a simulation can train many
+  users' steps together (`core/batched.py`).
+  """
+  model_fn: split_model_lib.SplitModelFn
+  client_optimizer: tff.learning.optimizers.Optimizer
+  metrics_fn: Any = None
+  private_optimizer: Optional[tff.learning.optimizers.Optimizer] = None
+
+  def __call__(self):
+    model = self.model_fn()
+
+    def step(weights, client_state, dataset):
+      update, weight, new_private, metrics = split_training.local_train(
+          model, self.client_optimizer, weights,
+          tuple(client_state[CLIENT_STATE_PRIVATE]), dataset, self.metrics_fn,
+          self.private_optimizer)
+      return client_step_result(update, weight, new_private, client_state,
+                                metrics)
+
+    return step
+
+
 def split_client_step_factory(
     model_fn: split_model_lib.SplitModelFn,
     client_optimizer: tff.learning.optimizers.Optimizer,
@@ -613,21 +639,8 @@ def split_client_step_factory(
     private_optimizer: tff.learning.optimizers.Optimizer | None = None,
 ) -> ClientStepFactory:
   """Joint local training of a split model's shared and private parts."""
-
-  def make_step():
-    model = model_fn()
-
-    def step(weights, client_state, dataset):
-      update, weight, new_private, metrics = split_training.local_train(
-          model, client_optimizer, weights,
-          tuple(client_state[CLIENT_STATE_PRIVATE]), dataset, metrics_fn,
-          private_optimizer)
-      return client_step_result(update, weight, new_private, client_state,
-                                metrics)
-
-    return step
-
-  return make_step
+  return SplitClientStep(model_fn, client_optimizer, metrics_fn,
+                         private_optimizer)
 
 
 def client_work_from_step(make_step: ClientStepFactory, weights_type: tff.Type,

@@ -90,6 +90,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import batched as batched_lib
 from tff_personal.core import best_scoring
 from tff_personal.core import client_data
 from tff_personal.core import flat_transport
@@ -176,6 +177,16 @@ def _shard_loop(step, spec, element_spec, user_clip_norm, wire,
   return run
 
 
+def _make_loop(make_step, spec, element_spec, user_clip_norm, wire,
+               count_users, batched):
+  """The shard's TF logic: per user (`_shard_loop`) or batched."""
+  if batched:
+    return batched_lib.shard_loop(make_step, spec, user_clip_norm, wire,
+                                  count_users)
+  return _shard_loop(make_step(), spec, element_spec, user_clip_norm, wire,
+                     count_users)
+
+
 def shard_result_type(step_result_type: tff.Type,
                       count_users: bool = False) -> tff.Type:
   """The TFF type of a shard's result (`build_shard_work`), from one step's
@@ -203,7 +214,8 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
                      step_result_type: tff.Type,
                      user_clip_norm: float | None = None,
                      wire: client_data.WireFormat | None = None,
-                     count_users: bool = False
+                     count_users: bool = False,
+                     batched: bool = False
                      ) -> tff.Computation:
   """The TFF client work of a shard: the per-user step over every user.
 
@@ -217,7 +229,8 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
   form and each batch is decoded before the step sees it. When the step
   returns `selected` (`<score, value>`), the shard returns its best user's,
   selected in user order by `best_scoring.better`. With `count_users`, the
-  result also holds `SHARD_USERS`, the shard's user count (float32).
+  result also holds `SHARD_USERS`, the shard's user count (float32). With
+  `batched`, the shard's users train together (`core/batched.py`).
   """
   spec = tff.types.type_to_tf_tensor_specs(step_result_type)
   element_spec = tff.types.type_to_tf_tensor_specs(data_type.element)
@@ -226,8 +239,8 @@ def build_shard_work(make_step: process_lib.ClientStepFactory,
 
   @tff.tensorflow.computation(weights_type, stacked_state_type, shard_type)
   def shard_work(weights, states, shard):
-    run = _shard_loop(make_step(), spec, element_spec, user_clip_norm, wire,
-                      count_users)
+    run = _make_loop(make_step, spec, element_spec, user_clip_norm, wire,
+                     count_users, batched)
     # As the one-user form: no AutoGraph.
     return tf.function(run, autograph=False)(weights, states, shard)
 
@@ -277,18 +290,18 @@ class DriverShardWork:
     make_step: The per-user step factory (`Composition.client_step`).
     step_result_type: One step's result type (as for `build_shard_work`).
     element_spec: The per-user batches' element spec (decoded form).
-    user_clip_norm, wire, count_users: As for `build_shard_work`.
+    user_clip_norm, wire, count_users, batched: As for `build_shard_work`.
   """
 
   def __init__(self, make_step: process_lib.ClientStepFactory,
                step_result_type: tff.Type, element_spec,
                user_clip_norm: float | None = None,
                wire: client_data.WireFormat | None = None,
-               count_users: bool = False):
+               count_users: bool = False, batched: bool = False):
     self._make_step = make_step
     self._result_spec = tff.types.type_to_tf_tensor_specs(step_result_type)
     self._element_spec = element_spec
-    self._loop_args = (user_clip_norm, wire, count_users)
+    self._loop_args = (user_clip_norm, wire, count_users, batched)
     self._runs = []  # One loop per concurrent shard, built on use.
 
   def _build(self, example_call):
@@ -296,8 +309,8 @@ class DriverShardWork:
     `example_call` with any user, batch and example count (traced in this
     thread: `shard_threads.trace_loop`)."""
     return shard_threads.trace_loop(
-        lambda: _shard_loop(self._make_step(), self._result_spec,
-                            self._element_spec, *self._loop_args),
+        lambda: _make_loop(self._make_step, self._result_spec,
+                           self._element_spec, *self._loop_args),
         call_signature(*example_call), autograph=False)
 
   def __call__(self, calls: Sequence[tuple]) -> list:
@@ -325,7 +338,7 @@ class ShardedProcess:
   def __init__(self, base: process_lib.StatefulClientProcess, num_shards: int,
                dp_config: privacy.DPConfig | None = None,
                wire: client_data.WireFormat | None = None,
-               shards_in: str = IN_DRIVER):
+               shards_in: str = IN_DRIVER, batched: bool = False):
     """Builds the sharded form of `base`.
 
     Args:
@@ -345,6 +358,9 @@ class ShardedProcess:
         (TFF's executor, the shards as its clients). The aggregation, DP
         noise and server update run in TFF either way; with several workers
         (`runtime.local_runtime(workers=...)`) the shards run on them.
+      batched: train each shard's users together (`core/batched.py`)
+        instead of one after another; refused, saying why, for a process
+        whose client step it does not cover.
     """
     if shards_in not in (IN_DRIVER, IN_EXECUTOR):
       raise ValueError(f'shards_in must be {IN_DRIVER!r} or {IN_EXECUTOR!r}, '
@@ -376,6 +392,11 @@ class ShardedProcess:
           f'{type(composition.selection_factory).__name__}, whose reduction '
           'over a shard of users is unknown (only BestScoringFactory is '
           'sharded); run it with one user per client (num_shards=0)')
+    if batched:
+      reason = batched_lib.unsupported_reason(composition.client_step)
+      if reason is not None:
+        raise ValueError(f'this process cannot run batched: {reason}; run it '
+                         'sharded (batched=False)')
     with_server_step = composition.server_step is not None
     self._base = base
     self._num_shards = num_shards
@@ -391,7 +412,7 @@ class ShardedProcess:
         composition.client_step, base.model_weights_type,
         composition.client_state_type, data_type,
         composition.client_work_result_type, user_clip_norm=clip, wire=wire,
-        count_users=with_server_step)
+        count_users=with_server_step, batched=batched)
     self._shard_work_fn = None
     self._result_type = shard_result_type(
         composition.client_work_result_type, count_users=with_server_step)
@@ -406,7 +427,7 @@ class ShardedProcess:
     self._driver_work = DriverShardWork(
         composition.client_step, composition.client_work_result_type,
         self._element_spec, user_clip_norm=clip, wire=wire,
-        count_users=with_server_step)
+        count_users=with_server_step, batched=batched)
     self._with_server_step = with_server_step
     self._executor_process = None  # Built on first use.
     self._from_results = None  # Built on first use.
@@ -656,9 +677,13 @@ def resolve_num_shards(process, requested: int,
 def maybe_shard(process, num_shards: int,
                 dp_config: privacy.DPConfig | None = None,
                 wire: client_data.WireFormat | None = None,
-                shards_in: str = IN_DRIVER):
-  """`ShardedProcess(process, num_shards, dp_config, wire, shards_in)`, or
-  `process` for 0."""
+                shards_in: str = IN_DRIVER, batched: bool = False):
+  """`ShardedProcess(process, num_shards, dp_config, wire, shards_in,
+  batched)`, or `process` for 0 (refused with `batched`)."""
   if num_shards == 0:
+    if batched:
+      raise ValueError('batched training runs in shards; it needs '
+                       'simulation_shards != 0')
     return process
-  return ShardedProcess(process, num_shards, dp_config, wire, shards_in)
+  return ShardedProcess(process, num_shards, dp_config, wire, shards_in,
+                        batched)
