@@ -30,6 +30,11 @@ of each round drawn from (seed, round)). Systems:
   equal to its process's round). `tf_ceiling` is `global`'s model, the one
   FedAvg trains in every other system. Every system is reported as a
   fraction of `tf_ceiling` and of its own model's ceiling.
+* `global_batched`: `global` with each shard's users trained together
+  (`--simulation_batched`, `core/batched.py`).
+* `tf_ceiling_batched`: FedAvg's model trained as if the cohort were one
+  client, each step one batch of the cohort's batches together: the same
+  examples and steps, the arithmetic limit of training clients together.
 * `keras_central`: Keras `fit` once per round over the cohort's examples
   (the same batches, one pass, one optimizer state): what plain Keras costs,
   per-call set-up included. Not a ceiling.
@@ -103,8 +108,11 @@ ceiling_name = benchmark_report.ceiling_name
 # The project's systems whose shards train their users together
 # (`core/batched.py`): `<system>_batched`.
 BATCHED_SYSTEMS = ('global' + benchmark_report.BATCHED_SUFFIX,)
+# FedAvg's model trained on the cohort's examples as one batch per step.
+BATCHED_CEILING = CEILING + benchmark_report.BATCHED_SUFFIX
 SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS, *BATCHED_SYSTEMS,
-           *(ceiling_name(s) for s in PROJECT_SYSTEMS), 'keras_central')
+           *(ceiling_name(s) for s in PROJECT_SYSTEMS), BATCHED_CEILING,
+           'keras_central')
 render_markdown = benchmark_report.render_markdown
 LOCAL_LEARNING_RATE = 1e-3
 EXAMPLES_PER_CLIENT = 20
@@ -520,6 +528,57 @@ def _run_tf_ceiling(system, data, cohort, rounds, seed, rss_at, threads):
   return times, {'parts': len(models), 'model_of': system}
 
 
+def _run_tf_ceiling_batched(data, cohort, rounds, seed, rss_at, threads):
+  """`global`'s model trained as if the cohort were one client: each step
+  one batch of the cohort's step-s batches together (cohort x batch
+  examples), Adam, as many steps as a client takes; one `tf.function` of a
+  `tf.while_loop`. The same examples and steps per round as the federated
+  systems, with none of their per-client cost: the arithmetic limit of
+  training the cohort's clients together (`--simulation_batched`)."""
+  intra = worker_threads.resolve(threads[0], 'intra')
+  inter = worker_threads.resolve(threads[1], 'inter')
+  tf.config.threading.set_intra_op_parallelism_threads(intra or 0)
+  tf.config.threading.set_inter_op_parallelism_threads(inter or 0)
+  tf.keras.utils.set_random_seed(seed)
+  model = build_project_process('global', seed).model_fn()
+  trainable = model.shared_trainable_variables
+  optimizer = fedavg.adam(LOCAL_LEARNING_RATE)
+  specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in trainable)
+
+  @tf.function(autograph=False)
+  def round_fn(batches):
+    # [clients, steps, batch, ...] -> [steps, clients * batch, ...].
+    steps = tf.nest.map_structure(
+        lambda t: tf.reshape(tf.transpose(
+            t, [1, 0] + list(range(2, t.shape.rank))),
+                             [t.shape[1], -1] + t.shape[3:].as_list()),
+        batches)
+
+    def step(s, state):
+      batch = tf.nest.map_structure(lambda t: t[s], steps)
+      with tf.GradientTape() as tape:
+        loss = model.loss(batch, model.forward(batch, training=True))
+      grads = tape.gradient(loss, trainable)
+      state, new = optimizer.next(state, tuple(trainable), tuple(grads))
+      for v, n in zip(trainable, new):
+        v.assign(n)
+      return s + 1, state
+
+    num_steps = tf.nest.flatten(steps)[0].shape[0]
+    tf.while_loop(lambda s, _: s < num_steps, step,
+                  (tf.constant(0), optimizer.initialize(specs)),
+                  parallel_iterations=1)
+    return trainable[0].read_value()
+
+  times = []
+  for r in range(1, rounds + 1):
+    t = time.perf_counter()
+    round_fn(_cohort_batches(data, cohort_of(r, cohort, seed))).numpy()
+    times.append(time.perf_counter() - t)
+    rss_at(r)
+  return times, {'model_of': 'global'}
+
+
 def tree_rss_mib(pid: int) -> float:
   """Summed RSS of a process and all its descendants, in MiB."""
   try:
@@ -561,6 +620,9 @@ def child_main(f) -> None:
                              inter_op_threads=threads[1]):
     if f.child == 'tff_fedavg':
       times, extra = _run_tff_fedavg(data, f.cohort, f.rounds, f.seed, rss_at)
+    elif f.child == BATCHED_CEILING:
+      times, extra = _run_tf_ceiling_batched(data, f.cohort, f.rounds,
+                                             f.seed, rss_at, threads)
     elif f.child in _CEILINGS:
       times, extra = _run_tf_ceiling(_CEILINGS[f.child], data, f.cohort,
                                      f.rounds, f.seed, rss_at, threads)

@@ -30,7 +30,8 @@ def test_small_run_writes_consistent_records(binary, tmp_path):
   out = tmp_path / 'bench'
   has_mnist = os.path.isdir(os.path.join(conftest.SHARED_DATA, 'mnist'))
   result = binary.run(
-      [f'--output_dir={out}', '--systems=global,tf_ceiling',
+      [f'--output_dir={out}',
+       '--systems=global,global_batched,tf_ceiling,tf_ceiling_batched',
        '--cohorts=4', '--rounds=2', f'--data_dir={conftest.SHARED_DATA}']
       + (['--families=ditto', '--family_rounds=2'] if has_mnist else []),
       timeout=900)
@@ -39,7 +40,8 @@ def test_small_run_writes_consistent_records(binary, tmp_path):
   families = [r for r in records if r.get('form')]
   records = [r for r in records if not r.get('form')]
   assert [(r['name'], r['cohort']) for r in records] == [
-      ('global', 4), ('tf_ceiling', 4)]
+      ('global', 4), ('global_batched', 4), ('tf_ceiling', 4),
+      ('tf_ceiling_batched', 4)]
   # The family row: binaries.train on the family's task in both forms.
   assert [(r['name'], r['workload'], r['form']) for r in families] == [
       ('ditto', 'label_skew_mnist', 'sharded'),
