@@ -256,8 +256,9 @@ def batched_local_train(batched: BatchedModel,
   """Every user of a packed shard trains from `initial_weights` together.
 
   Each user sees its batches in its own order (`shard_packing.pack_datasets`
-  keeps them), with its own optimizer state, exactly as
-  `split_training.local_train` trains it alone; the loss of a batch is the
+  keeps them), with its own optimizer state, as
+  `split_training.local_train` trains it alone (up to float rounding of
+  the batched ops); the loss of a batch is the
   mean over its real examples of the model's loss on each example.
 
   Args:
