@@ -493,16 +493,23 @@ def _cohort_batches(data, ids, keys=('x', 'y', 'type')):
 _CEILINGS = {ceiling_name(s): s for s in PROJECT_SYSTEMS}
 
 
-def _run_tf_ceiling(system, data, cohort, rounds, seed, rss_at, threads):
-  """`system`'s ceiling in this process, with the thread pools the
-  project's worker gets and one part of the cohort per inter-op thread.
-  Every user's private values start as the project's runs start them and
-  are kept between rounds."""
+def _ceiling_threads_and_seed(threads, seed):
+  """A ceiling's thread pools (those the project's worker gets) and seed;
+  returns the inter-op thread count (None: TensorFlow's default)."""
   intra = worker_threads.resolve(threads[0], 'intra')
   inter = worker_threads.resolve(threads[1], 'inter')
   tf.config.threading.set_intra_op_parallelism_threads(intra or 0)
   tf.config.threading.set_inter_op_parallelism_threads(inter or 0)
   tf.keras.utils.set_random_seed(seed)
+  return inter
+
+
+def _run_tf_ceiling(system, data, cohort, rounds, seed, rss_at, threads):
+  """`system`'s ceiling in this process, with the thread pools the
+  project's worker gets and one part of the cohort per inter-op thread.
+  Every user's private values start as the project's runs start them and
+  are kept between rounds."""
+  inter = _ceiling_threads_and_seed(threads, seed)
   proc = build_project_process(system, seed)
   models = [proc.model_fn() for _ in range(inter or os.cpu_count())]
   round_fn = build_ceiling_round(models, fedavg.adam(LOCAL_LEARNING_RATE))
@@ -535,11 +542,7 @@ def _run_tf_ceiling_batched(data, cohort, rounds, seed, rss_at, threads):
   `tf.while_loop`. The same examples and steps per round as the federated
   systems, with none of their per-client cost: the arithmetic limit of
   training the cohort's clients together (`--simulation_batched`)."""
-  intra = worker_threads.resolve(threads[0], 'intra')
-  inter = worker_threads.resolve(threads[1], 'inter')
-  tf.config.threading.set_intra_op_parallelism_threads(intra or 0)
-  tf.config.threading.set_inter_op_parallelism_threads(inter or 0)
-  tf.keras.utils.set_random_seed(seed)
+  _ceiling_threads_and_seed(threads, seed)
   model = build_project_process('global', seed).model_fn()
   trainable = model.shared_trainable_variables
   optimizer = fedavg.adam(LOCAL_LEARNING_RATE)

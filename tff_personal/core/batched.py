@@ -284,15 +284,11 @@ def batched_local_train(batched: BatchedModel,
   indices = shard[shard_packing.SHARD_INDICES]
   sizes = shard[shard_packing.SHARD_BATCH_SIZES]
   model = batched.model
-  weights = tuple(tf.tile(w[None], tf.concat([[num_users],
-                                              tf.ones([w.shape.rank],
-                                                      tf.int32)], 0))
-                  for w in initial_weights)
+  stack = lambda t: tf.tile(t[None], tf.concat(
+      [[num_users], tf.ones([t.shape.rank], tf.int32)], 0))
+  weights = tuple(stack(w) for w in initial_weights)
   opt_state = tf.nest.map_structure(
-      lambda t: (tf.tile(t[None], tf.concat([[num_users],
-                                             tf.ones([t.shape.rank],
-                                                     tf.int32)], 0))
-                 if _rank(t) else t),
+      lambda t: stack(t) if _rank(t) else t,
       optimizer.initialize(tuple(tf.TensorSpec(w.shape, w.dtype)
                                  for w in initial_weights)))
   max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
