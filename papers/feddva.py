@@ -85,13 +85,11 @@ from tff_personal import curve_bands
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
-from tff_personal import run_evaluation
 from tff_personal import runs
 from tff_personal.algorithms import feddva
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
-from tff_personal.core import training_loop
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
 from tff_personal.models import feddva_recipes
@@ -700,30 +698,23 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
   weights_path = os.path.join(config.experiment_dir, 'pretrained.npz')
   meta_path = os.path.join(config.experiment_dir, 'pretrained.json')
   if not os.path.exists(meta_path):
-    run = run_task(task, f, seed)
-    _train(run, config, lambda s: print(
+    task_run = run_task(task, f, seed)
+    _train(task_run, config, lambda s: print(
         f'feddva {task.name} dim {dim} seed {seed}: {s}', flush=True))
-    dp = experiment.validate(config, run.population)
-    staged = experiment.build_process(run, config,
-                                      privacy.build_aggregator(dp), dp)
-    stage = staged.stages[0]
-    directory = experiment.stage_directory(config, stage.name)
-    state = training_loop.load_checkpoint(stage.process, directory,
-                                          stage.rounds)
+    run = runs.Run.open(config.experiment_dir, task=task_run)
     encoders, shared_decoder = feddva.split_shared_weights(
         _config(f, dim), [np.asarray(w) for w in
-                          stage.process.get_model_weights(state).trainable])
+                          run.weights(stage='pretrain').trainable])
     if _decoder(f) == 'private':
       decoders = [tuple(np.asarray(w) for w in s[
           process_lib.CLIENT_STATE_PRIVATE])
-                  for s in run_evaluation.load_client_states(
-                      stage.process, config, run.population, directory,
-                      stage.rounds)]
+                  for s in run.client_states(range(task_run.population),
+                                             stage='pretrain')]
     else:  # One decoder for every client.
-      decoders = [shared_decoder] * run.population
-    rows = _read_csv(os.path.join(directory, 'train_metrics.csv'))
+      decoders = [shared_decoder] * task_run.population
+    rows = run.curves(stage='pretrain')['train']
     curve = [{k[len('train/'):]: float(v) for k, v in row.items()
-              if k.startswith('train/') and v != ''} for row in rows]
+              if k.startswith('train/')} for row in rows]
     seconds = float(np.mean([float(r['round_seconds']) for r in rows]))
     arrays = {f'e{i}': w for i, w in enumerate(encoders)}
     for k, dec in enumerate(decoders):
