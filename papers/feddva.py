@@ -69,7 +69,6 @@ sample instead of Eq. 26's bound; ours) `_sampled_mixture_kl`, with
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import os
@@ -634,27 +633,20 @@ def feddva_config(task, f, dim: int, seed: int, root: str
                       name, _feddva_options(f, dim))
 
 
-def privacy_metrics(config) -> dict:
-  """epsilon, delta and rounds_noised of a DP run (its summary.json), or {}:
+def privacy_metrics(run: runs.Run) -> dict:
+  """epsilon, delta and rounds_noised of a DP run (its summary), or {}:
   epsilon covers every round the run noised, both stages for FedDVA."""
-  with open(os.path.join(config.experiment_dir, 'summary.json')) as fh:
-    report = json.load(fh).get('privacy')
+  report = run.summary.get('privacy')
   if not report:
     return {}
   return {k: report[k] for k in ('epsilon', 'delta', 'rounds_noised',
                                  'noise_multiplier', 'clip_norm')}
 
 
-def _read_csv(path: str) -> list[dict]:
-  with open(path) as fh:
-    return sorted(csv.DictReader(fh), key=lambda r: int(r['round']))
-
-
-def _train(task, config, log_fn) -> None:
-  """Runs `config` unless it finished (summary.json); a killed run resumes
-  from its checkpoints. Call inside a runtime this program owns."""
-  if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
-    runs.run_experiment(task, config, log_fn=log_fn)
+def _train(task, config, log_fn) -> runs.Run:
+  """The run of `config`, trained unless it finished (a killed run resumes
+  from its checkpoints). Call inside a runtime this program owns."""
+  return runs.finished_or_trained(task, config, log_fn=log_fn)
 
 
 def pretrain_key(task_name: str, num_clients: int, f, dim: int,
@@ -699,9 +691,8 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
   meta_path = os.path.join(config.experiment_dir, 'pretrained.json')
   if not os.path.exists(meta_path):
     task_run = run_task(task, f, seed)
-    _train(task_run, config, lambda s: print(
+    run = _train(task_run, config, lambda s: print(
         f'feddva {task.name} dim {dim} seed {seed}: {s}', flush=True))
-    run = runs.Run.open(config.experiment_dir, task=task_run)
     encoders, shared_decoder = feddva.split_shared_weights(
         _config(f, dim), [np.asarray(w) for w in
                           run.weights(stage='pretrain').trainable])
@@ -895,7 +886,8 @@ def _run_probe(cell, f, out_dir) -> dict:
                          weights=[e['images'] for e in effects]))
         if effects else None)
   metrics['seconds_per_round'] = pre['seconds_per_round']
-  metrics.update(privacy_metrics(pre['config']))
+  metrics.update(privacy_metrics(
+      runs.Run.open(pre['config'].experiment_dir)))
   last = pre['curve'][-1] if pre['curve'] else {}
   for k in ('reconstruction', 'kl_z', 'kl_c_prior', 'kl_c_mixture',
             'constraint_met'):
@@ -948,22 +940,23 @@ def _classification_run(method, task, f, seed, root, out_dir):
   if method == 'feddva':
     config = pretrain_feddva(task, f, f.feddva_class_dim, seed,
                              root)['config']
+    run = runs.Run.open(config.experiment_dir)
     extra['pretrain_rounds'] = f.feddva_vae_rounds
   elif method in _BASELINES:
     options = {'lam': f.feddva_ditto_lambda} if method == 'ditto' else {}
     config = _base_config(_BASELINES[method], task, f, seed, out_dir, 'run',
                           options)
-    _train(run_task(task, f, seed), config, lambda s: print(
+    run = _train(run_task(task, f, seed), config, lambda s: print(
         f'feddva {method} {task.name} seed {seed}: {s}', flush=True))
   else:
     raise ValueError(f'unknown method {method!r}')
-  rows = _read_csv(os.path.join(config.experiment_dir, 'eval_metrics.csv'))
-  train = _read_csv(os.path.join(config.experiment_dir, 'train_metrics.csv'))
-  extra.update(privacy_metrics(config))
+  curves = run.curves()
+  extra.update(privacy_metrics(run))
   extra['seconds_per_round'] = float(np.mean(
-      [float(r['round_seconds']) for r in train]))
-  return ([float(r['accuracy']) for r in rows],
-          [float(r['accuracy_std_across_clients']) for r in rows]), extra
+      [float(r['round_seconds']) for r in curves['train']]))
+  return ([float(r['accuracy']) for r in curves['eval']],
+          [float(r['accuracy_std_across_clients']) for r in curves['eval']]
+          ), extra
 
 
 def _curve_path(root, method, setting, seed) -> str:

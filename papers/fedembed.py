@@ -94,7 +94,6 @@ and skipped with a message (their rows stay empty).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import glob
 import json
@@ -717,7 +716,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   config = experiment_config(cell, flag_values, out_dir, task.population)
   with runtime.local_runtime(
       log_path=os.path.join(out_dir, 'worker_binary.log')):
-    summary = runs.run_experiment(
+    run = runs.run_experiment(
         task, config, export_private_states=True,
         # The evaluated users are data: drawn by the data seed.
         eval_ids=(None if data_seed == cell.seed else
@@ -725,7 +724,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                       task.population, config.eval_clients, data_seed)),
         log_fn=lambda line: print(f'  {cell.method}: {line}', flush=True))
   metrics = cell_metrics(
-      summary, _prevalence(task_name, cell.setting['population']))
+      run, _prevalence(task_name, cell.setting['population']))
   if encoder_weights:  # which encoder, and how well it told public voices
     meta = fedembed_speech.load_encoder_weights(encoder_weights)[1]
     metrics['encoder_weights'] = os.path.abspath(encoder_weights)
@@ -734,8 +733,10 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   _save_analysis(task, cell, config.experiment_dir, out_dir,
                  config.embedding_dim)
   # Every method's F1 curve (the figures draw them all).
-  _copy_curve(os.path.join(config.experiment_dir, 'eval_metrics.csv'),
-              os.path.join(out_dir, 'curve.json'))
+  curve = [r for r in run.curves()['eval'] if 'f1' in r]
+  with open(os.path.join(out_dir, 'curve.json'), 'w') as fh:
+    json.dump({'round': [int(r['round']) for r in curve],
+               'f1': [float(r['f1']) for r in curve]}, fh)
   root = _root_of(out_dir)
   if root:  # this cell's record is appended after run_cell returns
     write_extra_tables(root, extra_records=[{
@@ -883,18 +884,6 @@ def _save_analysis(task, cell, exp_dir: str, out_dir: str,
   if 'head' in arrays:
     out['head'] = arrays['head']
   np.savez(os.path.join(out_dir, 'analysis.npz'), **out)
-
-
-def _copy_curve(csv_path: str, json_path: str) -> None:
-  rounds, f1 = [], []
-  if os.path.exists(csv_path):
-    with open(csv_path) as f:
-      for row in csv.DictReader(f):
-        if row.get('f1'):
-          rounds.append(int(row['round']))
-          f1.append(float(row['f1']))
-  with open(json_path, 'w') as f:
-    json.dump({'round': rounds, 'f1': f1}, f)
 
 
 # ------------------------------------------------------------------ tables

@@ -380,10 +380,8 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
   config = train_config(variant, flag_values, seed, cache_dir)
   # Every TFF call (the read-back's too) in a runtime this program owns.
   with runtime.local_runtime():
-    run = runs.Run.open(config.experiment_dir, task=task) if os.path.exists(
-        os.path.join(config.experiment_dir, 'summary.json')) else (
-            runs.run_experiment(task, config, log_fn=lambda s: print(
-                f'fedperc {variant} seed {seed}: {s}', flush=True)))
+    run = runs.finished_or_trained(task, config, log_fn=lambda s: print(
+        f'fedperc {variant} seed {seed}: {s}', flush=True))
     trained = run.weights()
     initial = run.process().get_model_weights(run.process().initialize())
     loaded = run.client_states(range(task.population))

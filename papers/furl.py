@@ -233,29 +233,28 @@ def _run_fl(task, cell, f, out_dir, dim) -> dict:
       test_fine_tune=cell.method == 'personalized_fl')
   with runtime.local_runtime(
       log_path=os.path.join(out_dir, 'worker_binary.log')):
-    summary = runs.run_experiment(
+    run = runs.run_experiment(
         task, config, export_private_states=cell.method == 'personalized_fl')
   exp_dir = config.experiment_dir
-  curve = _fl_curve(os.path.join(exp_dir, 'eval_metrics.csv'),
-                    rounds_per_epoch)
+  curve = _fl_curve(run.curves()['eval'], rounds_per_epoch)
   _write_json(os.path.join(out_dir, 'curve.json'), curve)
   states = os.path.join(exp_dir, 'private_states.npz')
   if os.path.exists(states):
     with np.load(states) as z:
       np.savez(os.path.join(out_dir, 'embeddings.npz'), ids=z['ids'],
                embeddings=z['private_0'])
-  metrics = {'accuracy': summary['test']['accuracy'],
-             'seconds_per_round': summary['seconds_per_round'],
-             'rounds': summary['rounds_completed'],
+  metrics = {'accuracy': run['test']['accuracy'],
+             'seconds_per_round': run['seconds_per_round'],
+             'rounds': run['rounds_completed'],
              'epochs': f.furl_fl_epochs}
-  if summary.get('test_fine_tuned'):
-    metrics['accuracy_fine_tuned'] = summary['test_fine_tuned']['accuracy']
-  if summary.get('cold_start'):
-    metrics['cold_start_accuracy'] = summary['cold_start']['accuracy']
-  if summary['privacy']:
-    metrics['epsilon'] = summary['privacy']['epsilon']
-    metrics['delta'] = summary['privacy']['delta']
-    metrics['noise_multiplier'] = summary['privacy']['noise_multiplier']
+  if run.get('test_fine_tuned'):
+    metrics['accuracy_fine_tuned'] = run['test_fine_tuned']['accuracy']
+  if run.get('cold_start'):
+    metrics['cold_start_accuracy'] = run['cold_start']['accuracy']
+  if run['privacy']:
+    metrics['epsilon'] = run['privacy']['epsilon']
+    metrics['delta'] = run['privacy']['delta']
+    metrics['noise_multiplier'] = run['privacy']['noise_multiplier']
   return metrics
 
 
@@ -268,15 +267,11 @@ def _evals_per_epoch(f) -> int:
   return k
 
 
-def _fl_curve(csv_path: str, rounds_per_epoch: int) -> dict:
-  import csv  # pylint: disable=g-import-not-at-top
-  epochs, acc = [], []
-  with open(csv_path) as f:
-    for row in csv.DictReader(f):
-      if row.get('accuracy'):
-        epochs.append(int(row['round']) / rounds_per_epoch)
-        acc.append(float(row['accuracy']))
-  return {'epoch': epochs, 'eval_accuracy': acc}
+def _fl_curve(rows: list[dict], rounds_per_epoch: int) -> dict:
+  """The evaluated accuracy per epoch, from a run's eval rows."""
+  rows = [r for r in rows if 'accuracy' in r]
+  return {'epoch': [int(r['round']) / rounds_per_epoch for r in rows],
+          'eval_accuracy': [float(r['accuracy']) for r in rows]}
 
 
 def _write_json(path, value):

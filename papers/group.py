@@ -75,7 +75,6 @@ Readings of the paper, and choices made for the CPU budget
 from __future__ import annotations
 
 import collections
-import csv
 import glob
 import hashlib
 import json
@@ -432,13 +431,12 @@ def train_config(cfg: dict, seed: int, directory: str,
       keep_checkpoints=keep_checkpoints, seed=seed, resume=True)
 
 
-def _train(task, config, log_fn):
-  """Runs `config` on the one path unless it finished (summary.json); a
-  killed run resumes from its checkpoints."""
-  if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
-    runs.run_experiment(
-        task, config, log_fn=lambda s: log_fn(
-            f'group {config.experiment_name}: {s}'))
+def _train(task, config, log_fn) -> runs.Run:
+  """The run of `config`, trained unless it finished (a killed run
+  resumes from its checkpoints)."""
+  return runs.finished_or_trained(
+      task, config, log_fn=lambda s: log_fn(
+          f'group {config.experiment_name}: {s}'))
 
 
 def _models(task, config, round_num=None, run=None):
@@ -508,8 +506,8 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   # Stages 1 and 2 (FL, then one FL run per group) on the one run path.
   config = train_config(cfg, seed, directory,
                         keep_checkpoints=_pipeline_keep(cfg))
-  _train(task, config, log_fn)
-  global_weights, group_weights, wtype = _models(task, config)
+  global_weights, group_weights, wtype = _models(
+      task, config, run=_train(task, config, log_fn))
   fl_part = _fl_participations(task, config, cfg)
   group_part = _group_participations(task, config, 'task')
   group_of = dict(enumerate(task.client_groups))
@@ -683,13 +681,12 @@ def _fl_curve_config(cfg, seed, directory) -> experiment.ExperimentConfig:
       seed=seed, resume=True)
 
 
-def _train_fl_curve(task, config, validation, log_fn) -> None:
-  """Runs the controls' FL run unless it finished (summary.json),
-  evaluating the validation clients."""
-  if not os.path.exists(os.path.join(config.experiment_dir, 'summary.json')):
-    runs.run_experiment(
-        task, config, eval_ids=validation,
-        log_fn=lambda s: log_fn(f'group fl_curve: {s}'))
+def _train_fl_curve(task, config, validation, log_fn) -> runs.Run:
+  """The controls' FL run, trained unless it finished, evaluating the
+  validation clients."""
+  return runs.finished_or_trained(
+      task, config, eval_ids=validation,
+      log_fn=lambda s: log_fn(f'group fl_curve: {s}'))
 
 
 def _find_plateau(task, cfg, seed, directory, validation, log_fn) -> dict:
@@ -698,10 +695,9 @@ def _find_plateau(task, cfg, seed, directory, validation, log_fn) -> dict:
   `plateau_round` to that curve."""
   p = cfg['plateau']
   config = _fl_curve_config(cfg, seed, directory)
-  _train_fl_curve(task, config, validation, log_fn)
-  with open(os.path.join(config.experiment_dir, 'eval_metrics.csv')) as f:
-    curve = {int(r['round']): float(r['perplexity'])
-             for r in csv.DictReader(f) if r.get('perplexity')}
+  run = _train_fl_curve(task, config, validation, log_fn)
+  curve = {int(r['round']): float(r['perplexity'])
+           for r in run.curves()['eval'] if 'perplexity' in r}
   rounds = plateau_round(curve, p['window'], p['tolerance'])
   log_fn(f'group: FL validation plateau at round {rounds} '
          f'(searched {p["max_rounds"]})')
@@ -800,8 +796,8 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
     config = train_config(cfg_t, seed, directory, grouping, num_groups,
                           keep_checkpoints=_control_keep(cfg),
                           server_state=server_state)
-    _train(task, config, log_fn)
-    fl_weights, models, wtype = _models(task, config)
+    fl_weights, models, wtype = _models(task, config,
+                                        run=_train(task, config, log_fn))
     members = experiment.group_members(task, config, grouping)
     starts[name] = (models, {c: g for g, ms in members.items() for c in ms})
     if name == 'groupfl':
@@ -1062,10 +1058,9 @@ def make_figures(root_output_dir: str, pipeline_dir: str) -> None:
 def _train_curve(path: str) -> dict:
   """`{'round': [...], 'perplexity': [...]}` of a stage's
   train_metrics.csv: exp of the round cohort's mean token loss."""
-  with open(path) as f:
-    rows = [r for r in csv.DictReader(f) if r.get('train/loss')]
+  rows = [r for r in training_loop.read_metrics(path) if 'train/loss' in r]
   return {'round': [int(r['round']) for r in rows],
-          'perplexity': [float(np.exp(float(r['train/loss']))) for r in rows]}
+          'perplexity': [float(np.exp(r['train/loss'])) for r in rows]}
 
 
 def make_training_figure(root_output_dir: str, pipeline_dir: str) -> None:

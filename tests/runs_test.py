@@ -46,8 +46,12 @@ def test_split_model_dp_run_reopens_from_its_directory_alone(tmp_path,
       algorithm='fedrep', rounds=2, clients_per_round=3,
       root_output_dir=str(tmp_path), experiment_name='fedrep_dp', dp=_DP,
       client_learning_rate=0.05, simulation_shards=0)
-  trained = runs.run_experiment(task, config, log_fn=lambda s: None)
+  trained = runs.finished_or_trained(task, config, log_fn=lambda s: None)
   assert trained['rounds_completed'] == 2  # It reads as its summary.
+  def no_training(line):
+    raise AssertionError(f'a finished run trained again: {line}')
+  reused = runs.finished_or_trained(task, config, log_fn=no_training)
+  assert reused.digest == trained.digest and reused['eval'] == trained['eval']
 
   # A process of its own: the task is rebuilt from run_config.json.
   run = runs.Run.open(config.experiment_dir)

@@ -83,6 +83,35 @@ def run_experiment(task, config: experiment.ExperimentConfig,
              summary=summary)
 
 
+def finished_or_trained(task, config: experiment.ExperimentConfig,
+                        log_fn: Callable[[str], None] = print,
+                        **kwargs) -> 'Run':
+  """The run of `config`: opened if it finished, else trained.
+
+  A finished run (its summary written) is opened without building or
+  running anything; otherwise `run_experiment` trains it, and with
+  `config.resume` an interrupted run continues from its checkpoints. This
+  is how an analysis reuses a run it may already have.
+
+  Args:
+    task: the run's task.
+    config: the run's configuration.
+    log_fn: progress lines, while it trains.
+    **kwargs: more arguments of `run_experiment`.
+
+  Returns:
+    The finished `Run`.
+
+  Example:
+    run = runs.finished_or_trained(task, config)
+    final = run.weights()
+  """
+  path = os.path.join(config.experiment_dir, SUMMARY_FILENAME)
+  if os.path.exists(path):
+    return Run.open(config.experiment_dir, task=task)
+  return run_experiment(task, config, log_fn=log_fn, **kwargs)
+
+
 class RunError(ValueError):
   """A directory cannot be opened as a run, or a request of it is invalid;
   the message names the file or the argument."""
