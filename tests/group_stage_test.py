@@ -222,6 +222,29 @@ def test_server_state_keep_carries_the_fl_optimizer_state(tmp_path):
            starts['fresh'].global_model_weights, rtol=0)
   assert any(not np.allclose(a, b) for a, b in zip(
       tf.nest.flatten(fl_final.finalizer), tf.nest.flatten(fresh.finalizer)))
+  # group_server_lr: the kept state with only its learning rate replaced,
+  # and the group rounds run at it (their first step moves the weights
+  # less than the kept state's at the run's learning rate).
+  slow = _config(tmp_path, 'groupfl', 'kept_slow',
+                 options={'server_state': 'keep', 'group_server_lr': 1e-4})
+  _run(task, slow)
+  g = task.group_names[0]
+  start = training_loop.load_checkpoint(
+      staged.final, experiment.group_directory(slow, g), 0)
+  want = collections.OrderedDict(fl_final.finalizer)
+  want['learning_rate'] = np.float32(1e-4)
+  _close(start.finalizer, want, rtol=0)
+  assert float(fl_final.finalizer['learning_rate']) != 1e-4
+  def first_step(config):
+    one = training_loop.load_checkpoint(
+        staged.final, experiment.group_directory(config, g), 1)
+    return sum(float(np.sum(np.square(a - b))) for a, b in zip(
+        tf.nest.flatten(one.global_model_weights.trainable),
+        tf.nest.flatten(start.global_model_weights.trainable)))
+  assert 0 < first_step(slow) < 0.1 * first_step(kept)
+  with pytest.raises(experiment.ConfigurationError, match='group_server_lr'):
+    _run(task, _config(tmp_path, 'groupfl', 'bad_lr',
+                       options={'group_server_lr': -1.0}))
   with pytest.raises(experiment.ConfigurationError, match='server_state'):
     _run(task, _config(tmp_path, 'groupfl', 'bad',
                        options={'server_state': 'warm'}))

@@ -34,6 +34,7 @@ TFF lacks them.
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -57,7 +58,11 @@ SERVER_STATES = ('fresh', 'keep')
 def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
                   embedding_dim: int, fl_clients_per_round: int,
                   grouping: str, personalization_lr: float = 0.0,
-                  server_state: str = 'fresh', **common) -> stages.Staged:
+                  server_state: str = 'fresh', group_server_lr: float = 0.0,
+                  **common) -> stages.Staged:
+  if group_server_lr < 0:
+    raise ValueError('group_server_lr must be >= 0 (0: the experiment\'s '
+                     f'server learning rate), got {group_server_lr}')
   if personalization_lr < 0:
     raise ValueError('personalization_lr must be >= 0 (0: the experiment\'s '
                      f'optimizer), got {personalization_lr}')
@@ -87,6 +92,9 @@ def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
                                     fl.get_model_weights(fl_state))
     if server_state == 'keep':
       state = state._replace(finalizer=fl_state.finalizer)
+    if group_server_lr:
+      state = state._replace(finalizer=_with_learning_rate(
+          state.finalizer, group_server_lr))
     return state
 
   return stages.Staged((
@@ -98,6 +106,20 @@ def _group_stages(model_fn_factory, *, personalize: bool, fl_rounds: int,
                    grouping=grouping)))
 
 
+def _with_learning_rate(optimizer_state, learning_rate: float):
+  """A TFF optimizer's state (the finalizer's) with another learning rate:
+  TFF's optimizers read it from their state at every step."""
+  if not isinstance(optimizer_state, Mapping) or (
+      'learning_rate' not in optimizer_state):
+    raise ValueError('group_server_lr needs a server optimizer whose state '
+                     'holds its learning rate (a tff.learning.optimizers '
+                     f'optimizer); got state {type(optimizer_state).__name__}')
+  state = collections.OrderedDict(optimizer_state)
+  state['learning_rate'] = np.asarray(
+      learning_rate, np.asarray(state['learning_rate']).dtype)
+  return state
+
+
 def build_groupfl_algorithm(model_fn_factory, *,
                             client_optimizer: tff.learning.optimizers.Optimizer,
                             server_optimizer: tff.learning.optimizers.Optimizer,
@@ -107,7 +129,8 @@ def build_groupfl_algorithm(model_fn_factory, *,
                             embedding_dim: int = 0, private_optimizer=None,
                             fl_rounds: int = 20, fl_clients_per_round: int = 0,
                             grouping: str = 'task',
-                            server_state: str = 'fresh') -> stages.Staged:
+                            server_state: str = 'fresh',
+                            group_server_lr: float = 0.0) -> stages.Staged:
   """GroupFL (Algorithms 1 and 2) as a multi-stage algorithm.
 
   Stage 'fl': `fl_rounds` rounds of FedAvg over every client, cohorts of
@@ -116,8 +139,9 @@ def build_groupfl_algorithm(model_fn_factory, *,
   per group, FedAvg from the FL model, cohorts among the group's clients,
   its server optimizer's state `server_state`: 'fresh' (a new optimizer
   state) or 'keep' (the FL stage's final state carried on: Adam's moments
-  and step count, so its first group steps are not learning-rate sized). Each client is evaluated with its own
-  group's model. `grouping`: 'task' (the task's groups), or a control:
+  and step count, so its first group steps are not learning-rate sized),
+  and its learning rate `group_server_lr` (0: the experiment's server
+  learning rate). Each client is evaluated with its own group's model. `grouping`: 'task' (the task's groups), or a control:
   'shuffled' (random groups of the same sizes), 'one' (one group of every
   client: FL continued with a fresh server optimizer).
 
@@ -132,7 +156,7 @@ def build_groupfl_algorithm(model_fn_factory, *,
   return _group_stages(
       model_fn_factory, personalize=False, fl_rounds=fl_rounds,
       fl_clients_per_round=fl_clients_per_round, grouping=grouping,
-      server_state=server_state,
+      server_state=server_state, group_server_lr=group_server_lr,
       embedding_dim=embedding_dim, client_optimizer=client_optimizer,
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
@@ -148,7 +172,8 @@ def build_groupperfl_algorithm(
     private_optimizer=None, fl_rounds: int = 20,
     fl_clients_per_round: int = 0, grouping: str = 'task',
     personalization_lr: float = 0.0,
-    server_state: str = 'fresh') -> stages.Staged:
+    server_state: str = 'fresh', group_server_lr: float = 0.0
+) -> stages.Staged:
   """GroupPerFL (Algorithms 1-3): GroupFL, then at evaluation each client
   fine-tunes its group's model on its own training data (one pass of the
   task's local epochs) and tests the result; nothing leaves the client.
@@ -162,7 +187,8 @@ def build_groupperfl_algorithm(
       model_fn_factory, personalize=True, fl_rounds=fl_rounds,
       fl_clients_per_round=fl_clients_per_round, grouping=grouping,
       personalization_lr=personalization_lr, server_state=server_state,
-      embedding_dim=embedding_dim, client_optimizer=client_optimizer,
+      group_server_lr=group_server_lr, embedding_dim=embedding_dim,
+      client_optimizer=client_optimizer,
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
       train_metrics=train_metrics, seed=seed)
