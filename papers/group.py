@@ -67,6 +67,8 @@ Readings of the paper, and choices made for the CPU budget
   - `groupfl_keep` / `groupperfl_keep`: GroupFL / GroupPerFL whose group
     stages start from the FL stage's FedAdam state (`server_state=keep`)
     instead of a fresh one;
+  - `groupfl_lowlr` / `groupperfl_lowlr`: a fresh state at `LOWLR_SHARE`
+    of the server lr (`group_server_lr`);
   - `margin` (groupfl, groupperfl rows of `control_margin`): the method's
     perplexity minus the lower of its two controls'; negative where the
     genre groups beat both.
@@ -103,12 +105,18 @@ METHODS = ('fl', 'perfl', 'groupfl', 'groupperfl')
 ALL = 'all'
 # The controls' methods, and each group method's two controls.
 CONTROL_METHODS = ('fl', 'fl_more', 'groupfl', 'groupfl_keep',
-                   'groupfl_shuffled', 'perfl', 'perfl_more', 'groupperfl',
-                   'groupperfl_keep', 'groupperfl_shuffled')
+                   'groupfl_lowlr', 'groupfl_shuffled', 'perfl', 'perfl_more',
+                   'groupperfl', 'groupperfl_keep', 'groupperfl_lowlr',
+                   'groupperfl_shuffled')
 CONTROLS_OF = {'groupfl': ('fl_more', 'groupfl_shuffled'),
                'groupfl_keep': ('fl_more', 'groupfl_shuffled'),
+               'groupfl_lowlr': ('fl_more', 'groupfl_shuffled'),
                'groupperfl': ('perfl_more', 'groupperfl_shuffled'),
-               'groupperfl_keep': ('perfl_more', 'groupperfl_shuffled')}
+               'groupperfl_keep': ('perfl_more', 'groupperfl_shuffled'),
+               'groupperfl_lowlr': ('perfl_more', 'groupperfl_shuffled')}
+# The `*_lowlr` controls' group-stage server learning rate, as a share of
+# the FL stage's (`--group_server_lr`).
+LOWLR_SHARE = 0.1
 PLATEAU = 'plateau'  # The setting of the controls' cells: FL to a plateau.
 _COLUMNS = [reporting.Column(g, {'group': g})
             for g in shakespeare_groups.GROUP_NAMES + (ALL,)]
@@ -157,7 +165,9 @@ TABLES = {
               '*_more: FL continued from it for T_g rounds with GroupFL\'s '
               'client budget (then personalized for perfl_more). '
               '*_shuffled: the group method on random groups of the genres\' '
-              'sizes. Not in the paper.'),
+              'sizes. *_keep: group stages from the FL stage\'s FedAdam '
+              'state; *_lowlr: from a fresh one at a tenth of the server '
+              'lr. Not in the paper.'),
     'control_margin': reporting.Table(
         name='control_margin', paper=PAPER, metric='margin',
         methods=tuple(CONTROLS_OF), columns=_CONTROL_COLUMNS, digits=1,
@@ -400,7 +410,8 @@ def _task(cfg, seed):
 def train_config(cfg: dict, seed: int, directory: str,
                  grouping: str = 'task', num_groups: int = 1,
                  keep_checkpoints: int = 3,
-                 server_state: str = 'fresh') -> experiment.ExperimentConfig:
+                 server_state: str = 'fresh',
+                 group_server_lr: float = 0.0) -> experiment.ExperimentConfig:
   """The one-path run (`groupfl`) behind the tables.
 
   Stage 'fl': T rounds of `clients_per_round` over every client; then T_g
@@ -412,17 +423,22 @@ def train_config(cfg: dict, seed: int, directory: str,
   keeps (the controls keep every group round's, for their curves).
   `server_state`: `groupfl`'s option: 'fresh' (a new FedAdam state per
   group, the tables') or 'keep' (each group stage starts from the FL
-  stage's optimizer state; the `*_keep` controls).
+  stage's optimizer state; the `*_keep` controls). `group_server_lr`:
+  `groupfl`'s option, the group stages' server lr (0: `cfg['server_lr']`;
+  the `*_lowlr` controls').
   """
   one = grouping == 'one'
   keep = {'server_state': server_state} if server_state != 'fresh' else {}
+  if group_server_lr:
+    keep['group_server_lr'] = group_server_lr
   return experiment.ExperimentConfig(
       algorithm='groupfl', rounds=cfg['group_rounds'],
       clients_per_round=cfg['group_clients_per_round'] * (
           num_groups if one else 1),
       root_output_dir=directory,
       experiment_name=('fl_more' if one else f'groupfl_{grouping}') + (
-          f'_{server_state}' if keep else ''),
+          f'_{server_state}' if server_state != 'fresh' else '') + (
+              f'_glr{group_server_lr:g}' if group_server_lr else ''),
       client_optimizer='sgd', client_learning_rate=cfg['client_lr'],
       server_optimizer='adam', server_learning_rate=cfg['server_lr'],
       algorithm_options={'fl_rounds': cfg['rounds'],
@@ -482,14 +498,19 @@ def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
                                   make_curves_figure(root, directory)))
 
 
-def _cached(cfg, seed, directory, filename, run_fn, log_fn, after) -> dict:
+def _cached(cfg, seed, directory, filename, run_fn, log_fn, after,
+            complete=lambda result: True) -> dict:
   """`run_fn(task, cfg, seed, directory, stages, log_fn)`'s result, cached
-  in `directory/filename`; `after()` runs once it is written (figures)."""
+  in `directory/filename`; `after()` runs once it is written (figures). A
+  cached result that is not `complete` (one written before a method was
+  added) is computed again, its finished steps read from `stages`."""
   log_fn = log_fn or (lambda s: print(s, flush=True))
   final = os.path.join(directory, filename)
   if os.path.exists(final):
     with open(final) as f:
-      return json.load(f)
+      result = json.load(f)
+    if complete(result):
+      return result
   stages = _Stages(directory)
   _write_text(os.path.join(directory, 'config.json'),
               json.dumps(cfg, indent=1, sort_keys=True))
@@ -780,7 +801,8 @@ def _controls(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
                            'controls_' + _digest(cfg['plateau']))
   return _cached(cfg, seed, directory, 'controls.json', _run_controls, log_fn,
                  lambda: (make_plateau_figure(root, os.path.dirname(directory)),
-                          make_control_curves_figure(root, directory)))
+                          make_control_curves_figure(root, directory)),
+                 complete=lambda cells: set(CONTROL_METHODS) <= set(cells))
 
 
 def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
@@ -792,10 +814,10 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
   num_groups = len(task.group_names)
   starts = {}  # method -> ({model key: weights}, {client: model key})
   wtype = None
-  for grouping, server_state, name, _ in _CONTROL_RUNS:
-    config = train_config(cfg_t, seed, directory, grouping, num_groups,
-                          keep_checkpoints=_control_keep(cfg),
-                          server_state=server_state)
+  for control in _CONTROL_RUNS:
+    grouping, name = control[0], control[3]
+    config = _control_config(cfg_t, seed, directory, control, num_groups,
+                             keep_checkpoints=_control_keep(cfg))
     fl_weights, models, wtype = _models(task, config,
                                         run=_train(task, config, log_fn))
     members = experiment.group_members(task, config, grouping)
@@ -806,7 +828,7 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
   evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
                                           wtype)
   sums, sweep = {}, {}
-  for method in ('fl',) + tuple(run[2] for run in _CONTROL_RUNS):
+  for method in ('fl',) + tuple(run[3] for run in _CONTROL_RUNS):
     models, key_of = starts[method]
 
     def compute(models=models, key_of=key_of):
@@ -820,7 +842,7 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
     sums[method] = {int(c): v for c, v in stages.json(
         f'eval_{method}', compute).items()}
   for method, start in (('perfl', 'fl'),) + tuple(
-      (personal, name) for _, _, name, personal in _CONTROL_RUNS):
+      (personal, name) for *_, name, personal in _CONTROL_RUNS):
     models, key_of = starts[start]
     sums[method], sweep[method] = _personalize(
         task, cfg, stages, method, models, key_of, eval_clients,
@@ -846,13 +868,25 @@ def _control_keep(cfg) -> int:
   return max(cfg['group_rounds'], 3)
 
 
-# The controls' group-stage runs: (grouping, server_state, method, its
+# The controls' group-stage runs: (grouping, server_state, group-stage
+# server lr as a share of the FL stage's (0: the same), method, its
 # personalized method). They share one FL stage (`Stage.shared_as`).
-_CONTROL_RUNS = (('task', 'fresh', 'groupfl', 'groupperfl'),
-                 ('task', 'keep', 'groupfl_keep', 'groupperfl_keep'),
-                 ('shuffled', 'fresh', 'groupfl_shuffled',
+_CONTROL_RUNS = (('task', 'fresh', 0.0, 'groupfl', 'groupperfl'),
+                 ('task', 'keep', 0.0, 'groupfl_keep', 'groupperfl_keep'),
+                 ('task', 'fresh', LOWLR_SHARE, 'groupfl_lowlr',
+                  'groupperfl_lowlr'),
+                 ('shuffled', 'fresh', 0.0, 'groupfl_shuffled',
                   'groupperfl_shuffled'),
-                 ('one', 'fresh', 'fl_more', 'perfl_more'))
+                 ('one', 'fresh', 0.0, 'fl_more', 'perfl_more'))
+
+
+def _control_config(cfg_t, seed, directory, control_run, num_groups,
+                    **kwargs) -> experiment.ExperimentConfig:
+  """The one-path run of a `_CONTROL_RUNS` entry."""
+  grouping, server_state, lr_share = control_run[:3]
+  return train_config(cfg_t, seed, directory, grouping, num_groups,
+                      server_state=server_state,
+                      group_server_lr=lr_share * cfg_t['server_lr'], **kwargs)
 
 
 def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
@@ -880,9 +914,9 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
   pools[ALL] = list(eval_clients)
   rounds = list(range(cfg_t['group_rounds'] + 1))
   out = {}
-  for grouping, server_state, method, personal in control_runs:
-    config = train_config(cfg_t, seed, directory, grouping, num_groups,
-                          server_state=server_state)
+  for control in control_runs:
+    method, personal = control[3:]
+    config = _control_config(cfg_t, seed, directory, control, num_groups)
     run = runs.Run.open(config.experiment_dir, task=task)
     key_of = {c: g for g, ms in run.groups().items() for c in ms}
     for name in (method, personal):
@@ -1242,10 +1276,12 @@ def make_control_curves_figure(root_output_dir: str,
   # The group stage as each seed's change from its FL model at T: the
   # seeds' evaluated clients differ, and so do their levels.
   base = [t['fl'][ALL]['perplexity'] for t in tables]
-  colors = ('tab:red', 'tab:orange', 'tab:purple', 'tab:blue')
-  for ax, column, start in ((axes[1], 2, 'fl'), (axes[2], 3, 'perfl')):
+  colors = ('tab:red', 'tab:orange', 'tab:green', 'tab:purple', 'tab:blue')
+  for ax, column, start in ((axes[1], 3, 'fl'), (axes[2], 4, 'perfl')):
     for run, color in zip(_CONTROL_RUNS, colors):
       method = run[column]
+      if any(method not in c for c in curves):  # Not in an older run's.
+        continue
       curve_bands.plot_seed_band(
           ax, [{'round': c[method]['round'],
                 'perplexity': [v - b for v in c[method][ALL]]}
