@@ -141,9 +141,10 @@ def build_groupfl_algorithm(model_fn_factory, *,
   state) or 'keep' (the FL stage's final state carried on: Adam's moments
   and step count, so its first group steps are not learning-rate sized),
   and its learning rate `group_server_lr` (0: the experiment's server
-  learning rate). Each client is evaluated with its own group's model. `grouping`: 'task' (the task's groups), or a control:
-  'shuffled' (random groups of the same sizes), 'one' (one group of every
-  client: FL continued with a fresh server optimizer).
+  learning rate). Each client is evaluated with its own group's model.
+  `grouping`: 'task' (the task's groups), or a control: 'shuffled' (random
+  groups of the same sizes), 'one' (one group of every client: FL
+  continued with a fresh server optimizer).
 
   Example (what `binaries.train --algorithm=groupfl` runs):
 

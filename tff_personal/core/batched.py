@@ -7,10 +7,10 @@ so every op is tiny and its fixed cost dominates. Here a shard's users train
 local step is one computation over all of them, every layer batched over the
 client axis by hand (a dense layer is a batched matmul with per-client
 kernels; a convolution is `tf.image.extract_patches` followed by a batched
-matmul with per-client filters). Ragged users are padded to the longest and masked: a
-user's padded examples carry no loss, and once its batches are done its
-weights and optimizer slots stop changing, so each user's result is what it
-would have been alone (up to float rounding of the batched ops).
+matmul with per-client filters). Ragged users are padded to the longest and
+masked: a user's padded examples carry no loss, and once its batches are
+done its weights and optimizer slots stop changing, so each user's result
+is what it would have been alone (up to float rounding of the batched ops).
 
 Written by hand: TFF, Keras and `tf.vectorized_map` have no batched form of
 a model with per-client weights (under `vectorized_map` a convolution whose
@@ -162,9 +162,9 @@ def _per_example(fn: Callable[[tf.Tensor], tf.Tensor], h: tf.Tensor):
 def _client_matmul(h: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
   """h [clients, ..., i] times each client's kernel [clients, i, o].
 
-  One batched `tf.matmul` over [clients, rows, i]: its gradients are two
-  batched matmuls, where `tf.einsum`'s kernel gradient transposes `h` first
-  (2x slower for the whole local step of FedEmbed's MNIST CNN).
+  One batched `tf.matmul` over [clients, rows, i], whose gradients are two
+  batched matmuls (`tf.einsum`'s kernel gradient transposes `h` first;
+  docs/performance.md has the profile).
   """
   shape = tf.shape(h)
   rows = tf.reshape(h, tf.stack([shape[0], -1, shape[-1]]))
