@@ -108,6 +108,7 @@ import numpy as np
 from tasks import registry as task_registry
 from tasks import speech_spectrogram
 from tff_personal import curve_bands
+from tff_personal import embedding_purity
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal import run_evaluation
@@ -1220,7 +1221,7 @@ def _tsne_figure(root, out) -> list[str]:
               random_state=0, init='pca').fit_transform(emb)
     sc = ax.scatter(xy[:, 0], xy[:, 1], c=labels, cmap='tab10', s=5)
     ax.set_title(f'FedEmbed-Type {title}\n(5-NN purity '
-                 f'{knn_purity(emb, labels):.2f}, {len(emb)} users)')
+                 f'{embedding_purity.knn_purity(emb, labels):.2f}, {len(emb)} users)')
   fig.colorbar(sc, ax=axes, label='sub-population (digit)')
   path = os.path.join(out, 'fedembed_embeddings_tsne.png')
   fig.savefig(path, dpi=110)
@@ -1245,11 +1246,3 @@ def assignment_accuracy(truth: np.ndarray, assigned: np.ndarray,
   np.add.at(cm, (truth, assigned), 1)
   rows, cols = optimize.linear_sum_assignment(-cm)
   return float(cm[rows, cols].sum() / len(truth))
-
-
-def knn_purity(embeddings: np.ndarray, labels: np.ndarray, k: int = 5) -> float:
-  """Mean fraction of each point's k nearest neighbours with its label."""
-  d = np.sum((embeddings[:, None, :] - embeddings[None, :, :]) ** 2, -1)
-  np.fill_diagonal(d, np.inf)
-  nn = np.argsort(d, axis=1)[:, :k]
-  return float(np.mean(labels[nn] == labels[:, None]))

@@ -44,6 +44,7 @@ import tensorflow as tf
 from tasks import speaker_context
 from tasks import speaker_task
 from tff_personal import curve_bands
+from tff_personal import embedding_purity
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal import runs
@@ -279,21 +280,6 @@ def _write_json(path, value):
     json.dump(value, f, indent=1)
 
 
-def knn_purity(embeddings: np.ndarray, labels: np.ndarray, k: int = 5) -> float:
-  """Mean fraction of each point's k nearest neighbours with its label."""
-  d = np.sum((embeddings[:, None, :] - embeddings[None, :, :]) ** 2, -1)
-  np.fill_diagonal(d, np.inf)
-  nn = np.argsort(d, axis=1)[:, :k]
-  return float(np.mean(labels[nn] == labels[:, None]))
-
-
-def chance_purity(labels: np.ndarray) -> float:
-  """Expected purity of random neighbours (sum of squared label shares)."""
-  _, counts = np.unique(labels, return_counts=True)
-  p = counts / counts.sum()
-  return float(np.sum(p * (counts - 1) / max(len(labels) - 1, 1)))
-
-
 def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
   """Learning curves, embedding t-SNE and purity from the saved runs."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -334,8 +320,9 @@ def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
       with np.load(path) as z:
         ids, emb = z['ids'], z['embeddings']
       labels = task.communities(ids)
-      purity[method] = {'knn5_purity': knn_purity(emb, labels),
-                        'chance': chance_purity(labels), 'users': len(ids)}
+      purity[method] = {'knn5_purity': embedding_purity.knn_purity(emb, labels),
+                        'chance': embedding_purity.chance_purity(labels),
+                        'users': len(ids)}
       panels.append((method, emb, labels))
   _write_json(os.path.join(out, 'furl_purity.json'), purity)
   if panels:

@@ -23,17 +23,6 @@ def test_cells_skip_server_dp():
   assert len(cells) == 2 * (4 + 2)
 
 
-def test_knn_purity_on_known_clusters():
-  rng = np.random.default_rng(0)
-  labels = np.repeat(np.arange(3), 20)
-  tight = rng.normal(size=(60, 4)) * 0.01 + labels[:, None] * 10.0
-  assert furl.knn_purity(tight, labels) == 1.0
-  mixed = rng.normal(size=(60, 4))
-  assert furl.knn_purity(mixed, labels) < 0.6
-  # Chance: 3 equal classes of 20 -> 19/59 of other points share the label.
-  assert furl.chance_purity(labels) == pytest.approx(19 / 59)
-
-
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, 'friends')),
                     reason='shared data not found')
 def test_speaker_task_holds_out_cold_users():
