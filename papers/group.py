@@ -68,7 +68,8 @@ Readings of the paper, and choices made for the CPU budget
     stages start from the FL stage's FedAdam state (`server_state=keep`)
     instead of a fresh one;
   - `groupfl_lowlr` / `groupperfl_lowlr`: a fresh state at `LOWLR_SHARE`
-    of the server lr (`group_server_lr`);
+    of the server lr (`group_server_lr`), against the two controls at the
+    same lr (`*_more_lowlr`, `*_shuffled_lowlr`);
   - `margin` (groupfl, groupperfl rows of `control_margin`): the method's
     perplexity minus the lower of its two controls'; negative where the
     genre groups beat both.
@@ -104,16 +105,20 @@ PAPER = 'group'
 METHODS = ('fl', 'perfl', 'groupfl', 'groupperfl')
 ALL = 'all'
 # The controls' methods, and each group method's two controls.
-CONTROL_METHODS = ('fl', 'fl_more', 'groupfl', 'groupfl_keep',
-                   'groupfl_lowlr', 'groupfl_shuffled', 'perfl', 'perfl_more',
-                   'groupperfl', 'groupperfl_keep', 'groupperfl_lowlr',
-                   'groupperfl_shuffled')
+CONTROL_METHODS = ('fl', 'fl_more', 'fl_more_lowlr', 'groupfl',
+                   'groupfl_keep', 'groupfl_lowlr', 'groupfl_shuffled',
+                   'groupfl_shuffled_lowlr', 'perfl', 'perfl_more',
+                   'perfl_more_lowlr', 'groupperfl', 'groupperfl_keep',
+                   'groupperfl_lowlr', 'groupperfl_shuffled',
+                   'groupperfl_shuffled_lowlr')
+# The `*_lowlr` group methods against controls at the same low lr.
 CONTROLS_OF = {'groupfl': ('fl_more', 'groupfl_shuffled'),
                'groupfl_keep': ('fl_more', 'groupfl_shuffled'),
-               'groupfl_lowlr': ('fl_more', 'groupfl_shuffled'),
+               'groupfl_lowlr': ('fl_more_lowlr', 'groupfl_shuffled_lowlr'),
                'groupperfl': ('perfl_more', 'groupperfl_shuffled'),
                'groupperfl_keep': ('perfl_more', 'groupperfl_shuffled'),
-               'groupperfl_lowlr': ('perfl_more', 'groupperfl_shuffled')}
+               'groupperfl_lowlr': ('perfl_more_lowlr',
+                                    'groupperfl_shuffled_lowlr')}
 # The `*_lowlr` controls' group-stage server learning rate, as a share of
 # the FL stage's (`--group_server_lr`).
 LOWLR_SHARE = 0.1
@@ -167,15 +172,16 @@ TABLES = {
               '*_shuffled: the group method on random groups of the genres\' '
               'sizes. *_keep: group stages from the FL stage\'s FedAdam '
               'state; *_lowlr: from a fresh one at a tenth of the server '
-              'lr. Not in the paper.'),
+              'lr (the method and its controls). Not in the paper.'),
     'control_margin': reporting.Table(
         name='control_margin', paper=PAPER, metric='margin',
         methods=tuple(CONTROLS_OF), columns=_CONTROL_COLUMNS, digits=1,
         title='Group method minus the better of its two controls '
               '(perplexity; negative: the genre groups beat both)',
         notes='groupfl against fl_more and groupfl_shuffled; groupperfl '
-              'against perfl_more and groupperfl_shuffled; per seed, then '
-              'mean ± std. Not in the paper.'),
+              'against perfl_more and groupperfl_shuffled (*_keep: the '
+              'same; *_lowlr: the controls at the same low lr); per seed, '
+              'then mean ± std. Not in the paper.'),
     'control_rounds': reporting.Table(
         name='control_rounds', paper=PAPER, metric='fl_rounds',
         methods=('fl',), columns=[_CONTROL_COLUMNS[-1]], digits=0,
@@ -877,7 +883,11 @@ _CONTROL_RUNS = (('task', 'fresh', 0.0, 'groupfl', 'groupperfl'),
                   'groupperfl_lowlr'),
                  ('shuffled', 'fresh', 0.0, 'groupfl_shuffled',
                   'groupperfl_shuffled'),
-                 ('one', 'fresh', 0.0, 'fl_more', 'perfl_more'))
+                 ('one', 'fresh', 0.0, 'fl_more', 'perfl_more'),
+                 ('shuffled', 'fresh', LOWLR_SHARE, 'groupfl_shuffled_lowlr',
+                  'groupperfl_shuffled_lowlr'),
+                 ('one', 'fresh', LOWLR_SHARE, 'fl_more_lowlr',
+                  'perfl_more_lowlr'))
 
 
 def _control_config(cfg_t, seed, directory, control_run, num_groups,
@@ -1276,7 +1286,8 @@ def make_control_curves_figure(root_output_dir: str,
   # The group stage as each seed's change from its FL model at T: the
   # seeds' evaluated clients differ, and so do their levels.
   base = [t['fl'][ALL]['perplexity'] for t in tables]
-  colors = ('tab:red', 'tab:orange', 'tab:green', 'tab:purple', 'tab:blue')
+  colors = ('tab:red', 'tab:orange', 'tab:green', 'tab:purple', 'tab:blue',
+            'tab:pink', 'tab:cyan')
   for ax, column, start in ((axes[1], 3, 'fl'), (axes[2], 4, 'perfl')):
     for run, color in zip(_CONTROL_RUNS, colors):
       method = run[column]
