@@ -434,9 +434,10 @@ def train_config(cfg: dict, seed: int, directory: str,
   the `*_lowlr` controls').
   """
   one = grouping == 'one'
-  keep = {'server_state': server_state} if server_state != 'fresh' else {}
+  stage_options = ({'server_state': server_state}
+                   if server_state != 'fresh' else {})
   if group_server_lr:
-    keep['group_server_lr'] = group_server_lr
+    stage_options['group_server_lr'] = group_server_lr
   return experiment.ExperimentConfig(
       algorithm='groupfl', rounds=cfg['group_rounds'],
       clients_per_round=cfg['group_clients_per_round'] * (
@@ -449,7 +450,7 @@ def train_config(cfg: dict, seed: int, directory: str,
       server_optimizer='adam', server_learning_rate=cfg['server_lr'],
       algorithm_options={'fl_rounds': cfg['rounds'],
                          'fl_clients_per_round': cfg['clients_per_round'],
-                         'grouping': grouping, **keep},
+                         'grouping': grouping, **stage_options},
       keep_checkpoints=keep_checkpoints, seed=seed, resume=True)
 
 
