@@ -10,13 +10,9 @@ import pytest
 
 from binaries import reproduce
 from papers import feddva as paper
-from tasks import client_data_task
 from tff_personal import curve_bands
-from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal.algorithms import registry
-from tff_personal.core import runtime
-from tff_personal.core import training_loop
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses as losses
 from tff_personal.models import feddva_recipes as recipes
@@ -512,56 +508,24 @@ class _Killed(Exception):
   pass
 
 
-def test_feddva_run_killed_mid_pretraining_resumes_to_the_uninterrupted_result(
-    tmp_path, mnist_dir, monkeypatch):
-  """FedDVA runs on the one path: a run killed in round 2 of 3 of its
-  pre-training resumes from its checkpoint and ends with exactly the
-  encoders, decoders and curve of a run that was never interrupted, read
-  back from the 'pretrain' stage's checkpoint and client-state store."""
-  f = _run_flags(tmp_path, mnist_dir, rounds=1, feddva_vae_rounds=3,
-                 feddva_schedule='paper', feddva_marks='varied',
+def test_feddva_run_is_the_registered_staged_run_and_resumes(tmp_path,
+                                                             mnist_dir):
+  """The paper's FedDVA run is the registered `feddva` (its 'pretrain'
+  stage, then the classifier) on the one path, read or trained by
+  `runs.finished_or_trained` with `resume`: a killed run continues from its
+  checkpoints, every `--feddva_checkpoint_every` rounds (that a run killed
+  mid-stage resumes to the uninterrupted result is `stages_test`)."""
+  f = _run_flags(tmp_path, mnist_dir, rounds=2, feddva_vae_rounds=3,
                  feddva_checkpoint_every=1)
   task = paper._task('marked_mnist', f, 0)
-  with runtime.local_runtime():
-    whole = paper.pretrain_feddva(task, f, 2, 0, str(tmp_path / 'whole'))
-    # Training reads the task's batches (sharded) or datasets: both fail
-    # in round 2.
-    cls = client_data_task.ClientDataTask
-    real = {name: getattr(cls, name)
-            for name in ('train_batches', 'train_datasets')}
-
-    def killed_in_round_2(name):
-      def read(self, client_ids, round_num):
-        if round_num == 2:
-          raise _Killed()
-        return real[name](self, client_ids, round_num)
-      return read
-
-    root = str(tmp_path / 'killed')
-    for name in real:
-      monkeypatch.setattr(cls, name, killed_in_round_2(name))
-    with pytest.raises(_Killed):
-      paper.pretrain_feddva(task, f, 2, 0, root)
-    for name, method in real.items():
-      monkeypatch.setattr(cls, name, method)
-    config = paper.feddva_config(task, f, 2, 0, root)
-    assert training_loop.checkpoint_rounds(experiment.stage_directory(
-        config, 'pretrain'))[-1] == 1
-    resumed = paper.pretrain_feddva(task, f, 2, 0, root)
-  for a, b in zip(whole['encoders'], resumed['encoders'], strict=True):
-    np.testing.assert_array_equal(a, b)
-  for dec_a, dec_b in zip(whole['decoders'], resumed['decoders'],
-                          strict=True):
-    for a, b in zip(dec_a, dec_b, strict=True):
-      np.testing.assert_array_equal(a, b)
-  assert resumed['curve'] == whole['curve'] and len(whole['curve']) == 3
-  assert 'reconstruction' in whole['curve'][-1]
-  # The three rounds did train: the encoders and each decoder moved.
-  start, decoder0 = paper.feddva.initial_weights(paper._config(f, 2), 0)
-  assert any(not np.array_equal(a, b)
-             for a, b in zip(start, resumed['encoders']))
-  for dec in resumed['decoders']:
-    assert any(not np.array_equal(a, b) for a, b in zip(decoder0, dec))
+  config = paper.feddva_config(task, f, 2, 0, str(tmp_path))
+  assert config.algorithm == 'feddva' and config.resume
+  assert config.checkpoint_every == 1 and config.rounds == 2
+  assert registry.spec('feddva').staged
+  assert config.algorithm_options['pretrain_rounds'] == 3
+  assert config.experiment_dir.startswith(str(tmp_path))
+  assert paper.pretrain_key('marked_mnist', task.num_clients, f, 2, 0) in (
+      config.experiment_name)
 
 
 def test_classification_cells_run_on_the_one_path_and_share_feddva_s_run(
