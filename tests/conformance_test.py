@@ -5,6 +5,8 @@ For every `registry.SPECS` entry, on tiny synthetic clients:
   state and client states after two rounds, with ragged users;
 * a new client's state is the process's declared one (`initial_private`)
   or the run's seeded draw, and evaluation takes the state type it declares;
+* the privacy invariant on the types: client states stay at CLIENTS, and
+  the one aggregated value is the shared weights' update;
 * one round run twice from the same inputs is bit-identical, in both forms.
   Client randomness is stateless (seeded), and the rerun's data reshuffle on
   every iteration and repeat for two epochs, so a client computation whose
@@ -12,9 +14,8 @@ For every `registry.SPECS` entry, on tiny synthetic clients:
   `feddva_process_test`) shows as a difference.
 FedPerC's entries (model kind 'fedperc') run on a tiny random-weight
 backbone and utterance batches (`fedperc_testdata`). Degenerate cases: Ditto's and FedAvg+FT's global model is FedAvg's
-(`global`), exactly, whatever Ditto's lambda. (The
-privacy invariant on the type signatures is `process_test`, over the same
-registry; FedDVA's rounds run twice are `determinism_test`.)
+(`global`), exactly, whatever Ditto's lambda. (FedDVA's rounds run twice
+are `determinism_test`.)
 """
 
 import collections
@@ -27,6 +28,7 @@ import tensorflow_federated as tff
 
 from tests import fedembed_testdata
 from tests import fedperc_testdata
+from tests import process_test
 from tff_personal import experiment
 from tff_personal.algorithms import registry
 from tff_personal.core import process as process_lib
@@ -200,13 +202,59 @@ def _check_rerun_is_identical(name, proc, what):
       _flat(state.global_model_weights.trainable))), what
 
 
+def _check_only_shared_weights_aggregate(proc, spy):
+  """The privacy invariant on the types: client states stay at CLIENTS and
+  the one aggregated value is the shared weights' update (plus statistics
+  none of which has a private variable's shape)."""
+  sig = proc.next.type_signature  # Builds the computation (and aggregator).
+  assert [spy.value_types[0]] == [proc.aggregation_value_type]
+  assert sig.parameter[1].placement is tff.CLIENTS
+  assert sig.result[1].placement is tff.CLIENTS
+  assert sig.parameter[1].member == sig.result[1].member == proc.client_state_type
+  server_weights = sig.parameter[0].member.global_model_weights.trainable
+  aggregated = spy.value_types[0]
+  if isinstance(aggregated[0], tff.StructType):
+    # Algorithms that also aggregate statistics (the SOM update and score of
+    # fedembed_som, the k-means sums of pfedkm) send <model update, stats>;
+    # no statistic may have the shape of a private variable.
+    model_update, statistics = aggregated[0], list(aggregated)[1:]
+    flat = lambda t: tf.nest.flatten(tff.types.type_to_tf_tensor_specs(t))
+    private_shapes = {tuple(s.shape) for s in flat(proc.client_state_type)
+                      if s.dtype == tf.float32}
+    assert not any(tuple(s.shape) in private_shapes
+                   for t in statistics for s in flat(t))
+    aggregated = model_update
+  assert list(aggregated) == list(server_weights)
+  # The aggregated value is exactly the trained model's shared trainable
+  # variables; every private variable is in the client state instead (the
+  # evaluated model's private part is the state evaluation reads: Ditto's
+  # personal copy, FedAvg+FT's fine-tuned copy).
+  with tf.Graph().as_default():
+    model = proc.model_fn()
+    shared = [tuple(v.shape) for v in model.shared_trainable_variables]
+    private = [tuple(v.shape) for v in model.private_variables]
+    private_refs = {v.ref() for v in model.private_variables}
+    assert not any(v.ref() in private_refs
+                   for v in model.shared_trainable_variables)
+    evaluated = [tuple(v.shape) for v in proc.eval_model_fn().private_variables]
+  assert [tuple(t.shape) for t in aggregated] == shared
+  if proc.eval_model_fn is proc.model_fn:
+    assert [tuple(t.shape) for t in proc.client_state_type.private] == private
+  assert [tuple(t.shape) for t in
+          proc.eval_client_state_type.private] == evaluated
+
+
 _SINGLE = sorted(n for n, s in registry.SPECS.items() if not s.staged)
 
 
 @pytest.mark.parametrize('name', _SINGLE)
 def test_sharded_equals_one_user_per_client_new_clients_and_reruns(
     name, tmp_path):
-  base = _build(name)
+  spy = process_test.SpyFactory()  # MeanFactory, the default, recording.
+  base = _build(name, aggregator_factory=spy, **(
+      {'allow_unprotected_best_client': True} if name == 'fedembed_som'
+      else {}))
+  _check_only_shared_weights_aggregate(base, spy)
   _check_new_clients(name, base, tmp_path)
   assert sharded.resolve_num_shards(base, sharded.AUTO) > 0, (
       f'{name} has no per-user client step: it cannot run sharded')

@@ -1,18 +1,17 @@
-"""Tests of the stateful-client process: types, privacy invariant, FedAvg reduction."""
+"""Tests of the stateful-client process: types, privacy invariant, FedAvg reduction.
+
+The privacy invariant on the types of every registered algorithm is checked
+by `conformance_test`, on the processes it builds.
+"""
 
 import collections
-import types
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tests import fedembed_testdata
-from tests import fedperc_testdata
-from tff_personal.algorithms import registry
 from tff_personal.core import process
-from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 
 SPEC = collections.OrderedDict(
@@ -89,73 +88,6 @@ def test_type_signature_keeps_client_state_at_clients():
     model = model_fn(28)()
     shared_shapes = [tuple(v.shape) for v in model.shared_trainable_variables]
   assert [tuple(t.shape) for t in agg_type] == shared_shapes
-
-
-@pytest.mark.parametrize('name', sorted(
-    n for n, s in registry.SPECS.items() if not s.staged))
-def test_every_algorithm_aggregates_only_shared_weights(name):
-  """For each registered algorithm: C stays at CLIENTS, only shared weights aggregate."""
-  spy = SpyFactory()
-  typed_spec = collections.OrderedDict(
-      SPEC, type=tf.TensorSpec([None], tf.int32))
-  task = types.SimpleNamespace(
-      model_fn_factory=model_fn,
-      fedembed_model_fn_factory=lambda config: lambda: (
-          fedembed_model.build_fedembed_model(fedembed_testdata.with_k(config),
-                                              input_spec=typed_spec)),
-      fedperc_model_fn_factory=fedperc_testdata.factory,
-      supports_personal_embedding=True, has_named_head=True)
-  # pFedMe's personal part is a head; Ditto, APFL and the methods that
-  # fine-tune, meta-learn, cluster or remember (FedAvg+FT, FedBABU,
-  # Per-FedAvg, HypCluster, kNN-Per) work on whole models; FedPerC's
-  # embedding is the backbone's size: no embedding.
-  whole = ('ditto', 'fedavg_ft', 'fedbabu', 'per_fedavg', 'apfl',
-           'hypcluster', 'knn_per')
-  dim = 0 if name.startswith('pfedme') or name in whole or (
-      registry.spec(name).model == 'fedperc') else 28
-  proc = registry.build(
-      name, registry.model_factory(name, task),
-      client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
-      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
-      aggregator_factory=spy, seed=0, embedding_dim=dim,
-      **({'allow_unprotected_best_client': True}
-         if name == 'fedembed_som' else {}))
-  sig = proc.next.type_signature
-  assert sig.parameter[1].placement is tff.CLIENTS
-  assert sig.result[1].placement is tff.CLIENTS
-  assert sig.parameter[1].member == sig.result[1].member == proc.client_state_type
-  server_weights = sig.parameter[0].member.global_model_weights.trainable
-  assert [spy.value_types[0]] == [proc.aggregation_value_type]
-  aggregated = spy.value_types[0]
-  if isinstance(aggregated[0], tff.StructType):
-    # Algorithms that also aggregate statistics (the SOM update and score of
-    # fedembed_som, the k-means sums of pfedkm) send <model update, stats>;
-    # no statistic may have the shape of a private variable.
-    model_update, statistics = aggregated[0], list(aggregated)[1:]
-    flat = lambda t: tf.nest.flatten(tff.types.type_to_tf_tensor_specs(t))
-    private_shapes = {tuple(s.shape) for s in flat(proc.client_state_type)
-                      if s.dtype == tf.float32}
-    assert not any(tuple(s.shape) in private_shapes
-                   for t in statistics for s in flat(t))
-    aggregated = model_update
-  assert list(aggregated) == list(server_weights)
-  # The aggregated value is exactly the trained model's shared trainable
-  # variables; every private variable is in the client state instead (the
-  # evaluated model's private part is the state evaluation reads: Ditto's
-  # personal copy, FedAvg+FT's fine-tuned copy).
-  with tf.Graph().as_default():
-    model = proc.model_fn()
-    shared = [tuple(v.shape) for v in model.shared_trainable_variables]
-    private = [tuple(v.shape) for v in model.private_variables]
-    private_refs = {v.ref() for v in model.private_variables}
-    assert not any(v.ref() in private_refs
-                   for v in model.shared_trainable_variables)
-    evaluated = [tuple(v.shape) for v in proc.eval_model_fn().private_variables]
-  assert [tuple(t.shape) for t in aggregated] == shared
-  if proc.eval_model_fn is proc.model_fn:
-    assert [tuple(t.shape) for t in proc.client_state_type.private] == private
-  assert [tuple(t.shape) for t in
-          proc.eval_client_state_type.private] == evaluated
 
 
 def test_private_state_is_trained_and_only_for_participants():
