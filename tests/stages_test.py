@@ -79,8 +79,12 @@ def test_staged_run_killed_mid_stage_resumes_to_the_uninterrupted_result(
     monkeypatch.setattr(cls, name, method)
   assert training_loop.checkpoint_rounds(
       experiment.stage_directory(split, 'pretrain'))[-1] == 1
+  logs = []
   runs.run_experiment(task, _config(tmp_path, 'split', rounds=2, resume=True),
-                      log_fn=lambda s: None)
+                      log_fn=logs.append)
+  # It continued from round 1 (a restart would give the same numbers).
+  assert any(line.startswith('[pretrain] resumed from round 1 checkpoint')
+             for line in logs), logs
   for a, b in zip(_final_weights(task, whole), _final_weights(task, split),
                   strict=True):
     np.testing.assert_array_equal(a, b)
