@@ -13,7 +13,8 @@ For every `registry.SPECS` entry, on tiny synthetic clients:
   passes over the data were not ordered (Ditto had one:
   `feddva_process_test`) shows as a difference.
 FedPerC's entries (model kind 'fedperc') run on a tiny random-weight
-backbone and utterance batches (`fedperc_testdata`). Degenerate cases: Ditto's and FedAvg+FT's global model is FedAvg's
+backbone and utterance batches (`fedperc_testdata`). Degenerate cases:
+Ditto's and FedAvg+FT's global model is FedAvg's
 (`global`), exactly, whatever Ditto's lambda. (FedDVA's rounds run twice
 are `determinism_test`.)
 """
@@ -165,12 +166,7 @@ def _shuffled_datasets(name, num=3, n=6):
 # own size, far more).
 _ROUNDING_ONLY = ('fedperc_generated',)
 _CHANGE_RTOL = 1e-2
-
-
-def _flat(value):
-  return [np.asarray(v) for v in tf.nest.flatten(
-      tff.structure.to_odict_or_tuple(value, recursive=True)
-      if isinstance(value, tff.structure.Struct) else value)]
+_flat = fedembed_testdata.flat
 
 
 def _check_rerun_is_identical(name, proc, what):
@@ -210,7 +206,8 @@ def _check_only_shared_weights_aggregate(proc, spy):
   assert [spy.value_types[0]] == [proc.aggregation_value_type]
   assert sig.parameter[1].placement is tff.CLIENTS
   assert sig.result[1].placement is tff.CLIENTS
-  assert sig.parameter[1].member == sig.result[1].member == proc.client_state_type
+  assert (sig.parameter[1].member == sig.result[1].member ==
+          proc.client_state_type)
   server_weights = sig.parameter[0].member.global_model_weights.trainable
   aggregated = spy.value_types[0]
   if isinstance(aggregated[0], tff.StructType):

@@ -15,11 +15,16 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.algorithms import feddva
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
 from tff_personal.models import feddva_recipes
 from tff_personal.models import feddva_training
+
+
+_flat = fedembed_testdata.flat
+
 
 def _datasets(num=3, n=6):
   rng = np.random.default_rng(11)
@@ -31,12 +36,6 @@ def _datasets(num=3, n=6):
         type=np.where(y == 1, i % 3, (i + 1) % 3).astype(np.int32))).shuffle(
             n, seed=7, reshuffle_each_iteration=True).repeat(2).batch(2))
   return out
-
-
-def _flat(value):
-  return [np.asarray(v) for v in tf.nest.flatten(
-      tff.structure.to_odict_or_tuple(value, recursive=True)
-      if isinstance(value, tff.structure.Struct) else value)]
 
 
 _FEDDVA = feddva_lib.FeddvaConfig(z_dim=2, c_dim=2, channels=(2, 2, 2, 3),

@@ -53,3 +53,11 @@ def initial_states(proc, num, seed=0):
     return np.zeros(spec.shape, spec.dtype.as_numpy_dtype)
 
   return [tf.nest.map_structure(init, specs) for _ in range(num)]
+
+
+def flat(value) -> list:
+  """The leaves of a round's output (a TFF `Struct` or nested Python
+  containers) as numpy arrays, in order: for comparing rounds leaf by leaf."""
+  return [np.asarray(v) for v in tf.nest.flatten(
+      tff.structure.to_odict_or_tuple(value, recursive=True)
+      if isinstance(value, tff.structure.Struct) else value)]
