@@ -86,12 +86,14 @@ def test_ragged_users_train_as_they_would_alone(optimizer):
         # LayerNorms grow that.
         np.testing.assert_allclose(a[u], b, rtol=1e-3, atol=1e-5)
       else:
-        # Adam divides by the gradient's running scale: where a gradient is
-        # near zero, float rounding of the batched ops moves a step by a
-        # fraction of the learning rate (1e-2). All but a few coordinates
-        # agree to 1e-5, and none by more than a tenth of one step.
-        diff = np.abs(a[u].numpy() - b.numpy())
-        assert np.mean(diff > 1e-5) < 1e-3 and diff.max() < 1e-3
+        # Adam divides by the gradient's running scale, so float rounding of
+        # the batched ops (which differs between CPUs: up to 3e-5 on a
+        # quarter of the first kernel on one) moves small-gradient steps by a
+        # fraction of the learning rate (1e-2). A padded step that was not
+        # masked would move every coordinate by about a whole step.
+        a, b = a[u].numpy(), b.numpy()
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+        assert np.abs(a - b).max() < 2e-3
     assert int(out.num_examples[u]) == int(metrics['num_examples']) == int(
         weight)
     assert float(out.loss_sum[u]) == pytest.approx(
