@@ -532,9 +532,11 @@ def test_classification_cells_run_on_the_one_path_and_share_feddva_s_run(
     tmp_path, mnist_dir):
   """A baseline's curve is its run's eval_metrics.csv; FedDVA's classifier
   is the classifier stage of the run the probe cell of the same dims made
-  (one FedDVA run for both)."""
+  (one FedDVA run for both). Under DP each cell reports the (epsilon,
+  delta) of its run: FedDVA's covers both stages' rounds."""
   common = dict(rounds=2, settings=['task=marked_mnist'],
-                feddva_marks='varied', feddva_schedule='paper')
+                feddva_marks='varied', feddva_schedule='paper',
+                feddva_dp_noise_multiplier=1.0, feddva_dp_clip=0.5)
   assert reproduce.run(_run_flags(tmp_path, mnist_dir, table='probes',
                                   methods=['probe'], **common)) == 0
   assert reproduce.run(_run_flags(tmp_path, mnist_dir,
@@ -563,6 +565,11 @@ def test_classification_cells_run_on_the_one_path_and_share_feddva_s_run(
   assert records['feddva']['metrics']['pretrain_rounds'] == 2
   assert records['feddva']['metrics']['fedavg_final_accuracy'] == (
       records['fedavg']['metrics']['final_accuracy'])
+  metrics = {m: records[m]['metrics'] for m in ('fedavg', 'feddva')}
+  assert metrics['fedavg']['rounds_noised'] == 2
+  assert metrics['feddva']['rounds_noised'] == 4
+  assert metrics['feddva']['epsilon'] > metrics['fedavg']['epsilon'] > 0
+  assert metrics['feddva']['clip_norm'] == 0.5
 
 
 def test_checkpoint_interval_is_not_a_config_change(tmp_path):
@@ -576,11 +583,10 @@ def test_checkpoint_interval_is_not_a_config_change(tmp_path):
                                      feddva_checkpoint_every=-1))
 
 
-def test_dp_cells_carry_the_dp_setting_and_report_epsilon_of_every_stage(
-    tmp_path, mnist_dir):
+def test_dp_cells_carry_the_dp_setting():
   """Under --feddva_dp_noise_multiplier every cell carries the DP keys (no
-  pooled-VAE cell: it has no federated version) and reports the (epsilon,
-  delta) of its run: FedDVA's covers both stages' rounds."""
+  pooled-VAE cell: it has no federated version); what they report is the
+  classification cells' test."""
   f = _flags(rounds=5, feddva_dp_noise_multiplier=1.0, feddva_dp_clip=0.5)
   cells = paper.cells('classification', f)
   dp = {'dp': 'gaussian_fixed', 'noise_multiplier': 1.0, 'clip_norm': 0.5}
@@ -592,18 +598,6 @@ def test_dp_cells_carry_the_dp_setting_and_report_epsilon_of_every_stage(
   with pytest.raises(ValueError, match='feddva_dp_clip > 0'):
     paper.cells('probes', _flags(feddva_dp_noise_multiplier=1.0,
                                  feddva_dp_clip=0.0))
-  flags_ = _run_flags(tmp_path, mnist_dir, rounds=1, feddva_vae_rounds=2,
-                      table='classification', methods=['fedavg', 'feddva'],
-                      settings=['task=marked_mnist'], feddva_marks='varied',
-                      feddva_schedule='paper', feddva_dp_noise_multiplier=1.0,
-                      feddva_dp_clip=0.5)
-  assert reproduce.run(flags_) == 0
-  records = {r['method']: r['metrics'] for r in reporting.ResultsFile(
-      str(tmp_path / 'results.jsonl')).records()}
-  assert records['fedavg']['rounds_noised'] == 1
-  assert records['feddva']['rounds_noised'] == 3
-  assert records['feddva']['epsilon'] > records['fedavg']['epsilon'] > 0
-  assert records['feddva']['clip_norm'] == 0.5
 
 
 @pytest.mark.parametrize('overrides, expect', [
