@@ -124,20 +124,16 @@ def _perplexity_from(run, task, private, samples):
 
 def test_new_users_start_from_the_seeded_dp_average(tmp_path):
   """The dp_average start is the clipped mean of the trained users' states
-  plus noise drawn from the run's seed: two identical trainings evaluate
-  their withheld users to the same numbers, and the release's epsilon is
+  plus noise drawn from the run's seed: the run reopened evaluates its
+  withheld users to the same numbers, and the release's epsilon is
   stated."""
   task = _tiny_tv_task()
-
-  def train_and_open(name):
-    config = experiment.ExperimentConfig(
-        algorithm='fedperc', rounds=2, clients_per_round=4,
-        root_output_dir=str(tmp_path), experiment_name=name,
-        client_learning_rate=0.05, eval_clients=4, seed=5)
-    runs.run_experiment(task, config, log_fn=lambda s: None)
-    return runs.Run.open(config.experiment_dir, task=task)
-
-  run = train_and_open('first')
+  config = experiment.ExperimentConfig(
+      algorithm='fedperc', rounds=2, clients_per_round=4,
+      root_output_dir=str(tmp_path), experiment_name='run',
+      client_learning_rate=0.05, eval_clients=4, seed=5)
+  runs.run_experiment(task, config, log_fn=lambda s: None)
+  run = runs.Run.open(config.experiment_dir, task=task)
   exact = run.evaluate(new_users=run_evaluation.NewUsers(
       samples=(1, 'all'), start='dp_average', noise_multiplier=0.0,
       clip_norm=1e6))['new_users']
@@ -154,7 +150,8 @@ def test_new_users_start_from_the_seeded_dp_average(tmp_path):
 
   noisy = run_evaluation.NewUsers(samples=('all',), start='dp_average')
   first = run.evaluate(new_users=noisy)['new_users']
-  again = train_and_open('second').evaluate(new_users=noisy)['new_users']
+  again = runs.Run.open(config.experiment_dir, task=task).evaluate(
+      new_users=noisy)['new_users']
   assert first['samples'] == again['samples']  # Same seed, same draw.
   assert first['samples'] != exact['samples']['all']
   clip = fedperc_alg.DP_CLIP_NORMS['embedding']
