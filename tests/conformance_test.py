@@ -255,7 +255,7 @@ def test_sharded_equals_one_user_per_client_new_clients_and_reruns(
   _check_new_clients(name, base, tmp_path)
   assert sharded.resolve_num_shards(base, sharded.AUTO) > 0, (
       f'{name} has no per-user client step: it cannot run sharded')
-  sizes = [5, 8, 3, 6]
+  sizes = [5, 8, 3, 6, 4]  # Two shards of unequal users, ragged batches.
   init = fedembed_testdata.initial_states(base, len(sizes), seed=4)
   data_fn = fedperc_testdata.datasets if _is_fedperc(name) else None
   want_state, want_clients = _run(base, init, sizes, data_fn=data_fn)

@@ -89,59 +89,6 @@ def assert_close_structures(a, b, rtol=1e-4, atol=1e-5):
                                atol=atol)
 
 
-@pytest.mark.parametrize('num_shards', [1, 3])
-def test_global_plus_sharded_equals_one_user_per_client(num_shards):
-  build = lambda: fedavg.build_global_plus(
-      model_fn_factory, client_optimizer=local_sgd(),
-      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=1,
-      embedding_dim=28, metrics_fn=None)
-  base = build()
-  sizes = [6, 9, 3, 8, 5]  # ragged batches and unequal users per shard
-  init = states(base, len(sizes), seed=7)
-  want_state, want_clients, want_metrics = run_rounds(base, 2, init, sizes)
-  sharded_proc = sharded.ShardedProcess(build(), num_shards)
-  got_state, got_clients, got_metrics = run_rounds(sharded_proc, 2, init, sizes)
-  assert len(got_clients) == len(sizes)
-  assert_close_structures(got_state.global_model_weights,
-                          want_state.global_model_weights)
-  for got, want in zip(got_clients, want_clients):
-    assert_close_structures(got, want)
-  # The personal embeddings moved (the comparison is not of untouched values).
-  assert not np.allclose(got_clients[0]['private'][0], init[0]['private'][0])
-  assert got_metrics['train']['num_examples'] == sum(sizes)
-  assert got_metrics['train']['clients'] == len(sizes)
-  np.testing.assert_allclose(got_metrics['train']['loss'],
-                             want_metrics['train']['loss'], rtol=1e-5)
-
-
-def test_fedembed_prototype_sharded_equals_one_user_per_client():
-  """FedEmbed's private state (positive prototype chosen in prepare_fn)."""
-  config_factory = lambda config: (
-      lambda: fedembed_model.build_fedembed_model(
-          dataclasses.replace(config, num_subpopulations=3),
-          input_spec=TYPED_SPEC))
-  build = lambda: fedembed_algorithms.build_fedembed_prototype(
-      config_factory, client_optimizer=local_sgd(),
-      server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=2)
-  base = build()
-  sizes = [8, 4, 6]
-  init = states(base, len(sizes), seed=3)
-  want_state, want_clients, _ = run_rounds(base, 2, init, sizes, typed=True)
-  # Both forms in the worker, whose thread pools are fixed: in the driver,
-  # the pools are whichever an earlier test of the same process started
-  # TensorFlow with, and Adam magnifies the changed reduction order past
-  # this tolerance on one weight in 100k (2.7e-5; the driver form is held
-  # to the executor's by test_shards_in_the_driver_equal_shards_in_the_
-  # executor and to the one-user form by tests/conformance_test.py).
-  got_state, got_clients, _ = run_rounds(
-      sharded.ShardedProcess(build(), 2, shards_in=sharded.IN_EXECUTOR), 2,
-      init, sizes, typed=True)
-  assert_close_structures(got_state.global_model_weights,
-                          want_state.global_model_weights)
-  for got, want in zip(got_clients, want_clients):
-    assert_close_structures(got, want)
-
-
 @pytest.mark.parametrize('dp', [False, True])
 def test_shards_in_the_driver_equal_shards_in_the_executor(dp):
   """The driver runs the shard computation's own TF code: the same round as
