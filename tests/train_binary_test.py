@@ -1,11 +1,13 @@
-"""End-to-end tests of binaries.train: flags, summary.json, DP report, kill-and-resume."""
+"""End-to-end tests of binaries.train: flags, summary.json, DP report, resume.
+
+A kill at every point and its resume is tests/fault_test.py; the worker
+ending with its killed parent, tests/runtime_test.py.
+"""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 from absl import flags
 from absl.testing import flagsaver
@@ -16,7 +18,6 @@ from binaries import evaluate
 from binaries import train
 from tff_personal.core import private_noise
 from tests import files
-from tests import process_utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -209,106 +210,6 @@ def _cmd(out_dir, name, extra=()):
   return [sys.executable, '-m', 'binaries.train'] + [
       f'--{k}={v}' for k, v in _kill_values(out_dir, name).items()] + list(
           extra)
-
-
-def _run(cmd, timeout=300):
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                        timeout=timeout)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc
-
-
-def _children_workers(parent_pid):
-  """PIDs of live worker_binary processes whose parent is `parent_pid`."""
-  found = []
-  for pid in os.listdir('/proc'):
-    if not pid.isdigit():
-      continue
-    try:
-      with open(f'/proc/{pid}/status') as f:
-        status = dict(l.split(':\t', 1) for l in f.read().splitlines()
-                      if ':\t' in l)
-      with open(f'/proc/{pid}/cmdline', 'rb') as f:
-        cmd = f.read()
-    except OSError:
-      continue
-    if (b'worker_binary' in cmd and int(status['PPid']) == parent_pid and
-        not status['State'].startswith('Z')):
-      found.append(int(pid))
-  return found
-
-
-def _kill_after_round(cmd, round_num, timeout=300):
-  """Starts a run, SIGKILLs it after it printed `round {round_num}/`.
-
-  Returns the PIDs of the run's worker_binary processes (seen before the kill).
-  """
-  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
-  deadline = time.monotonic() + timeout
-  try:
-    for line in proc.stdout:
-      if line.startswith(f'round {round_num}/'):
-        break
-      assert time.monotonic() < deadline
-    workers = _children_workers(proc.pid)
-    time.sleep(0.3)  # into the next round: states saved, maybe not committed
-    proc.send_signal(signal.SIGKILL)
-  finally:
-    proc.kill()
-    proc.wait()
-  return workers
-
-
-def _summary(out_dir, name):
-  with open(os.path.join(out_dir, name, 'summary.json')) as f:
-    return json.load(f)
-
-
-@pytest.fixture(scope='module')
-def straight_run(tmp_path_factory):
-  """One uninterrupted run of the binary's main, in this process (the
-  killed and the resumed run are processes of their own); the store
-  backend does not change the numbers."""
-  _parse_flags()
-  out = tmp_path_factory.mktemp('straight')
-  with flagsaver.flagsaver(**_kill_values(out, 'straight',
-                                          client_state_backend='memory')):
-    assert train.main(['train']) == 0
-  return _summary(out, 'straight')
-
-
-def test_kill_and_resume_matches_uninterrupted_run(tmp_path, mnist_dir,
-                                                   straight_run, capsys):
-  """The binary end to end: killed from outside, refused without --resume,
-  resumed. (Every kill point on both stores: tests/fault_test.py.)"""
-  del mnist_dir  # the subprocess reads ../shared/data/mnist itself
-  extra = ['--client_state_backend=sqlite']
-  workers = _kill_after_round(_cmd(tmp_path, 'killed', extra), 3)
-  assert len(workers) == 1
-  # The worker died with its parent (SIGKILL).
-  assert process_utils.wait_dead(workers[0])
-  # Without --resume the existing run is refused (by the binary's main,
-  # here).
-  capsys.readouterr()
-  with flagsaver.flagsaver(**_kill_values(tmp_path, 'killed',
-                                          client_state_backend='sqlite')):
-    assert train.main(['train']) == 3
-  assert '--resume' in capsys.readouterr().err
-  resumed = _run(_cmd(tmp_path, 'killed', extra + ['--resume']))
-  assert 'resumed from round' in resumed.stdout
-  straight, killed = straight_run, _summary(tmp_path, 'killed')
-  assert killed['resumed_from_round'] >= 2
-  assert killed['rounds_completed'] == straight['rounds_completed'] == 6
-  for key in ('f1', 'accuracy', 'auc'):
-    assert killed['eval'][key] == pytest.approx(straight['eval'][key], abs=1e-4)
-  for key in ('train/loss', 'train/accuracy'):
-    assert killed['final_train_metrics'][key] == pytest.approx(
-        straight['final_train_metrics'][key], abs=1e-4)
-  # No round is missing or duplicated in the released metrics.
-  with open(tmp_path / 'killed' / 'train_metrics.csv') as f:
-    rounds = [int(r.split(',')[0]) for r in f.read().splitlines()[1:]]
-  assert rounds == list(range(1, 7))
 
 
 def test_resume_under_other_settings_is_refused(tmp_path, mnist_dir,
