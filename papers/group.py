@@ -534,8 +534,8 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   # Stages 1 and 2 (FL, then one FL run per group) on the one run path.
   config = train_config(cfg, seed, directory,
                         keep_checkpoints=_pipeline_keep(cfg))
-  global_weights, group_weights, wtype = _models(
-      task, config, run=_train(task, config, log_fn))
+  run = _train(task, config, log_fn)
+  global_weights, group_weights, wtype = _models(task, config, run=run)
   fl_part = _fl_participations(task, config, cfg)
   group_part = _group_participations(task, config, 'task')
   group_of = dict(enumerate(task.client_groups))
@@ -580,12 +580,10 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   lrs = {m: sweep[m]['lr'] for m in sweep}
   stages.json('curves', lambda: _control_curves(
       task, cfg, seed, directory, eval_clients, lrs, wtype, log_fn,
-      control_runs=_CONTROL_RUNS[:1]))
-  staged = experiment.build_process(task, config)
-  fl_stage = staged.stages[0]
+      control_runs=_CONTROL_RUNS[:1], opened={'groupfl': run}))
   stages.json('fl_curves', lambda: _global_curves(
-      task, cfg, fl_stage.process,
-      experiment.stage_directory(config, fl_stage.name), 1, fl_stage.rounds,
+      task, cfg, run.process(stage='fl'),
+      experiment.stage_directory(config, 'fl'), 1, cfg['rounds'],
       eval_clients, lrs['perfl'], wtype, log_fn))
   if cfg['clustering']:
     result['clustering'] = stages.json(
@@ -740,8 +738,8 @@ def _fl_curves(task, cfg, seed, directory, validation, eval_clients, lr,
   checkpoint it keeps: every `2 * eval_every` rounds up to `max_rounds`;
   the run is trained again first if its directory is gone)."""
   config = _fl_curve_config(cfg, seed, directory)
-  _train_fl_curve(task, config, validation, log_fn)
-  return _global_curves(task, cfg, experiment.build_process(task, config),
+  run = _train_fl_curve(task, config, validation, log_fn)
+  return _global_curves(task, cfg, run.process(),
                         config.experiment_dir, config.checkpoint_every,
                         config.rounds, eval_clients, lr, wtype, log_fn)
 
@@ -820,13 +818,14 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
   cfg_t = dict(cfg, rounds=plateau['rounds'])
   num_groups = len(task.group_names)
   starts = {}  # method -> ({model key: weights}, {client: model key})
+  opened = {}  # method -> its run
   wtype = None
   for control in _CONTROL_RUNS:
     grouping, name = control[0], control[3]
     config = _control_config(cfg_t, seed, directory, control, num_groups,
                              keep_checkpoints=_control_keep(cfg))
-    fl_weights, models, wtype = _models(task, config,
-                                        run=_train(task, config, log_fn))
+    opened[name] = _train(task, config, log_fn)
+    fl_weights, models, wtype = _models(task, config, run=opened[name])
     members = experiment.group_members(task, config, grouping)
     starts[name] = (models, {c: g for g, ms in members.items() for c in ms})
     if name == 'groupfl':
@@ -856,7 +855,7 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
         sweep_clients, wtype, log_fn)
   stages.json('curves', lambda: _control_curves(
       task, cfg_t, seed, directory, eval_clients,
-      {m: s['lr'] for m, s in sweep.items()}, wtype, log_fn))
+      {m: s['lr'] for m, s in sweep.items()}, wtype, log_fn, opened=opened))
   stages.json('fl_curves', lambda: _fl_curves(
       task, cfg, seed, directory, validation, eval_clients,
       sweep['perfl']['lr'], wtype, log_fn))
@@ -901,7 +900,7 @@ def _control_config(cfg_t, seed, directory, control_run, num_groups,
 
 
 def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
-                    log_fn, control_runs=_CONTROL_RUNS) -> dict:
+                    log_fn, control_runs=_CONTROL_RUNS, opened=None) -> dict:
   """Held-out learning curves of group stages (the controls', or with
   `control_runs=_CONTROL_RUNS[:1]` the tables' GroupFL and GroupPerFL).
 
@@ -911,6 +910,9 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
   personalized method first fine-tunes that model as the table does, at
   the lr its sweep selected (`lrs[method]`). The last round's values are
   the table's (the same models and evaluations).
+
+  `opened`: {method: its `runs.Run`} for runs already at hand (the
+  others are opened from their directories).
 
   Returns `{method: {'round': [0..T_g], group or 'all': [perplexity per
   round]}}`, each pooled over the evaluated clients of the genre (`all`:
@@ -928,7 +930,8 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
   for control in control_runs:
     method, personal = control[3:]
     config = _control_config(cfg_t, seed, directory, control, num_groups)
-    run = runs.Run.open(config.experiment_dir, task=task)
+    run = (opened or {}).get(method) or runs.Run.open(config.experiment_dir,
+                                                      task=task)
     key_of = {c: g for g, ms in run.groups().items() for c in ms}
     for name in (method, personal):
       out[name] = {'round': rounds, **{g: [] for g in pools}}

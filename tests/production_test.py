@@ -2,13 +2,16 @@
 
 Every registered algorithm, each stage of a staged one, is compiled by
 TFF's `tff.backends.mapreduce` to `MapReduceForm` and
-`DistributeAggregateForm`, without DP and with `gaussian_fixed`, or fails
-with the reason `production.NOT_COMPILED` names: none is skipped silently.
-For one algorithm of each family the compiled `MapReduceForm` is run piece
-by piece over a cohort (prepare, work, zero/accumulate/merge, report, the
-secure sums, update), with the device part writing each client's new state,
-and equals two simulated rounds. The tiny models are the conformance
-suite's (`tests/conformance_test.py`).
+`DistributeAggregateForm` with `gaussian_fixed`, or fails with the reason
+`production.NOT_COMPILED` names: none is skipped silently. Without DP, the
+federated part that differs is the weighted mean of `core/process.py`, the
+same wiring for every algorithm but those with statistics of their own
+(`STATISTICS`): it is compiled for those, and for one algorithm of each
+family, whose compiled `MapReduceForm` is run piece by piece over a cohort
+(prepare, work, zero/accumulate/merge, report, the secure sums, update),
+with the device part writing each client's new state, and equals two
+simulated rounds. The tiny models are the conformance suite's
+(`tests/conformance_test.py`).
 """
 
 import types
@@ -49,36 +52,40 @@ def _built(name, dp):
   return conformance._build(name, **overrides)  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize('dp', ['none', 'gaussian_fixed'])
-@pytest.mark.parametrize('name', sorted(registry.SPECS))
+# One per family: the split model, FedEmbed, FedPerC, a FedDVA stage and a
+# group stage (the per-group FedAvg of groupperfl).
+FAMILIES = [('ditto', 0), ('fedembed_prototype', 0), ('fedperc', 0),
+            ('feddva', 0), ('groupperfl', 1)]
+# Algorithms whose rounds aggregate statistics of their own
+# (`core/statistics_process.py`), beside the update's aggregator.
+STATISTICS = ('fedembed_som', 'pfedkm')
+
+
+def _compiles(name, dp, stage, form):
+  """Compiles `form` to both production forms (or, for a pair in
+  `NOT_COMPILED`, holds it to MapReduceForm only)."""
+  if (name, dp) in production.NOT_COMPILED:
+    form.map_reduce_form()
+    with pytest.raises(production.NotProductionReadyError,
+                       match='does not compile to DistributeAggregateForm'):
+      form.distribute_aggregate_form()
+    return
+  mrf = form.map_reduce_form()
+  form.distribute_aggregate_form()
+  # The device takes its client state with its data; nothing client-placed
+  # leaves the round.
+  assert mrf.work.type_signature.parameter[0].client_state.is_equivalent_to(
+      form.process.client_state_type)
+  assert all(t.placement.is_server() for t in form.next.type_signature.result)
+  COMPILED.append((name, dp, stage))
+
+
+@pytest.mark.parametrize('name,dp', [(n, 'gaussian_fixed')
+                                     for n in sorted(registry.SPECS)] +
+                         [(n, 'none') for n in STATISTICS])
 def test_every_algorithm_compiles_to_production_forms(name, dp):
   for stage, form in production.production_forms(_built(name, dp)):
-    if (name, dp) in production.NOT_COMPILED:  # MapReduceForm only.
-      form.map_reduce_form()
-      with pytest.raises(production.NotProductionReadyError,
-                         match='does not compile to DistributeAggregateForm'):
-        form.distribute_aggregate_form()
-      continue
-    mrf = form.map_reduce_form()
-    form.distribute_aggregate_form()
-    # The device takes its client state with its data; nothing
-    # client-placed leaves the round.
-    assert mrf.work.type_signature.parameter[0].client_state.is_equivalent_to(
-        form.process.client_state_type)
-    assert all(t.placement.is_server()
-               for t in form.next.type_signature.result)
-    COMPILED.append((name, dp, stage))
-
-
-def test_the_count_that_compiles():
-  """Runs after the compilation tests (file order): what compiled, and
-  that every other (algorithm, DP) pair has its stated reason."""
-  pairs = {(name, dp) for name, dp, _ in COMPILED}
-  if not pairs:
-    pytest.skip('run with the compilation tests')
-  every = {(n, dp) for n in registry.SPECS for dp in ('none', 'gaussian_fixed')}
-  assert pairs | set(production.NOT_COMPILED) == every
-  assert not pairs & set(production.NOT_COMPILED)
+    _compiles(name, dp, stage, form)
 
 
 def _states_close(got, want, what):
@@ -88,19 +95,16 @@ def _states_close(got, want, what):
                                atol=1e-6, err_msg=f'{what}: leaf {i}')
 
 
-# One per family: the split model, FedEmbed, FedPerC, a FedDVA stage and a
-# group stage (the per-group FedAvg of groupperfl).
-FAMILIES = [('ditto', 0), ('fedembed_prototype', 0), ('fedperc', 0),
-            ('feddva', 0), ('groupperfl', 1)]
-
-
 @pytest.mark.parametrize('name,stage', FAMILIES)
 def test_hand_run_map_reduce_form_equals_the_simulated_rounds(name, stage):
   """Two rounds of the compiled form run by hand, two cohorts of three
   users with different example counts, equal two rounds of `process.next`
   (the server weights and every client's new state; float32 summation
-  order differs, so to 1e-5)."""
-  _, form = production.production_forms(_built(name, 'none'))[stage]
+  order differs, so to 1e-5). Each stage compiles without DP."""
+  forms = production.production_forms(_built(name, 'none'))
+  for s, f in forms:
+    _compiles(name, 'none', s, f)
+  _, form = forms[stage]
   proc = form.process
   sizes = [4, 7, 5]
   typed = hasattr(proc.client_data_type.element, 'type')
@@ -151,3 +155,17 @@ def test_secure_aggregation_compiles_and_its_sums_give_the_mean():
                   strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
   _states_close(hand_clients, sim_clients, 'ditto clients')
+
+
+def test_the_count_that_compiles():
+  """Runs after the compilation tests (file order): what compiled, and
+  that every other pair the tests compile has its stated reason."""
+  pairs = {(name, dp) for name, dp, _ in COMPILED}
+  if not pairs:
+    pytest.skip('run with the compilation tests')
+  every = ({(n, 'gaussian_fixed') for n in registry.SPECS} |
+           {(n, 'none') for n in STATISTICS} |
+           {(n, 'none') for n, _ in FAMILIES})
+  assert set(production.NOT_COMPILED) <= every
+  assert pairs | set(production.NOT_COMPILED) == every
+  assert not pairs & set(production.NOT_COMPILED)

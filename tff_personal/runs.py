@@ -72,15 +72,18 @@ def run_experiment(task, config: experiment.ExperimentConfig,
   Returns:
     The finished run, which reads as its summary (`run['eval']`).
   """
-  summary = training.train(task, config, log_fn=log_fn,
-                           flag_values=flag_values,
-                           export_private_states=export_private_states,
-                           eval_ids=eval_ids)
+  summary, built = training.train(
+      task, config, log_fn=log_fn, flag_values=flag_values,
+      export_private_states=export_private_states, eval_ids=eval_ids)
   record = run_records.read_json_record(
       os.path.join(config.experiment_dir, run_records.RUN_CONFIG_FILENAME),
       RunError)
-  return Run(dataclasses.replace(config, resume=False), record, task=task,
-             summary=summary)
+  run = Run(dataclasses.replace(config, resume=False), record, task=task,
+            summary=summary)
+  # Reading this handle's weights or states does not trace the process
+  # again; `Run.open` still builds it from the record.
+  run._built_process = built  # pylint: disable=protected-access
+  return run
 
 
 def finished_or_trained(task, config: experiment.ExperimentConfig,

@@ -34,8 +34,11 @@ def train(task, config: experiment.ExperimentConfig,
           log_fn: Callable[[str], None] = print,
           flag_values: Optional[dict[str, Any]] = None,
           export_private_states: bool = False,
-          eval_ids: Optional[Sequence[int]] = None) -> dict:
-  """Trains and evaluates; writes and returns the summary (summary.json).
+          eval_ids: Optional[Sequence[int]] = None) -> tuple[dict, Any]:
+  """Trains and evaluates; writes the summary (summary.json).
+
+  Returns (the summary, the process or `stages.Staged` it trained; None
+  when the run had finished already and nothing was built).
 
   `runs.run_experiment` is the public entry: it returns this run's handle
   (`runs.Run`), which reads as this summary.
@@ -67,7 +70,7 @@ def train(task, config: experiment.ExperimentConfig,
     if finished is not None:
       log_fn(f'{config.experiment_dir} already finished its {config.rounds} '
              'rounds (summary.json); nothing was run and nothing was changed')
-      return finished
+      return finished, None
   t_start = time.perf_counter()
 
   try:  # The builders check the rest of the configuration.
@@ -91,7 +94,8 @@ def train(task, config: experiment.ExperimentConfig,
                                                         dp, log_fn)
   if per_group:  # e.g. GroupFL: one run of the last stage per group.
     return _run_per_group(task, proc, config, dp, groups, initial_state,
-                          earlier_noised, log_fn, flag_values, eval_ids)
+                          earlier_noised, log_fn, flag_values,
+                          eval_ids), built
   train_proc, num_shards, store, train_data_fn = _training_parts(
       task, proc, config, dp, config.experiment_dir, log_fn)
 
@@ -140,7 +144,7 @@ def train(task, config: experiment.ExperimentConfig,
       **finals,
       'final_train_metrics': result.train_metrics,
   }
-  return _write_summary(config, summary, report, flag_values, log_fn)
+  return _write_summary(config, summary, report, flag_values, log_fn), built
 
 
 def _write_summary(config: experiment.ExperimentConfig, summary: dict,
