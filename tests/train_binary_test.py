@@ -250,22 +250,6 @@ def test_resume_under_other_settings_is_refused(tmp_path, mnist_dir,
   assert code == 3 and '--target_epsilon: 8.0' in err
 
 
-def test_resume_extends_a_run_with_a_given_noise_multiplier(tmp_path,
-                                                            mnist_dir):
-  _parse_flags()
-  dp = dict(dp='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5)
-  with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=1, **dp)):
-    assert train.main(['train']) == 0
-  with flagsaver.flagsaver(**_base(tmp_path, mnist_dir, rounds=2, resume=True,
-                                   **dp)):
-    assert train.main(['train']) == 0
-  with open(tmp_path / 'e2e' / 'summary.json') as f:
-    summary = json.load(f)
-  assert summary['rounds_completed'] == 2 and summary['resumed_from_round'] == 1
-  assert summary['privacy']['rounds'] == 2
-  assert summary['privacy']['noise_multiplier'] == 1.0
-
-
 def test_a_running_experiment_refuses_a_second_program(tmp_path, mnist_dir,
                                                        capsys):
   """While binaries.train runs, neither a resume nor an evaluation of the
