@@ -162,36 +162,28 @@ def test_library_call_checks_the_recorded_config(finished_run, mnist_dir):
   assert not os.path.exists(root / 'run' / 'evaluations' / 'library.json')
 
 
-def test_sqlite_store_run_is_reevaluated_too(tmp_path, mnist_dir):
-  """The on-disk store is read at its committed round, not rolled back."""
+def test_sqlite_dp_run_is_reevaluated_from_its_store_and_record(tmp_path,
+                                                                mnist_dir):
+  """The on-disk store is read at its committed round, not rolled back, and
+  nothing but the evaluation is written; a hand-edited summary.json changes
+  neither the evaluated round nor the privacy report: they are derived from
+  the checkpoints and run_config.json."""
   _parse_flags()
-  sqlite = dict(client_state_backend='sqlite', eval_clients=10)
-  with flagsaver.flagsaver(**_run_flags(tmp_path, mnist_dir, **sqlite)):
+  dp = dict(dp='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5,
+            eval_clients=10, client_state_backend='sqlite')
+  with flagsaver.flagsaver(**_run_flags(tmp_path, mnist_dir, **dp)):
     assert train.main(['train']) == 0
-  with open(tmp_path / 'run' / 'summary.json') as f:
+  path = tmp_path / 'run' / 'summary.json'
+  with open(path) as f:
     summary = json.load(f)
   before = files.tree_digest(tmp_path / 'run')
-  assert _evaluate(tmp_path, mnist_dir, eval_name='sqlite', **sqlite) == 0
+  assert _evaluate(tmp_path, mnist_dir, eval_name='sqlite', **dp) == 0
   record = _read(tmp_path, 'sqlite')
   np.testing.assert_allclose(record['eval']['auc'], summary['eval']['auc'],
                              rtol=1e-6)
   after = files.tree_digest(tmp_path / 'run')
   assert {k: v for k, v in after.items()
           if not k.startswith('evaluations')} == before
-
-
-def test_round_and_privacy_come_from_the_run_not_from_summary(tmp_path,
-                                                              mnist_dir):
-  """A hand-edited summary.json changes neither the evaluated round nor the
-  privacy report: they are derived from the checkpoints and run_config.json."""
-  _parse_flags()
-  dp = dict(dp='gaussian_fixed', noise_multiplier=1.0, clip_norm=0.5,
-            eval_clients=10)
-  with flagsaver.flagsaver(**_run_flags(tmp_path, mnist_dir, **dp)):
-    assert train.main(['train']) == 0
-  path = tmp_path / 'run' / 'summary.json'
-  with open(path) as f:
-    summary = json.load(f)
   epsilon = summary['privacy']['epsilon']
   # Both edited; one evaluation shows that neither is read.
   summary['privacy']['epsilon'] = epsilon / 100
