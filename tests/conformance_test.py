@@ -94,11 +94,11 @@ def _datasets(sizes, round_num, typed=True):
 def _run(proc, client_states, sizes, rounds=2, typed=True,
          data_fn=None):
   data_fn = data_fn or (lambda sizes, r: _datasets(sizes, r, typed))
-  state = proc.initialize()
+  state, metrics = proc.initialize(), None
   for r in range(rounds):
-    state, client_states, _ = proc.next(state, client_states,
-                                        data_fn(sizes, r))
-  return state, client_states
+    state, client_states, metrics = proc.next(state, client_states,
+                                              data_fn(sizes, r))
+  return state, client_states, metrics
 
 
 def _close(a, b, what):
@@ -258,13 +258,18 @@ def test_sharded_equals_one_user_per_client_new_clients_and_reruns(
   sizes = [5, 8, 3, 6, 4]  # Two shards of unequal users, ragged batches.
   init = fedembed_testdata.initial_states(base, len(sizes), seed=4)
   data_fn = fedperc_testdata.datasets if _is_fedperc(name) else None
-  want_state, want_clients = _run(base, init, sizes, data_fn=data_fn)
+  want_state, want_clients, want_metrics = _run(base, init, sizes,
+                                                data_fn=data_fn)
   in_shards = sharded.ShardedProcess(_build(name), 2)
-  got_state, got_clients = _run(in_shards, init, sizes, data_fn=data_fn)
+  got_state, got_clients, got_metrics = _run(in_shards, init, sizes,
+                                             data_fn=data_fn)
   _close(got_state.global_model_weights, want_state.global_model_weights,
          f'{name} server weights')
   for u, (got, want) in enumerate(zip(got_clients, want_clients)):
     _close(got, want, f'{name} client {u}')
+  # The last round's training metrics: shard sums, then their sum.
+  assert got_metrics['train'].keys() == want_metrics['train'].keys(), name
+  _close(got_metrics['train'], want_metrics['train'], f'{name} metrics')
   moved = [not np.allclose(np.asarray(x), np.asarray(y)) for x, y in zip(
       tf.nest.flatten(want_state.global_model_weights.trainable),
       tf.nest.flatten(base.initialize().global_model_weights.trainable))]
@@ -281,11 +286,11 @@ def test_global_model_is_fedavgs(name, options):
   sizes = [4, 7, 5]
   fedavg = _build('global')
   proc = _build(name, **options)
-  want, _ = _run(fedavg, fedembed_testdata.initial_states(fedavg, 3), sizes)
+  want, _, _ = _run(fedavg, fedembed_testdata.initial_states(fedavg, 3), sizes)
   init = [collections.OrderedDict(
       private=tuple(np.asarray(w) for w in (proc.initial_private or ())),
       rounds_participated=np.int32(0)) for _ in sizes]
-  got, clients = _run(proc, init, sizes)
+  got, clients, _ = _run(proc, init, sizes)
   for x, y in zip(tf.nest.flatten(got.global_model_weights),
                   tf.nest.flatten(want.global_model_weights)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -310,11 +315,11 @@ def test_staged_feddva_stages_shard_and_hand_over():
   decoders = [collections.OrderedDict(
       private=tuple(np.asarray(w) for w in pretrain.initial_private),
       rounds_participated=np.int32(0)) for _ in sizes]
-  want_state, want_clients = _run(pretrain, decoders, sizes, typed=False)
+  want_state, want_clients, _ = _run(pretrain, decoders, sizes, typed=False)
   again = _build('feddva', pretrain_rounds=2, dim=2, channels='2,2,2,3',
                  hidden=5).stages[0].process
-  got_state, got_clients = _run(sharded.ShardedProcess(again, 2), decoders,
-                                sizes, typed=False)
+  got_state, got_clients, _ = _run(sharded.ShardedProcess(again, 2),
+                                   decoders, sizes, typed=False)
   _close(got_state.global_model_weights, want_state.global_model_weights,
          'feddva pretrain server weights')
   for u, (got, want) in enumerate(zip(got_clients, want_clients)):
