@@ -37,9 +37,14 @@ Parts, with who owns them:
 * Private non-trainable state: `positive_index`, the sub-population the client
   identifies from its own data (the type that is most frequent among its
   positive samples: Algorithm 1 line 9, "identify e_p from D_u"); `head`, the
-  head assigned for the current round; and `draws`, a counter that seeds the
-  choice of the negative prototype, so that runs are reproducible and
-  resumable.
+  head assigned for the current round; and `draws` and `salt`, which seed
+  the choice of the negative prototype, so that runs are reproducible and
+  resumable. `draws` counts the client's triplet steps; `salt` is set once,
+  at the client's first participation, from the bits of its initial
+  embedding (a per-client integer, so clients draw apart). Neither depends on
+  the embedding being trained: two compilations of the same step (sharded,
+  batched, an exported SavedModel) then draw the same negatives even where
+  their float rounding differs.
 
 Assignment modes: 'prototype' (above), 'type' (the head is the client's
 `positive_index`: its true sub-population, FedEmbed-Type's upper bound; no
@@ -174,7 +179,7 @@ class SubpopulationHeads(tf.keras.layers.Layer):
 
 
 class ClientAssignment(tf.keras.layers.Layer):
-  """Private non-trainable state: positive sub-population, head, draw counter."""
+  """Private non-trainable state: positive sub-population, head, draw seed."""
 
   def build(self, input_shape):
     def scalar(name):
@@ -183,6 +188,7 @@ class ClientAssignment(tf.keras.layers.Layer):
     self.positive_index = scalar('positive_index')
     self.head = scalar('head')
     self.draws = scalar('draws')
+    self.salt = scalar('salt')
     super().build(input_shape)
 
   def call(self, x):
@@ -438,7 +444,7 @@ def build_fedembed_model(
   outputs['features'] = z  # what the heads see (PFedKM's probe reads it)
   model = tf.keras.Model(x, outputs)
   private.extend([assignment.positive_index, assignment.head,
-                  assignment.draws])
+                  assignment.draws, assignment.salt])
 
   ce = tf.keras.losses.sparse_categorical_crossentropy
 
@@ -452,8 +458,7 @@ def build_fedembed_model(
                                 from_logits=True))
     if prototypes is not None and k > 1:
       p = assignment.positive_index
-      seed = tf.stack([assignment.draws,
-                       tf.bitcast(personal.embedding[0], tf.int32)])
+      seed = tf.stack([assignment.draws, assignment.salt])
       offset = tf.random.stateless_uniform([], seed, minval=1, maxval=k,
                                            dtype=tf.int32)
       n = tf.math.floormod(p + offset, k)
@@ -470,6 +475,13 @@ def build_fedembed_model(
     assignment.positive_index.assign(identify_positive_subpopulation(
         dataset, k))
     if prototypes is not None:
+      # The first participation fixes the salt (odd, so never 0 again) from
+      # the embedding as the initial-state function made it.
+      assignment.salt.assign(tf.where(
+          tf.equal(assignment.salt, 0),
+          tf.bitwise.bitwise_or(tf.bitcast(personal.embedding[0], tf.int32),
+                                1),
+          assignment.salt))
       if k > 1 and config.assignment_triplet_steps:
         personal.embedding.assign(triplet_steps(
             personal.embedding, prototypes.vectors,
