@@ -29,7 +29,8 @@ from tff_personal.core import training_loop
 
 
 def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
-                       num_shards: int, eval_ids=None):
+                       num_shards: int, eval_ids=None,
+                       traced: Optional[dict] = None):
   """`(evaluate, eval_ids, eval_data_fn)` for `proc`'s state on `task`.
 
   `evaluate(state, datasets_fn, ids=eval_ids, fine_tune=config.eval_fine_tune,
@@ -40,6 +41,11 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   clients evaluated by default (None: `config.eval_clients` of them drawn
   by the seed, `eval_client_ids`). Shared by training (`train`)
   and re-evaluation (`evaluate_experiment`).
+
+  `traced`: a dict shared by the evaluators of one process and config on
+  views of one task (e.g. the groups of a per-group stage): the first call
+  fills it with the traced evaluation computations, later calls reuse them
+  instead of tracing them again.
   """
   weights_type = proc.model_weights_type
   model_fn = getattr(proc, 'eval_model_fn', proc.model_fn)
@@ -60,29 +66,36 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   batches_train = bool(num_shards) and hasattr(task, 'train_batches')
   fine_tune_train_fn = (task.train_batches if batches_train else
                         task.train_datasets)
-  if num_shards:  # The same per-user outputs, users packed in shards.
-    personal_eval = sharded_eval.ShardedPersonalEval(
-        model_fn, num_shards, wire=wire if batches_eval else None)
-    # Held-out test sets (test_datasets) are tf.data datasets.
-    test_eval = (sharded_eval.ShardedPersonalEval(model_fn, num_shards)
-                 if batches_eval else personal_eval)
-    fine_tune_eval = test_fine_tune_eval = None
-    if fine_tune_optimizer is not None:
-      fine_tune_eval = sharded_eval.ShardedPersonalEval(
-          model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
-          wire=wire if batches_eval else None,
-          train_wire=wire if batches_train else None)
-      test_fine_tune_eval = (sharded_eval.ShardedPersonalEval(
-          model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
-          train_wire=wire if batches_train else None)
-                             if batches_eval else fine_tune_eval)
+  if traced:
+    (personal_eval, test_eval, fine_tune_eval,
+     test_fine_tune_eval) = traced['evaluators']
   else:
-    personal_eval = test_eval = evaluation.build_personal_eval(
-        model_fn, weights_type, state_type)
-    fine_tune_eval = test_fine_tune_eval = (
-        evaluation.build_cold_start_eval(
-            model_fn, weights_type, state_type,
-            fine_tune_optimizer) if fine_tune_optimizer is not None else None)
+    if num_shards:  # The same per-user outputs, users packed in shards.
+      personal_eval = sharded_eval.ShardedPersonalEval(
+          model_fn, num_shards, wire=wire if batches_eval else None)
+      # Held-out test sets (test_datasets) are tf.data datasets.
+      test_eval = (sharded_eval.ShardedPersonalEval(model_fn, num_shards)
+                   if batches_eval else personal_eval)
+      fine_tune_eval = test_fine_tune_eval = None
+      if fine_tune_optimizer is not None:
+        fine_tune_eval = sharded_eval.ShardedPersonalEval(
+            model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
+            wire=wire if batches_eval else None,
+            train_wire=wire if batches_train else None)
+        test_fine_tune_eval = (sharded_eval.ShardedPersonalEval(
+            model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
+            train_wire=wire if batches_train else None)
+                               if batches_eval else fine_tune_eval)
+    else:
+      personal_eval = test_eval = evaluation.build_personal_eval(
+          model_fn, weights_type, state_type)
+      fine_tune_eval = test_fine_tune_eval = (
+          evaluation.build_cold_start_eval(
+              model_fn, weights_type, state_type,
+              fine_tune_optimizer) if fine_tune_optimizer is not None else None)
+    if traced is not None:
+      traced['evaluators'] = (personal_eval, test_eval, fine_tune_eval,
+                              test_fine_tune_eval)
   if eval_ids is None:
     eval_ids = eval_client_ids(task.population, config.eval_clients,
                                config.seed)

@@ -235,17 +235,22 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
       run_evaluation.curve_eval_ids(eval_ids, config.curve_eval_clients,
                                     config.seed))
   outputs, per_group, results = {}, {}, {}
+  # The groups' runs share one training form and one set of evaluators:
+  # each is traced once, not once per group.
+  form, traced = None, {}
   for name, members in groups.items():
     glog = lambda s, n=name: log_fn(f'[group {n}] {s}')
     view = task_lib.TaskSubset(task, members, name=task_lib.task_name(task))
     directory = experiment.group_directory(config, name)
     train_proc, num_shards, store, train_data_fn = _training_parts(
-        view, proc, config, dp, directory, glog)
+        view, proc, config, dp, directory, glog, form)
+    form = (train_proc, num_shards)
     local_eval = [i for i, c in enumerate(members) if c in eval_set]
     local_curve = [i for i, c in enumerate(members) if c in curve_set]
     try:
       evaluate, _, eval_data_fn = run_evaluation.personal_evaluator(
-          view, proc, config, store, num_shards, eval_ids=local_eval)
+          view, proc, config, store, num_shards, eval_ids=local_eval,
+          traced=traced)
 
       def eval_fn(state, round_num, view=view, evaluate=evaluate,
                   eval_data_fn=eval_data_fn, local_eval=local_eval,
@@ -310,14 +315,23 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
 
 
 def _training_parts(task, proc, config: experiment.ExperimentConfig, dp,
-                    directory: str, log_fn):
+                    directory: str, log_fn, form=None):
   """`(train_proc, num_shards, store, train_data_fn)` of one process run
-  in `directory` (its client-state store under `client_states/`)."""
-  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
-  # Tasks whose examples travel in a compact form (speech: uint8) say so.
-  train_proc = sharded.maybe_shard(proc, num_shards, dp,
-                                   getattr(task, 'wire_format', None),
-                                   batched=config.simulation_batched)
+  in `directory` (its client-state store under `client_states/`).
+
+  `form`: `(train_proc, num_shards)` of an earlier call on the same process,
+  config and task (a per-group stage's groups share them: the sharded form
+  traces its computations once, on first use); None: made here.
+  """
+  if form is None:
+    num_shards = sharded.resolve_num_shards(proc, config.simulation_shards,
+                                            dp)
+    # Tasks whose examples travel in a compact form (speech: uint8) say so.
+    train_proc = sharded.maybe_shard(proc, num_shards, dp,
+                                     getattr(task, 'wire_format', None),
+                                     batched=config.simulation_batched)
+  else:
+    train_proc, num_shards = form
   log_fn((f'simulation: {num_shards} shards per round'
           + (', users trained together' if config.simulation_batched
              else '')) if num_shards else
