@@ -82,7 +82,8 @@ import glob
 import hashlib
 import json
 import os
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
+import weakref
 
 from absl import flags
 import numpy as np
@@ -407,10 +408,36 @@ def _task(cfg, seed):
   """The registered `shakespeare_groups` task (built through the registry,
   so that runs on it record how it was built and share their FL stage)."""
   return task_registry.build_task(
-      'shakespeare_groups', data_dir=cfg['data_dir'], vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
+      'shakespeare_groups', data_dir=cfg['data_dir'],
+      vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
       embedding_dim=cfg['embedding_dim'], lstm_units=cfg['lstm_units'],
       lstm_layers=cfg['lstm_layers'], seed=_data_seed(cfg, seed),
       max_clients=cfg['max_clients'], local_epochs=cfg['local_epochs'])
+
+
+# The computations traced for a task's model, kept while the task lives: the
+# methods, sweeps and curves of one task build each once.
+_TRACED: dict[int, tuple] = {}  # id(task): (weak reference, {key: built})
+
+
+def _traced(task, key, build: Callable[[], tff.Computation]
+            ) -> tff.Computation:
+  """`build()`, once per `task` and `key` (tasks are not hashable)."""
+  ref, built = _TRACED.get(id(task), (None, None))
+  if ref is None or ref() is not task:
+    built = {}
+    _TRACED[id(task)] = (weakref.ref(
+        task, lambda _, i=id(task): _TRACED.pop(i, None)), built)
+  if key not in built:
+    built[key] = build()
+  return built[key]
+
+
+def _lm_evaluation(task, wtype, placement=tff.SERVER) -> tff.Computation:
+  """`group_fl.build_lm_evaluation` of the task's model, once per task."""
+  return _traced(task, ('evaluate', str(wtype), str(placement)),
+                 lambda: group_fl.build_lm_evaluation(
+                     task.model_fn, word_lm.metrics_fn, wtype, placement))
 
 
 def train_config(cfg: dict, seed: int, directory: str,
@@ -541,8 +568,7 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   group_of = dict(enumerate(task.client_groups))
 
   eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
-  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
-                                          wtype)
+  evaluate = _lm_evaluation(task, wtype)
   eval_set = set(eval_clients)
 
   def eval_global(name, weights_of):
@@ -628,22 +654,21 @@ def _personalizer(task, cfg, wtype):
   """`personalized(lr, models, key_of, clients) -> {client: sums}`: each of
   `clients` fine-tunes `models[key_of[client]]` for K_l epochs of SGD at
   `lr` on its training data, then is tested on its evaluation speeches.
-  Builds each lr's computation once."""
-  evaluate_personal = group_fl.build_lm_evaluation(
-      task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
+  Builds each lr's computation once per task (`_traced`)."""
+  evaluate_personal = _lm_evaluation(task, wtype, tff.CLIENTS)
   k_l = cfg['personalization_epochs']
   personal_train = lambda c: task.train_dataset(c, k_l, round_num=10**6)
-  built = {}
 
   def personalized(lr, models, key_of, clients):
-    if lr not in built:
-      built[lr] = group_fl.build_local_personalization(
-          task.model_fn, tff.learning.optimizers.build_sgdm(lr), wtype)
+    personalize = _traced(task, ('personalize', str(wtype), lr), lambda:
+                          group_fl.build_local_personalization(
+                              task.model_fn,
+                              tff.learning.optimizers.build_sgdm(lr), wtype))
     out = {}
     for key, weights in models.items():
       members = [c for c in clients if key_of[c] == key]
       out.update(group_fl.personalize_and_evaluate(
-          built[lr], evaluate_personal, weights, members, personal_train,
+          personalize, evaluate_personal, weights, members, personal_train,
           task.eval_dataset))
     return out
   return personalized
@@ -768,8 +793,7 @@ def _global_curves(task, cfg, process, directory, every, last, eval_clients,
         f'{" ..." if len(missing) > 5 else ""} ({len(missing)} of the '
         f'{len(rounds)} the learning curve needs). The run was made before '
         'it kept them: move its directory away to train it again.')
-  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
-                                          wtype)
+  evaluate = _lm_evaluation(task, wtype)
   personalized = _personalizer(task, cfg, wtype)
   pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
            for g in task.group_names}
@@ -831,8 +855,7 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
     if name == 'groupfl':
       starts['fl'] = ({ALL: fl_weights},
                       {c: ALL for c in range(task.population)})
-  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
-                                          wtype)
+  evaluate = _lm_evaluation(task, wtype)
   sums, sweep = {}, {}
   for method in ('fl',) + tuple(run[3] for run in _CONTROL_RUNS):
     models, key_of = starts[method]
@@ -919,8 +942,7 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
   every genre).
   """
   num_groups = len(task.group_names)
-  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
-                                          wtype)
+  evaluate = _lm_evaluation(task, wtype)
   personalized = _personalizer(task, cfg_t, wtype)
   pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
            for g in task.group_names}
