@@ -72,12 +72,24 @@ def _flags(tmp_path, mnist_dir, **kw):
   return values
 
 
+@pytest.fixture(scope='module')
+def finished(tmp_path_factory, mnist_dir):
+  """One finished run of `_flags`' defaults, which the tests below copy
+  (`_copy_of`) instead of each training it again."""
+  root = tmp_path_factory.mktemp('finished')
+  assert _train(root, mnist_dir) == 0
+  return root / 'ckpt'
+
+
+def _copy_of(finished, tmp_path):
+  """The finished run, copied to where `_flags(tmp_path, ...)` puts it."""
+  shutil.copytree(finished, tmp_path / 'ckpt')
+  return tmp_path / 'ckpt'
+
+
 def test_corrupt_checkpoint_is_reported_not_replaced(tmp_path, mnist_dir,
-                                                     capsys):
-  if not FLAGS.is_parsed():
-    FLAGS(['train'])
-  with flagsaver.flagsaver(**_flags(tmp_path, mnist_dir)):
-    assert train.main(['train']) == 0
+                                                     finished, capsys):
+  _copy_of(finished, tmp_path)
   ckpt = tmp_path / 'ckpt' / 'checkpoints' / 'program_state_2'
   variables = [os.path.join(d, f) for d, _, fs in os.walk(ckpt) for f in fs
                if 'variables.data' in f]
@@ -142,10 +154,11 @@ def _truncate(path):
     f.truncate(0)
 
 
-def test_resume_without_run_config_is_refused(tmp_path, mnist_dir, capsys):
+def test_resume_without_run_config_is_refused(tmp_path, mnist_dir, finished,
+                                             capsys):
   """Without its record a resumed run cannot be checked: even a resume that
   names the other client-state backend would start every user afresh."""
-  assert _train(tmp_path, mnist_dir, client_state_backend='memory') == 0
+  _copy_of(finished, tmp_path)
   os.remove(tmp_path / 'ckpt' / 'run_config.json')
   before = files.tree_digest(tmp_path / 'ckpt')
   for backend in ('memory', 'sqlite'):
@@ -244,9 +257,9 @@ def test_resume_after_a_kill_in_evaluation_releases_what_was_lost(
       float(last['train/loss']))
 
 
-def test_resuming_a_finished_run_changes_nothing(tmp_path, mnist_dir, capsys):
-  assert _train(tmp_path, mnist_dir) == 0
-  run = tmp_path / 'ckpt'
+def test_resuming_a_finished_run_changes_nothing(tmp_path, mnist_dir, finished,
+                                                capsys):
+  run = _copy_of(finished, tmp_path)
   _strict_json(run / 'summary.json')
   before = files.tree_digest(run)
   capsys.readouterr()
@@ -308,9 +321,8 @@ def test_a_round_where_every_client_diverged_fails_loudly(tmp_path, mnist_dir,
   assert not (tmp_path / 'ckpt' / 'summary.json').exists()
 
 
-def test_unreadable_records_are_named(tmp_path, mnist_dir, capsys):
-  assert _train(tmp_path, mnist_dir) == 0
-  run = tmp_path / 'ckpt'
+def test_unreadable_records_are_named(tmp_path, mnist_dir, finished, capsys):
+  run = _copy_of(finished, tmp_path)
   for name in ('summary.json', 'run_config.json'):
     text = (run / name).read_text()
     (run / name).write_text(text[:len(text) // 2])  # Cut short by a crash.
