@@ -114,8 +114,9 @@ def test_ceiling_round_is_the_processs_round(system):
     np.testing.assert_allclose(np.asarray(c), f, rtol=1e-4, atol=1e-6)
   expected = [np.stack(column) for column in zip(
       *[private_of(s) for s in new_states])]
+  # FedEmbed: the embedding, sub-population, head, draws and salt.
   assert len(ceiling_private) == len(expected) == len(private) == (
-      0 if system == 'global' else 4)
+      0 if system == 'global' else 5)
   for c, e, before in zip(ceiling_private, expected, private):
     if e.dtype.kind == 'f':
       assert np.max(np.abs(e - before)) > 1e-4  # Trained locally.
@@ -123,9 +124,12 @@ def test_ceiling_round_is_the_processs_round(system):
     else:
       np.testing.assert_array_equal(np.asarray(c), e)
   if system == 'fedembed_prototype':
-    # The draw counter counted every local step of every client.
+    # The draw counter counted every local step of every client, and each
+    # new client fixed its salt (odd: set).
     steps = n // benchmark.BATCH_SIZE
-    np.testing.assert_array_equal(ceiling_private[-1] - private[-1], steps)
+    np.testing.assert_array_equal(ceiling_private[-2] - private[-2], steps)
+    assert not private[-1].any() and (np.asarray(ceiling_private[-1]) % 2
+                                      == 1).all()
 
 
 def test_render_markdown_ratios():
