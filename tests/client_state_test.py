@@ -322,6 +322,13 @@ def test_memory_snapshot_of_other_structure_raises(tmp_path):
   other = cs.seeded_initial_state_fn([np.zeros(3, np.float64)], SEED)
   with pytest.raises(cs.StructureMismatchError, match='client_states_1.npz'):
     cs.InMemoryClientStateStore(other, ckpt).rollback(1)
+  # A template with more leaves than the snapshot (a model that gained a
+  # private tensor) is a structure mismatch too, not a corrupt snapshot.
+  more = cs.seeded_initial_state_fn(
+      dict(make_template(), extra=np.zeros(2, np.int32)), SEED)
+  with pytest.raises(cs.StructureMismatchError,
+                     match='client_states_1.npz.*another structure'):
+    cs.InMemoryClientStateStore(more, ckpt).rollback(1)
 
 
 def test_sqlite_reopen_with_other_structure_raises(tmp_path):

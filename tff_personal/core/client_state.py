@@ -350,6 +350,16 @@ class InMemoryClientStateStore(ClientStateStore):
           f'{type(e).__name__}: {e}') from e
     try:
       signature = str(data['signature'])
+    except KeyError as e:
+      raise CorruptStateError(
+          f'Client-state snapshot {path} lacks entry {e}.') from e
+    # Before the leaves: a snapshot of another structure (e.g. written by a
+    # model with fewer private tensors) is named as such, not as corrupt.
+    if signature != codec.signature():
+      raise StructureMismatchError(
+          f'Client-state snapshot {path} was written for another structure: '
+          f'{signature} vs. the template {codec.signature()}.')
+    try:
       stored_round = int(data['round'])
       client_ids = data['client_ids']
       rounds = data['rounds']
@@ -357,10 +367,6 @@ class InMemoryClientStateStore(ClientStateStore):
     except KeyError as e:
       raise CorruptStateError(
           f'Client-state snapshot {path} lacks entry {e}.') from e
-    if signature != codec.signature():
-      raise StructureMismatchError(
-          f'Client-state snapshot {path} was written for another structure: '
-          f'{signature} vs. the template {codec.signature()}.')
     if stored_round != round_num:
       raise CorruptStateError(
           f'Client-state snapshot {path} holds round {stored_round}, not '
