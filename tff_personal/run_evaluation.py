@@ -28,6 +28,39 @@ from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
 
+def _evaluators(model_fn, weights_type, state_type, num_shards: int,
+                fine_tune_optimizer, batches_eval: bool, eval_wire,
+                train_wire) -> tuple:
+  """`(personal_eval, test_eval, fine_tune_eval, test_fine_tune_eval)`: the
+  traced evaluation computations of `personal_evaluator` (the fine-tuning
+  ones None without `fine_tune_optimizer`). `batches_eval`: sharded
+  evaluation reads the task's numpy batches (not its tf.data datasets);
+  `eval_wire` / `train_wire`: the wire form of those evaluation / training
+  batches (None: none)."""
+  if not num_shards:
+    personal_eval = evaluation.build_personal_eval(model_fn, weights_type,
+                                                   state_type)
+    fine_tune_eval = (evaluation.build_cold_start_eval(
+        model_fn, weights_type, state_type, fine_tune_optimizer)
+                      if fine_tune_optimizer is not None else None)
+    return personal_eval, personal_eval, fine_tune_eval, fine_tune_eval
+  # The same per-user outputs, users packed in shards.
+  personal_eval = sharded_eval.ShardedPersonalEval(model_fn, num_shards,
+                                                   wire=eval_wire)
+  # Held-out test sets (test_datasets) are tf.data datasets.
+  test_eval = (sharded_eval.ShardedPersonalEval(model_fn, num_shards)
+               if batches_eval else personal_eval)
+  if fine_tune_optimizer is None:
+    return personal_eval, test_eval, None, None
+  fine_tune_eval = sharded_eval.ShardedPersonalEval(
+      model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
+      wire=eval_wire, train_wire=train_wire)
+  test_fine_tune_eval = (sharded_eval.ShardedPersonalEval(
+      model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
+      train_wire=train_wire) if batches_eval else fine_tune_eval)
+  return personal_eval, test_eval, fine_tune_eval, test_fine_tune_eval
+
+
 def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
                        num_shards: int, eval_ids=None,
                        traced: Optional[dict] = None):
@@ -66,36 +99,16 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   batches_train = bool(num_shards) and hasattr(task, 'train_batches')
   fine_tune_train_fn = (task.train_batches if batches_train else
                         task.train_datasets)
-  if traced:
-    (personal_eval, test_eval, fine_tune_eval,
-     test_fine_tune_eval) = traced['evaluators']
-  else:
-    if num_shards:  # The same per-user outputs, users packed in shards.
-      personal_eval = sharded_eval.ShardedPersonalEval(
-          model_fn, num_shards, wire=wire if batches_eval else None)
-      # Held-out test sets (test_datasets) are tf.data datasets.
-      test_eval = (sharded_eval.ShardedPersonalEval(model_fn, num_shards)
-                   if batches_eval else personal_eval)
-      fine_tune_eval = test_fine_tune_eval = None
-      if fine_tune_optimizer is not None:
-        fine_tune_eval = sharded_eval.ShardedPersonalEval(
-            model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
-            wire=wire if batches_eval else None,
-            train_wire=wire if batches_train else None)
-        test_fine_tune_eval = (sharded_eval.ShardedPersonalEval(
-            model_fn, num_shards, fine_tune_optimizer=fine_tune_optimizer,
-            train_wire=wire if batches_train else None)
-                               if batches_eval else fine_tune_eval)
-    else:
-      personal_eval = test_eval = evaluation.build_personal_eval(
-          model_fn, weights_type, state_type)
-      fine_tune_eval = test_fine_tune_eval = (
-          evaluation.build_cold_start_eval(
-              model_fn, weights_type, state_type,
-              fine_tune_optimizer) if fine_tune_optimizer is not None else None)
+  if traced is None or 'evaluators' not in traced:
+    parts = _evaluators(model_fn, weights_type, state_type, num_shards,
+                        fine_tune_optimizer, batches_eval,
+                        wire if batches_eval else None,
+                        wire if batches_train else None)
     if traced is not None:
-      traced['evaluators'] = (personal_eval, test_eval, fine_tune_eval,
-                              test_fine_tune_eval)
+      traced['evaluators'] = parts
+  else:
+    parts = traced['evaluators']
+  personal_eval, test_eval, fine_tune_eval, test_fine_tune_eval = parts
   if eval_ids is None:
     eval_ids = eval_client_ids(task.population, config.eval_clients,
                                config.seed)
