@@ -176,7 +176,8 @@ def define_flags():
       'Training simulation: 0 runs one user per TFF client (as deployed); '
       'n > 0 runs each round\'s users in n shards inside n TFF client '
       'computations (same results, much faster; core/sharded.py); -1 (auto): '
-      'the CPU count when the algorithm supports sharding, else 0.')
+      'the CPUs this process may use ($TFF_PERSONAL_AUTO_SHARDS if set) when '
+      'the algorithm supports sharding, else 0.')
   flags.DEFINE_bool(
       'simulation_batched', False,
       'Train each shard\'s users together, weights stacked along a user '

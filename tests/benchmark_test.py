@@ -235,7 +235,8 @@ def test_two_pinned_workers_train_the_model_one_worker_trains(binary,
   out = tmp_path / 'bench'
   result = binary.run(
       [f'--output_dir={out}', '--systems=', '--cohorts=4', '--rounds=2',
-       '--worker_pairs=1', '--worker_cohort=4', '--worker_local_epochs=2'],
+       '--simulation_shards=2', '--worker_pairs=1', '--worker_cohort=4',
+       '--worker_local_epochs=2'],
       timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
   records = json.loads((out / 'benchmark.json').read_text())

@@ -10,6 +10,14 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 # (`runtime.configure_driver_threads`).
 os.environ.setdefault('TF_NUM_INTRAOP_THREADS', '1')
 os.environ.setdefault('TF_NUM_INTEROP_THREADS', str(len(os.sched_getaffinity(0))))
+# Under pytest-xdist each worker is one of several processes sharing the
+# cores: an auto-sharded run (`simulation_shards=-1`) takes its share of
+# them, not all of them, so it traces one shard loop per core it can use.
+# Tests of several shards ask for them explicitly.
+if 'PYTEST_XDIST_WORKER_COUNT' in os.environ:
+  os.environ.setdefault('TFF_PERSONAL_AUTO_SHARDS', str(max(
+      1, len(os.sched_getaffinity(0)) //
+      int(os.environ['PYTEST_XDIST_WORKER_COUNT']))))
 
 import pytest  # pylint: disable=g-import-not-at-top
 

@@ -8,6 +8,7 @@ tests/stages_test.py and tests/group_stage_test.py, on their DP runs.
 """
 
 import contextlib
+import dataclasses
 import io
 import textwrap
 
@@ -160,3 +161,30 @@ def test_outside_task_is_listed_trained_and_reopened(tmp_path, mnist_dir,
   with flagsaver.flagsaver(**dict(values, task='mypkg.nosuch:make',
                                   experiment_name='x')):
     assert train.main(['train']) == 2
+
+
+def test_a_process_is_built_once_for_what_it_depends_on(mnist_dir):
+  """Runs of one task and algorithm that differ only in where, how long or
+  how they are simulated, evaluated and stored share one built process
+  (and what is traced from it); a field the process depends on, or an
+  aggregator of the caller's, builds another."""
+  def task():
+    return task_registry.build_task('label_skew_mnist', data_dir=mnist_dir,
+                                    seed=0, **_TINY_MNIST)
+  config = experiment.ExperimentConfig(
+      algorithm='fedrep', rounds=2, clients_per_round=3,
+      root_output_dir='/here', experiment_name='a', client_learning_rate=0.05)
+  built = experiment.build_process(task(), config)
+  elsewhere = dataclasses.replace(
+      config, experiment_name='b', root_output_dir='/elsewhere', rounds=5,
+      resume=True, eval_fine_tune=True, simulation_shards=0, eval_every=1)
+  # The task rebuilt by name is the same task.
+  assert experiment.build_process(task(), elsewhere) is built
+  for change in (dict(seed=1), dict(dp=_DP)):
+    assert experiment.build_process(
+        task(), dataclasses.replace(config, **change)) is not built
+  assert experiment.build_process(task(), config, aggregator=None) is not built
+  made = []
+  form = lambda: made.append(1) or object()
+  assert experiment.derived(built, 'form', form) is experiment.derived(
+      built, 'form', form) and made == [1]

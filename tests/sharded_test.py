@@ -715,3 +715,14 @@ def test_concurrent_shard_loops_each_run_their_own_trace_and_variables():
     assert float(loss) == float(want_loss)
     np.testing.assert_array_equal(grad, want_grad)
   assert len(traces) == 3  # Not traced again in the threads.
+
+
+def test_auto_shard_count_takes_the_environment_s_share(monkeypatch):
+  monkeypatch.setenv(sharded.AUTO_SHARDS_VAR, '3')
+  assert sharded.auto_shard_count() == 3
+  monkeypatch.delenv(sharded.AUTO_SHARDS_VAR)
+  assert sharded.auto_shard_count() == min(len(os.sched_getaffinity(0)), 8)
+  for bad in ('0', '-2', 'two'):
+    monkeypatch.setenv(sharded.AUTO_SHARDS_VAR, bad)
+    with pytest.raises(ValueError, match=sharded.AUTO_SHARDS_VAR):
+      sharded.auto_shard_count()

@@ -10,10 +10,12 @@ from absl import flags
 from absl.testing import flagsaver
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from binaries import train
 from tests import files
 from tff_personal import run_evaluation
+from tff_personal import runs
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
@@ -85,6 +87,24 @@ def _copy_of(finished, tmp_path):
   """The finished run, copied to where `_flags(tmp_path, ...)` puts it."""
   shutil.copytree(finished, tmp_path / 'ckpt')
   return tmp_path / 'ckpt'
+
+
+def test_a_checkpoint_read_again_is_read_from_disk_once_it_changed(
+    tmp_path, finished):
+  """`load_checkpoint` keeps what it read, as long as the files are the
+  same: a checkpoint replaced in place (as a resume rewrites the rounds
+  after the store's) is read again."""
+  run_dir = str(_copy_of(finished, tmp_path))
+  proc = runs.Run.open(run_dir).process()
+  first = training_loop.load_checkpoint(proc, run_dir, 2)
+  for a, b in zip(tf.nest.flatten(first), tf.nest.flatten(
+      training_loop.load_checkpoint(proc, run_dir, 2)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  ckpts = tmp_path / 'ckpt' / 'checkpoints'
+  shutil.rmtree(ckpts / 'program_state_2')
+  shutil.copytree(ckpts / 'program_state_1', ckpts / 'program_state_2')
+  with pytest.raises(training_loop.CheckpointError, match='holds round 1'):
+    training_loop.load_checkpoint(proc, run_dir, 2)
 
 
 def test_corrupt_checkpoint_is_reported_not_replaced(tmp_path, mnist_dir,

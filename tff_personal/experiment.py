@@ -13,10 +13,13 @@ needs, `algorithms/registry.py`); the process says how it is evaluated
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +32,7 @@ from tff_personal.core import options as options_lib
 from tff_personal.core import private_noise
 from tff_personal.core import privacy
 from tff_personal.core import stages as stages_lib
+from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
 
@@ -272,9 +276,61 @@ def private_noise_of(config: ExperimentConfig, dp: privacy.DPConfig
 FROM_CONFIG = 'from_config'
 
 
+# Processes built with the aggregator `config.dp` describes, the most
+# recent `_BUILT_MAX`, keyed by `_build_key`: a run trained again, resumed,
+# re-evaluated or opened (`runs.Run`) in the same Python process reuses the
+# process and what was made from it (`derived`), instead of tracing them
+# again. A task built by name is keyed by its build record, one built
+# directly by its id (it is held, so the id is not reused).
+_BUILT = collections.OrderedDict()
+_BUILT_MAX = 6
+# The `ExperimentConfig` fields a process does not depend on: where and how
+# long a run trains, how it is simulated, evaluated and stored. DP enters
+# the key resolved (but for its rounds, which only the accounting reads).
+_NOT_BUILT_FROM = (
+    'experiment_name', 'root_output_dir', 'resume', 'rounds',
+    'checkpoint_every', 'keep_checkpoints', 'eval_every', 'eval_clients',
+    'curve_eval_clients', 'eval_chunk', 'simulation_shards',
+    'simulation_batched', 'eval_fine_tune', 'test_fine_tune',
+    'cold_start_epochs', 'client_state_backend')
+_DERIVED = weakref.WeakKeyDictionary()
+
+
+def _build_key(task, config: ExperimentConfig, dp) -> tuple:
+  record = task_lib.build_record(task)
+  task_key = (('record', json.dumps(record, sort_keys=True, default=repr))
+              if record is not None else ('id', id(task)))
+  built_from = dataclasses.replace(config, **dict.fromkeys(_NOT_BUILT_FROM))
+  # The aggregator does not depend on the rounds the accounting covers.
+  return task_key, repr(built_from), repr(
+      dp if dp is None else dataclasses.replace(dp, rounds=None))
+
+
+def derived(process, key, build: Callable[[], Any]):
+  """`build()`, made once per `process` and `key` and kept as long as the
+  process is: a form or traced computation made from a process alone (its
+  sharded form, its evaluators), so that a process built again
+  (`build_process`'s reuse) is not traced again.
+
+  Example:
+    train = derived(proc, ('sharded', 2), lambda: ShardedProcess(proc, 2))
+  """
+  try:
+    made = _DERIVED.setdefault(process, {})
+  except TypeError:  # Not weakly referenceable: made every time.
+    return build()
+  if key not in made:
+    made[key] = build()
+  return made[key]
+
+
 def build_process(task, config: ExperimentConfig, aggregator=FROM_CONFIG,
                   dp: Optional[privacy.DPConfig] = None):
   """The configured algorithm's process on `task`, as the run trains it.
+
+  With the default aggregator, a process built before in this Python
+  process for the same task and the configuration fields it depends on is
+  returned again (the last few are kept).
 
   Args:
     task: the task (its model factories and metrics).
@@ -297,8 +353,22 @@ def build_process(task, config: ExperimentConfig, aggregator=FROM_CONFIG,
         "state is never noised (use dp_personal_heads='exempt')")
   if dp is None and (aggregator is FROM_CONFIG or noised_heads):
     dp = validate(config, task.population)
+  key = None
   if aggregator is FROM_CONFIG:
+    key = _build_key(task, config, dp)
+    if key in _BUILT:
+      _BUILT.move_to_end(key)
+      return _BUILT[key][1]
     aggregator = privacy.build_aggregator(dp)
+  built = _build(task, config, aggregator, dp, noised_heads)
+  if key is not None:
+    _BUILT[key] = (task, built)
+    while len(_BUILT) > _BUILT_MAX:
+      _BUILT.popitem(last=False)
+  return built
+
+
+def _build(task, config: ExperimentConfig, aggregator, dp, noised_heads):
   model_factory = registry.model_factory(config.algorithm, task,
                                          config.algorithm_options)
   if noised_heads:

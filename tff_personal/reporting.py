@@ -597,8 +597,9 @@ def reproduce(p: Plan, flag_values: Any, root_output_dir: str,
               log_fn: Callable[[str], None] = print) -> str:
   """Runs the plan's pending cells; returns the table's markdown.
 
-  After each cell: append to results.jsonl, rewrite every table of the paper
-  (<root>/tables/<paper>/<table>.{md,csv}), print progress. A cell that raises
+  After each cell: append to results.jsonl, rewrite the table
+  (<root>/tables/<paper>/<table>.{md,csv}), print progress; at the end,
+  every table of the paper. A cell that raises
   stops the loop (finished cells stay recorded; rerun to continue).
   """
   done = len(p.cells) - len(p.pending)
@@ -627,7 +628,7 @@ def reproduce(p: Plan, flag_values: Any, root_output_dir: str,
         'seconds': round(seconds, 3), 'out_dir': out_dir,
         'finished_at': datetime.datetime.now(
             datetime.timezone.utc).isoformat(timespec='seconds')})
-    write_tables(p.results, p.module.TABLES, p.tables_dir)
+    write_tables(p.results, [p.table], p.tables_dir)
     log_fn(f'[{i}/{len(p.pending)}] {_cell_label(cell, p.table)} -> '
            f'{_fmt_metrics(metrics)} ({seconds:.1f} s)')
   write_tables(p.results, p.module.TABLES, p.tables_dir)

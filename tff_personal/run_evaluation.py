@@ -62,8 +62,7 @@ def _evaluators(model_fn, weights_type, state_type, num_shards: int,
 
 
 def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
-                       num_shards: int, eval_ids=None,
-                       traced: Optional[dict] = None):
+                       num_shards: int, eval_ids=None):
   """`(evaluate, eval_ids, eval_data_fn)` for `proc`'s state on `task`.
 
   `evaluate(state, datasets_fn, ids=eval_ids, fine_tune=config.eval_fine_tune,
@@ -75,10 +74,9 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   by the seed, `eval_client_ids`). Shared by training (`train`)
   and re-evaluation (`evaluate_experiment`).
 
-  `traced`: a dict shared by the evaluators of one process and config on
-  views of one task (e.g. the groups of a per-group stage): the first call
-  fills it with the traced evaluation computations, later calls reuse them
-  instead of tracing them again.
+  The traced evaluation computations are made once per process and
+  evaluation settings (`experiment.derived`): the groups of a per-group
+  stage, and a run evaluated again in the same Python process, reuse them.
   """
   weights_type = proc.model_weights_type
   model_fn = getattr(proc, 'eval_model_fn', proc.model_fn)
@@ -99,15 +97,18 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   batches_train = bool(num_shards) and hasattr(task, 'train_batches')
   fine_tune_train_fn = (task.train_batches if batches_train else
                         task.train_datasets)
-  if traced is None or 'evaluators' not in traced:
-    parts = _evaluators(model_fn, weights_type, state_type, num_shards,
-                        fine_tune_optimizer, batches_eval,
-                        wire if batches_eval else None,
-                        wire if batches_train else None)
-    if traced is not None:
-      traced['evaluators'] = parts
-  else:
-    parts = traced['evaluators']
+  # The optimizer is made from the config: the key holds what it reads.
+  optimizer_key = None if fine_tune_optimizer is None else (
+      getattr(proc, 'eval_fine_tune_optimizer', None) is not None,
+      config.private_learning_rate, config.client_optimizer,
+      config.client_learning_rate)
+  parts = experiment.derived(
+      proc, ('evaluators', num_shards, optimizer_key, batches_eval,
+             batches_train, repr(wire)),
+      lambda: _evaluators(model_fn, weights_type, state_type, num_shards,
+                          fine_tune_optimizer, batches_eval,
+                          wire if batches_eval else None,
+                          wire if batches_train else None))
   personal_eval, test_eval, fine_tune_eval, test_fine_tune_eval = parts
   if eval_ids is None:
     eval_ids = eval_client_ids(task.population, config.eval_clients,
@@ -350,8 +351,7 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
   # the rounds it ran (summary.json's copy is not trusted).
   run_dp = (privacy.DPConfig(**{**started['dp'], 'rounds': rounds})
             if started.get('dp') else dp)
-  built = experiment.build_process(task, config, privacy.build_aggregator(dp),
-                                   dp)
+  built = experiment.build_process(task, config, dp=dp)
   proc = stages_lib.final_process(built)
   t_start = time.perf_counter()
   if per_group and new_users is not None:

@@ -156,12 +156,6 @@ def config_from_record(record: dict, directory: str
                    f'hold a run configuration: {e}') from e
 
 
-# Processes built for runs opened in this Python process, the most recent
-# `_BUILT_MAX`: `(id(task), repr(config)) -> (task, process)` (the task is
-# held so that its id is not reused). Opening one run again (a paper reads a
-# run's checkpoints round by round) does not trace its process again.
-_BUILT: dict = {}
-_BUILT_MAX = 8
 
 
 class Run(collections.abc.Mapping):
@@ -179,6 +173,7 @@ class Run(collections.abc.Mapping):
     self._task = task
     self._summary = summary
     self._built_process = None  # Built once, when first needed.
+    self._groups = None  # The same.
 
   @classmethod
   def open(cls, directory: str, task=None) -> 'Run':
@@ -412,16 +407,11 @@ class Run(collections.abc.Mapping):
     return experiment.validate(self._config, self.task.population)
 
   def _built(self):
-    if self._built_process is None:
-      key = (id(self.task), repr(self._config))
-      cached = _BUILT.get(key)
-      if cached is None:
-        cached = (self.task, experiment.build_process(
-            self.task, self._config, dp=self._resolved_dp()))
-        _BUILT[key] = cached
-        while len(_BUILT) > _BUILT_MAX:
-          del _BUILT[next(iter(_BUILT))]
-      self._built_process = cached[1]
+    if self._built_process is None:  # Reused if built before
+      # (`experiment.build_process`): reading a run round by round does not
+      # trace its process again.
+      self._built_process = experiment.build_process(
+          self.task, self._config, dp=self._resolved_dp())
     return self._built_process
 
   def _per_group(self) -> bool:
@@ -430,11 +420,13 @@ class Run(collections.abc.Mapping):
 
   def groups(self) -> dict[str, list[int]]:
     """`{group: its client ids}` of a run whose last stage ran per group."""
-    built = self._built()
-    if not (isinstance(built, stages_lib.Staged) and built.per_group):
-      raise RunError(f'{self._config.algorithm} does not run per group')
-    return experiment.group_members(self.task, self._config,
-                                    built.stages[-1].grouping)
+    if self._groups is None:
+      built = self._built()
+      if not (isinstance(built, stages_lib.Staged) and built.per_group):
+        raise RunError(f'{self._config.algorithm} does not run per group')
+      self._groups = experiment.group_members(self.task, self._config,
+                                              built.stages[-1].grouping)
+    return {g: list(m) for g, m in self._groups.items()}
 
   def _directory_of(self, stage: Optional[str], group: Optional[str]) -> str:
     if stage is not None and group is not None:

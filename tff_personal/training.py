@@ -74,8 +74,7 @@ def train(task, config: experiment.ExperimentConfig,
   t_start = time.perf_counter()
 
   try:  # The builders check the rest of the configuration.
-    built = experiment.build_process(task, config, privacy.build_aggregator(dp),
-                                     dp)
+    built = experiment.build_process(task, config, dp=dp)
   except ValueError as e:
     raise experiment.ConfigurationError(str(e)) from e
   proc = stages_lib.final_process(built)
@@ -235,22 +234,19 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
       run_evaluation.curve_eval_ids(eval_ids, config.curve_eval_clients,
                                     config.seed))
   outputs, per_group, results = {}, {}, {}
-  # The groups' runs share one training form and one set of evaluators:
-  # each is traced once, not once per group.
-  form, traced = None, {}
+  # The groups' runs share one training form and one set of evaluators
+  # (`experiment.derived`): each is traced once, not once per group.
   for name, members in groups.items():
     glog = lambda s, n=name: log_fn(f'[group {n}] {s}')
     view = task_lib.TaskSubset(task, members, name=task_lib.task_name(task))
     directory = experiment.group_directory(config, name)
     train_proc, num_shards, store, train_data_fn = _training_parts(
-        view, proc, config, dp, directory, glog, form)
-    form = (train_proc, num_shards)
+        view, proc, config, dp, directory, glog)
     local_eval = [i for i, c in enumerate(members) if c in eval_set]
     local_curve = [i for i, c in enumerate(members) if c in curve_set]
     try:
       evaluate, _, eval_data_fn = run_evaluation.personal_evaluator(
-          view, proc, config, store, num_shards, eval_ids=local_eval,
-          traced=traced)
+          view, proc, config, store, num_shards, eval_ids=local_eval)
 
       def eval_fn(state, round_num, view=view, evaluate=evaluate,
                   eval_data_fn=eval_data_fn, local_eval=local_eval,
@@ -315,23 +311,23 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
 
 
 def _training_parts(task, proc, config: experiment.ExperimentConfig, dp,
-                    directory: str, log_fn, form=None):
+                    directory: str, log_fn):
   """`(train_proc, num_shards, store, train_data_fn)` of one process run
   in `directory` (its client-state store under `client_states/`).
 
-  `form`: `(train_proc, num_shards)` of an earlier call on the same process,
-  config and task (a per-group stage's groups share them: the sharded form
-  traces its computations once, on first use); None: made here.
+  The training form (`train_proc`, e.g. the sharded one) is made once per
+  process and settings (`experiment.derived`), so the groups of a
+  per-group stage, or a run resumed in the same Python process, trace it
+  once.
   """
-  if form is None:
-    num_shards = sharded.resolve_num_shards(proc, config.simulation_shards,
-                                            dp)
-    # Tasks whose examples travel in a compact form (speech: uint8) say so.
-    train_proc = sharded.maybe_shard(proc, num_shards, dp,
-                                     getattr(task, 'wire_format', None),
-                                     batched=config.simulation_batched)
-  else:
-    train_proc, num_shards = form
+  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
+  # Tasks whose examples travel in a compact form (speech: uint8) say so.
+  wire = getattr(task, 'wire_format', None)
+  train_proc = experiment.derived(
+      proc, ('training form', num_shards, repr(dp), repr(wire),
+             config.simulation_batched),
+      lambda: sharded.maybe_shard(proc, num_shards, dp, wire,
+                                  batched=config.simulation_batched))
   log_fn((f'simulation: {num_shards} shards per round'
           + (', users trained together' if config.simulation_batched
              else '')) if num_shards else

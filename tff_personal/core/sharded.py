@@ -100,6 +100,7 @@ from tff_personal.core import runtime
 from tff_personal.core import shard_packing
 from tff_personal.core import shard_threads
 from tff_personal.core import statistics_process
+from tff_personal.core import worker_threads
 
 # The packing of users into shards (`core/shard_packing.py`), re-exported.
 SHARD_EXAMPLES = shard_packing.SHARD_EXAMPLES
@@ -644,6 +645,28 @@ class ShardedProcess:
 
 
 AUTO = -1
+AUTO_SHARDS_VAR = 'TFF_PERSONAL_AUTO_SHARDS'
+
+
+def auto_shard_count() -> int:
+  """Shards per round of an AUTO (-1) run that can be sharded.
+
+  The value of `$TFF_PERSONAL_AUTO_SHARDS` when set (a positive count, for
+  a process that shares the machine: each of the test suite's two pytest
+  workers takes one), else the CPUs this process may run on (its affinity
+  mask), at most 8.
+
+  Raises:
+    ValueError: The variable is set to something other than a positive
+      count.
+  """
+  value = os.environ.get(AUTO_SHARDS_VAR, '')
+  if value:
+    if not value.isdigit() or int(value) < 1:
+      raise ValueError(f'{AUTO_SHARDS_VAR} must be a positive shard count, '
+                       f'got {value!r}')
+    return int(value)
+  return max(1, min(worker_threads.cpu_count(), 8))
 
 
 def _selection_is_shardable(composition: process_lib.Composition) -> bool:
@@ -654,8 +677,8 @@ def _selection_is_shardable(composition: process_lib.Composition) -> bool:
 
 def resolve_num_shards(process, requested: int,
                        dp_config: privacy.DPConfig | None = None) -> int:
-  """The shard count to use: `requested`, or for AUTO (-1) the CPU count
-  when the process can be sharded (it has a per-user client step, its
+  """The shard count to use: `requested`, or for AUTO (-1)
+  `auto_shard_count()` when the process can be sharded (it has a per-user client step, its
   selection if any is the best-scoring one, and DP if any is fixed-clip
   Gaussian), else 0 (one user per client)."""
   if requested != AUTO:
@@ -671,7 +694,7 @@ def resolve_num_shards(process, requested: int,
   if dp_config is not None and dp_config.mechanism not in (
       'none', 'gaussian_fixed'):
     return 0
-  return max(1, min(os.cpu_count() or 1, 8))
+  return auto_shard_count()
 
 
 def maybe_shard(process, num_shards: int,

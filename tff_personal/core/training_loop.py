@@ -28,12 +28,14 @@ managers used here, but its program logic has no client-state store.
 from __future__ import annotations
 
 import asyncio
+import collections
 import csv
 import dataclasses
 import json
 import math
 import os
 import time
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -372,8 +374,47 @@ def completed_round(experiment_dir: str) -> Optional[int]:
   return held_round(experiment_dir, rounds[-1]) if rounds else None
 
 
+# What `load_checkpoint` read: the structure template of each process
+# (its initial state) and the last checkpoints' server states, keyed by the
+# checkpoint files' paths, sizes, inodes and modification times and the
+# structure read. A rewritten checkpoint (resuming replaces the rounds
+# newer than the client-state store) has other files, so it is read again.
+_TEMPLATES = weakref.WeakKeyDictionary()
+_LOADED = collections.OrderedDict()
+_LOADED_MAX = 16
+
+
+def _files_key(directory: str) -> tuple:
+  out = []
+  for d, _, names in os.walk(directory):
+    for name in names:
+      st = os.stat(os.path.join(d, name))
+      out.append((os.path.join(d, name), st.st_size, st.st_ino,
+                  st.st_mtime_ns))
+  return tuple(sorted(out))
+
+
+def _template(process):
+  try:
+    template = _TEMPLATES.get(process)
+  except TypeError:  # Not weakly referenceable: no reuse.
+    return process.initialize()
+  if template is None:
+    template = process.initialize()
+    _TEMPLATES[process] = template
+  return template
+
+
+def _copied(state):
+  return tf.nest.map_structure(
+      lambda x: x.copy() if isinstance(x, np.ndarray) else x, state)
+
+
 def load_checkpoint(process, experiment_dir: str, round_num: int):
   """The server state checkpointed at `round_num`, read only.
+
+  A checkpoint read before, unchanged on disk, is not read again (the
+  last few are kept in memory; each call returns its own copy).
 
   Raises `CheckpointError` naming the directory when there is no checkpoint
   of that round or it cannot be read; nothing is written or removed (unlike
@@ -386,9 +427,15 @@ def load_checkpoint(process, experiment_dir: str, round_num: int):
     raise CheckpointError(
         f'{ckpt_dir} has no checkpoint of round {round_num} (has '
         f'{sorted(versions) or "none"})')
+  template = {'server_state': _template(process), 'round_num': 0}
+  key = (_files_key(os.path.join(ckpt_dir, f'program_state_{round_num}')),
+         repr(tf.nest.map_structure(
+             lambda x: (np.shape(x), np.asarray(x).dtype.str), template)))
+  if key in _LOADED:
+    _LOADED.move_to_end(key)
+    return _copied(_LOADED[key])
   try:
-    program_state = asyncio.run(manager.load(
-        round_num, {'server_state': process.initialize(), 'round_num': 0}))
+    program_state = asyncio.run(manager.load(round_num, template))
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(
         f'checkpoint for round {round_num} in {ckpt_dir} cannot be read '
@@ -397,7 +444,10 @@ def load_checkpoint(process, experiment_dir: str, round_num: int):
     raise CheckpointError(
         f'checkpoint directory for round {round_num} holds round '
         f'{program_state["round_num"]}; the checkpoint is inconsistent')
-  return program_state['server_state']
+  _LOADED[key] = program_state['server_state']
+  while len(_LOADED) > _LOADED_MAX:
+    _LOADED.popitem(last=False)
+  return _copied(program_state['server_state'])
 
 
 def run_training(
