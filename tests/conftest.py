@@ -49,12 +49,12 @@ def mnist_dir():
 # together, instead of one running a long file alone at the end. The other
 # files follow in their usual order; a file's tests keep their order.
 _SLOWEST_FIRST = (
-    'group_paper_test.py', 'production_test.py', 'conformance_test.py',
-    'training_loop_test.py', 'sharded_test.py', 'train_binary_test.py',
-    'fault_test.py', 'context_task_test.py', 'group_stage_test.py',
-    'feddva_paper_test.py', 'benchmark_test.py', 'evaluate_binary_test.py',
-    'stages_test.py', 'process_test.py', 'fedembed_paper_test.py',
-    'furl_paper_test.py', 'privacy_test.py', 'fedembed_baselines_test.py')
+    'conformance_test.py', 'production_test.py', 'group_paper_test.py',
+    'sharded_test.py', 'benchmark_test.py', 'group_stage_test.py',
+    'fault_test.py', 'training_loop_test.py', 'context_task_test.py',
+    'feddva_paper_test.py', 'stages_test.py', 'train_binary_test.py',
+    'furl_paper_test.py', 'fedembed_som_test.py', 'fedembed_baselines_test.py',
+    'privacy_test.py', 'feddva_process_test.py', 'batched_test.py')
 
 
 def pytest_collection_modifyitems(items):

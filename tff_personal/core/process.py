@@ -71,7 +71,9 @@ class Composition:
   `server_step` and `selection_factory` are set by
   `core/statistics_process.compose_with_server_step` (the server's
   TF step after the aggregation, and the aggregator of the clients'
-  `selected`, if any); None for plain processes.
+  `selected`, if any); None for plain processes. `client_work` is the
+  one-user TFF computation the round runs on each client (the device part
+  of its production form, `core/production.py`).
   """
   initial_model_weights: Any
   client_state_type: tff.Type
@@ -83,6 +85,7 @@ class Composition:
   client_step: Optional[Callable[[], Callable[..., Any]]]
   server_step: Optional[tff.Computation] = None
   selection_factory: Any = None
+  client_work: Optional[tff.Computation] = None
 
 
 # Shared `ModelWeights` (numpy) -> a client's private tuple.
@@ -493,7 +496,8 @@ def compose_stateful_client_process(
       client_data_type=client_work.type_signature.parameter[2],
       client_work_result_type=result_type,
       aggregator_factory=aggregator_factory, server_optimizer=server_optimizer,
-      train_metrics=train_metrics, client_step=client_step)
+      train_metrics=train_metrics, client_step=client_step,
+      client_work=client_work)
   return StatefulClientProcess(
       None, None, build_fn=build, client_state_type=client_state_type,
       aggregation_value_type=result_type.update,

@@ -168,9 +168,15 @@ def production_form(process) -> ProductionForm:
                                           clients.data)
     return new_state, measurements
 
-  device = process_lib.client_work_from_step(
-      composition.client_step, process.model_weights_type,
-      process.client_state_type, process.client_data_type)
+  # The device runs the round's own client work where it was recorded with
+  # the process's types; else the same step is traced here.
+  device = composition.client_work
+  if device is None or not device.type_signature.parameter.is_equivalent_to(
+      tff.StructType([process.model_weights_type, process.client_state_type,
+                      process.client_data_type])):
+    device = process_lib.client_work_from_step(
+        composition.client_step, process.model_weights_type,
+        process.client_state_type, process.client_data_type)
   return ProductionForm(process=process, initialize=process.initialize,
                         next=next_fn, device=device)
 

@@ -161,7 +161,8 @@ def compose_with_server_step(
       client_work_result_type=result_type,
       aggregator_factory=aggregator_factory, server_optimizer=server_optimizer,
       train_metrics=train_metrics, client_step=client_step,
-      server_step=server_step, selection_factory=selection_factory)
+      server_step=server_step, selection_factory=selection_factory,
+      client_work=client_work)
   return process_lib.StatefulClientProcess(
       parts.initialize_fn, next_fn, client_state_type=client_state_type,
       aggregation_value_type=result_type.update, model_fn=model_fn,
