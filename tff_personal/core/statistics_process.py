@@ -42,7 +42,6 @@ users, not in shards.
 
 from __future__ import annotations
 
-import collections
 from typing import Optional
 
 import numpy as np
