@@ -163,7 +163,8 @@ def test_outside_task_is_listed_trained_and_reopened(tmp_path, mnist_dir,
     assert train.main(['train']) == 2
 
 
-def test_a_process_is_built_once_for_what_it_depends_on(mnist_dir):
+def test_a_process_is_built_once_for_what_it_depends_on(mnist_dir,
+                                                         monkeypatch):
   """Runs of one task and algorithm that differ only in where, how long or
   how they are simulated, evaluated and stored share one built process
   (and what is traced from it); a field the process depends on, or an
@@ -188,3 +189,12 @@ def test_a_process_is_built_once_for_what_it_depends_on(mnist_dir):
   form = lambda: made.append(1) or object()
   assert experiment.derived(built, 'form', form) is experiment.derived(
       built, 'form', form) and made == [1]
+  # A large model's process is not kept, nor what is made from it (each
+  # holds copies of the model).
+  monkeypatch.setattr(experiment, '_KEPT_WEIGHT_BYTES', 0)
+  experiment.derived(built, 'other', form)
+  experiment.derived(built, 'other', form)
+  assert made == [1, 1, 1]
+  large = dataclasses.replace(config, seed=7)
+  assert experiment.build_process(task(), large) is not (
+      experiment.build_process(task(), large))

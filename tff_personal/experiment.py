@@ -280,10 +280,15 @@ FROM_CONFIG = 'from_config'
 # recent `_BUILT_MAX`, keyed by `_build_key`: a run trained again, resumed,
 # re-evaluated or opened (`runs.Run`) in the same Python process reuses the
 # process and what was made from it (`derived`), instead of tracing them
-# again. A task built by name is keyed by its build record, one built
-# directly by its id (it is held, so the id is not reused).
+# again. A task built by name is keyed by its build record and class (a
+# reloaded module's task is another), one built directly by its id (it is
+# held, so the id is not reused). Only processes whose model weights take
+# at most `_KEPT_WEIGHT_BYTES` are kept: what is made from a process holds
+# models of its own (a sharded form one per shard), so keeping a large
+# model's (FedPerC's GPT-2) would hold several copies of it between runs.
 _BUILT = collections.OrderedDict()
 _BUILT_MAX = 6
+_KEPT_WEIGHT_BYTES = 32 << 20
 # The `ExperimentConfig` fields a process does not depend on: where and how
 # long a run trains, how it is simulated, evaluated and stored. DP enters
 # the key resolved (but for its rounds, which only the accounting reads).
@@ -298,8 +303,8 @@ _DERIVED = weakref.WeakKeyDictionary()
 
 def _build_key(task, config: ExperimentConfig, dp) -> tuple:
   record = task_lib.build_record(task)
-  task_key = (('record', json.dumps(record, sort_keys=True, default=repr))
-              if record is not None else ('id', id(task)))
+  task_key = (('record', json.dumps(record, sort_keys=True, default=repr),
+               id(type(task))) if record is not None else ('id', id(task)))
   built_from = dataclasses.replace(config, **dict.fromkeys(_NOT_BUILT_FROM))
   # The aggregator does not depend on the rounds the accounting covers.
   return task_key, repr(built_from), repr(
@@ -310,11 +315,16 @@ def derived(process, key, build: Callable[[], Any]):
   """`build()`, made once per `process` and `key` and kept as long as the
   process is: a form or traced computation made from a process alone (its
   sharded form, its evaluators), so that a process built again
-  (`build_process`'s reuse) is not traced again.
+  (`build_process`'s reuse) is not traced again. A process whose model
+  weights take more than `_KEPT_WEIGHT_BYTES` keeps nothing (what is made
+  holds models of its own).
 
   Example:
     train = derived(proc, ('sharded', 2), lambda: ShardedProcess(proc, 2))
   """
+  size = _weight_bytes(process)
+  if size is None or size > _KEPT_WEIGHT_BYTES:  # Not kept (`_BUILT`).
+    return build()
   try:
     made = _DERIVED.setdefault(process, {})
   except TypeError:  # Not weakly referenceable: made every time.
@@ -361,11 +371,27 @@ def build_process(task, config: ExperimentConfig, aggregator=FROM_CONFIG,
       return _BUILT[key][1]
     aggregator = privacy.build_aggregator(dp)
   built = _build(task, config, aggregator, dp, noised_heads)
-  if key is not None:
+  size = _weight_bytes(built)
+  if key is not None and size is not None and size <= _KEPT_WEIGHT_BYTES:
     _BUILT[key] = (task, built)
     while len(_BUILT) > _BUILT_MAX:
       _BUILT.popitem(last=False)
   return built
+
+
+def _weight_bytes(built) -> Optional[int]:
+  """The bytes of `built`'s initial model weights (every stage's), or
+  None where a process does not record them."""
+  processes = ([s.process for s in built.stages]
+               if isinstance(built, stages_lib.Staged) else [built])
+  total = 0
+  for proc in processes:
+    composition = getattr(proc, 'composition', None)
+    if composition is None:
+      return None
+    total += sum(np.asarray(w).nbytes for w in tf.nest.flatten(
+        composition.initial_model_weights))
+  return total
 
 
 def _build(task, config: ExperimentConfig, aggregator, dp, noised_heads):

@@ -382,6 +382,11 @@ def completed_round(experiment_dir: str) -> Optional[int]:
 _TEMPLATES = weakref.WeakKeyDictionary()
 _LOADED = collections.OrderedDict()
 _LOADED_MAX = 16
+_LOADED_BYTES = 64 << 20  # At most this much of server states is kept.
+
+
+def _nbytes(state) -> int:
+  return sum(np.asarray(x).nbytes for x in tf.nest.flatten(state))
 
 
 def _files_key(directory: str) -> tuple:
@@ -401,7 +406,8 @@ def _template(process):
     return process.initialize()
   if template is None:
     template = process.initialize()
-    _TEMPLATES[process] = template
+    if _nbytes(template) <= _LOADED_BYTES:
+      _TEMPLATES[process] = template
   return template
 
 
@@ -444,10 +450,13 @@ def load_checkpoint(process, experiment_dir: str, round_num: int):
     raise CheckpointError(
         f'checkpoint directory for round {round_num} holds round '
         f'{program_state["round_num"]}; the checkpoint is inconsistent')
-  _LOADED[key] = program_state['server_state']
-  while len(_LOADED) > _LOADED_MAX:
-    _LOADED.popitem(last=False)
-  return _copied(program_state['server_state'])
+  state = program_state['server_state']
+  if _nbytes(state) <= _LOADED_BYTES:
+    _LOADED[key] = state
+    while len(_LOADED) > _LOADED_MAX or sum(
+        _nbytes(s) for s in _LOADED.values()) > _LOADED_BYTES:
+      _LOADED.popitem(last=False)
+  return _copied(state)
 
 
 def run_training(
