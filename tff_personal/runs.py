@@ -156,8 +156,6 @@ def config_from_record(record: dict, directory: str
                    f'hold a run configuration: {e}') from e
 
 
-
-
 class Run(collections.abc.Mapping):
   """A run's directory, its record, and what can be read or done with it.
 

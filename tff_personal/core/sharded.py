@@ -678,9 +678,9 @@ def _selection_is_shardable(composition: process_lib.Composition) -> bool:
 def resolve_num_shards(process, requested: int,
                        dp_config: privacy.DPConfig | None = None) -> int:
   """The shard count to use: `requested`, or for AUTO (-1)
-  `auto_shard_count()` when the process can be sharded (it has a per-user client step, its
-  selection if any is the best-scoring one, and DP if any is fixed-clip
-  Gaussian), else 0 (one user per client)."""
+  `auto_shard_count()` when the process can be sharded (it has a per-user
+  client step, its selection if any is the best-scoring one, and DP if any
+  is fixed-clip Gaussian), else 0 (one user per client)."""
   if requested != AUTO:
     if requested < 0:
       raise ValueError(f'simulation_shards must be >= 0 or {AUTO} (auto), '

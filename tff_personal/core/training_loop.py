@@ -451,11 +451,12 @@ def load_checkpoint(process, experiment_dir: str, round_num: int):
         f'checkpoint directory for round {round_num} holds round '
         f'{program_state["round_num"]}; the checkpoint is inconsistent')
   state = program_state['server_state']
-  if _nbytes(state) <= _LOADED_BYTES:
-    _LOADED[key] = state
-    while len(_LOADED) > _LOADED_MAX or sum(
-        _nbytes(s) for s in _LOADED.values()) > _LOADED_BYTES:
-      _LOADED.popitem(last=False)
+  if _nbytes(state) > _LOADED_BYTES:
+    return state  # Not kept, so not copied.
+  _LOADED[key] = state
+  while len(_LOADED) > _LOADED_MAX or sum(
+      _nbytes(s) for s in _LOADED.values()) > _LOADED_BYTES:
+    _LOADED.popitem(last=False)
   return _copied(state)
 
 
