@@ -90,6 +90,12 @@ class FedPercConfig:
                        f'predict), got {self.max_tokens}')
 
 
+def _build(layer: tf.keras.layers.Layer, shape: tf.TensorShape) -> None:
+  with tf.name_scope(layer.name):
+    layer.build(shape)
+  layer.built = True
+
+
 class EmbeddingGenerator(tf.keras.layers.Layer):
   """FedPerC Appendix A: a transformer decoder block that updates an embedding.
 
@@ -103,8 +109,9 @@ class EmbeddingGenerator(tf.keras.layers.Layer):
 
   and the final e_T is the utterance's generated embedding. Padding steps
   leave e unchanged. Keras' `MultiHeadAttention` and `LayerNormalization` do
-  the work; the recurrence over time steps is a `tf.while_loop` (the layers
-  are built before, by the model's constructor).
+  the work; the recurrence over time steps is a `tf.while_loop`. The layers'
+  variables are made by `create_variables`, before any call: the loop's body
+  can create none.
   """
 
   def __init__(self, hidden_dim: int, num_heads: int, **kwargs):
@@ -112,6 +119,7 @@ class EmbeddingGenerator(tf.keras.layers.Layer):
     if hidden_dim % num_heads:
       raise ValueError(f'hidden_dim {hidden_dim} is not divisible by '
                        f'generator_heads {num_heads}')
+    self._hidden_dim = hidden_dim
     self.attention = tf.keras.layers.MultiHeadAttention(
         num_heads=num_heads, key_dim=hidden_dim // num_heads, name='attention')
     self.ln_previous = tf.keras.layers.LayerNormalization(name='ln_previous')
@@ -121,6 +129,37 @@ class EmbeddingGenerator(tf.keras.layers.Layer):
     self.ffn_in = tf.keras.layers.Dense(4 * hidden_dim, activation='gelu',
                                         name='ffn_in')
     self.ffn_out = tf.keras.layers.Dense(hidden_dim, name='ffn_out')
+
+  def create_variables(self) -> None:
+    """Makes every variable, in the order a first call would make them.
+
+    Building each layer from its input shape costs no trace of the
+    recurrence (a dummy call would trace and autograph the `tf.while_loop`,
+    about 1 s per generator in graph mode).
+    """
+    hidden = self._hidden_dim
+    vector = tf.TensorShape([None, hidden])
+    sequence = tf.TensorShape([None, None, hidden])
+    with tf.name_scope(self.name):
+      _build(self.ln_previous, vector)
+      attention = self.attention
+      with tf.name_scope(attention.name):
+        attention._build_from_signature(  # pylint: disable=protected-access
+            tf.TensorShape([None, 1, hidden]), sequence, sequence)
+        # pylint: disable=protected-access
+        _build(attention._query_dense, tf.TensorShape([None, 1, hidden]))
+        _build(attention._key_dense, sequence)
+        _build(attention._value_dense, sequence)
+        _build(attention._output_dense, tf.TensorShape(
+            [None, 1, attention._num_heads, attention._value_dim]))
+        # pylint: enable=protected-access
+      attention.built = True
+      for layer, shape in ((self.ln_attention, vector),
+                           (self.ln_middle, vector), (self.ffn_in, vector),
+                           (self.ffn_out, tf.TensorShape([None, 4 * hidden])),
+                           (self.ln_output, vector)):
+        _build(layer, shape)
+    self.built = True
 
   def call(self, initial: tf.Tensor, words: tf.Tensor,
            mask: tf.Tensor) -> tf.Tensor:
@@ -179,9 +218,8 @@ class FedPercModel:
       self.context_generator = EmbeddingGenerator(
           hidden, config.generator_heads, name='context_generator')
       tf.keras.utils.set_random_seed(seed)
-      dummy = tf.zeros([1, 2, hidden])
       for generator in (self.personal_generator, self.context_generator):
-        generator(tf.zeros([1, hidden]), dummy, tf.ones([1, 2], tf.int32))
+        generator.create_variables()
         self.shared_trainable_variables.extend(generator.trainable_variables)
     if variant == SPLIT:
       self.personal_head = tf.Variable(tf.zeros([hidden, vocab]),
