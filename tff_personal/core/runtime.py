@@ -83,6 +83,7 @@ import grpc
 import portpicker
 import tensorflow_federated as tff
 
+from tff_personal.core import coroutines
 from tff_personal.core import worker_threads
 
 # TFF internals: the same pieces TFF's own `local_cpp_executor_factory` uses.
@@ -404,7 +405,7 @@ def _concurrently(calls: Sequence) -> list:
   """
   if len(calls) == 1:
     ctx, comp, arg = calls[0]
-    return [asyncio.run(ctx.invoke(comp, arg))]
+    return [coroutines.run_sync(ctx.invoke(comp, arg))]
   with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
     futures = [pool.submit(lambda c=c: asyncio.run(c[0].invoke(c[1], c[2])))
                for c in calls]
@@ -480,7 +481,7 @@ class _OrderedMergeableContext(_context_base.SyncContext):
                               for ctx, a in zip(contexts, slices)])
     merged = partials[0]
     for partial in partials[1:]:
-      merged = asyncio.run(contexts[0].invoke(
+      merged = coroutines.run_sync(contexts[0].invoke(
           form.merge, _structure.Struct.unnamed(merged, partial)))
 
     def after_arg(a):
@@ -491,7 +492,7 @@ class _OrderedMergeableContext(_context_base.SyncContext):
         result_type, lambda t: not isinstance(
             t, _computation_types.FederatedType) or t.all_equal):
       # No per-client result: every slice would return the same value.
-      return asyncio.run(contexts[0].invoke(form.after_merge,
+      return coroutines.run_sync(contexts[0].invoke(form.after_merge,
                                             after_arg(slices[0])))
     results = _concurrently([(ctx, form.after_merge, after_arg(a))
                              for ctx, a in zip(contexts, slices)])

@@ -27,7 +27,6 @@ managers used here, but its program logic has no client-state store.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import csv
 import dataclasses
@@ -45,6 +44,7 @@ import tensorflow_federated as tff
 from tff_personal import atomic_io
 from tff_personal import fault
 from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import coroutines
 
 SAMPLING_SCHEMES = ('fixed_size', 'poisson')
 
@@ -180,7 +180,7 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
   """
   for latest in reversed(versions):
     try:
-      program_state = asyncio.run(manager.load(
+      program_state = coroutines.run_sync(manager.load(
           latest, {'server_state': initial_state, 'round_num': 0}))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
@@ -330,7 +330,7 @@ def checkpoint_rounds(experiment_dir: str) -> list[int]:
   ckpt_dir = os.path.join(experiment_dir, 'checkpoints')
   if not os.path.isdir(ckpt_dir):
     return []
-  return sorted(asyncio.run(
+  return sorted(coroutines.run_sync(
       tff.program.FileProgramStateManager(ckpt_dir).get_versions()) or [])
 
 
@@ -428,7 +428,7 @@ def load_checkpoint(process, experiment_dir: str, round_num: int):
   """
   ckpt_dir = os.path.join(experiment_dir, 'checkpoints')
   manager = tff.program.FileProgramStateManager(ckpt_dir)
-  versions = asyncio.run(manager.get_versions()) or []
+  versions = coroutines.run_sync(manager.get_versions()) or []
   if round_num not in versions:
     raise CheckpointError(
         f'{ckpt_dir} has no checkpoint of round {round_num} (has '
@@ -441,7 +441,7 @@ def load_checkpoint(process, experiment_dir: str, round_num: int):
     _LOADED.move_to_end(key)
     return _copied(_LOADED[key])
   try:
-    program_state = asyncio.run(manager.load(round_num, template))
+    program_state = coroutines.run_sync(manager.load(round_num, template))
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(
         f'checkpoint for round {round_num} in {ckpt_dir} cannot be read '
@@ -508,11 +508,14 @@ def run_training(
     async def _release():
       await csv_manager.release(value, round_num)
       await tb_release[0].release(value, round_num)
-    asyncio.run(_release())
+    coroutines.run_sync(_release())
 
+  versions = coroutines.run_sync(manager.get_versions())
   if initial_state is None:
-    initial_state = process.initialize()
-  versions = asyncio.run(manager.get_versions())
+    # A resumed run reads its state; the template only gives its structure
+    # (the one `load_checkpoint` keeps, so a process initializes once).
+    initial_state = (_template(process) if versions else
+                     process.initialize())
   resumed_from = None
   if versions:
     if not config.resume:
@@ -535,7 +538,7 @@ def run_training(
     # checkpoints and no record has lost it (`check_records`).
     if rounds_started(config.experiment_dir) is None:
       _record_rounds_started(config.experiment_dir, 0)
-    asyncio.run(manager.save(
+    coroutines.run_sync(manager.save(
         {'server_state': _to_numpy_state(state), 'round_num': 0}, 0))
     store.commit(0)
     start = 1
@@ -598,7 +601,7 @@ def run_training(
     last = round_num == config.rounds
     if last or round_num % config.checkpoint_every == 0:
       with fault.during('mid_checkpoint', tf.io.gfile, 'rename'):
-        asyncio.run(manager.save(
+        coroutines.run_sync(manager.save(
             {'server_state': _to_numpy_state(state), 'round_num': round_num},
             round_num))
       fault.point('after_checkpoint')
