@@ -45,6 +45,7 @@ from tff_personal import atomic_io
 from tff_personal import fault
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import coroutines
+from tff_personal.core import program_state as program_state_lib
 
 SAMPLING_SCHEMES = ('fixed_size', 'poisson')
 
@@ -331,7 +332,7 @@ def checkpoint_rounds(experiment_dir: str) -> list[int]:
   if not os.path.isdir(ckpt_dir):
     return []
   return sorted(coroutines.run_sync(
-      tff.program.FileProgramStateManager(ckpt_dir).get_versions()) or [])
+      program_state_lib.FileProgramStateManager(ckpt_dir).get_versions()) or [])
 
 
 # Where `tff.program.FileProgramStateManager` keeps the saved program state's
@@ -427,7 +428,7 @@ def load_checkpoint(process, experiment_dir: str, round_num: int):
   resuming, which drops checkpoints newer than the client-state store).
   """
   ckpt_dir = os.path.join(experiment_dir, 'checkpoints')
-  manager = tff.program.FileProgramStateManager(ckpt_dir)
+  manager = program_state_lib.FileProgramStateManager(ckpt_dir)
   versions = coroutines.run_sync(manager.get_versions()) or []
   if round_num not in versions:
     raise CheckpointError(
@@ -490,7 +491,7 @@ def run_training(
   """
   config.validate()
   ckpt_dir = os.path.join(config.experiment_dir, 'checkpoints')
-  manager = tff.program.FileProgramStateManager(
+  manager = program_state_lib.FileProgramStateManager(
       ckpt_dir, keep_total=config.keep_checkpoints, keep_first=False)
   train_release = tff.program.CSVFileReleaseManager(
       os.path.join(config.experiment_dir, 'train_metrics.csv'),
