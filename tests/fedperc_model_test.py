@@ -199,3 +199,32 @@ def test_fine_tune_moves_only_adaptable_variables(spec, batch):
   assert float(model.nll(batch, 0)[0]) < before
   for a, b in zip(backbone, model.backbone.get_weights()):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('graph', [False, True])
+def test_generator_variables_are_the_ones_a_first_call_makes(graph):
+  """`create_variables` makes the variables a first call would make: the
+  same order, shapes and (seeded) initial values, eagerly and in a graph."""
+
+  def make(by_call):
+    tf.keras.utils.set_random_seed(3)
+    generator = fedperc.EmbeddingGenerator(8, 2, name='generator')
+    if by_call:
+      generator(tf.zeros([1, 8]), tf.zeros([1, 2, 8]), tf.ones([1, 2]))
+    else:
+      generator.create_variables()
+    return generator.trainable_variables
+
+  def values(by_call):
+    if not graph:
+      return [v.numpy() for v in make(by_call)]
+    with tf.Graph().as_default():
+      variables = make(by_call)
+      with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        return session.run(variables)
+
+  want, got = values(True), values(False)
+  assert len(got) == len(want) == 20
+  for x, y in zip(got, want):
+    np.testing.assert_array_equal(x, y)

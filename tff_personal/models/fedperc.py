@@ -133,9 +133,10 @@ class EmbeddingGenerator(tf.keras.layers.Layer):
   def create_variables(self) -> None:
     """Makes every variable, in the order a first call would make them.
 
-    Building each layer from its input shape costs no trace of the
-    recurrence (a dummy call would trace and autograph the `tf.while_loop`,
-    about 1 s per generator in graph mode).
+    Each layer is built from its input shape, so no trace of the recurrence
+    is needed (a dummy call would trace and autograph the `tf.while_loop`,
+    which in graph mode costs more than the rest of the model's build). The
+    initial values are the ones a first call would give.
     """
     hidden = self._hidden_dim
     vector = tf.TensorShape([None, hidden])
