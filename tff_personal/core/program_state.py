@@ -68,20 +68,25 @@ def _all_variables(variables) -> bool:
              for v in _structure_utils.flatten(variables))
 
 
+def stored_name(*steps) -> str:
+  """The name of the leaf at `steps` (keys and indices from the state's
+  root) in a version's checkpoint, as TFF's module (and this manager) store
+  it: the object path from `_value`, each step escaped as TensorFlow escapes
+  it. E.g. `stored_name('round_num')`."""
+  return '/'.join(['_value'] + [_trackable_utils.escape_local_name(str(s))
+                                for s in steps] + [_VALUE_SUFFIX])
+
+
 def _keys(structure) -> list[str] | None:
-  """Each leaf's name in the checkpoint TFF's module (or ours) writes: the
-  object path from `_value`, each step escaped as TensorFlow escapes it. None
-  when a step has a '/' (TensorFlow's escaping would then not be undone by
-  name alone)."""
+  """Each leaf's `stored_name`, in `structure`'s order. None when a step has
+  a '/' (TensorFlow's escaping would then not be undone by name alone)."""
   # pylint: disable=protected-access
   filtered = _structure_utils._filter_structure(structure)
   out = []
   for path, _ in tree.flatten_with_path_up_to(filtered, structure):
-    steps = [str(step) for step in path]
-    if any('/' in step for step in steps):
+    if any('/' in str(step) for step in path):
       return None
-    out.append('/'.join(['_value'] + [_trackable_utils.escape_local_name(s)
-                                      for s in steps] + [_VALUE_SUFFIX]))
+    out.append(stored_name(*path))
   return out
 
 

@@ -335,9 +335,8 @@ def checkpoint_rounds(experiment_dir: str) -> list[int]:
       program_state_lib.FileProgramStateManager(ckpt_dir).get_versions()) or [])
 
 
-# Where `tff.program.FileProgramStateManager` keeps the saved program state's
-# 'round_num' in the checkpoint of its SavedModel.
-_ROUND_VARIABLE = '_value/round_num/.ATTRIBUTES/VARIABLE_VALUE'
+# Where a checkpoint keeps the saved program state's 'round_num'.
+_ROUND_VARIABLE = program_state_lib.stored_name('round_num')
 
 
 def held_round(experiment_dir: str, version: int) -> int:
