@@ -260,7 +260,9 @@ def test_sharded_equals_one_user_per_client_new_clients_and_reruns(
   data_fn = fedperc_testdata.datasets if _is_fedperc(name) else None
   want_state, want_clients, want_metrics = _run(base, init, sizes,
                                                 data_fn=data_fn)
-  in_shards = sharded.ShardedProcess(_build(name), 2)
+  # The sharded form of the same process: it traces its own shard loop
+  # over its own model, and shares no variable with `base`'s rounds.
+  in_shards = sharded.ShardedProcess(base, 2)
   got_state, got_clients, got_metrics = _run(in_shards, init, sizes,
                                              data_fn=data_fn)
   _close(got_state.global_model_weights, want_state.global_model_weights,

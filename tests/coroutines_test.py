@@ -2,6 +2,7 @@
 arguments, and no task of a failed call left to run in a later one."""
 
 import asyncio
+import signal
 
 import pytest
 
@@ -25,11 +26,17 @@ async def _identity(value):
 
 def test_result_is_asyncio_run_s_and_no_argument_is_formatted():
   arg = _CountsRepr()
-  assert coroutines.run_sync(_identity(arg)) is arg
-  assert arg.reprs == 0
   # What it avoids (on the main thread, where pytest runs tests): the
-  # handler `asyncio.run` replaces is formatted with the task's arguments.
-  asyncio.run(_identity(arg))
+  # handler `asyncio.run` installs, while SIGINT has Python's default one,
+  # is formatted with the task's arguments when it is replaced. (Another
+  # test in this process may have left its own handler: set the default.)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    assert coroutines.run_sync(_identity(arg)) is arg
+    assert arg.reprs == 0
+    asyncio.run(_identity(arg))
+  finally:
+    signal.signal(signal.SIGINT, previous)
   assert arg.reprs > 0
 
 
