@@ -49,7 +49,7 @@ METHODS = ('global', 'fedavg_ft', 'fedrep', 'fedper', 'lg_fedavg', 'fedbabu',
 TASKS = {
     'label_skew_mnist': ('mnist', {'num_clients': 100, 'alpha': 0.1},
                          'accuracy', 3),
-    'mnist_client_data': ('mnist', {'num_users': 1000}, 'f1', 3),
+    'mnist_client_data': ('mnist', {'num_users': 1000}, 'accuracy', 3),
     'speaker_context': ('', {}, 'accuracy', 3),
     'shakespeare_groups': ('', {'max_clients': 400}, 'perplexity', 1),
 }
@@ -147,6 +147,9 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
       log_path=os.path.join(out_dir, 'worker_binary.log')):
     run = runs.run_experiment(task, config, log_fn=lambda _: None)
   evaluated = run['eval']
+  if metric not in evaluated:
+    raise ValueError(f'benchmark: task {name!r} reports no {metric!r} '
+                     f'(TASKS); its evaluation has {sorted(evaluated)}')
   metrics = {metric: evaluated[metric],
              'seconds': time.monotonic() - start,
              'never_trained_clients': evaluated.get(
