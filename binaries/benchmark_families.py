@@ -1,8 +1,9 @@
 """The benchmark's family rows: each algorithm family on its own task.
 
 Each row is one run of `binaries.train` (the run path users run) in a
-subprocess, once sharded (`--simulation_shards=-1`) and once one user per
-TFF client (`--simulation_shards=0`), on the same task, cohort and rounds.
+subprocess, once sharded (`--simulation_shards=-1`), once one user per
+TFF client (`--simulation_shards=0`) and, for a family with a batched form,
+once batched (`--simulation_batched`), on the same task, cohort and rounds.
 Rates come from the run's `train_metrics.csv` (`round_seconds`,
 `train/num_examples`) of the stage that does the family's federated
 training, over its rounds 2 and later (round 1 includes tracing):
@@ -29,7 +30,7 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-FORMS = {'sharded': -1, 'per_client': 0}
+FORMS = {'sharded': -1, 'per_client': 0, 'batched': -1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,17 @@ class Family:
   flags: tuple[str, ...] = ()
   stage: Optional[str] = None  # None: the run itself.
   rounds_flag: str = 'rounds'  # Or an algorithm option naming the stage's.
+  batched: bool = False  # It also runs batched (`--simulation_batched`).
+
+  def forms(self) -> tuple[str, ...]:
+    return tuple(f for f in FORMS if f != 'batched' or self.batched)
 
 
 FAMILIES = {
     'ditto': Family('ditto', 'label_skew_mnist', 'mnist', 10),
     'feddva': Family('feddva', 'marked_mnist', 'mnist', 4,
                      stage='pretrain', rounds_flag='pretrain_rounds'),
-    'fedperc': Family('fedperc', 'tv_shows', '', 10),
+    'fedperc': Family('fedperc', 'tv_shows', '', 10, batched=True),
     'groupfl': Family('groupfl', 'shakespeare_groups', '', 20,
                       flags=('--task_options=max_clients=400',),
                       stage='fl', rounds_flag='fl_rounds'),
@@ -92,6 +97,8 @@ def train_command(family: Family, form: str, rounds: int, data_dir: str,
          f'--simulation_shards={FORMS[form]}', '--eval_clients=1',
          '--checkpoint_every=1000000', f'--root_output_dir={output_dir}',
          f'--experiment_name={name}', *family.flags]
+  if form == 'batched':
+    cmd.append('--simulation_batched')
   if family.rounds_flag == 'rounds':
     cmd.append(f'--rounds={rounds}')
   else:  # The timed stage's rounds; the last stage runs one round.
@@ -138,7 +145,7 @@ def run(names: Sequence[str], rounds: int, data_dir: str, output_dir: str,
                                                      'tiny_backbone'))
   for name in names:
     family = FAMILIES[name]
-    for form in FORMS:
+    for form in family.forms():
       cmd = train_command(family, form, rounds, data_dir, output_dir,
                           backbone if family.task == 'tv_shows' else None)
       log(f'{name} on {family.task}, {form}: {" ".join(cmd[1:])}')

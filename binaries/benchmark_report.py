@@ -171,11 +171,13 @@ def render_markdown(records, machine: str, command: str) -> str:
     lines += ['', 'Families, each on its own task (binaries.train; rounds 2 '
               'and later of the timed stage):', '',
               '| algorithm | task | stage | cohort | form | client updates/s '
-              '| examples/s | s/round | sharded vs per client |',
+              '| examples/s | s/round | vs per client (batched: vs '
+              'sharded) |',
               '|' + '---|' * 9]
     forms = {(r['name'], r['form']): r for r in families}
     for r in families:
-      other = forms.get((r['name'], 'per_client'), {})
+      other = forms.get((r['name'], 'sharded' if r['form'] == 'batched'
+                         else 'per_client'), {})
       examples = r.get('examples_per_s')
       lines.append(
           f"| {r['name']} | {r['workload']} | {r.get('stage') or '-'} | "
@@ -184,7 +186,7 @@ def render_markdown(records, machine: str, command: str) -> str:
           f"{r['seconds_per_round']:.3f} | " + (
               _ratio(r['client_updates_per_s'],
                      other.get('client_updates_per_s'))
-              if r['form'] == 'sharded' else '1.00x') + ' |')
+              if r['form'] in ('sharded', 'batched') else '1.00x') + ' |')
   if scale:
     lines += _scale_lines(scale)
   lines += workers
@@ -253,19 +255,24 @@ def readme_markdown(run: dict) -> str:
   if families:
     per_client = {r['name']: r for r in records
                   if r.get('form') == 'per_client'}
+    batched = {r['name']: r for r in records if r.get('form') == 'batched'}
     lines += ['' if lines else None, 'Each family on its own task, sharded '
-              'against one user per TFF client (rounds 2 and later of the '
-              'stage that trains it):', '',
+              'against one user per TFF client, and batched against '
+              'sharded where the family runs batched (rounds 2 and later '
+              'of the stage that trains it):', '',
               '| algorithm | task | cohort | sharded updates/s | per-client '
-              'updates/s | ratio |', '|---|---|---:|---:|---:|---:|']
+              'updates/s | ratio | batched updates/s | ratio |',
+              '|---|---|---:|---:|---:|---:|---:|---:|']
     for r in families:
-      other = per_client.get(r['name'], {})
-      u = other.get('client_updates_per_s')
+      u = per_client.get(r['name'], {}).get('client_updates_per_s')
+      b = batched.get(r['name'], {}).get('client_updates_per_s')
       lines.append(
           f"| {r['name']} | {r['workload']} | {r['cohort']} | "
           f"{r['client_updates_per_s']:.1f} | "
           f"{'-' if u is None else f'{u:.1f}'} | "
-          f"{_ratio(r['client_updates_per_s'], u)} |")
+          f"{_ratio(r['client_updates_per_s'], u)} | "
+          f"{'-' if b is None else f'{b:.1f}'} | "
+          f"{'-' if b is None else _ratio(b, r['client_updates_per_s'])} |")
   if scale:
     lines += _scale_lines(scale)
   lines += _worker_lines(records)

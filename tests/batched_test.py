@@ -7,7 +7,9 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedperc_testdata
 from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import registry
 from tff_personal.core import batched
 from tff_personal.core import privacy
 from tff_personal.core import shard_packing
@@ -190,3 +192,50 @@ def test_a_process_it_does_not_cover_is_refused_saying_why():
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0))
   with pytest.raises(ValueError, match='cannot run batched: .*'):
     sharded.ShardedProcess(proc, 2, batched=True)
+
+
+@pytest.mark.parametrize('optimizer', ['sgd', 'adam'])
+def test_fedperc_batched_equals_sharded_on_ragged_users(optimizer):
+  """FedPerC (embedding variant) has a batched form of its own: two rounds
+  of users of 5, 8, 3 and 6 utterances in batches of 3, in two shards,
+  give the sharded (per-user) form's server weights, personal offsets and
+  metrics. Each user starts from its own offset, so a mix-up of users
+  shows."""
+  build = lambda: registry.build_for_task(
+      'fedperc', fedperc_testdata.TASK, seed=2,
+      client_optimizer=(tff.learning.optimizers.build_sgdm(0.5)
+                        if optimizer == 'sgd' else
+                        tff.learning.optimizers.build_adam(0.01)),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0))
+  sizes = [5, 8, 3, 6]
+  rng = np.random.RandomState(3)
+  base = build()
+  init = [collections.OrderedDict(
+      private=tuple(0.1 * rng.standard_normal(np.shape(w)).astype(np.float32)
+                    for w in base.initial_private),
+      rounds_participated=np.int32(0)) for _ in sizes]
+
+  def run(proc):
+    state, states = proc.initialize(), init
+    for r in range(2):
+      state, states, metrics = proc.next(
+          state, states, fedperc_testdata.datasets(sizes, r))
+    return state, states, metrics
+
+  want = run(sharded.ShardedProcess(base, 2))
+  got = run(sharded.ShardedProcess(build(), 2, batched=True))
+  start = base.initialize().global_model_weights.trainable
+  assert max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(
+      want[0].global_model_weights.trainable, start)) > 1e-4
+  for a, b in zip(tf.nest.flatten(got[0].global_model_weights),
+                  tf.nest.flatten(want[0].global_model_weights)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  for u, (g, w) in enumerate(zip(got[1], want[1])):
+    assert not np.allclose(w['private'][0], init[u]['private'][0])
+    np.testing.assert_allclose(g['private'][0], w['private'][0], rtol=1e-4,
+                               atol=1e-6, err_msg=f'user {u}')
+    assert g['rounds_participated'] == w['rounds_participated'] == 2
+  assert sorted(got[2]['train']) == sorted(want[2]['train'])
+  for k in want[2]['train']:
+    np.testing.assert_allclose(got[2]['train'][k], want[2]['train'][k],
+                               rtol=1e-4, err_msg=k)

@@ -158,7 +158,10 @@ def test_render_markdown_ratios():
       dict(name='ditto', workload='label_skew_mnist', form='per_client',
            cohort=10, stage='', client_updates_per_s=6.0,
            examples_per_s=120.0, seconds_per_round=1.67),
-  ]
+  ] + [dict(name='fedperc', workload='tv_shows', form=form, cohort=10,
+            stage='', client_updates_per_s=rate, seconds_per_round=10 / rate)
+       for form, rate in (('sharded', 20.0), ('per_client', 10.0),
+                          ('batched', 50.0))]
   table = benchmark.render_markdown(records, 'test machine', 'cmd')
   global_row = [line for line in table.splitlines()
                 if line.startswith('| global |')][0]
@@ -178,6 +181,16 @@ def test_render_markdown_ratios():
   sharded_row = [line for line in table.splitlines()
                  if line.startswith('| ditto |') and 'sharded' in line][0]
   assert sharded_row.endswith('| 5.00x |')
+  # A batched family row is against the family's sharded form.
+  fedperc_rows = {line.split('|')[5].strip(): line
+                  for line in table.splitlines()
+                  if line.startswith('| fedperc | tv_shows |')}
+  assert fedperc_rows['sharded'].endswith('| 2.00x |')
+  assert fedperc_rows['batched'].endswith('| 2.50x |')
+  assert ('| fedperc | tv_shows | 10 | 20.0 | 10.0 | 2.00x | 50.0 | 2.50x |'
+          in summary)
+  assert '| ditto | label_skew_mnist | 10 | 30.0 | 6.0 | 5.00x | - | - |' in (
+      summary)
   scale = [dict(name='global_plus', workload='synthetic', population=p,
                 cohort=200, seconds_per_round=t, peak_rss_mib=m,
                 client_updates_per_s=200 / t)

@@ -50,6 +50,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import batched as batched_lib
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
 from tff_personal.models import fedperc
@@ -231,11 +232,14 @@ pooled_perplexity = evaluation.pooled_perplexity
 def fedperc_client_step_factory(
     model_fn: Callable[[], fedperc.FedPercModel],
     client_optimizer: tff.learning.optimizers.Optimizer,
-    proximal_mu: float) -> process_lib.ClientStepFactory:
+    proximal_mu: float, batched: bool = False
+) -> process_lib.ClientStepFactory:
   """FedPerC's per-user step: `fedperc_training.local_train` (Adam local
   steps with FedProx on the shared trainable variables); the private state
   is the personal embedding offset (generated, for the generated variant)
-  or the personal head delta."""
+  or the personal head delta. With `batched` (the `embedding` variant), the
+  step also has a batched form (`fedperc_training.batched_local_train`),
+  which `--simulation_batched` runs."""
 
   def make_step():
     model = model_fn()
@@ -250,6 +254,21 @@ def fedperc_client_step_factory(
 
     return step
 
+  def batched_trainer():
+    model = model_fn()
+    if model.config.variant != fedperc.EMBEDDING:
+      raise ValueError('batched FedPerC training covers the embedding '
+                       f'variant, not {model.config.variant!r}')
+
+    def train(weights, private, shard, decode):
+      return fedperc_training.batched_local_train(
+          model, client_optimizer, weights, private, shard, proximal_mu,
+          decode)
+
+    return train
+
+  if batched:  # `core/batched.py` runs the shard's users together with it.
+    setattr(make_step, batched_lib.BATCHED_TRAINER, batched_trainer)
   return make_step
 
 
@@ -279,8 +298,9 @@ def build_step_process(model_fn: Callable[[], fedperc.FedPercModel],
       non_trainable=tuple(np.asarray(w) for w in model.spec.weights))
   private = tuple(v.numpy() for v in model.private_variables)
   proc = process_lib.build_step_process(
-      model_fn, fedperc_client_step_factory(model_fn, client_optimizer,
-                                            proximal_mu),
+      model_fn, fedperc_client_step_factory(
+          model_fn, client_optimizer, proximal_mu,
+          batched=model.config.variant == fedperc.EMBEDDING),
       initial_weights=weights, client_state_type=client_state_type(private),
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,

@@ -24,7 +24,9 @@ dilation or groups), `ZeroPadding2D`, `LayerNormalization`, `Activation`,
 non-trainable variables and no `prepare_fn`; a loss that is the mean over a
 batch of a per-example loss (the client step's loss is applied to one
 example at a time); an element-wise `tff.learning.optimizers.Optimizer`
-(SGD, Adam, ...).
+(SGD, Adam, ...). A client step may instead declare a batched form of its
+own (`BATCHED_TRAINER`; FedPerC's embedding variant does), which
+`shard_loop` runs in place of `batched_local_train`.
 
 Example:
   model = model_fn()                       # a SplitModel, e.g. `global`'s
@@ -241,12 +243,32 @@ class BatchedResult(NamedTuple):
     metrics: `metrics_fn`'s sums over every user's examples (an empty
       dict without one; a user whose training went non-finite is counted
       in them, unlike in `split_training.local_train`).
+    new_private: per private variable, [users, ...]: each user's new
+      private state (its old one when non-finite); None when the training
+      has no private state (the client states' private part is kept).
   """
   updates: tuple
   num_examples: tf.Tensor
   loss_sum: tf.Tensor
   nonfinite: tf.Tensor
   metrics: Any
+  new_private: Optional[tuple] = None
+
+
+def stack_users(t: tf.Tensor, num_users: tf.Tensor) -> tf.Tensor:
+  """`t` repeated along a new leading user axis."""
+  return tf.tile(t[None], tf.concat(
+      [[num_users], tf.ones([t.shape.rank], tf.int32)], 0))
+
+
+def stacked_optimizer_state(optimizer: tff.learning.optimizers.Optimizer,
+                            weights: Sequence[tf.Tensor], num_users):
+  """An element-wise optimizer's initial state for `weights` (one user's)
+  with every tensor but its scalars repeated along a user axis."""
+  return tf.nest.map_structure(
+      lambda t: stack_users(t, num_users) if _rank(t) else t,
+      optimizer.initialize(tuple(tf.TensorSpec(w.shape, w.dtype)
+                                 for w in weights)))
 
 
 def _rank(t) -> int:
@@ -254,7 +276,7 @@ def _rank(t) -> int:
   return t.shape.rank if tf.is_tensor(t) else 0
 
 
-def _mask_state(new, old, active):
+def mask_state(new, old, active):
   """Keeps `old` for inactive users: in the weights, and in an element-wise
   optimizer's state every tensor but its scalars (hyper-parameters and
   Adam's step, shared by all users) is shaped as the stacked weights."""
@@ -303,13 +325,8 @@ def batched_local_train(batched: BatchedModel,
   indices = shard[shard_packing.SHARD_INDICES]
   sizes = shard[shard_packing.SHARD_BATCH_SIZES]
   model = batched.model
-  stack = lambda t: tf.tile(t[None], tf.concat(
-      [[num_users], tf.ones([t.shape.rank], tf.int32)], 0))
-  weights = tuple(stack(w) for w in initial_weights)
-  opt_state = tf.nest.map_structure(
-      lambda t: stack(t) if _rank(t) else t,
-      optimizer.initialize(tuple(tf.TensorSpec(w.shape, w.dtype)
-                                 for w in initial_weights)))
+  weights = tuple(stack_users(w, num_users) for w in initial_weights)
+  opt_state = stacked_optimizer_state(optimizer, initial_weights, num_users)
   max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
   batch_width = tf.shape(indices)[2]
 
@@ -347,8 +364,8 @@ def batched_local_train(batched: BatchedModel,
     # selects, a pass over every stacked tensor each.
     new_weights, new_state = tf.cond(
         tf.reduce_all(active), lambda: (new_weights, new_state),
-        lambda: (_mask_state(new_weights, weights, active),
-                 _mask_state(new_state, opt_state, active)))
+        lambda: (mask_state(new_weights, weights, active),
+                 mask_state(new_state, opt_state, active)))
     loss_sum += tf.where(active, user_loss * tf.cast(size, tf.float32), 0.0)
     if metrics_fn is not None:
       real = tf.reshape(mask > 0, [-1])
@@ -404,15 +421,25 @@ def _metric_zeros(metrics_fn, model, batched, examples, decode):
       (k, tf.zeros(v.shape, v.dtype)) for k, v in out.items())
 
 
+# A client step factory's attribute: `() -> train(weights, private, shard,
+# decode) -> BatchedResult`, its own batched training (e.g. FedPerC's,
+# `models/fedperc_training.batched_local_train`). `private` is the stacked
+# private client states, [users, ...] per variable. Called once per trace.
+BATCHED_TRAINER = 'batched_trainer'
+
+
 def unsupported_reason(make_step) -> Optional[str]:
   """None when a process's client step can run batched, else why not.
 
   Args:
     make_step: the process's `Composition.client_step`.
   """
+  if getattr(make_step, BATCHED_TRAINER, None) is not None:
+    return None
   if not isinstance(make_step, process_lib.SplitClientStep):
-    return ('its client step is not the joint local training of a split '
-            'model (process.split_client_step_factory)')
+    return ('its client step is neither the joint local training of a '
+            'split model (process.split_client_step_factory) nor a step '
+            f'with a batched form of its own (`{BATCHED_TRAINER}`)')
   if make_step.private_optimizer is not None:
     return 'it trains private variables with an optimizer of their own'
   try:
@@ -445,14 +472,19 @@ def shard_loop(make_step: process_lib.SplitClientStep, spec,
   """
   if 'selected' in spec:
     raise ValueError('batched training does not cover a selection')
-  model = make_step.model_fn()
-  batched = BatchedModel(model)
   decode = wire.decode if wire is not None else None
+  own = getattr(make_step, BATCHED_TRAINER, None)
+  if own is not None:
+    train = own()
+  else:
+    batched = BatchedModel(make_step.model_fn())
+    train = lambda weights, private, shard, decode: batched_local_train(
+        batched, make_step.client_optimizer, tuple(weights.trainable), shard,
+        make_step.metrics_fn, decode)
 
   def run(weights, states, shard):
-    out = batched_local_train(batched, make_step.client_optimizer,
-                              tuple(weights.trainable), shard,
-                              make_step.metrics_fn, decode)
+    out = train(weights, tuple(states[process_lib.CLIENT_STATE_PRIVATE]),
+                shard, decode)
     num_users = tf.shape(shard[shard_packing.SHARD_NUM_BATCHES])[0]
     if user_clip_norm is None:
       w = tf.cast(out.num_examples, tf.float32)
@@ -476,9 +508,11 @@ def shard_loop(make_step: process_lib.SplitClientStep, spec,
     if set(metrics) != set(spec['metrics']):
       raise ValueError(f'batched metrics {sorted(metrics)} are not the '
                        f'step\'s {sorted(spec["metrics"])}')
+    private = states[process_lib.CLIENT_STATE_PRIVATE]
+    if out.new_private is not None:
+      private = tf.nest.pack_sequence_as(private, list(out.new_private))
     new_states = collections.OrderedDict([
-        (process_lib.CLIENT_STATE_PRIVATE,
-         states[process_lib.CLIENT_STATE_PRIVATE]),
+        (process_lib.CLIENT_STATE_PRIVATE, private),
         (process_lib.CLIENT_STATE_ROUNDS,
          states[process_lib.CLIENT_STATE_ROUNDS] + 1)])
     result = collections.OrderedDict(
