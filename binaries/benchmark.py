@@ -811,7 +811,8 @@ def parent_main(f) -> int:
   with open(os.path.join(f.output_dir, 'benchmark.md'), 'w') as out:
     out.write(markdown)
   print(markdown, flush=True)
-  expected = len(f.families) * len(benchmark_families.FORMS) + len(
+  expected = sum(len(benchmark_families.FAMILIES[name].forms())
+                 for name in f.families) + len(
       f.population_scale) + 3 * f.worker_pairs
   return 0 if completed == len(runs) and len(records) == (
       num_systems + expected) else 1
