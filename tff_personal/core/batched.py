@@ -449,7 +449,7 @@ def unsupported_reason(make_step) -> Optional[str]:
   return None
 
 
-def shard_loop(make_step: process_lib.SplitClientStep, spec,
+def shard_loop(make_step: process_lib.ClientStepFactory, spec,
                user_clip_norm: Optional[float] = None, wire=None,
                count_users: bool = False):
   """A shard's client work with its users trained together.
@@ -461,7 +461,9 @@ def shard_loop(make_step: process_lib.SplitClientStep, spec,
   and the user count; the stacked new client states; the summed metrics.
 
   Args:
-    make_step: the process's client step (`unsupported_reason` is None).
+    make_step: the process's client step (`unsupported_reason` is None:
+      a `process.SplitClientStep`, or a step with its own
+      `BATCHED_TRAINER`).
     spec: the tensor specs of one user's step result.
     user_clip_norm: the DP clip of each user's update, or None.
     wire: the task's `WireFormat` when the shard's examples are in it.
