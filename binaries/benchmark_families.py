@@ -50,7 +50,7 @@ class Family:
 
 
 FAMILIES = {
-    'ditto': Family('ditto', 'label_skew_mnist', 'mnist', 10),
+    'ditto': Family('ditto', 'label_skew_mnist', 'mnist', 10, batched=True),
     'feddva': Family('feddva', 'marked_mnist', 'mnist', 4,
                      stage='pretrain', rounds_flag='pretrain_rounds'),
     'fedperc': Family('fedperc', 'tv_shows', '', 10, batched=True),

@@ -183,8 +183,9 @@ def define_flags():
       'Train each shard\'s users together, weights stacked along a user '
       'axis (core/batched.py; the same results up to float rounding). '
       'Covers split-model FedAvg (global) on chains of dense, convolution '
-      'and LayerNorm layers, and FedPerC\'s embedding variant (fedperc, '
-      'fedperc_frozen); anything else is refused saying why.')
+      'and LayerNorm layers, Ditto on the same models, and FedPerC\'s '
+      'embedding variant (fedperc, fedperc_frozen); anything else is '
+      'refused saying why.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import fedperc_testdata
+from tff_personal.algorithms import ditto
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import batched
@@ -192,6 +193,54 @@ def test_a_process_it_does_not_cover_is_refused_saying_why():
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0))
   with pytest.raises(ValueError, match='cannot run batched: .*'):
     sharded.ShardedProcess(proc, 2, batched=True)
+
+
+def test_ditto_batched_equals_sharded_on_ragged_users():
+  """Ditto's batched form (both passes batched, the personal one from each
+  user's own model toward the broadcast one): two rounds of users of 5, 8,
+  3 and 6 examples in batches of 4, in two shards, give the sharded
+  form's server weights, personal models and metrics (the personal
+  pass's loss included). Each user starts from its own personal model, so a mix-up of
+  users shows."""
+  sizes = [5, 8, 3, 6]
+  build = lambda: ditto.build_ditto(
+      lambda: fedembed_mnist.build_preference_model(0, input_spec=_SPEC),
+      lam=0.5, client_optimizer=tff.learning.optimizers.build_adam(0.01),
+      personal_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      metrics_fn=_accuracy_sums, seed=0)
+  base = build()
+  personal = _perturbed(base.initial_private, len(sizes), seed=4)
+  init = [collections.OrderedDict(
+      private=tuple(p[u] for p in personal),
+      rounds_participated=np.int32(0)) for u in range(len(sizes))]
+
+  def run(proc):
+    state, states = proc.initialize(), init
+    for r in range(2):
+      rng = np.random.RandomState(r)
+      datasets = [tf.data.Dataset.from_tensor_slices(
+          {'x': rng.rand(n, 28, 28, 1).astype(np.float32),
+           'y': rng.randint(0, 2, n).astype(np.int32)}).batch(4)
+                  for n in sizes]
+      state, states, metrics = proc.next(state, states, datasets)
+    return state, states, metrics
+
+  want = run(sharded.ShardedProcess(base, 2))
+  got = run(sharded.ShardedProcess(build(), 2, batched=True))
+  for a, b in zip(tf.nest.flatten(got[0].global_model_weights),
+                  tf.nest.flatten(want[0].global_model_weights)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+  for u, (g, w) in enumerate(zip(got[1], want[1])):
+    assert not np.allclose(w['private'][0], init[u]['private'][0])
+    for a, b in zip(g['private'], w['private']):
+      np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5,
+                                 err_msg=f'user {u}')
+  assert sorted(got[2]['train']) == sorted(want[2]['train'])
+  assert want[2]['train']['personal_loss'] > 0
+  for k in want[2]['train']:
+    np.testing.assert_allclose(got[2]['train'][k], want[2]['train'][k],
+                               rtol=1e-4, err_msg=k)
 
 
 @pytest.mark.parametrize('optimizer', ['sgd', 'adam'])

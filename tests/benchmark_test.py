@@ -42,13 +42,15 @@ def test_small_run_writes_consistent_records(binary, tmp_path):
   assert [(r['name'], r['cohort']) for r in records] == [
       ('global', 4), ('global_batched', 4), ('tf_ceiling', 4),
       ('tf_ceiling_batched', 4)]
-  # The family row: binaries.train on the family's task in both forms.
+  # The family row: binaries.train on the family's task in each form.
   assert [(r['name'], r['workload'], r['form']) for r in families] == [
       ('ditto', 'label_skew_mnist', 'sharded'),
-      ('ditto', 'label_skew_mnist', 'per_client')][:2 * has_mnist]
+      ('ditto', 'label_skew_mnist', 'per_client'),
+      ('ditto', 'label_skew_mnist', 'batched')][:3 * has_mnist]
   if has_mnist:
     assert families[0]['simulation_shards'] >= 1
     assert families[1]['simulation_shards'] == 0
+    assert families[2]['simulation_shards'] >= 1
   for r in families:
     assert r['rounds'] == 2 and r['cohort'] == 10
     assert r['client_updates_per_s'] == pytest.approx(

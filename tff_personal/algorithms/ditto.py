@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import batched as batched_lib
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
 from tff_personal.core import split_training
@@ -120,7 +121,9 @@ def ditto_client_step_factory(
   """Ditto's per-user step: FedAvg's local pass, then the personal pass.
 
   The client state's private part is the personal model v_k (every
-  trainable variable of `model_fn()`'s model).
+  trainable variable of `model_fn()`'s model). The step has a batched form
+  (`core/batched.py`'s `BATCHED_TRAINER`) for the models `BatchedModel`
+  covers, which `--simulation_batched` runs.
   """
 
   def make_step():
@@ -148,6 +151,25 @@ def ditto_client_step_factory(
 
     return step
 
+  def batched_trainer():
+    batched = batched_lib.BatchedModel(model_fn())
+
+    def train(weights, private, shard, decode):
+      broadcast = tuple(weights.trainable)
+      out = batched_lib.batched_local_train(
+          batched, client_optimizer, broadcast, shard, metrics_fn, decode)
+      personal = batched_lib.batched_local_train(
+          batched, personal_optimizer, broadcast, shard, decode=decode,
+          proximal=(lam, broadcast), stacked=private)
+      metrics = collections.OrderedDict(out.metrics)
+      metrics['personal_loss_sum'] = tf.reduce_sum(personal.loss_sum)
+      return out._replace(metrics=metrics, new_private=personal.new_private)
+
+    return train
+
+  # `core/batched.py` runs a shard's users together with it: both passes
+  # are `batched_local_train`, the personal one from each user's own model.
+  setattr(make_step, batched_lib.BATCHED_TRAINER, batched_trainer)
   return make_step
 
 

@@ -25,8 +25,9 @@ non-trainable variables and no `prepare_fn`; a loss that is the mean over a
 batch of a per-example loss (the client step's loss is applied to one
 example at a time); an element-wise `tff.learning.optimizers.Optimizer`
 (SGD, Adam, ...). A client step may instead declare a batched form of its
-own (`BATCHED_TRAINER`; FedPerC's embedding variant does), which
-`shard_loop` runs in place of `batched_local_train`.
+own (`BATCHED_TRAINER`; FedPerC's embedding variant and Ditto do), which
+`shard_loop` runs in place of `batched_local_train`; the masked step loop
+every trainer shares is `train_steps`.
 
 Example:
   model = model_fn()                       # a SplitModel, e.g. `global`'s
@@ -261,16 +262,6 @@ def stack_users(t: tf.Tensor, num_users: tf.Tensor) -> tf.Tensor:
       [[num_users], tf.ones([t.shape.rank], tf.int32)], 0))
 
 
-def stacked_optimizer_state(optimizer: tff.learning.optimizers.Optimizer,
-                            weights: Sequence[tf.Tensor], num_users):
-  """An element-wise optimizer's initial state for `weights` (one user's)
-  with every tensor but its scalars repeated along a user axis."""
-  return tf.nest.map_structure(
-      lambda t: stack_users(t, num_users) if _rank(t) else t,
-      optimizer.initialize(tuple(tf.TensorSpec(w.shape, w.dtype)
-                                 for w in weights)))
-
-
 def _rank(t) -> int:
   """A tensor's rank; 0 for a Python number (an optimizer's constant)."""
   return t.shape.rank if tf.is_tensor(t) else 0
@@ -288,11 +279,120 @@ def mask_state(new, old, active):
   return tf.nest.map_structure(pick, new, old)
 
 
+def user_example_counts(shard) -> tf.Tensor:
+  """int64 [users]: the real examples in each user's batches."""
+  num_batches = shard[shard_packing.SHARD_NUM_BATCHES]
+  sizes = shard[shard_packing.SHARD_BATCH_SIZES]
+  real = tf.range(tf.shape(sizes)[1])[None, :] < num_batches[:, None]
+  return tf.cast(tf.reduce_sum(tf.where(real, sizes, 0), 1), tf.int64)
+
+
+def finite_users(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+  """bool [users]: the users whose rows of every stacked tensor are finite."""
+  return tf.reduce_all(tf.stack(
+      [tf.reduce_all(tf.math.is_finite(
+          tf.reshape(t, tf.stack([tf.shape(t)[0], -1]))), 1)
+       for t in tensors], 1), 1)
+
+
+def where_users(keep: tf.Tensor, new, old):
+  """Per user, `new`'s row where `keep` is true, else `old`'s."""
+  return tf.nest.map_structure(
+      lambda n, o: tf.where(
+          tf.reshape(keep, [-1] + [1] * (n.shape.rank - 1)), n, o), new, old)
+
+
+def train_steps(shard: Any, optimizer: tff.learning.optimizers.Optimizer,
+                weights: tuple, user_loss: Callable[..., Any],
+                decode: Callable[[Any], Any] | None = None,
+                accumulate: Callable[..., Any] | None = None,
+                sums: Any = (),
+                penalty: Callable[[tuple], tf.Tensor] | None = None):
+  """The masked local steps of a shard's users, trained together.
+
+  The loop every batched trainer shares (`batched_local_train` and the
+  client steps' own `BATCHED_TRAINER`s): step s takes each user's s-th
+  batch (its own order, `shard_packing.pack_datasets`), padded to the
+  widest; `user_loss` scores it; one gradient of the sum of the users'
+  losses is each user's own gradient, since a user's loss reads only its
+  own rows; `optimizer` (element-wise, its state stacked as the weights)
+  steps every user. A user whose batches are done keeps its weights and
+  optimizer slots (`mask_state`), so it ends where it would alone.
+
+  Args:
+    shard: one packed shard (`shard_packing.pack_datasets`).
+    optimizer: an element-wise TFF optimizer.
+    weights: the stacked trained tensors, each [users, ...].
+    user_loss: `(weights, batch, real) -> (loss [users], aux)`: `batch` is
+      the step's decoded batch with the user and example axes merged
+      ([users * width, ...], a user's rows together), `real` is float
+      [users, width], 1 on a user's real examples; `loss` is each user's
+      mean loss over its real examples (a user without any: anything
+      finite).
+    decode: the task's wire decoding of a batch, if any.
+    accumulate: optional `(sums, batch, aux, real) -> sums`, run each step.
+    sums: `accumulate`'s initial sums.
+    penalty: optional `weights -> [users]`, a regularizer added to each
+      user's loss for its gradient (a proximal term), not to its loss sum.
+
+  Returns:
+    (final stacked weights, loss sums [users] (a batch's loss times its
+    real examples, summed), the accumulated `sums`).
+  """
+  num_batches = shard[shard_packing.SHARD_NUM_BATCHES]
+  num_users = tf.shape(num_batches)[0]
+  decode = decode or (lambda b: b)
+  examples = shard[shard_packing.SHARD_EXAMPLES]
+  indices = shard[shard_packing.SHARD_INDICES]
+  sizes = shard[shard_packing.SHARD_BATCH_SIZES]
+  width = tf.shape(indices)[2]
+  flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+  opt_state = optimizer.initialize(tuple(
+      tf.TensorSpec(w.shape[1:], w.dtype) for w in weights))
+  opt_state = tf.nest.map_structure(
+      lambda t: stack_users(t, num_users) if _rank(t) else t, opt_state)
+
+  def step(s, weights, opt_state, loss_sum, sums):
+    active = s < num_batches
+    idx = indices[:, s]
+    batch = decode(tf.nest.map_structure(
+        lambda t: flat(tf.gather(t, idx, batch_dims=1)), examples))
+    size = tf.where(active, sizes[:, s], 0)
+    real = tf.cast(tf.range(width)[None, :] < size[:, None], tf.float32)
+    with tf.GradientTape() as tape:
+      tape.watch(weights)
+      loss, aux = user_loss(weights, batch, real)
+      total = tf.reduce_sum(loss)
+      if penalty is not None:
+        total += tf.reduce_sum(penalty(weights))
+    grads = tape.gradient(total, weights)
+    new_state, new_weights = optimizer.next(opt_state, weights, grads)
+    # A step where every user is active (equal users, the common case)
+    # skips the selects, a pass over every stacked tensor each.
+    new_weights, new_state = tf.cond(
+        tf.reduce_all(active), lambda: (tuple(new_weights), new_state),
+        lambda: (mask_state(tuple(new_weights), weights, active),
+                 mask_state(new_state, opt_state, active)))
+    loss_sum += tf.where(active, loss * tf.cast(size, tf.float32), 0.0)
+    if accumulate is not None:
+      sums = accumulate(sums, batch, aux, real)
+    return s + 1, new_weights, new_state, loss_sum, sums
+
+  max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
+  _, final, _, loss_sum, sums = tf.while_loop(
+      lambda s, *_: s < max_steps, step,
+      (tf.constant(0), tuple(weights), opt_state, tf.zeros([num_users]),
+       sums))
+  return final, loss_sum, sums
+
+
 def batched_local_train(batched: BatchedModel,
                         optimizer: tff.learning.optimizers.Optimizer,
                         initial_weights: Sequence[tf.Tensor],
                         shard: Any, metrics_fn=None,
-                        decode: Callable[[Any], Any] | None = None
+                        decode: Callable[[Any], Any] | None = None,
+                        proximal: tuple[float, Sequence[tf.Tensor]] | None
+                        = None, stacked: Sequence[tf.Tensor] | None = None
                         ) -> BatchedResult:
   """Every user of a packed shard trains from `initial_weights` together.
 
@@ -314,21 +414,25 @@ def batched_local_train(batched: BatchedModel,
       real examples are `BatchedResult.metrics`.
     decode: the task's wire decoding of a batch, when the shard's examples
       are in wire form (`client_data.WireFormat.decode`).
+    proximal: optional `(lam, anchors)`: each user's objective adds
+      lam / 2 * ||w - anchors||^2 (Ditto's personal objective; the loss
+      sums leave it out).
+    stacked: optional per-user starting weights, [users, ...] each, in
+      place of `initial_weights` repeated (Ditto's personal models); the
+      updates are then each user's own start minus its end.
 
   Returns:
-    A `BatchedResult`.
+    A `BatchedResult`; with `stacked`, its `new_private` is each user's
+    final weights (its starting ones when they went non-finite).
   """
-  num_batches = shard[shard_packing.SHARD_NUM_BATCHES]
-  num_users = tf.shape(num_batches)[0]
-  decode = decode or (lambda b: b)
-  examples = shard[shard_packing.SHARD_EXAMPLES]
-  indices = shard[shard_packing.SHARD_INDICES]
-  sizes = shard[shard_packing.SHARD_BATCH_SIZES]
+  num_users = tf.shape(shard[shard_packing.SHARD_NUM_BATCHES])[0]
+  width = tf.shape(shard[shard_packing.SHARD_INDICES])[2]
   model = batched.model
-  weights = tuple(stack_users(w, num_users) for w in initial_weights)
-  opt_state = stacked_optimizer_state(optimizer, initial_weights, num_users)
-  max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
-  batch_width = tf.shape(indices)[2]
+  weights = tuple(stacked) if stacked is not None else tuple(
+      stack_users(w, num_users) for w in initial_weights)
+  flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+  unflat = lambda t: tf.reshape(t, tf.concat([[num_users, width],
+                                              tf.shape(t)[1:]], 0))
 
   def per_example_loss(batch, outputs):
     return tf.vectorized_map(
@@ -336,76 +440,53 @@ def batched_local_train(batched: BatchedModel,
             tf.nest.map_structure(lambda t: t[None], e[0]), e[1][None]),
         (batch, outputs))
 
-  flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
-  unflat = lambda t: tf.reshape(t, tf.concat([[num_users, batch_width],
-                                              tf.shape(t)[1:]], 0))
+  def user_loss(weights, batch, real):
+    outputs = batched.apply(weights, unflat(batch['x']))
+    losses = tf.reshape(per_example_loss(batch, flat(outputs)),
+                        [num_users, -1])
+    return tf.reduce_sum(losses * real, 1) / tf.maximum(
+        tf.reduce_sum(real, 1), 1.0), outputs
 
-  def step(s, weights, opt_state, loss_sum, sums):
-    active = s < num_batches
-    idx = indices[:, s]
-    batch = tf.nest.map_structure(unflat, decode(tf.nest.map_structure(
-        lambda t: flat(tf.gather(t, idx, batch_dims=1)), examples)))
-    size = tf.where(active, sizes[:, s], 0)
-    mask = tf.cast(tf.range(batch_width)[None, :] < size[:, None],
-                   tf.float32)
-    count = tf.maximum(tf.reduce_sum(mask, 1), 1.0)
-    with tf.GradientTape() as tape:
-      tape.watch(weights)
-      outputs = batched.apply(weights, batch['x'])
-      losses = tf.reshape(per_example_loss(
-          tf.nest.map_structure(flat, batch), flat(outputs)),
-                          [num_users, -1])
-      user_loss = tf.reduce_sum(losses * mask, 1) / count
-      total = tf.reduce_sum(user_loss)
-    grads = tape.gradient(total, weights)
-    new_state, new_weights = optimizer.next(opt_state, weights, grads)
-    # Users whose batches are done keep their weights and slots; a step
-    # where every user is active (equal users, the common case) skips the
-    # selects, a pass over every stacked tensor each.
-    new_weights, new_state = tf.cond(
-        tf.reduce_all(active), lambda: (new_weights, new_state),
-        lambda: (mask_state(new_weights, weights, active),
-                 mask_state(new_state, opt_state, active)))
-    loss_sum += tf.where(active, user_loss * tf.cast(size, tf.float32), 0.0)
-    if metrics_fn is not None:
-      real = tf.reshape(mask > 0, [-1])
-      step_sums = metrics_fn(
-          tf.nest.map_structure(lambda t: tf.boolean_mask(flat(t), real),
-                                batch),
-          model.predict(tf.boolean_mask(flat(outputs), real)))
-      sums = collections.OrderedDict(
-          (k, sums[k] + step_sums[k]) for k in sums)
-    return s + 1, tuple(new_weights), new_state, loss_sum, sums
+  def proximal_term(weights):
+    lam, anchors = proximal
+    return 0.5 * lam * tf.add_n([
+        tf.reduce_sum(tf.reshape(tf.square(w - a[None]), [num_users, -1]), 1)
+        for w, a in zip(weights, anchors)])
 
-  _, final, _, loss_sum, sums = tf.while_loop(
-      lambda s, *_: s < max_steps, step,
-      (tf.constant(0), weights, opt_state, tf.zeros([num_users]),
-       _metric_zeros(metrics_fn, model, batched, examples, decode)))
+  def accumulate(sums, batch, outputs, real):
+    keep = tf.reshape(real > 0, [-1])
+    step_sums = metrics_fn(
+        tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), batch),
+        model.predict(tf.boolean_mask(flat(outputs), keep)))
+    return collections.OrderedDict((k, sums[k] + step_sums[k]) for k in sums)
+
+  final, loss_sum, sums = train_steps(
+      shard, optimizer, weights, user_loss, decode,
+      accumulate if metrics_fn is not None else None,
+      _metric_zeros(metrics_fn, model, batched, shard, decode),
+      proximal_term if proximal is not None else None)
   updates = tuple(w - f for f, w in zip(final, weights))
-  finite = tf.reduce_all(tf.stack(
-      [tf.reduce_all(tf.math.is_finite(tf.reshape(u, [num_users, -1])), 1)
-       for u in updates], 1), 1)
-  updates = tuple(tf.where(tf.reshape(finite, [-1] + [1] * (u.shape.rank - 1)),
-                           u, tf.zeros_like(u)) for u in updates)
-  sizes_total = tf.reduce_sum(
-      tf.where(tf.range(tf.shape(sizes)[1])[None, :] < num_batches[:, None],
-               sizes, 0), 1)
+  finite = finite_users(updates)
   return BatchedResult(
-      updates=updates,
-      num_examples=tf.where(finite, tf.cast(sizes_total, tf.int64),
+      new_private=(None if stacked is None else
+                   where_users(finite, tuple(final), weights)),
+      updates=where_users(finite, updates, tuple(
+          tf.zeros_like(u) for u in updates)),
+      num_examples=tf.where(finite, user_example_counts(shard),
                             tf.constant(0, tf.int64)),
       loss_sum=tf.where(finite, loss_sum, 0.0),
       nonfinite=tf.cast(tf.logical_not(finite), tf.int32),
       metrics=sums)
 
 
-def _metric_zeros(metrics_fn, model, batched, examples, decode):
+def _metric_zeros(metrics_fn, model, batched, shard, decode):
   """Zeros shaped as `metrics_fn`'s sums (traced on one example, not run)."""
   if metrics_fn is None:
     return collections.OrderedDict()
+  decode = decode or (lambda b: b)
   spec = tf.nest.map_structure(
       lambda t: tf.TensorSpec([None] + t.shape[2:].as_list(), t.dtype),
-      examples)
+      shard[shard_packing.SHARD_EXAMPLES])
 
   def sums(batch):
     batch = decode(batch)
@@ -423,8 +504,9 @@ def _metric_zeros(metrics_fn, model, batched, examples, decode):
 
 # A client step factory's attribute: `() -> train(weights, private, shard,
 # decode) -> BatchedResult`, its own batched training (e.g. FedPerC's,
-# `models/fedperc_training.batched_local_train`). `private` is the stacked
-# private client states, [users, ...] per variable. Called once per trace.
+# `models/fedperc_training.batched_local_train`, or Ditto's). `private` is
+# the stacked private client states, [users, ...] per variable. Called once
+# per trace; raises ValueError when it cannot cover the model.
 BATCHED_TRAINER = 'batched_trainer'
 
 
@@ -434,7 +516,13 @@ def unsupported_reason(make_step) -> Optional[str]:
   Args:
     make_step: the process's `Composition.client_step`.
   """
-  if getattr(make_step, BATCHED_TRAINER, None) is not None:
+  own = getattr(make_step, BATCHED_TRAINER, None)
+  if own is not None:
+    try:
+      with tf.Graph().as_default():
+        own()  # Builds the trainer's model, refusing what it cannot cover.
+    except ValueError as e:
+      return str(e)
     return None
   if not isinstance(make_step, process_lib.SplitClientStep):
     return ('its client step is neither the joint local training of a '

@@ -245,67 +245,38 @@ def batched_local_train(model: fedperc.FedPercModel,
     raise ValueError('batched FedPerC training covers the embedding variant, '
                      f'not {model.config.variant!r}')
   _assign(model.shared_non_trainable_variables, initial_weights.non_trainable)
-  decode = decode or (lambda b: b)
-  num_batches = shard[shard_packing.SHARD_NUM_BATCHES]
-  num_users = tf.shape(num_batches)[0]
-  examples = shard[shard_packing.SHARD_EXAMPLES]
-  indices = shard[shard_packing.SHARD_INDICES]
-  sizes = shard[shard_packing.SHARD_BATCH_SIZES]
-  width = tf.shape(indices)[2]
+  num_users = tf.shape(shard[shard_packing.SHARD_NUM_BATCHES])[0]
   (table0,) = tuple(initial_weights.trainable)
   (offset0,) = private
-  weights = (batched_lib.stack_users(table0, num_users), offset0)
-  opt_state = batched_lib.stacked_optimizer_state(
-      optimizer, (table0, offset0[0]), num_users)
-  flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
 
-  def step(s, weights, opt_state, loss_sum, counts):
-    active = s < num_batches
-    idx = indices[:, s]
-    batch = decode(tf.nest.map_structure(
-        lambda t: flat(tf.gather(t, idx, batch_dims=1)), examples))
-    size = tf.where(active, sizes[:, s], 0)
-    real = tf.cast(tf.range(width)[None, :] < size[:, None], tf.float32)
-    contexts = tf.reshape(batch['context'], [num_users, width])
-    with tf.GradientTape() as tape:
-      tape.watch(weights)
-      table, offset = weights
-      prefix = (1.0 + offset)[:, None, :] * tf.gather(table, contexts,
-                                                      batch_dims=1)
-      logits, targets, _, mask = model.logits_and_targets(
-          batch, flat(prefix))
-      nll = tf.nn.sparse_softmax_cross_entropy_with_logits(
-          labels=targets, logits=logits) * mask * tf.reshape(real, [-1, 1])
-      per_user = lambda t: tf.reduce_sum(tf.reshape(t, [num_users, -1]), 1)
-      tokens = per_user(mask * tf.reshape(real, [-1, 1]))
-      user_loss = per_user(nll) / tf.maximum(tokens, 1.0)
-      proximal = 0.5 * mu * tf.reduce_sum(
-          tf.square(table - table0[None]), [1, 2])
-      total = tf.reduce_sum(user_loss + proximal)
-    grads = tape.gradient(total, weights)
-    new_state, new_weights = optimizer.next(opt_state, weights, grads)
-    new_weights, new_state = tf.cond(
-        tf.reduce_all(active), lambda: (tuple(new_weights), new_state),
-        lambda: (batched_lib.mask_state(tuple(new_weights), weights, active),
-                 batched_lib.mask_state(new_state, opt_state, active)))
-    loss_sum += tf.where(active, user_loss * tf.cast(size, tf.float32), 0.0)
-    counts += tf.cast(size, tf.int64)
-    return s + 1, new_weights, new_state, loss_sum, counts
+  def user_loss(weights, batch, real):
+    table, offset = weights
+    contexts = tf.reshape(batch['context'], tf.shape(real))
+    prefix = (1.0 + offset)[:, None, :] * tf.gather(table, contexts,
+                                                    batch_dims=1)
+    logits, targets, _, mask = model.logits_and_targets(
+        batch, tf.reshape(prefix, [-1, tf.shape(prefix)[-1]]))
+    mask *= tf.reshape(real, [-1, 1])
+    nll = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=targets, logits=logits) * mask
+    per_user = lambda t: tf.reduce_sum(tf.reshape(t, [num_users, -1]), 1)
+    return per_user(nll) / tf.maximum(per_user(mask), 1.0), ()
 
-  max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
-  _, (table, offset), _, loss_sum, counts = tf.while_loop(
-      lambda s, *_: s < max_steps, step,
-      (tf.constant(0), weights, opt_state, tf.zeros([num_users]),
-       tf.zeros([num_users], tf.int64)))
+  def proximal(weights):  # FedProx on the shared context table.
+    return 0.5 * mu * tf.reduce_sum(tf.square(weights[0] - table0[None]),
+                                    [1, 2])
+
+  (table, offset), loss_sum, _ = batched_lib.train_steps(
+      shard, optimizer, (batched_lib.stack_users(table0, num_users), offset0),
+      user_loss, decode, penalty=proximal)
   update = table0[None] - table
-  per_user_finite = lambda t: tf.reduce_all(
-      tf.math.is_finite(tf.reshape(t, [num_users, -1])), 1)
-  finite = tf.logical_and(per_user_finite(update), per_user_finite(offset))
-  column = lambda t: tf.reshape(finite, [-1] + [1] * (t.shape.rank - 1))
+  finite = batched_lib.finite_users((update, offset))
   return batched_lib.BatchedResult(
-      updates=(tf.where(column(update), update, tf.zeros_like(update)),),
-      num_examples=tf.where(finite, counts, tf.zeros_like(counts)),
+      updates=(batched_lib.where_users(finite, update,
+                                       tf.zeros_like(update)),),
+      num_examples=tf.where(finite, batched_lib.user_example_counts(shard),
+                            tf.constant(0, tf.int64)),
       loss_sum=tf.where(finite, loss_sum, 0.0),
       nonfinite=tf.cast(tf.logical_not(finite), tf.int32),
       metrics=collections.OrderedDict(),
-      new_private=(tf.where(column(offset), offset, offset0),))
+      new_private=(batched_lib.where_users(finite, offset, offset0),))
