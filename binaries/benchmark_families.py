@@ -56,7 +56,7 @@ FAMILIES = {
     'fedperc': Family('fedperc', 'tv_shows', '', 10, batched=True),
     'groupfl': Family('groupfl', 'shakespeare_groups', '', 20,
                       flags=('--task_options=max_clients=400',),
-                      stage='fl', rounds_flag='fl_rounds'),
+                      stage='fl', rounds_flag='fl_rounds', batched=True),
     'furl': Family('furl', 'speaker_context', '', 20),
 }
 
@@ -87,7 +87,8 @@ def tiny_backbone(data_dir: str, preset_dir: str) -> str:
 def train_command(family: Family, form: str, rounds: int, data_dir: str,
                   output_dir: str, backbone: Optional[str] = None,
                   python: str = sys.executable) -> list[str]:
-  """The `binaries.train` command of one (family, form) run."""
+  """The `binaries.train` command of one (family, form) run, in its own
+  root (`form_root`), so that no form reuses a stage another trained."""
   name = f'{family.algorithm}_{form}'
   cmd = [python, '-m', 'binaries.train', f'--task={family.task}',
          f'--algorithm={family.algorithm}',
@@ -95,7 +96,8 @@ def train_command(family: Family, form: str, rounds: int, data_dir: str,
              '/'),
          f'--clients_per_round={family.clients_per_round}',
          f'--simulation_shards={FORMS[form]}', '--eval_clients=1',
-         '--checkpoint_every=1000000', f'--root_output_dir={output_dir}',
+         '--checkpoint_every=1000000',
+         f'--root_output_dir={form_root(output_dir, family, form)}',
          f'--experiment_name={name}', *family.flags]
   if form == 'batched':
     cmd.append('--simulation_batched')
@@ -107,6 +109,13 @@ def train_command(family: Family, form: str, rounds: int, data_dir: str,
     cmd.append(f'--task_options=backbone={backbone},'
                'allow_random_backbone=True')
   return cmd
+
+
+def form_root(output_dir: str, family: Family, form: str) -> str:
+  """The root output directory of one (family, form) run. Runs of one
+  algorithm share a finished stage within a root (`shared_stages/`), so
+  each form has its own: the timed stage is trained by the form timed."""
+  return os.path.join(output_dir, family.algorithm, form)
 
 
 def timed_metrics(experiment_dir: str, stage: Optional[str]) -> str:
@@ -151,7 +160,8 @@ def run(names: Sequence[str], rounds: int, data_dir: str, output_dir: str,
       log(f'{name} on {family.task}, {form}: {" ".join(cmd[1:])}')
       done = subprocess.run(cmd, capture_output=True, text=True,
                             timeout=timeout_s, check=False)
-      exp_dir = os.path.join(output_dir, f'{family.algorithm}_{form}')
+      exp_dir = os.path.join(form_root(output_dir, family, form),
+                             f'{family.algorithm}_{form}')
       path = timed_metrics(exp_dir, family.stage)
       if done.returncode != 0 or not os.path.exists(path):
         log(f'  failed: {done.stderr[-2000:]}')

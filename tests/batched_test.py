@@ -18,6 +18,7 @@ from tff_personal.core import sharded
 from tff_personal.core import split_training
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import split_model
+from tff_personal.models import word_lm
 
 
 def _mnist_model():
@@ -102,6 +103,55 @@ def test_ragged_users_train_as_they_would_alone(optimizer):
     assert float(out.loss_sum[u]) == pytest.approx(
         float(metrics['loss_sum']), rel=1e-4)
   assert out.nonfinite.numpy().tolist() == [0, 0, 0]
+
+
+def test_word_lm_users_train_as_they_would_alone():
+  """The word LSTM LM (embedding, LSTM, token-weighted loss): users of 2,
+  7 and 5 sentences of 1 to 6 real tokens, in batches of 3, each train as
+  `split_training.local_train` trains it alone: update, loss sum and the
+  token metrics. The loss pools tokens over a batch, not examples, so a
+  batch mean of per-example losses would differ."""
+  config = word_lm.WordLMConfig(vocab_size=30, seq_len=6, embedding_dim=8,
+                                lstm_units=8)
+  model_fn = word_lm.model_fn_for(config)
+  opt = tff.learning.optimizers.build_sgdm(learning_rate=0.5)
+  rng = np.random.RandomState(0)
+
+  def user(n):
+    lengths = rng.randint(1, 7, n)
+    x = rng.randint(1, 30, (n, 6)).astype(np.int32)
+    y = rng.randint(1, 30, (n, 6)).astype(np.int32)
+    for i, k in enumerate(lengths):
+      x[i, k:] = y[i, k:] = 0
+    return tf.data.Dataset.from_tensor_slices({'x': x, 'y': y}).batch(3)
+
+  datasets = [user(n) for n in (2, 7, 5)]
+  model = model_fn()
+  shard = shard_packing.pack_datasets(datasets, datasets[0].element_spec)
+  initial = tuple(tf.constant(v.numpy())
+                  for v in model.shared_trainable_variables)
+  out = tf.function(lambda s: batched.batched_local_train(
+      batched.BatchedModel(model), opt, initial, s,
+      word_lm.metrics_fn))(shard)
+  alone_model = model_fn()
+
+  @tf.function
+  def alone(dataset):
+    return split_training.local_train(
+        alone_model, opt, tff.learning.models.ModelWeights(
+            trainable=initial, non_trainable=()), (), dataset,
+        word_lm.metrics_fn)
+
+  tokens = 0.0
+  for u, dataset in enumerate(datasets):
+    update, _, _, metrics = alone(dataset)
+    assert max(np.abs(b).max() for b in update) > 1e-3  # It trained.
+    for a, b in zip(out.updates, update):
+      np.testing.assert_allclose(a[u], b, rtol=1e-3, atol=1e-6)
+    assert float(out.loss_sum[u]) == pytest.approx(
+        float(metrics['loss_sum']), rel=1e-5)
+    tokens += float(metrics['tokens'])
+  assert float(out.metrics['tokens']) == tokens
 
 
 def test_refuses_what_it_does_not_cover_by_name():

@@ -9,6 +9,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from binaries import benchmark
+from binaries import benchmark_families
 from binaries import benchmark_report
 from tests import conftest
 from tests import process_utils
@@ -69,6 +70,19 @@ def test_small_run_writes_consistent_records(binary, tmp_path):
   table = (out / 'benchmark.md').read_text()
   assert '| global | 4 |' in table and '| tf_ceiling | 4 |' in table
   assert ('| ditto | label_skew_mnist |' in table) == has_mnist
+
+
+def test_no_two_family_forms_share_a_root():
+  """A staged family's forms must each train the timed stage: runs in one
+  root reuse a finished stage (`shared_stages/`), which would time one
+  form's stage for all of them."""
+  roots = []
+  for family in benchmark_families.FAMILIES.values():
+    for form in family.forms():
+      cmd = benchmark_families.train_command(family, form, 2, '/d', '/out')
+      (root,) = [a for a in cmd if a.startswith('--root_output_dir=')]
+      roots.append(root)
+  assert len(roots) == len(set(roots))
 
 
 @pytest.mark.parametrize('system', ['global', 'fedembed_prototype'])

@@ -20,11 +20,14 @@ What it covers (anything else is refused with the layer's or the model's
 name): Keras models whose layers form a chain (nested `Sequential` or
 functional chains included) of `Dense`, `Conv2D` (channels-last, no
 dilation or groups), `ZeroPadding2D`, `LayerNormalization`, `Activation`,
-`ReLU`, `Flatten`, `MaxPooling2D` and `Dropout` at rate 0; no private or
-non-trainable variables and no `prepare_fn`; a loss that is the mean over a
-batch of a per-example loss (the client step's loss is applied to one
-example at a time); an element-wise `tff.learning.optimizers.Optimizer`
-(SGD, Adam, ...). A client step may instead declare a batched form of its
+`ReLU`, `Flatten`, `MaxPooling2D`, `Dropout` at rate 0, `Embedding`
+(without `mask_zero`) and an LSTM (`RNN(LSTMCell)` or `LSTM`, returning
+sequences, without dropout); no private or non-trainable variables and no
+`prepare_fn`; a loss that is the mean over a batch of a per-example loss
+(the client step's loss is applied to one example at a time), or one the
+model states as pooled per-example terms (`SplitModel.loss_terms_fn`, e.g.
+a language model's token-weighted loss); an element-wise
+`tff.learning.optimizers.Optimizer` (SGD, Adam, ...). A client step may instead declare a batched form of its
 own (`BATCHED_TRAINER`; FedPerC's embedding variant and Ditto do), which
 `shard_loop` runs in place of `batched_local_train`; the masked step loop
 every trainer shares is `train_steps`.
@@ -137,10 +140,24 @@ def _check_layer(layer):
   supported = (tf.keras.layers.Dense, tf.keras.layers.Conv2D,
                tf.keras.layers.LayerNormalization, tf.keras.layers.Activation,
                tf.keras.layers.ReLU, tf.keras.layers.Flatten,
-               tf.keras.layers.Dropout) + _PER_EXAMPLE
+               tf.keras.layers.Dropout, tf.keras.layers.Embedding,
+               tf.keras.layers.RNN, tf.keras.layers.LSTM) + _PER_EXAMPLE
   if type(layer) not in supported:  # pylint: disable=unidiomatic-typecheck
     raise ValueError(f'batched training does not cover layer {layer.name!r} '
                      f'({type(layer).__name__})')
+  if isinstance(layer, tf.keras.layers.Embedding) and layer.mask_zero:
+    raise ValueError(f'batched training does not cover masking embeddings '
+                     f'({layer.name!r} has mask_zero)')
+  if isinstance(layer, tf.keras.layers.RNN):
+    cell = layer.cell
+    if (type(cell) is not tf.keras.layers.LSTMCell or  # pylint: disable=unidiomatic-typecheck
+        not layer.return_sequences or layer.return_state or
+        layer.go_backwards or layer.stateful or not cell.use_bias or
+        cell.dropout or cell.recurrent_dropout):
+      raise ValueError(
+          f'batched training covers an RNN of one LSTMCell with bias, '
+          f'return_sequences and no dropout, state or reversal; '
+          f'{layer.name!r} is not')
   if isinstance(layer, tf.keras.layers.Dropout) and layer.rate != 0:
     raise ValueError(f'batched training does not cover dropout ({layer.name!r}'
                      f' has rate {layer.rate})')
@@ -216,6 +233,10 @@ def _apply_layer(layer, w, h):
     if layer.center:
       h += tf.reshape(w[i], shape)
     return h
+  if isinstance(layer, tf.keras.layers.Embedding):
+    return tf.gather(w[0], h, batch_dims=1)
+  if isinstance(layer, tf.keras.layers.RNN):
+    return _lstm(layer.cell, w, h)
   if isinstance(layer, tf.keras.layers.Flatten):
     shape = tf.shape(h)
     return tf.reshape(h, tf.concat([shape[:2], [-1]], 0))
@@ -226,6 +247,32 @@ def _apply_layer(layer, w, h):
     return _per_example(layer, h) if isinstance(layer, _PER_EXAMPLE) else (
         layer(h))
   raise AssertionError(type(layer))
+
+
+def _lstm(cell: tf.keras.layers.LSTMCell, w, h):
+  """An LSTM over h [clients, batch, time, in] with per-client weights.
+
+  `LSTMCell`'s math (its `implementation=2`: gates i, f, c, o from one
+  product), the input product for every time step in one batched matmul,
+  then one scan over time; returns every step's output [clients, batch,
+  time, units].
+  """
+  kernel, recurrent, bias = w
+  units = cell.units
+  inputs = _client_matmul(h, kernel) + bias[:, None, None, :]
+  steps = tf.transpose(inputs, [2, 0, 1, 3])  # [time, clients, batch, 4u]
+  zeros = tf.zeros_like(steps[0][..., :units])
+  gate, act = cell.recurrent_activation, cell.activation
+
+  def step(carry, x):
+    h_prev, c_prev = carry
+    z = x + tf.matmul(h_prev, recurrent)
+    i, f, c, o = tf.split(z, 4, axis=-1)
+    c = gate(f) * c_prev + gate(i) * act(c)
+    return gate(o) * act(c), c
+
+  outputs, _ = tf.scan(step, steps, initializer=(zeros, zeros))
+  return tf.transpose(outputs, [1, 2, 0, 3])
 
 
 class BatchedResult(NamedTuple):
@@ -399,8 +446,9 @@ def batched_local_train(batched: BatchedModel,
   Each user sees its batches in its own order (`shard_packing.pack_datasets`
   keeps them), with its own optimizer state, as
   `split_training.local_train` trains it alone (up to float rounding of
-  the batched ops); the loss of a batch is the
-  mean over its real examples of the model's loss on each example.
+  the batched ops); the loss of a batch is the model's
+  `loss_terms_fn` pooled over its real examples, or without one the mean
+  over them of the model's loss on each example.
 
   Args:
     batched: the model (`BatchedModel`).
@@ -442,10 +490,16 @@ def batched_local_train(batched: BatchedModel,
 
   def user_loss(weights, batch, real):
     outputs = batched.apply(weights, unflat(batch['x']))
-    losses = tf.reshape(per_example_loss(batch, flat(outputs)),
-                        [num_users, -1])
-    return tf.reduce_sum(losses * real, 1) / tf.maximum(
-        tf.reduce_sum(real, 1), 1.0), outputs
+    if model.loss_terms_fn is not None:
+      terms = tf.reshape(model.loss_terms_fn(batch, flat(outputs)),
+                         [num_users, -1, 2])
+      numerators, denominators = terms[..., 0], terms[..., 1]
+    else:
+      numerators = tf.reshape(per_example_loss(batch, flat(outputs)),
+                              [num_users, -1])
+      denominators = tf.ones_like(numerators)
+    return tf.reduce_sum(numerators * real, 1) / tf.maximum(
+        tf.reduce_sum(denominators * real, 1), 1.0), outputs
 
   def proximal_term(weights):
     lam, anchors = proximal

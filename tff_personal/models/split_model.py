@@ -77,6 +77,12 @@ class SplitModel:
       evaluation fine-tuning) clips the change of the private trainable
       variables other than `embedding_variables` (a personal head) and adds
       Gaussian noise to it (`core/private_noise.py`).
+    loss_terms_fn: optional `(batch, outputs) -> float [n, 2]`, `loss_fn`
+      as pooled per-example terms: each example's (numerator, weight), the
+      batch loss their summed numerators over their summed weights (at
+      least 1), e.g. a language model's token NLL sum and token count.
+      Batched training (`core/batched.py`) needs it for a loss that is not
+      the mean over examples of a per-example loss.
   """
   model: tf.keras.Model
   private_variables: Sequence[tf.Variable]
@@ -87,6 +93,7 @@ class SplitModel:
   prepare_fn: Optional[Callable[[tf.data.Dataset], Any]] = None
   embedding_variables: Sequence[tf.Variable] = ()
   private_noise: Optional['PrivateNoise'] = None
+  loss_terms_fn: Optional[Callable[[Batch, Any], tf.Tensor]] = None
 
   def __post_init__(self):
     refs = {v.ref() for v in self.model.variables}

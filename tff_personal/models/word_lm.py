@@ -117,7 +117,7 @@ def build_word_lm(config: WordLMConfig) -> split_model_lib.SplitModel:
           'y': tf.TensorSpec([None, config.seq_len], tf.int32)}
   return split_model_lib.SplitModel(
       model=model, private_variables=[], loss_fn=_loss, input_spec=spec,
-      eval_fn=per_example_nll)
+      eval_fn=per_example_nll, loss_terms_fn=per_example_nll)
 
 
 def model_fn_for(config: WordLMConfig) -> split_model_lib.SplitModelFn:
