@@ -30,8 +30,9 @@ of each round drawn from (seed, round)). Systems:
   equal to its process's round). `tf_ceiling` is `global`'s model, the one
   FedAvg trains in every other system. Every system is reported as a
   fraction of `tf_ceiling` and of its own model's ceiling.
-* `global_batched`: `global` with each shard's users trained together
-  (`--simulation_batched`, `core/batched.py`).
+* `global_batched`, `fedembed_prototype_batched`: the system with each
+  shard's users trained together (`--simulation_batched`,
+  `core/batched.py`; FedEmbed's form is `models/fedembed_batched.py`).
 * `tf_ceiling_batched`: FedAvg's model trained as if the cohort were one
   client, each step one batch of the cohort's batches together: the same
   examples and steps, the arithmetic limit of training clients together.
@@ -107,7 +108,8 @@ CEILING = benchmark_report.CEILING
 ceiling_name = benchmark_report.ceiling_name
 # The project's systems whose shards train their users together
 # (`core/batched.py`): `<system>_batched`.
-BATCHED_SYSTEMS = ('global' + benchmark_report.BATCHED_SUFFIX,)
+BATCHED_SYSTEMS = tuple(s + benchmark_report.BATCHED_SUFFIX
+                        for s in ('global', 'fedembed_prototype'))
 # FedAvg's model trained on the cohort's examples as one batch per step.
 BATCHED_CEILING = CEILING + benchmark_report.BATCHED_SUFFIX
 SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS, *BATCHED_SYSTEMS,

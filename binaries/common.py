@@ -182,10 +182,11 @@ def define_flags():
       'simulation_batched', False,
       'Train each shard\'s users together, weights stacked along a user '
       'axis (core/batched.py; the same results up to float rounding). '
-      'Covers split-model FedAvg (global, and the group stages of groupfl '
-      'and its kin) and Ditto on chains of dense, convolution, LayerNorm, '
-      'embedding and LSTM layers, and FedPerC\'s embedding variant '
-      '(fedperc, fedperc_frozen); anything else is refused saying why.')
+      'Covers global, fedavg_ft, knn_per, fedper, lg_fedavg and ditto on '
+      'chains of dense, convolution, LayerNorm, embedding and LSTM layers '
+      '(so groupfl\'s FedAvg stages), fedembed_prototype and fedembed_type, '
+      'and fedperc and fedperc_frozen; anything else is refused saying '
+      'why.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')

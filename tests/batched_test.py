@@ -1,14 +1,18 @@
 """Batched local training equals each user trained alone."""
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import conformance_test as conformance
+from tests import fedembed_testdata
 from tests import fedperc_testdata
 from tff_personal.algorithms import ditto
+from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import batched
@@ -155,7 +159,7 @@ def test_word_lm_users_train_as_they_would_alone():
 
 
 def test_refuses_what_it_does_not_cover_by_name():
-  with pytest.raises(ValueError, match='private variables'):
+  with pytest.raises(ValueError, match=r"'personal' \(PersonalEmbedding\)"):
     batched.BatchedModel(fedembed_mnist.build_preference_model(
         embedding_dim=28))
   x = tf.keras.Input(shape=(4,), name='x')
@@ -288,6 +292,92 @@ def test_ditto_batched_equals_sharded_on_ragged_users():
                                  err_msg=f'user {u}')
   assert sorted(got[2]['train']) == sorted(want[2]['train'])
   assert want[2]['train']['personal_loss'] > 0
+  for k in want[2]['train']:
+    np.testing.assert_allclose(got[2]['train'][k], want[2]['train'][k],
+                               rtol=1e-4, err_msg=k)
+
+
+@pytest.mark.parametrize('name', ['fedper', 'lg_fedavg'])
+def test_private_layers_ride_along_batched(name):
+  """A model whose private variables are layers of its chain (FedPer's
+  head, LG-FedAvg's body) trains them stacked with the shared ones: two
+  rounds of ragged users from their own random private layers give the
+  sharded form's server weights, private layers and metrics."""
+  sizes = [5, 8, 3, 6]
+  base = conformance._build(name)  # pylint: disable=protected-access
+  init = fedembed_testdata.initial_states(base, len(sizes), seed=4)
+  typed = hasattr(base.client_data_type.element, 'type')
+
+  def run(proc):
+    state, states = proc.initialize(), init
+    for r in range(2):
+      state, states, metrics = proc.next(
+          state, states, conformance._datasets(sizes, r, typed))  # pylint: disable=protected-access
+    return state, states, metrics
+
+  want = run(sharded.ShardedProcess(base, 2))
+  got = run(sharded.ShardedProcess(conformance._build(name), 2,  # pylint: disable=protected-access
+                                   batched=True))
+  for a, b in zip(tf.nest.flatten(got[0].global_model_weights),
+                  tf.nest.flatten(want[0].global_model_weights)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  for u, (g, w) in enumerate(zip(got[1], want[1])):
+    assert not np.allclose(w['private'][0], init[u]['private'][0])
+    for a, b in zip(g['private'], w['private'], strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6,
+                                 err_msg=f'user {u}')
+  for k in want[2]['train']:
+    np.testing.assert_allclose(got[2]['train'][k], want[2]['train'][k],
+                               rtol=1e-4, err_msg=k)
+
+
+@pytest.mark.parametrize('name', ['fedembed_prototype', 'fedembed_type'])
+def test_fedembed_batched_equals_sharded_on_ragged_users(name):
+  """FedEmbed's batched form (its prepare step for every user at once, each
+  user's head gathered from its own copy of the K heads, the triplet's
+  random negatives from each user's draw count and salt): two rounds of
+  users of 5, 8, 3 and 6 examples in batches of 3, in two shards, from
+  random personal embeddings and zero assignments, give the sharded
+  form's server weights, metrics and every part of each user's private
+  state (embedding, positive, head, draws, salt). The triplet margin is
+  large enough that the hinge is always active, so each step's negative
+  shows in the gradient."""
+  sizes = [5, 8, 3, 6]
+
+  def build():
+    return fedembed.build_fedembed(
+        lambda config: fedembed_testdata.factory(
+            dataclasses.replace(config, triplet_margin=50.0)),
+        assignment=name[len('fedembed_'):],
+        client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+        server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+        metrics_fn=_accuracy_sums, seed=2)
+
+  base = build()
+  init = fedembed_testdata.initial_states(base, len(sizes), seed=4)
+
+  def run(proc):
+    state, states = proc.initialize(), init
+    for r in range(2):
+      state, states, metrics = proc.next(
+          state, states, conformance._datasets(sizes, r))  # pylint: disable=protected-access
+    return state, states, metrics
+
+  want = run(sharded.ShardedProcess(base, 2))
+  got = run(sharded.ShardedProcess(build(), 2, batched=True))
+  for a, b in zip(tf.nest.flatten(got[0].global_model_weights),
+                  tf.nest.flatten(want[0].global_model_weights)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  heads = set()
+  for u, (g, w) in enumerate(zip(got[1], want[1])):
+    assert not np.allclose(w['private'][0], init[u]['private'][0])
+    np.testing.assert_allclose(g['private'][0], w['private'][0], rtol=1e-4,
+                               atol=1e-6, err_msg=f'user {u}')
+    assert [int(v) for v in g['private'][1:]] == [
+        int(v) for v in w['private'][1:]], f'user {u}'
+    heads.add(int(w['private'][2]))
+  assert len(heads) > 1  # Users are assigned apart, so a mix-up shows.
+  assert sorted(got[2]['train']) == sorted(want[2]['train'])
   for k in want[2]['train']:
     np.testing.assert_allclose(got[2]['train'][k], want[2]['train'][k],
                                rtol=1e-4, err_msg=k)

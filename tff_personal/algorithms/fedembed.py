@@ -28,11 +28,13 @@ from typing import Callable, Optional
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import batched as batched_lib
 from tff_personal.core import share_normalized
 from tff_personal.core import split_training
 
 from tff_personal.core import process as process_lib
 from tff_personal.models import fedembed as fedembed_model
+from tff_personal.models import fedembed_batched
 from tff_personal.models import split_model as split_model_lib
 
 FedEmbedModelFactory = Callable[[fedembed_model.FedEmbedConfig],
@@ -62,12 +64,12 @@ def build_fedembed(model_factory: FedEmbedModelFactory, *,
                      f'{head_mean!r}')
   model_fn = model_factory(config)
   if head_mean == 'cohort':
-    return process_lib.build_split_model_process(
-        model_fn, client_optimizer=client_optimizer,
+    return process_lib.build_split_step_process(
+        model_fn, _client_step(model_fn, client_optimizer, metrics_fn,
+                               private_optimizer),
         server_optimizer=server_optimizer,
-        aggregator_factory=aggregator_factory, metrics_fn=metrics_fn,
-        train_metrics=train_metrics, seed=seed,
-        private_optimizer=private_optimizer)
+        aggregator_factory=aggregator_factory, train_metrics=train_metrics,
+        seed=seed)
   if assignment not in ('prototype', 'type'):
     raise ValueError("head_mean='assigned' needs shared sub-population "
                      f"heads ('prototype' or 'type'), not {assignment!r}")
@@ -101,6 +103,36 @@ def build_fedembed(model_factory: FedEmbedModelFactory, *,
 
 
 HEAD_MEANS = ('cohort', 'assigned')
+
+
+def _client_step(model_fn, client_optimizer, metrics_fn, private_optimizer) -> process_lib.ClientStepFactory:
+  """The split model's joint local training (`process.SplitClientStep`),
+  with a batched form (`models/fedembed_batched.py`, which `core/batched.py`
+  runs under `--simulation_batched`) for the prototype and type
+  assignments trained by one optimizer."""
+  split_step = process_lib.split_client_step_factory(
+      model_fn, client_optimizer, metrics_fn, private_optimizer)
+
+  def make_step():
+    return split_step()
+
+  def batched_trainer():
+    if private_optimizer is not None:
+      raise ValueError('batched FedEmbed trains the shared and private '
+                       'variables with one optimizer; a private optimizer '
+                       'is set')
+    model = model_fn()
+    fedembed_batched.check_model(model)
+
+    def train(weights, private, shard, decode):
+      return fedembed_batched.batched_local_train(
+          model, client_optimizer, weights, private, shard, metrics_fn,
+          decode)
+
+    return train
+
+  setattr(make_step, batched_lib.BATCHED_TRAINER, batched_trainer)
+  return make_step
 
 
 def with_head_shares(model_fn: split_model_lib.SplitModelFn

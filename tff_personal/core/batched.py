@@ -22,8 +22,9 @@ functional chains included) of `Dense`, `Conv2D` (channels-last, no
 dilation or groups), `ZeroPadding2D`, `LayerNormalization`, `Activation`,
 `ReLU`, `Flatten`, `MaxPooling2D`, `Dropout` at rate 0, `Embedding`
 (without `mask_zero`) and an LSTM (`RNN(LSTMCell)` or `LSTM`, returning
-sequences, without dropout); no private or non-trainable variables and no
-`prepare_fn`; a loss that is the mean over a batch of a per-example loss
+sequences, without dropout); private variables only if trainable (a
+FedPer head, an LG-FedAvg body; they ride along stacked), no shared
+non-trainable variables, no private noise and no `prepare_fn`; a loss that is the mean over a batch of a per-example loss
 (the client step's loss is applied to one example at a time), or one the
 model states as pooled per-example terms (`SplitModel.loss_terms_fn`, e.g.
 a language model's token-weighted loss); an element-wise
@@ -82,11 +83,11 @@ def _check_chain(layers):
 class BatchedModel:
   """A `SplitModel`'s Keras model, applied with per-client weights.
 
-  `apply(weights, x)` takes each shared trainable variable's values stacked
-  along a leading client axis (`[clients, *variable.shape]`, in
-  `model.shared_trainable_variables` order) and inputs `[clients, batch,
-  ...]`, and returns the model's outputs `[clients, batch, ...]`, client c's
-  computed with client c's weights.
+  `apply(weights, x)` takes each trainable variable's values stacked along
+  a leading client axis (`[clients, *variable.shape]`, in `variables`
+  order: the shared trainable variables, then the private ones) and inputs
+  `[clients, batch, ...]`, and returns the model's outputs `[clients,
+  batch, ...]`, client c's computed with client c's weights.
 
   Raises:
     ValueError: naming the first thing the batched form does not cover (see
@@ -94,9 +95,12 @@ class BatchedModel:
   """
 
   def __init__(self, model: split_model_lib.SplitModel):
-    if list(model.private_variables):
-      raise ValueError('batched training does not cover private variables '
-                       f'yet; the model has {len(model.private_variables)}')
+    fixed = [v.name for v in model.private_variables if not v.trainable]
+    if fixed:
+      raise ValueError('batched training does not cover non-trainable '
+                       f'private variables ({", ".join(fixed)})')
+    if model.private_noise is not None:
+      raise ValueError('batched training does not cover private noise')
     if list(model.shared_non_trainable_variables):
       raise ValueError('batched training does not cover non-trainable '
                        'variables; the model has '
@@ -111,23 +115,47 @@ class BatchedModel:
       raise ValueError('batched training does not cover models with added '
                        'losses (regularizers)')
     self.model = model
-    self.layers = _chain(model.model)
+    self.variables = (list(model.shared_trainable_variables) +
+                      list(model.private_variables))
+    self._chain = BatchedLayers(model.model, self.variables)
+    if self._chain.used != list(range(len(self.variables))):
+      raise ValueError('the model has trainable variables outside its chain '
+                       'of layers')
+
+  def apply(self, weights: Sequence[tf.Tensor], x: tf.Tensor) -> tf.Tensor:
+    return self._chain.apply(weights, x)
+
+
+class BatchedLayers:
+  """A chain of Keras layers (a layer, or a model of a chain of them)
+  applied with per-client weights: the building block of `BatchedModel`,
+  and of a client step's own batched form whose model holds such a chain
+  (FedEmbed's encoder).
+
+  `apply(weights, x)`: `weights` stacked per variable of `variables`
+  ([clients, ...] each; the chain reads its own), x [clients, batch, ...].
+
+  Raises:
+    ValueError: naming the first layer the batched form does not cover, or
+      a weight of the chain that is not in `variables`.
+  """
+
+  def __init__(self, root: tf.keras.layers.Layer,
+               variables: Sequence[tf.Variable]):
+    self.layers = _chain(root)
     for layer in self.layers:
       _check_layer(layer)
     _check_chain(self.layers)
-    index = {v.ref(): i for i, v in enumerate(
-        model.shared_trainable_variables)}
+    index = {v.ref(): i for i, v in enumerate(variables)}
     self._slots = []
     for layer in self.layers:
       try:
         self._slots.append([index[v.ref()] for v in layer.trainable_weights])
       except KeyError:
         raise ValueError(f'layer {layer.name!r} has a weight that is not a '
-                         'shared trainable variable') from None
-    used = sorted(i for slots in self._slots for i in slots)
-    if used != list(range(len(index))):
-      raise ValueError('the model has shared trainable variables outside '
-                       'its chain of layers')
+                         'trainable variable of the model') from None
+    # The indices into `variables` the chain reads, sorted.
+    self.used = sorted(i for slots in self._slots for i in slots)
 
   def apply(self, weights: Sequence[tf.Tensor], x: tf.Tensor) -> tf.Tensor:
     h = x
@@ -179,7 +207,7 @@ def _per_example(fn: Callable[[tf.Tensor], tf.Tensor], h: tf.Tensor):
   return tf.reshape(out, tf.concat([shape[:2], tf.shape(out)[1:]], 0))
 
 
-def _client_matmul(h: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+def client_matmul(h: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
   """h [clients, ..., i] times each client's kernel [clients, i, o].
 
   One batched `tf.matmul` over [clients, rows, i], whose gradients are two
@@ -197,7 +225,7 @@ def _client_matmul(h: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
 def _apply_layer(layer, w, h):
   """One layer on [clients, batch, ...] with weights [clients, ...]."""
   if isinstance(layer, tf.keras.layers.Dense):
-    h = _client_matmul(h, w[0])
+    h = client_matmul(h, w[0])
     if layer.use_bias:
       h += tf.reshape(w[1], [tf.shape(w[1])[0], 1] + [1] * (
           h.shape.rank - 3) + [w[1].shape[-1]])
@@ -214,7 +242,7 @@ def _apply_layer(layer, w, h):
           rates=[1, 1, 1, 1], padding=layer.padding.upper()), h)
     # Patches hold (row, column, channel) in the kernel's order.
     kernel = tf.reshape(w[0], [tf.shape(w[0])[0], -1, w[0].shape[-1]])
-    h = _client_matmul(patches, kernel)
+    h = client_matmul(patches, kernel)
     if layer.use_bias:
       h += w[1][:, None, None, None, :]
     return layer.activation(h)
@@ -259,7 +287,7 @@ def _lstm(cell: tf.keras.layers.LSTMCell, w, h):
   """
   kernel, recurrent, bias = w
   units = cell.units
-  inputs = _client_matmul(h, kernel) + bias[:, None, None, :]
+  inputs = client_matmul(h, kernel) + bias[:, None, None, :]
   steps = tf.transpose(inputs, [2, 0, 1, 3])  # [time, clients, batch, 4u]
   zeros = tf.zeros_like(steps[0][..., :units])
   gate, act = cell.recurrent_activation, cell.activation
@@ -370,12 +398,12 @@ def train_steps(shard: Any, optimizer: tff.learning.optimizers.Optimizer,
     shard: one packed shard (`shard_packing.pack_datasets`).
     optimizer: an element-wise TFF optimizer.
     weights: the stacked trained tensors, each [users, ...].
-    user_loss: `(weights, batch, real) -> (loss [users], aux)`: `batch` is
-      the step's decoded batch with the user and example axes merged
-      ([users * width, ...], a user's rows together), `real` is float
-      [users, width], 1 on a user's real examples; `loss` is each user's
-      mean loss over its real examples (a user without any: anything
-      finite).
+    user_loss: `(weights, batch, real, step) -> (loss [users], aux)`:
+      `batch` is the step's decoded batch with the user and example axes
+      merged ([users * width, ...], a user's rows together), `real` is
+      float [users, width], 1 on a user's real examples, `step` the step's
+      index (a user's step-th batch); `loss` is each user's mean loss over
+      its real examples (a user without any: anything finite).
     decode: the task's wire decoding of a batch, if any.
     accumulate: optional `(sums, batch, aux, real) -> sums`, run each step.
     sums: `accumulate`'s initial sums.
@@ -408,7 +436,7 @@ def train_steps(shard: Any, optimizer: tff.learning.optimizers.Optimizer,
     real = tf.cast(tf.range(width)[None, :] < size[:, None], tf.float32)
     with tf.GradientTape() as tape:
       tape.watch(weights)
-      loss, aux = user_loss(weights, batch, real)
+      loss, aux = user_loss(weights, batch, real, s)
       total = tf.reduce_sum(loss)
       if penalty is not None:
         total += tf.reduce_sum(penalty(weights))
@@ -439,7 +467,8 @@ def batched_local_train(batched: BatchedModel,
                         shard: Any, metrics_fn=None,
                         decode: Callable[[Any], Any] | None = None,
                         proximal: tuple[float, Sequence[tf.Tensor]] | None
-                        = None, stacked: Sequence[tf.Tensor] | None = None
+                        = None, stacked: Sequence[tf.Tensor] | None = None,
+                        private: Sequence[tf.Tensor] = ()
                         ) -> BatchedResult:
   """Every user of a packed shard trains from `initial_weights` together.
 
@@ -468,10 +497,14 @@ def batched_local_train(batched: BatchedModel,
     stacked: optional per-user starting weights, [users, ...] each, in
       place of `initial_weights` repeated (Ditto's personal models); the
       updates are then each user's own start minus its end.
+    private: the users' private variables (the model's
+      `private_variables`), stacked [users, ...] each, trained with the
+      shared ones by `optimizer` (a FedPer head, an LG-FedAvg body).
 
   Returns:
     A `BatchedResult`; with `stacked`, its `new_private` is each user's
-    final weights (its starting ones when they went non-finite).
+    final weights (its starting ones when they went non-finite); with
+    `private`, each user's final private values.
   """
   num_users = tf.shape(shard[shard_packing.SHARD_NUM_BATCHES])[0]
   width = tf.shape(shard[shard_packing.SHARD_INDICES])[2]
@@ -488,7 +521,8 @@ def batched_local_train(batched: BatchedModel,
             tf.nest.map_structure(lambda t: t[None], e[0]), e[1][None]),
         (batch, outputs))
 
-  def user_loss(weights, batch, real):
+  def user_loss(weights, batch, real, step):
+    del step  # The model's loss does not read it.
     outputs = batched.apply(weights, unflat(batch['x']))
     if model.loss_terms_fn is not None:
       terms = tf.reshape(model.loss_terms_fn(batch, flat(outputs)),
@@ -507,23 +541,29 @@ def batched_local_train(batched: BatchedModel,
         tf.reduce_sum(tf.reshape(tf.square(w - a[None]), [num_users, -1]), 1)
         for w, a in zip(weights, anchors)])
 
-  def accumulate(sums, batch, outputs, real):
-    keep = tf.reshape(real > 0, [-1])
-    step_sums = metrics_fn(
-        tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), batch),
-        model.predict(tf.boolean_mask(flat(outputs), keep)))
-    return collections.OrderedDict((k, sums[k] + step_sums[k]) for k in sums)
+  def predictions(batch):  # One user's, for the metrics' structure.
+    stacked = tf.nest.map_structure(lambda t: t[None], batch)
+    zeros = [tf.zeros([1] + v.shape.as_list(), v.dtype)
+             for v in batched.variables]
+    return model.predict(batched.apply(zeros, stacked['x'])[0])
 
+  num_shared = len(weights)
   final, loss_sum, sums = train_steps(
-      shard, optimizer, weights, user_loss, decode,
-      accumulate if metrics_fn is not None else None,
-      _metric_zeros(metrics_fn, model, batched, shard, decode),
+      shard, optimizer, weights + tuple(private), user_loss, decode,
+      metric_accumulator(metrics_fn, lambda o: model.predict(flat(o))),
+      metric_zeros(metrics_fn, shard, decode, predictions),
       proximal_term if proximal is not None else None)
+  final, final_private = tuple(final[:num_shared]), tuple(
+      final[num_shared:])
   updates = tuple(w - f for f, w in zip(final, weights))
-  finite = finite_users(updates)
+  finite = finite_users(updates + final_private)
+  new_private = None
+  if stacked is not None:
+    new_private = where_users(finite, final, weights)
+  elif private:
+    new_private = where_users(finite, final_private, tuple(private))
   return BatchedResult(
-      new_private=(None if stacked is None else
-                   where_users(finite, tuple(final), weights)),
+      new_private=new_private,
       updates=where_users(finite, updates, tuple(
           tf.zeros_like(u) for u in updates)),
       num_examples=tf.where(finite, user_example_counts(shard),
@@ -533,8 +573,28 @@ def batched_local_train(batched: BatchedModel,
       metrics=sums)
 
 
-def _metric_zeros(metrics_fn, model, batched, shard, decode):
-  """Zeros shaped as `metrics_fn`'s sums (traced on one example, not run)."""
+def metric_accumulator(metrics_fn, predict: Callable[[Any], tf.Tensor]):
+  """`train_steps`' `accumulate` for a `metrics_fn` of per-batch sums (as
+  `split_training.local_train`'s), summed over every user's real examples;
+  `predict(aux)` gives the step's predictions, [users * width, ...]. None
+  without a `metrics_fn`."""
+  if metrics_fn is None:
+    return None
+
+  def accumulate(sums, batch, aux, real):
+    keep = tf.reshape(real > 0, [-1])
+    step_sums = metrics_fn(
+        tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), batch),
+        tf.boolean_mask(predict(aux), keep))
+    return collections.OrderedDict((k, sums[k] + step_sums[k]) for k in sums)
+
+  return accumulate
+
+
+def metric_zeros(metrics_fn, shard, decode,
+                 predictions: Callable[[Any], tf.Tensor]):
+  """Zeros shaped as `metrics_fn`'s sums: traced (never run) on one batch's
+  spec, with `predictions(batch)` as the model's predictions of it."""
   if metrics_fn is None:
     return collections.OrderedDict()
   decode = decode or (lambda b: b)
@@ -544,11 +604,7 @@ def _metric_zeros(metrics_fn, model, batched, shard, decode):
 
   def sums(batch):
     batch = decode(batch)
-    stacked = tf.nest.map_structure(lambda t: t[None], batch)
-    weights = [tf.zeros([1] + v.shape.as_list(), v.dtype)
-               for v in model.shared_trainable_variables]
-    outputs = batched.apply(weights, stacked['x'])[0]
-    return metrics_fn(batch, model.predict(outputs))
+    return metrics_fn(batch, predictions(batch))
 
   out = tf.function(sums, autograph=False).get_concrete_function(
       spec).structured_outputs
@@ -624,7 +680,7 @@ def shard_loop(make_step: process_lib.ClientStepFactory, spec,
     batched = BatchedModel(make_step.model_fn())
     train = lambda weights, private, shard, decode: batched_local_train(
         batched, make_step.client_optimizer, tuple(weights.trainable), shard,
-        make_step.metrics_fn, decode)
+        make_step.metrics_fn, decode, private=private)
 
   def run(weights, states, shard):
     out = train(weights, tuple(states[process_lib.CLIENT_STATE_PRIVATE]),

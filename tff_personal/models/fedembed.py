@@ -497,6 +497,7 @@ def build_fedembed_model(
     else:
       assignment.head.assign(assignment.positive_index)
 
+  model.fedembed_config = config  # What batched training reads.
   result = split_model.SplitModel(
       model=model, private_variables=private, loss_fn=loss_fn,
       input_spec=input_spec, predict_fn=lambda out: out['logits'],

@@ -249,7 +249,8 @@ def batched_local_train(model: fedperc.FedPercModel,
   (table0,) = tuple(initial_weights.trainable)
   (offset0,) = private
 
-  def user_loss(weights, batch, real):
+  def user_loss(weights, batch, real, step):
+    del step
     table, offset = weights
     contexts = tf.reshape(batch['context'], tf.shape(real))
     prefix = (1.0 + offset)[:, None, :] * tf.gather(table, contexts,
