@@ -105,7 +105,8 @@ def build_fedembed(model_factory: FedEmbedModelFactory, *,
 HEAD_MEANS = ('cohort', 'assigned')
 
 
-def _client_step(model_fn, client_optimizer, metrics_fn, private_optimizer) -> process_lib.ClientStepFactory:
+def _client_step(model_fn, client_optimizer, metrics_fn, private_optimizer
+                 ) -> process_lib.ClientStepFactory:
   """The split model's joint local training (`process.SplitClientStep`),
   with a batched form (`models/fedembed_batched.py`, which `core/batched.py`
   runs under `--simulation_batched`) for the prototype and type
