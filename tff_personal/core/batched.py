@@ -24,13 +24,15 @@ dilation or groups), `ZeroPadding2D`, `LayerNormalization`, `Activation`,
 (without `mask_zero`) and an LSTM (`RNN(LSTMCell)` or `LSTM`, returning
 sequences, without dropout); private variables only if trainable (a
 FedPer head, an LG-FedAvg body; they ride along stacked), no shared
-non-trainable variables, no private noise and no `prepare_fn`; a loss that is the mean over a batch of a per-example loss
-(the client step's loss is applied to one example at a time), or one the
-model states as pooled per-example terms (`SplitModel.loss_terms_fn`, e.g.
-a language model's token-weighted loss); an element-wise
-`tff.learning.optimizers.Optimizer` (SGD, Adam, ...). A client step may instead declare a batched form of its
-own (`BATCHED_TRAINER`; FedPerC's embedding variant and Ditto do), which
-`shard_loop` runs in place of `batched_local_train`; the masked step loop
+non-trainable variables, no private noise and no `prepare_fn`; a loss
+that is the mean over a batch of a per-example loss (the client step's
+loss is applied to one example at a time), or one the model states as
+pooled per-example terms (`SplitModel.loss_terms_fn`, e.g. a language
+model's token-weighted loss); an element-wise
+`tff.learning.optimizers.Optimizer` (SGD, Adam, ...). A client step may
+instead declare a batched form of its own (`BATCHED_TRAINER`; FedPerC's
+embedding variant, FedEmbed and Ditto do), which `shard_loop` runs in
+place of `batched_local_train`; the masked step loop
 every trainer shares is `train_steps`.
 
 Example:
@@ -178,7 +180,8 @@ def _check_layer(layer):
                      f'({layer.name!r} has mask_zero)')
   if isinstance(layer, tf.keras.layers.RNN):
     cell = layer.cell
-    if (type(cell) is not tf.keras.layers.LSTMCell or  # pylint: disable=unidiomatic-typecheck
+    lstm_cell = type(cell) is tf.keras.layers.LSTMCell  # pylint: disable=unidiomatic-typecheck
+    if (not lstm_cell or
         not layer.return_sequences or layer.return_state or
         layer.go_backwards or layer.stateful or not cell.use_bias or
         cell.dropout or cell.recurrent_dropout):
