@@ -400,6 +400,7 @@ class ShardedProcess:
                          'sharded (batched=False)')
     with_server_step = composition.server_step is not None
     self._base = base
+    self._batched = batched
     self._num_shards = num_shards
     data_type = composition.client_data_type
     self._element_spec = tff.types.type_to_tf_tensor_specs(data_type.element)
@@ -607,6 +608,19 @@ class ShardedProcess:
   def shards(self, num_users: int) -> list[range]:
     return shard_ranges(num_users, self._num_shards)
 
+  def _user_order(self, datasets) -> list[int]:
+    """The order in which users are cut into shards. Batched, users of
+    similar batch counts share a shard (a shard runs as many steps as its
+    largest user, for every user), when every dataset's cardinality is
+    known; otherwise, and sharded, their own order."""
+    order = list(range(len(datasets)))
+    if not self._batched:
+      return order
+    sizes = [int(d.cardinality()) for d in datasets]
+    if min(sizes) < 0:
+      return order
+    return sorted(order, key=lambda i: sizes[i])
+
   def next(self, state, client_states: Sequence[Any],
            datasets: Sequence[tf.data.Dataset]):
     """One round; per-user states and datasets in, per-user states out."""
@@ -615,7 +629,8 @@ class ShardedProcess:
                        f'{len(datasets)} datasets')
     if not datasets:
       raise ValueError('a round needs at least one client')
-    ranges = self.shards(len(datasets))
+    order = self._user_order(datasets)
+    ranges = [[order[i] for i in r] for r in self.shards(len(datasets))]
     shard_states = [stack_states([client_states[i] for i in r])
                     for r in ranges]
     shard_data = [pack_datasets([datasets[i] for i in r], self._element_spec,
@@ -638,9 +653,11 @@ class ShardedProcess:
                  else spread(self._shard_work, calls))
       state, metrics = self._aggregate_results(state, results)
       new_shard_states = [r['client_state'] for r in results]
-    new_states = []
+    new_states = [None] * len(datasets)
     for r, stacked in zip(ranges, new_shard_states):
-      new_states.extend(shard_packing.unstack_states(stacked, len(r), self._state_template))
+      for i, user_state in zip(r, shard_packing.unstack_states(
+          stacked, len(r), self._state_template)):
+        new_states[i] = user_state
     return state, new_states, metrics
 
 
