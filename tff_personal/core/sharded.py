@@ -361,7 +361,9 @@ class ShardedProcess:
         (`runtime.local_runtime(workers=...)`) the shards run on them.
       batched: train each shard's users together (`core/batched.py`)
         instead of one after another; refused, saying why, for a process
-        whose client step it does not cover.
+        whose client step it does not cover. Shards are then cut from the
+        round's users sorted by batch count, so that a shard's users pad
+        little (the sum over shards is the same, up to float order).
     """
     if shards_in not in (IN_DRIVER, IN_EXECUTOR):
       raise ValueError(f'shards_in must be {IN_DRIVER!r} or {IN_EXECUTOR!r}, '
