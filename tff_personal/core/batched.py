@@ -545,10 +545,10 @@ def batched_local_train(batched: BatchedModel,
         for w, a in zip(weights, anchors)])
 
   def predictions(batch):  # One user's, for the metrics' structure.
-    stacked = tf.nest.map_structure(lambda t: t[None], batch)
+    one_user = tf.nest.map_structure(lambda t: t[None], batch)
     zeros = [tf.zeros([1] + v.shape.as_list(), v.dtype)
              for v in batched.variables]
-    return model.predict(batched.apply(zeros, stacked['x'])[0])
+    return model.predict(batched.apply(zeros, one_user['x'])[0])
 
   num_shared = len(weights)
   final, loss_sum, sums = train_steps(
