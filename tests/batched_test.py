@@ -239,6 +239,24 @@ def test_batched_process_equals_sharded_on_ragged_users(dp, shards_in):
     np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-4, err_msg=k)
 
 
+def test_batched_shards_group_users_of_similar_sizes():
+  """A batched round cuts its shards from the users sorted by batch count
+  (a shard runs its largest user's steps for every user); sharded keeps
+  the users' order; an unknown cardinality keeps it too."""
+  sizes = [5, 12, 3, 9]  # 2, 3, 1 and 3 batches of 4
+  data = [tf.data.Dataset.from_tensor_slices(
+      {'x': np.zeros((n, 28, 28, 1), np.float32),
+       'y': np.zeros(n, np.int32)}).batch(4) for n in sizes]
+  proc = _global()
+  order = lambda p, d: p._user_order(d)  # pylint: disable=protected-access
+  assert order(sharded.ShardedProcess(proc, 2, batched=True), data) == [
+      2, 0, 1, 3]
+  assert order(sharded.ShardedProcess(proc, 2), data) == [0, 1, 2, 3]
+  unknown = [d.filter(lambda b: True) for d in data]
+  assert order(sharded.ShardedProcess(proc, 2, batched=True),
+               unknown) == [0, 1, 2, 3]
+
+
 def test_a_process_it_does_not_cover_is_refused_saying_why():
   proc = fedavg.build_global_plus(
       lambda dim: lambda: fedembed_mnist.build_preference_model(
