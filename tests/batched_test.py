@@ -179,6 +179,23 @@ def _accuracy_sums(batch, predictions):
   return {'correct': tf.reduce_sum(tf.cast(correct, tf.float32))}
 
 
+def _two_rounds(proc, init, datasets_fn):
+  """Two rounds of `proc` from client states `init`, round r's data
+  `datasets_fn(r)`; returns the last (state, client states, metrics)."""
+  state, states = proc.initialize(), init
+  for r in range(2):
+    state, states, metrics = proc.next(state, states, datasets_fn(r))
+  return state, states, metrics
+
+
+def _mnist_users(sizes, round_num):
+  """Users of `sizes` random images with binary labels, batches of 4."""
+  rng = np.random.RandomState(round_num)
+  return [tf.data.Dataset.from_tensor_slices(
+      {'x': rng.rand(n, 28, 28, 1).astype(np.float32),
+       'y': rng.randint(0, 2, n).astype(np.int32)}).batch(4) for n in sizes]
+
+
 _SPEC = {'x': tf.TensorSpec([None, 28, 28, 1], tf.float32),
          'y': tf.TensorSpec([None], tf.int32)}
 
@@ -210,16 +227,7 @@ def test_batched_process_equals_sharded_on_ragged_users(dp, shards_in):
   init = [collections.OrderedDict(private=(), rounds_participated=np.int32(0))
           ] * len(sizes)
 
-  def run(proc):
-    state, states = proc.initialize(), init
-    for r in range(2):
-      rng = np.random.RandomState(r)
-      datasets = [tf.data.Dataset.from_tensor_slices(
-          {'x': rng.rand(n, 28, 28, 1).astype(np.float32),
-           'y': rng.randint(0, 2, n).astype(np.int32)}).batch(4)
-                  for n in sizes]
-      state, states, metrics = proc.next(state, states, datasets)
-    return state, states, metrics
+  run = lambda proc: _two_rounds(proc, init, lambda r: _mnist_users(sizes, r))
 
   want = run(sharded.ShardedProcess(build(), 2, config, shards_in=shards_in))
   got = run(sharded.ShardedProcess(build(), 2, config, shards_in=shards_in,
@@ -288,16 +296,7 @@ def test_ditto_batched_equals_sharded_on_ragged_users():
       private=tuple(p[u] for p in personal),
       rounds_participated=np.int32(0)) for u in range(len(sizes))]
 
-  def run(proc):
-    state, states = proc.initialize(), init
-    for r in range(2):
-      rng = np.random.RandomState(r)
-      datasets = [tf.data.Dataset.from_tensor_slices(
-          {'x': rng.rand(n, 28, 28, 1).astype(np.float32),
-           'y': rng.randint(0, 2, n).astype(np.int32)}).batch(4)
-                  for n in sizes]
-      state, states, metrics = proc.next(state, states, datasets)
-    return state, states, metrics
+  run = lambda proc: _two_rounds(proc, init, lambda r: _mnist_users(sizes, r))
 
   want = run(sharded.ShardedProcess(base, 2))
   got = run(sharded.ShardedProcess(build(), 2, batched=True))
@@ -327,12 +326,8 @@ def test_private_layers_ride_along_batched(name):
   init = fedembed_testdata.initial_states(base, len(sizes), seed=4)
   typed = hasattr(base.client_data_type.element, 'type')
 
-  def run(proc):
-    state, states = proc.initialize(), init
-    for r in range(2):
-      state, states, metrics = proc.next(
-          state, states, conformance._datasets(sizes, r, typed))  # pylint: disable=protected-access
-    return state, states, metrics
+  run = lambda proc: _two_rounds(
+      proc, init, lambda r: conformance._datasets(sizes, r, typed))  # pylint: disable=protected-access
 
   want = run(sharded.ShardedProcess(base, 2))
   got = run(sharded.ShardedProcess(conformance._build(name), 2,  # pylint: disable=protected-access
@@ -375,12 +370,8 @@ def test_fedembed_batched_equals_sharded_on_ragged_users(name):
   base = build()
   init = fedembed_testdata.initial_states(base, len(sizes), seed=4)
 
-  def run(proc):
-    state, states = proc.initialize(), init
-    for r in range(2):
-      state, states, metrics = proc.next(
-          state, states, conformance._datasets(sizes, r))  # pylint: disable=protected-access
-    return state, states, metrics
+  run = lambda proc: _two_rounds(
+      proc, init, lambda r: conformance._datasets(sizes, r))  # pylint: disable=protected-access
 
   want = run(sharded.ShardedProcess(base, 2))
   got = run(sharded.ShardedProcess(build(), 2, batched=True))
@@ -423,12 +414,8 @@ def test_fedperc_batched_equals_sharded_on_ragged_users(optimizer):
                     for w in base.initial_private),
       rounds_participated=np.int32(0)) for _ in sizes]
 
-  def run(proc):
-    state, states = proc.initialize(), init
-    for r in range(2):
-      state, states, metrics = proc.next(
-          state, states, fedperc_testdata.datasets(sizes, r))
-    return state, states, metrics
+  run = lambda proc: _two_rounds(
+      proc, init, lambda r: fedperc_testdata.datasets(sizes, r))
 
   want = run(sharded.ShardedProcess(base, 2))
   got = run(sharded.ShardedProcess(build(), 2, batched=True))
