@@ -16,6 +16,7 @@ from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import batched
+from tff_personal.core import client_data
 from tff_personal.core import privacy
 from tff_personal.core import shard_packing
 from tff_personal.core import sharded
@@ -250,7 +251,8 @@ def test_batched_process_equals_sharded_on_ragged_users(dp, shards_in):
 def test_batched_shards_group_users_of_similar_sizes():
   """A batched round cuts its shards from the users sorted by batch count
   (a shard runs its largest user's steps for every user); sharded keeps
-  the users' order; an unknown cardinality keeps it too."""
+  the users' order; an unknown cardinality keeps it too. The tasks'
+  `ClientBatches` (what the binaries hand in) are sorted the same way."""
   sizes = [5, 12, 3, 9]  # 2, 3, 1 and 3 batches of 4
   data = [tf.data.Dataset.from_tensor_slices(
       {'x': np.zeros((n, 28, 28, 1), np.float32),
@@ -263,6 +265,11 @@ def test_batched_shards_group_users_of_similar_sizes():
   unknown = [d.filter(lambda b: True) for d in data]
   assert order(sharded.ShardedProcess(proc, 2, batched=True),
                unknown) == [0, 1, 2, 3]
+  batches = [client_data.ClientBatches.from_arrays(
+      {'x': np.zeros((n, 28, 28, 1), np.float32), 'y': np.zeros(n, np.int32)},
+      4, [np.arange(n)], data[0].element_spec) for n in sizes]
+  assert order(sharded.ShardedProcess(proc, 2, batched=True), batches) == [
+      2, 0, 1, 3]
 
 
 def test_a_process_it_does_not_cover_is_refused_saying_why():

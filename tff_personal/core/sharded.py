@@ -325,6 +325,14 @@ IN_DRIVER = 'driver'
 IN_EXECUTOR = 'executor'
 
 
+def _batch_count(dataset) -> int:
+  """A client's number of batches, or -1 when it is not known up front
+  (a `tf.data.Dataset` of unknown cardinality)."""
+  if isinstance(dataset, client_data.ClientBatches):
+    return len(dataset.index_batches)
+  return int(dataset.cardinality())
+
+
 class ShardedProcess:
   """Runs a `StatefulClientProcess`'s algorithm with users packed in shards.
 
@@ -618,7 +626,7 @@ class ShardedProcess:
     order = list(range(len(datasets)))
     if not self._batched:
       return order
-    sizes = [int(d.cardinality()) for d in datasets]
+    sizes = [_batch_count(d) for d in datasets]
     if min(sizes) < 0:
       return order
     return sorted(order, key=lambda i: sizes[i])
