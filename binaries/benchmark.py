@@ -137,6 +137,10 @@ def define_flags():
   flags.DEFINE_integer('simulation_shards', -1,
                        'For the project\'s systems: -1 auto (sharded), 0 one '
                        'user per TFF client, n shards.')
+  flags.DEFINE_integer('simulation_batch_users', 0,
+                       'For the `_batched` systems: the most users trained '
+                       'together (`--simulation_batch_users` of the '
+                       'binaries); 0: all of a shard\'s users at once.')
   flags.DEFINE_enum('shards_in', sharded.IN_DRIVER,
                     [sharded.IN_DRIVER, sharded.IN_EXECUTOR],
                     'For the project\'s sharded systems: where the shards\' '
@@ -292,7 +296,8 @@ def build_project_process(name: str, seed: int, client_optimizer=None):
 
 
 def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
-                 shards_in=sharded.IN_DRIVER, epochs=1, final_weights=None):
+                 shards_in=sharded.IN_DRIVER, epochs=1, final_weights=None,
+                 batch_users=0):
   """Runs a project system; returns (round times, record fields).
 
   With `final_weights` (a path), the last server model's trainable weights
@@ -306,8 +311,9 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
   if batched and not num_shards:
     raise app.UsageError(f'{name}{benchmark_report.BATCHED_SUFFIX} needs '
                          'shards (--simulation_shards != 0)')
-  train = sharded.maybe_shard(proc, num_shards, shards_in=shards_in,
-                              batched=batched)
+  train = sharded.maybe_shard(
+      proc, num_shards, shards_in=shards_in, batched=batched,
+      batch_users=(batch_users or None) if batched else None)
   element_spec = tff.types.type_to_tf_tensor_specs(
       proc.client_data_type.element)
   keys = tuple(element_spec.keys())
@@ -332,6 +338,7 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
   if final_weights:
     np.savez(final_weights, *train.get_model_weights(state).trainable)
   return times, {'simulation_shards': num_shards,
+                 'simulation_batch_users': batch_users if batched else None,
                  'shards_in': shards_in if num_shards else None,
                  'local_epochs': epochs}
 
@@ -637,7 +644,8 @@ def child_main(f) -> None:
     else:
       times, extra = _run_project(f.child, data, f.cohort, f.rounds, f.seed,
                                   f.simulation_shards, rss_at, f.shards_in,
-                                  f.local_epochs, f.final_weights)
+                                  f.local_epochs, f.final_weights,
+                                  f.simulation_batch_users)
   steady = times[1:] or times
   per_round = float(np.mean(steady))
   # From the parent's spawn to the end of round 1 (not the shut-down).
@@ -752,6 +760,7 @@ def parent_main(f) -> int:
             f'--cohort={cohort}', f'--rounds={rounds}',
             f'--workload={workload}', f'--record={record_path}',
             f'--seed={f.seed}', *shards, f'--shards_in={f.shards_in}',
+            f'--simulation_batch_users={f.simulation_batch_users}',
             f'--intra_op_threads={f.intra_op_threads}',
             f'--inter_op_threads={f.inter_op_threads}',
             f'--reference_threads={f.reference_threads}',

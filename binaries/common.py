@@ -187,6 +187,12 @@ def define_flags():
       '(so groupfl\'s FedAvg stages), fedembed_prototype and fedembed_type, '
       'and fedperc and fedperc_frozen; anything else is refused saying '
       'why.')
+  flags.DEFINE_integer(
+      'simulation_batch_users', 0,
+      'With --simulation_batched: the most users trained together; each '
+      'shard runs its users in groups of this size, one after another, so '
+      'that a group\'s per-user weights and optimizer slots stay in the '
+      'CPU\'s cache. 0: all of a shard\'s users at once.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')
@@ -209,7 +215,8 @@ def define_flags():
                       'eval_fine_tune', 'cold_start_epochs',
                       'resume', 'client_state_backend', 'train_metrics',
                       'use_gpu', 'workers', 'simulation_shards',
-                      'simulation_batched', 'intra_op_threads',
+                      'simulation_batched', 'simulation_batch_users',
+                      'intra_op_threads',
                       'inter_op_threads'])
   # Privacy.
   flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
@@ -331,6 +338,7 @@ def configs_from_flags(f):
       eval_fine_tune=f.eval_fine_tune, resume=f.resume,
       simulation_shards=f.simulation_shards,
       simulation_batched=f.simulation_batched,
+      simulation_batch_users=f.simulation_batch_users,
       cold_start_epochs=f.cold_start_epochs,
       client_state_backend=f.client_state_backend,
       train_metrics=f.train_metrics, dp=dp,

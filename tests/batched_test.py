@@ -322,12 +322,16 @@ def test_ditto_batched_equals_sharded_on_ragged_users():
                                rtol=1e-4, err_msg=k)
 
 
-@pytest.mark.parametrize('name', ['fedper', 'lg_fedavg'])
-def test_private_layers_ride_along_batched(name):
+@pytest.mark.parametrize('name,batch_users', [('fedper', None),
+                                              ('lg_fedavg', 1)])
+def test_private_layers_ride_along_batched(name, batch_users):
   """A model whose private variables are layers of its chain (FedPer's
   head, LG-FedAvg's body) trains them stacked with the shared ones: two
   rounds of ragged users from their own random private layers give the
-  sharded form's server weights, private layers and metrics."""
+  sharded form's server weights, private layers and metrics. With
+  `batch_users`, each shard runs its users in groups, one after another
+  (here four groups of one dealt to two shards): each user's state still
+  comes back to it."""
   sizes = [5, 8, 3, 6]
   base = conformance._build(name)  # pylint: disable=protected-access
   init = fedembed_testdata.initial_states(base, len(sizes), seed=4)
@@ -338,7 +342,7 @@ def test_private_layers_ride_along_batched(name):
 
   want = run(sharded.ShardedProcess(base, 2))
   got = run(sharded.ShardedProcess(conformance._build(name), 2,  # pylint: disable=protected-access
-                                   batched=True))
+                                   batched=True, batch_users=batch_users))
   for a, b in zip(tf.nest.flatten(got[0].global_model_weights),
                   tf.nest.flatten(want[0].global_model_weights)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

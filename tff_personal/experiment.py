@@ -87,6 +87,10 @@ class ExperimentConfig:
   # axis (core/batched.py: the same results up to float rounding, for the
   # algorithms and models it covers; others are refused saying why).
   simulation_batched: bool = False
+  # With simulation_batched: the most users trained together; a shard runs
+  # its users in groups of this size one after another (each user's weights
+  # and optimizer slots of a group stay in cache). 0: all of a shard's users.
+  simulation_batch_users: int = 0
   # Before testing, each evaluated client trains its private variables only
   # (shared weights frozen) on its own training data for one local pass (the
   # task's `local_epochs`), starting from its stored state: test-time
@@ -172,7 +176,8 @@ def check_values(config: ExperimentConfig) -> None:
   (the run writes only below `root_output_dir`); `personal_init_stddev`
   >= 0, `embedding_dim` >= 0 (whether 0, no personal embedding, is allowed
   is the algorithm builder's to say), `dp.clip_norm` > 0 (with or without
-  DP), `eval_chunk` >= 1, `cold_start_epochs` >= 0.
+  DP), `eval_chunk` >= 1, `cold_start_epochs` >= 0,
+  `simulation_batch_users` >= 0 and only with `simulation_batched`.
   """
   values = {**{f.name: getattr(config, f.name)
                for f in dataclasses.fields(config)},
@@ -203,6 +208,12 @@ def check_values(config: ExperimentConfig) -> None:
   if config.cold_start_epochs < 0:
     raise ValueError(
         f'cold_start_epochs must be >= 0, got {config.cold_start_epochs}')
+  if config.simulation_batch_users < 0 or (
+      config.simulation_batch_users and not config.simulation_batched):
+    raise ValueError(
+        'simulation_batch_users must be >= 0 and is read only with '
+        f'simulation_batched; got {config.simulation_batch_users} '
+        f'(simulation_batched={config.simulation_batched})')
 
 
 def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
@@ -296,7 +307,7 @@ _NOT_BUILT_FROM = (
     'experiment_name', 'root_output_dir', 'resume', 'rounds',
     'checkpoint_every', 'keep_checkpoints', 'eval_every', 'eval_clients',
     'curve_eval_clients', 'eval_chunk', 'simulation_shards',
-    'simulation_batched', 'eval_fine_tune', 'test_fine_tune',
+    'simulation_batched', 'simulation_batch_users', 'eval_fine_tune', 'test_fine_tune',
     'cold_start_epochs', 'client_state_backend')
 _DERIVED = weakref.WeakKeyDictionary()
 

@@ -144,7 +144,8 @@ EVALUATION_FIELDS = ('eval_clients', 'curve_eval_clients', 'eval_chunk',
 # refused, while one with a given noise multiplier may be extended and is
 # accounted for all its rounds at that multiplier).
 RESUMABLE_FIELDS = EVALUATION_FIELDS + (
-    'simulation_shards', 'simulation_batched', 'eval_every',
+    'simulation_shards', 'simulation_batched', 'simulation_batch_users',
+    'eval_every',
     'checkpoint_every', 'keep_checkpoints',
     'resume', 'rounds',
     'root_output_dir', 'experiment_name', 'use_gpu', 'workers',

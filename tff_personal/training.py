@@ -325,9 +325,11 @@ def _training_parts(task, proc, config: experiment.ExperimentConfig, dp,
   wire = getattr(task, 'wire_format', None)
   train_proc = experiment.derived(
       proc, ('training form', num_shards, repr(dp), repr(wire),
-             config.simulation_batched),
+             config.simulation_batched, config.simulation_batch_users),
       lambda: sharded.maybe_shard(proc, num_shards, dp, wire,
-                                  batched=config.simulation_batched))
+                                  batched=config.simulation_batched,
+                                  batch_users=(
+                                      config.simulation_batch_users or None)))
   log_fn((f'simulation: {num_shards} shards per round'
           + (', users trained together' if config.simulation_batched
              else '')) if num_shards else

@@ -78,17 +78,35 @@ def shard_pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL
 
 
-def run_concurrently(runs: list, build, calls: Sequence[tuple]) -> list:
-  """`[runs[i](*calls[i]) for each call]`, the calls run at once in threads.
+def run_concurrently(runs: list, build, calls: Sequence[tuple],
+                     lanes: int | None = None) -> list:
+  """`[runs[lane(i)](*calls[i]) for each call]`, lanes run at once in
+  threads.
 
   Each run is a traced shard loop on its own model (a thread never shares
-  one). Missing runs are first appended to `runs` by `build(calls[0])`, one
-  at a time in this thread (tracing is not done in threads).
+  one). With `lanes` (at most that many runs at once), the calls are dealt
+  to the lanes in a snake order (0, 1, ..., L-1, L-1, ..., 0, 0, ...), so
+  that calls sorted by size load the lanes about evenly, and each lane
+  runs its calls one after another on its own run; without, each call has
+  a lane of its own. Missing runs are first appended to `runs` by
+  `build(calls[0])`, one at a time in this thread (tracing is not done in
+  threads).
   """
-  while len(runs) < len(calls):
+  count = len(calls) if lanes is None else max(1, min(lanes, len(calls)))
+  while len(runs) < count:
     runs.append(build(calls[0]))
-  if len(calls) == 1:
-    return [runs[0](*calls[0])]
-  futures = [shard_pool().submit(runs[i], *calls[i])
+  lane_of = [i % count if (i // count) % 2 == 0 else count - 1 - i % count
              for i in range(len(calls))]
-  return [f.result() for f in futures]
+  if count == 1:
+    return [runs[0](*c) for c in calls]
+
+  def run_lane(k):
+    return [(i, runs[k](*calls[i])) for i in range(len(calls))
+            if lane_of[i] == k]
+
+  futures = [shard_pool().submit(run_lane, k) for k in range(count)]
+  results = [None] * len(calls)
+  for f in futures:
+    for i, r in f.result():
+      results[i] = r
+  return results

@@ -314,10 +314,14 @@ class DriverShardWork:
                            self._element_spec, *self._loop_args),
         call_signature(*example_call), autograph=False)
 
-  def __call__(self, calls: Sequence[tuple]) -> list:
+  def __call__(self, calls: Sequence[tuple],
+               lanes: int | None = None) -> list:
+    """The calls' results in order; with `lanes`, at most that many run at
+    once (`shard_threads.run_concurrently`)."""
     to_tensors = lambda x: tf.nest.map_structure(tf.convert_to_tensor, x)
     results = shard_threads.run_concurrently(self._runs, self._build,
-                                [to_tensors(c) for c in calls])
+                                             [to_tensors(c) for c in calls],
+                                             lanes)
     return [tf.nest.map_structure(lambda t: t.numpy(), r) for r in results]
 
 
@@ -347,7 +351,8 @@ class ShardedProcess:
   def __init__(self, base: process_lib.StatefulClientProcess, num_shards: int,
                dp_config: privacy.DPConfig | None = None,
                wire: client_data.WireFormat | None = None,
-               shards_in: str = IN_DRIVER, batched: bool = False):
+               shards_in: str = IN_DRIVER, batched: bool = False,
+               batch_users: int | None = None):
     """Builds the sharded form of `base`.
 
     Args:
@@ -372,6 +377,12 @@ class ShardedProcess:
         whose client step it does not cover. Shards are then cut from the
         round's users sorted by batch count, so that a shard's users pad
         little (the sum over shards is the same, up to float order).
+      batch_users: with `batched`, the most users trained together: the
+        round's users (sorted by batch count) are cut into groups of at
+        most this many, and each of the `num_shards` shards runs its groups
+        one after another. Each user has its own weights and optimizer
+        slots, so a group's state should stay in the CPU's cache; None:
+        all of a shard's users at once.
     """
     if shards_in not in (IN_DRIVER, IN_EXECUTOR):
       raise ValueError(f'shards_in must be {IN_DRIVER!r} or {IN_EXECUTOR!r}, '
@@ -403,6 +414,9 @@ class ShardedProcess:
           f'{type(composition.selection_factory).__name__}, whose reduction '
           'over a shard of users is unknown (only BestScoringFactory is '
           'sharded); run it with one user per client (num_shards=0)')
+    if batch_users is not None and (not batched or batch_users < 1):
+      raise ValueError('batch_users needs batched=True and is >= 1, got '
+                       f'{batch_users} (batched={batched})')
     if batched:
       reason = batched_lib.unsupported_reason(composition.client_step)
       if reason is not None:
@@ -411,6 +425,7 @@ class ShardedProcess:
     with_server_step = composition.server_step is not None
     self._base = base
     self._batched = batched
+    self._batch_users = batch_users
     self._num_shards = num_shards
     data_type = composition.client_data_type
     self._element_spec = tff.types.type_to_tf_tensor_specs(data_type.element)
@@ -616,7 +631,12 @@ class ShardedProcess:
     return self._base.set_model_weights(state, weights)
 
   def shards(self, num_users: int) -> list[range]:
-    return shard_ranges(num_users, self._num_shards)
+    """The user positions (in `_user_order`) of each TFF client's work: a
+    shard's, or with `batch_users` a group's."""
+    if self._batch_users is None:
+      return shard_ranges(num_users, self._num_shards)
+    return shard_ranges(num_users, max(self._num_shards,
+                                       -(-num_users // self._batch_users)))
 
   def _user_order(self, datasets) -> list[int]:
     """The order in which users are cut into shards. Batched, users of
@@ -659,8 +679,8 @@ class ShardedProcess:
       # included, is formed once in TFF from the shards' results.
       weights = self.get_model_weights(state)
       calls = [(weights, st, d) for st, d in zip(shard_states, shard_data)]
-      results = (self._driver_work(calls) if spread is None
-                 else spread(self._shard_work, calls))
+      results = (self._driver_work(calls, lanes=self._num_shards)
+                 if spread is None else spread(self._shard_work, calls))
       state, metrics = self._aggregate_results(state, results)
       new_shard_states = [r['client_state'] for r in results]
     new_states = [None] * len(datasets)
@@ -727,13 +747,14 @@ def resolve_num_shards(process, requested: int,
 def maybe_shard(process, num_shards: int,
                 dp_config: privacy.DPConfig | None = None,
                 wire: client_data.WireFormat | None = None,
-                shards_in: str = IN_DRIVER, batched: bool = False):
+                shards_in: str = IN_DRIVER, batched: bool = False,
+                batch_users: int | None = None):
   """`ShardedProcess(process, num_shards, dp_config, wire, shards_in,
-  batched)`, or `process` for 0 (refused with `batched`)."""
+  batched, batch_users)`, or `process` for 0 (refused with `batched`)."""
   if num_shards == 0:
     if batched:
       raise ValueError('batched training runs in shards; it needs '
                        'simulation_shards != 0')
     return process
   return ShardedProcess(process, num_shards, dp_config, wire, shards_in,
-                        batched)
+                        batched, batch_users)
