@@ -137,7 +137,7 @@ def define_flags():
   flags.DEFINE_integer('simulation_shards', -1,
                        'For the project\'s systems: -1 auto (sharded), 0 one '
                        'user per TFF client, n shards.')
-  flags.DEFINE_integer('simulation_batch_users', 0,
+  flags.DEFINE_integer('simulation_batch_users', 25,
                        'For the `_batched` systems: the most users trained '
                        'together (`--simulation_batch_users` of the '
                        'binaries); 0: all of a shard\'s users at once.')

@@ -188,11 +188,12 @@ def define_flags():
       'and fedperc and fedperc_frozen; anything else is refused saying '
       'why.')
   flags.DEFINE_integer(
-      'simulation_batch_users', 0,
+      'simulation_batch_users', 25,
       'With --simulation_batched: the most users trained together; each '
       'shard runs its users in groups of this size, one after another, so '
       'that a group\'s per-user weights and optimizer slots stay in the '
-      'CPU\'s cache. 0: all of a shard\'s users at once.')
+      'CPU\'s cache (docs/performance.md). 0: all of a shard\'s users at '
+      'once.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')

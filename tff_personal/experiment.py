@@ -88,9 +88,10 @@ class ExperimentConfig:
   # algorithms and models it covers; others are refused saying why).
   simulation_batched: bool = False
   # With simulation_batched: the most users trained together; a shard runs
-  # its users in groups of this size one after another (each user's weights
-  # and optimizer slots of a group stay in cache). 0: all of a shard's users.
-  simulation_batch_users: int = 0
+  # its users in groups of this size one after another (a group's per-user
+  # weights and optimizer slots stay in cache; 25 to 50 measured fastest in
+  # docs/performance.md). 0: all of a shard's users at once.
+  simulation_batch_users: int = 25
   # Before testing, each evaluated client trains its private variables only
   # (shared weights frozen) on its own training data for one local pass (the
   # task's `local_epochs`), starting from its stored state: test-time
@@ -177,7 +178,7 @@ def check_values(config: ExperimentConfig) -> None:
   >= 0, `embedding_dim` >= 0 (whether 0, no personal embedding, is allowed
   is the algorithm builder's to say), `dp.clip_norm` > 0 (with or without
   DP), `eval_chunk` >= 1, `cold_start_epochs` >= 0,
-  `simulation_batch_users` >= 0 and only with `simulation_batched`.
+  `simulation_batch_users` >= 0.
   """
   values = {**{f.name: getattr(config, f.name)
                for f in dataclasses.fields(config)},
@@ -208,12 +209,9 @@ def check_values(config: ExperimentConfig) -> None:
   if config.cold_start_epochs < 0:
     raise ValueError(
         f'cold_start_epochs must be >= 0, got {config.cold_start_epochs}')
-  if config.simulation_batch_users < 0 or (
-      config.simulation_batch_users and not config.simulation_batched):
-    raise ValueError(
-        'simulation_batch_users must be >= 0 and is read only with '
-        f'simulation_batched; got {config.simulation_batch_users} '
-        f'(simulation_batched={config.simulation_batched})')
+  if config.simulation_batch_users < 0:
+    raise ValueError('simulation_batch_users must be >= 0 (0: all of a '
+                     f'shard\'s users), got {config.simulation_batch_users}')
 
 
 def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:

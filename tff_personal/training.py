@@ -329,7 +329,8 @@ def _training_parts(task, proc, config: experiment.ExperimentConfig, dp,
       lambda: sharded.maybe_shard(proc, num_shards, dp, wire,
                                   batched=config.simulation_batched,
                                   batch_users=(
-                                      config.simulation_batch_users or None)))
+                                      config.simulation_batch_users or None)
+                                  if config.simulation_batched else None))
   log_fn((f'simulation: {num_shards} shards per round'
           + (', users trained together' if config.simulation_batched
              else '')) if num_shards else

@@ -38,7 +38,7 @@ _ALGORITHM = flags.DEFINE_string('algorithm', 'ditto',
                                  'Algorithm name (a single-stage one).')
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'The task\'s data.')
 _TASK_OPTIONS = flags.DEFINE_list('task_options', [],
-                                  'key=value task arguments (integers).')
+                                  'key=value task arguments (integers or strings).')
 _CLIENTS = flags.DEFINE_integer('clients', 5, 'Users in the shard.')
 _FORM = flags.DEFINE_enum('form', 'batched', ['batched', 'sharded'],
                           'How the shard trains its users.')
@@ -98,7 +98,7 @@ def main(argv):
   options = {}
   for item in _TASK_OPTIONS.value:
     key, value = item.split('=', 1)
-    options[key] = int(value)
+    options[key] = int(value) if value.lstrip('-').isdigit() else value
   config = experiment.ExperimentConfig(
       algorithm=_ALGORITHM.value, clients_per_round=_CLIENTS.value,
       rounds=_ROUNDS.value, root_output_dir=tempfile.mkdtemp(),
