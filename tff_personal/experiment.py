@@ -305,8 +305,8 @@ _NOT_BUILT_FROM = (
     'experiment_name', 'root_output_dir', 'resume', 'rounds',
     'checkpoint_every', 'keep_checkpoints', 'eval_every', 'eval_clients',
     'curve_eval_clients', 'eval_chunk', 'simulation_shards',
-    'simulation_batched', 'simulation_batch_users', 'eval_fine_tune', 'test_fine_tune',
-    'cold_start_epochs', 'client_state_backend')
+    'simulation_batched', 'simulation_batch_users', 'eval_fine_tune',
+    'test_fine_tune', 'cold_start_epochs', 'client_state_backend')
 _DERIVED = weakref.WeakKeyDictionary()
 
 

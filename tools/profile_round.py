@@ -1,7 +1,7 @@
 r"""Where a training round's time goes: the client work's ops, by type.
 
-Runs an algorithm on a task for a few rounds in one shard (one thread, as
-each shard of a sharded run), sharded or batched, and profiles the rounds
+Runs an algorithm on a task for a few rounds in one shard (as each shard
+of a sharded run), sharded or batched, and profiles the rounds
 after the first (which traces) with TensorFlow's profiler. Prints the
 round's wall time split into the shard's client work and the rest (the
 TFF aggregation and server step, packing users, the client-state store),
@@ -11,8 +11,10 @@ then the client work's op types by self time.
       --algorithm=ditto --data_dir=../shared/data/mnist --clients=5 \
       --form=batched
 
-Self times are shares of the traced ops' summed time on one thread; the
-op types are TensorFlow's (`BatchMatMulV2`, `ExtractImagePatches`, ...).
+Self times are summed over the threads that ran the ops (a shard's ops
+run on its inter-op threads, one thread per op), and an op nested in
+another (a function call's body) counts only in itself; the op types are
+TensorFlow's (`BatchMatMulV2`, `ExtractImagePatches`, ...).
 """
 
 from __future__ import annotations
