@@ -45,16 +45,17 @@ def mnist_dir():
 
 # Files known to take longest (measured, one process; refresh from a CI
 # run's --durations). They are collected first, in this order, so that
-# `--dist loadfile` hands them out first and the two workers finish
-# together, instead of one running a long file alone at the end. The other
+# `--dist loadfile` hands them out first and the workers finish together,
+# instead of one running a long file alone at the end. The other
 # files follow in their usual order; a file's tests keep their order.
 _SLOWEST_FIRST = (
-    'conformance_test.py', 'production_test.py', 'group_paper_test.py',
-    'sharded_test.py', 'benchmark_test.py', 'group_stage_test.py',
-    'fault_test.py', 'training_loop_test.py', 'context_task_test.py',
-    'feddva_paper_test.py', 'stages_test.py', 'train_binary_test.py',
-    'furl_paper_test.py', 'fedembed_som_test.py', 'fedembed_baselines_test.py',
-    'privacy_test.py', 'feddva_process_test.py', 'batched_test.py')
+    'conformance_test.py', 'production_test.py', 'sharded_test.py',
+    'benchmark_test.py', 'batched_test.py', 'training_loop_test.py',
+    'group_paper_test.py', 'group_stage_test.py', 'train_binary_test.py',
+    'fault_test.py', 'context_task_test.py', 'feddva_paper_test.py',
+    'furl_paper_test.py', 'fedembed_baselines_test.py',
+    'fedembed_som_test.py', 'privacy_test.py', 'stages_test.py',
+    'runtime_test.py', 'evaluate_binary_test.py', 'feddva_process_test.py')
 
 
 def pytest_collection_modifyitems(items):
