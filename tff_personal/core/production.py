@@ -169,16 +169,25 @@ def production_form(process) -> ProductionForm:
     return new_state, measurements
 
   # The device runs the round's own client work where it was recorded with
-  # the process's types; else the same step is traced here.
+  # the process's types (its parameters' names aside); else the same step
+  # is traced here.
   device = composition.client_work
-  if device is None or not device.type_signature.parameter.is_equivalent_to(
-      tff.StructType([process.model_weights_type, process.client_state_type,
-                      process.client_data_type])):
+  want = (process.model_weights_type, process.client_state_type,
+          process.client_data_type)
+  if device is None or not _takes(device, want):
     device = process_lib.client_work_from_step(
         composition.client_step, process.model_weights_type,
         process.client_state_type, process.client_data_type)
   return ProductionForm(process=process, initialize=process.initialize,
                         next=next_fn, device=device)
+
+
+def _takes(computation: tff.Computation, types: Sequence[tff.Type]) -> bool:
+  """Whether `computation`'s parameters are of `types`, in order."""
+  parameter = computation.type_signature.parameter
+  return (isinstance(parameter, tff.StructType) and
+          len(parameter) == len(types) and
+          all(p.is_equivalent_to(t) for p, t in zip(parameter, types)))
 
 
 def production_forms(built) -> list[tuple[str, ProductionForm]]:
