@@ -308,8 +308,9 @@ def _seed_with_empty_rounds(population, clients_per_round, empty, rounds):
 
 
 def test_an_empty_poisson_cohort_is_a_round(tmp_path, mnist_dir):
-  """Round 2 is empty one client per TFF client, round 4 sharded (the run
-  resumes with shards after round 2): each is a round that trains nothing."""
+  """Round 2 is empty in the unsharded form (one user per TFF client) and
+  round 4 in the sharded one (the run resumes with shards after round 2):
+  each is a round that trains nothing."""
   seed = _seed_with_empty_rounds(30, 2, empty=(2, 4), rounds=4)
   kw = dict(sampling='poisson', clients_per_round=2, seed=seed, eval_every=1)
   assert _train(tmp_path, mnist_dir, simulation_shards=0, **kw) == 0
