@@ -29,6 +29,7 @@ import tensorflow_federated as tff
 
 from tests import fedembed_testdata
 from tests import fedperc_testdata
+from tests import graph_loops
 from tests import process_test
 from tff_personal import experiment
 from tff_personal.algorithms import registry
@@ -272,6 +273,15 @@ def test_sharded_equals_one_user_per_client_new_clients_and_reruns(
   # The last round's training metrics: shard sums, then their sum.
   assert got_metrics['train'].keys() == want_metrics['train'].keys(), name
   _close(got_metrics['train'], want_metrics['train'], f'{name} metrics')
+  # Each user's steps load and assign the shard's one model, so no graph
+  # loop over them may run iterations at once (a read-only pass over the
+  # model then overlapped the next user's assignment: PFedKM's rounds
+  # differed between runs).
+  loops = in_shards.driver_work.traced_loops
+  assert loops, name
+  for loop in loops:
+    assert not graph_loops.overlapping_variable_loops(loop), (
+        name, graph_loops.overlapping_variable_loops(loop))
   moved = [not np.allclose(np.asarray(x), np.asarray(y)) for x, y in zip(
       tf.nest.flatten(want_state.global_model_weights.trainable),
       tf.nest.flatten(base.initialize().global_model_weights.trainable))]

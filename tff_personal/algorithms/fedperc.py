@@ -147,8 +147,10 @@ class _Repeated:
     def body(i, state):
       return i + 1, reduce_fn(state, self._batch)
 
+    # One step at a time (`shard_packing.PackedBatches.reduce`).
     return tf.while_loop(lambda i, _: i < self._steps, body,
-                         (tf.constant(0), initial_state))[1]
+                         (tf.constant(0), initial_state),
+                         parallel_iterations=1)[1]
 
 
 class FedPercEvalModel:

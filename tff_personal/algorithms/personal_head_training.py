@@ -241,9 +241,13 @@ def pfedme_local_train(model: split_model_lib.SplitModel,
       _assign(theta, updated)
       return i + 1, inner_state
 
-    # A graph loop written out (steps are traced without AutoGraph).
+    # A graph loop written out (steps are traced without AutoGraph), one
+    # step at a time: each step reads what the last one assigned
+    # (`shard_packing.PackedBatches.reduce`).
     tf.while_loop(lambda i, _: i < inner_steps, inner_step,
-                  (tf.constant(0), inner_optimizer.initialize(variable_specs(theta))))
+                  (tf.constant(0),
+                   inner_optimizer.initialize(variable_specs(theta))),
+                  parallel_iterations=1)
     with tf.GradientTape() as tape:
       outputs = model.forward(batch, training=True)
       loss = model.loss(batch, outputs)

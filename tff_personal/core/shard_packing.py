@@ -97,11 +97,21 @@ class PackedBatches:
         lambda t: tf.gather(t, idx), self._examples))
 
   def reduce(self, initial_state, reduce_fn):
+    """`tf.data.Dataset.reduce` over the user's batches, one at a time.
+
+    A graph loop's iterations may overlap (`tf.while_loop`'s default
+    `parallel_iterations` is 10): a step's variable reads and assignments are
+    ordered only within its own iteration, so with overlap a read-only pass
+    over the model (PFedKM's probe) was still reading when the next pass's
+    first assignment ran, and a sharded round differed between runs. Hence
+    `parallel_iterations=1`, as `Dataset.reduce` runs its steps.
+    """
     def body(j, state):
       return j + 1, reduce_fn(state, self.batch(j))
 
     _, state = tf.while_loop(lambda j, _: j < self._nb, body,
-                             (tf.constant(0), initial_state))
+                             (tf.constant(0), initial_state),
+                             parallel_iterations=1)
     return state
 
 

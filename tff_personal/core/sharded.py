@@ -155,10 +155,13 @@ def _shard_loop(step, spec, element_spec, user_clip_norm, wire,
         best = best_scoring.better(best, out['selected'])
       return u + 1, update_sum, total_weight + w, metric_sums, arrays, best
 
+    # One user at a time: every user loads its values into the same model
+    # variables (`shard_packing.PackedBatches.reduce` says why overlapping
+    # iterations are not safe).
     _, update_sum, total_weight, metric_sums, arrays, best = tf.while_loop(
         lambda u, *_: u < num_users, body,
         (tf.constant(0), update_sum, tf.constant(0.0), metric_sums, arrays,
-         best))
+         best), parallel_iterations=1)
     if user_clip_norm is None:
       update = tf.nest.map_structure(
           lambda a: tf.math.divide_no_nan(a, tf.cast(total_weight, a.dtype)),
@@ -314,6 +317,12 @@ class DriverShardWork:
                            self._element_spec, *self._loop_args),
         call_signature(*example_call), autograph=False)
 
+  @property
+  def traced_loops(self) -> list:
+    """The shard loops traced so far (`tf.function`s, one per concurrent
+    shard), e.g. to inspect their graphs."""
+    return list(self._runs)
+
   def __call__(self, calls: Sequence[tuple],
                lanes: int | None = None) -> list:
     """The calls' results in order; with `lanes`, at most that many run at
@@ -460,6 +469,11 @@ class ShardedProcess:
     self._from_results = None  # Built on first use.
     self._transport = None  # Set with _from_results.
     self._results_call = None  # Built on first use.
+
+  @property
+  def driver_work(self) -> DriverShardWork:
+    """The shards' client work as this process computes it (`IN_DRIVER`)."""
+    return self._driver_work
 
   @property
   def _shard_work(self) -> tff.Computation:

@@ -178,8 +178,10 @@ class EmbeddingGenerator(tf.keras.layers.Layer):
       x = self.ln_output(self.ffn_out(self.ffn_in(x)) + previous)
       return t + 1, tf.where(tf.gather(mask, t - 1, axis=1)[:, None], x, e)
 
+    # One time step at a time: the steps read the layers' variables, which
+    # the training around them assigns (`shard_packing.PackedBatches.reduce`).
     _, e = tf.while_loop(lambda t, _: t <= length, step,
-                         (tf.constant(1), initial))
+                         (tf.constant(1), initial), parallel_iterations=1)
     return e
 
 
