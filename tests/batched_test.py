@@ -11,6 +11,7 @@ import tensorflow_federated as tff
 from tests import conformance_test as conformance
 from tests import fedembed_testdata
 from tests import fedperc_testdata
+from tests import graph_loops
 from tff_personal.algorithms import ditto
 from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import fedavg
@@ -186,6 +187,10 @@ def _two_rounds(proc, init, datasets_fn):
   state, states = proc.initialize(), init
   for r in range(2):
     state, states, metrics = proc.next(state, states, datasets_fn(r))
+  # No graph loop over the shard's model variables runs iterations at once
+  # (the driver's loops; the executor form traces none here).
+  for loop in proc.driver_work.traced_loops:
+    assert not graph_loops.overlapping_variable_loops(loop)
   return state, states, metrics
 
 

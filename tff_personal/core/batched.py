@@ -457,10 +457,13 @@ def train_steps(shard: Any, optimizer: tff.learning.optimizers.Optimizer,
     return s + 1, new_weights, new_state, loss_sum, sums
 
   max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
+  # One step at a time: a step may read model variables (a frozen
+  # backbone) that the shard assigns around the loop
+  # (`shard_packing.PackedBatches.reduce`).
   _, final, _, loss_sum, sums = tf.while_loop(
       lambda s, *_: s < max_steps, step,
       (tf.constant(0), tuple(weights), opt_state, tf.zeros([num_users]),
-       sums))
+       sums), parallel_iterations=1)
   return final, loss_sum, sums
 
 
