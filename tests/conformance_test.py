@@ -35,18 +35,14 @@ from tff_personal import experiment
 from tff_personal.algorithms import registry
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
-from tff_personal.models import fedembed_mnist
-
-SPEC = fedembed_testdata.SPEC
 
 
-def _split_factory(dim):
-  return lambda: fedembed_mnist.build_preference_model(dim, input_spec=SPEC)
-
-
+# The paper's models with a small encoder (`fedembed_testdata.tiny_encoder`):
+# the invariants are of the wiring, not of the architecture.
 _TASK = types.SimpleNamespace(
-    name='synthetic', model_fn_factory=_split_factory,
-    fedembed_model_fn_factory=fedembed_testdata.factory,
+    name='synthetic',
+    model_fn_factory=fedembed_testdata.tiny_preference_factory,
+    fedembed_model_fn_factory=fedembed_testdata.tiny_factory,
     supports_personal_embedding=True, has_named_head=True,
     has_digit_images=True)
 
@@ -164,9 +160,11 @@ def _shuffled_datasets(name, num=3, n=6):
 # other algorithm, in both forms, is held bit-identical. This one is held
 # to its round's change: per leaf, |first - second| <= 1e-2 of the change
 # the round made (an unordered pass over the data changes a round by its
-# own size, far more).
+# own size, far more), plus a few float32 ulps of the leaf, for a leaf the
+# round barely moves (a change of 4e-13 has been seen).
 _ROUNDING_ONLY = ('fedperc_generated',)
 _CHANGE_RTOL = 1e-2
+_ULPS = 8 * np.finfo(np.float32).eps
 _flat = fedembed_testdata.flat
 
 
@@ -187,9 +185,11 @@ def _check_rerun_is_identical(name, proc, what):
     for i, (x, y, x0) in enumerate(zip(a, b, before)):
       change = np.linalg.norm(np.asarray(x, np.float64) - x0)
       gap = np.linalg.norm(np.asarray(x, np.float64) - y)
-      assert gap <= _CHANGE_RTOL * change, (
+      floor = _ULPS * np.linalg.norm(np.asarray(x, np.float64))
+      assert gap <= _CHANGE_RTOL * change + floor, (
           f'{what}: leaf {i} differs by {gap:.3g}, more than '
-          f'{_CHANGE_RTOL} of the round\'s change {change:.3g}')
+          f'{_CHANGE_RTOL} of the round\'s change {change:.3g} plus '
+          f'{floor:.3g}')
   else:
     for i, (x, y) in enumerate(zip(a, b)):
       np.testing.assert_array_equal(x, y, err_msg=f'{what}: leaf {i}')

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.models import fedembed as fedembed_model
+from tff_personal.models import fedembed_mnist
 
 SPEC = collections.OrderedDict(
     x=tf.TensorSpec([None, 28, 28, 1], tf.float32),
@@ -25,6 +26,30 @@ def with_k(config, k=10):
 def factory(config):
   return lambda: fedembed_model.build_fedembed_model(with_k(config),
                                                      input_spec=SPEC)
+
+
+def tiny_encoder(channels: int) -> tf.keras.Model:
+  """A small encoder of 28 x 28 x `channels` images (16 features): one
+  7 x 7 convolution of stride 7 and a ReLU. For tests of an algorithm's
+  wiring, where the paper's CNN only costs building and tracing time."""
+  return tf.keras.Sequential([
+      tf.keras.layers.InputLayer(input_shape=(28, 28, channels)),
+      tf.keras.layers.Conv2D(1, 7, strides=7, activation='relu'),
+      tf.keras.layers.Flatten(),
+  ], name='encoder')
+
+
+def tiny_factory(config):
+  """`factory` with `tiny_encoder`."""
+  return lambda: fedembed_model.build_fedembed_model(
+      with_k(config), encoder_fn=tiny_encoder, input_spec=SPEC)
+
+
+def tiny_preference_factory(dim):
+  """`embedding_dim -> model_fn` of the MNIST preference model (Global,
+  Global+) with `tiny_encoder`."""
+  return lambda: fedembed_mnist.build_preference_model(
+      dim, input_spec=SPEC, encoder_fn=tiny_encoder)
 
 
 def datasets(types_of_positives, seed=0, n=20, other=None):

@@ -37,7 +37,9 @@ TYPED_SPEC = collections.OrderedDict(
 
 
 def model_fn_factory(dim):
-  return lambda: fedembed_mnist.build_preference_model(dim, input_spec=SPEC)
+  # The small encoder: these tests are of the sharded form's wiring.
+  return lambda: fedembed_mnist.build_preference_model(
+      dim, input_spec=SPEC, encoder_fn=fedembed_testdata.tiny_encoder)
 
 
 def make_datasets(sizes, seed, batch=4, typed=False):
@@ -192,9 +194,9 @@ def dp_config(noise_multiplier, cohort):
                           target_delta=1e-3)
 
 
-def build_dp_global(config, learning_rate=3e-3):
+def build_dp_global(config, learning_rate=3e-3, factory=model_fn_factory):
   return fedavg.build_global(
-      model_fn_factory, client_optimizer=fedavg.adam(learning_rate)
+      factory, client_optimizer=fedavg.adam(learning_rate)
       if learning_rate else tff.learning.optimizers.build_sgdm(0.0),
       server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
       aggregator_factory=privacy.build_aggregator(config), seed=0)
@@ -230,8 +232,11 @@ def test_dp_sharded_noise_has_the_stated_scale():
   """Zero updates (lr 0): the server step is the noise / cohort alone."""
   sizes = [4, 4, 4, 4]
   config = dp_config(2.0, len(sizes))
-  proc = sharded.ShardedProcess(build_dp_global(config, learning_rate=0.0), 2,
-                                config)
+  # The paper's CNN: its 0.1 M weights are the noise's samples.
+  cnn = lambda dim: lambda: fedembed_mnist.build_preference_model(
+      dim, input_spec=SPEC)
+  proc = sharded.ShardedProcess(
+      build_dp_global(config, learning_rate=0.0, factory=cnn), 2, config)
   init = [collections.OrderedDict(private=(), rounds_participated=np.int32(0))
           ] * len(sizes)
   start = proc.initialize().global_model_weights
@@ -362,6 +367,7 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
     proc = fedembed_algorithms.build_fedembed_prototype(
         lambda config: (lambda: fedembed_model.build_fedembed_model(
             dataclasses.replace(config, num_subpopulations=3),
+            encoder_fn=fedembed_testdata.tiny_encoder,
             input_spec=TYPED_SPEC)),
         client_optimizer=local_sgd(),
         server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=2)
@@ -427,7 +433,8 @@ def test_sharded_fine_tune_eval_equals_per_client_cold_start_eval(algorithm):
 
 def typed_fedembed_factory(config):
   return lambda: fedembed_model.build_fedembed_model(
-      fedembed_testdata.with_k(config), input_spec=TYPED_SPEC)
+      fedembed_testdata.with_k(config),
+      encoder_fn=fedembed_testdata.tiny_encoder, input_spec=TYPED_SPEC)
 
 
 def build_statistics_process(algorithm, som_update=None,

@@ -89,7 +89,8 @@ def preference_loss(batch, logits):
 
 def build_preference_model(embedding_dim: int = DEFAULT_EMBEDDING_DIM,
                            activation: str = 'relu',
-                           input_spec=None) -> split_model.SplitModel:
+                           input_spec=None,
+                           encoder_fn=None) -> split_model.SplitModel:
   """Global (embedding_dim=0) or Global+ (embedding_dim>0) preference model.
 
   Args:
@@ -98,6 +99,9 @@ def build_preference_model(embedding_dim: int = DEFAULT_EMBEDDING_DIM,
       channel.
     activation: activation after the first two LayerNorms.
     input_spec: the element spec of client datasets (for the SplitModel).
+    encoder_fn: `channels -> Keras encoder` of 28 x 28 x channels images to
+      a flat feature vector, in place of the paper's (`build_encoder` with
+      `activation`), as `fedembed.build_fedembed_model` takes it.
 
   Returns:
     A `SplitModel` whose output is a [batch, 2] logit tensor and whose only
@@ -107,18 +111,20 @@ def build_preference_model(embedding_dim: int = DEFAULT_EMBEDDING_DIM,
     raise ValueError(
         f'embedding_dim must be 0 or {IMAGE_SHAPE[0]} for the MNIST model '
         f'(it forms a diagonal image channel); got {embedding_dim}')
+  if encoder_fn is None:
+    encoder_fn = lambda channels: build_encoder(activation, channels=channels)
   x = tf.keras.Input(shape=IMAGE_SHAPE, name='x')
   private = []
   if embedding_dim:
     personal = PersonalEmbedding(embedding_dim, name='personal')
     e = personal(x)
-    encoder = build_encoder(activation, channels=2)
+    encoder = encoder_fn(2)
     features = encoder(
         tf.keras.layers.Concatenate(axis=-1)([x, _diag_channel(e)]))
     features = tf.keras.layers.Concatenate(axis=-1)([features, e])
   else:
     personal = None
-    encoder = build_encoder(activation, channels=1)
+    encoder = encoder_fn(1)
     features = encoder(x)
   logits = tf.keras.layers.Dense(2, name='head')(features)
   model = tf.keras.Model(inputs=x, outputs=logits)
