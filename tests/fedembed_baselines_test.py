@@ -29,13 +29,21 @@ SPEC = collections.OrderedDict(
 PLAIN_SPEC = collections.OrderedDict(x=SPEC['x'], y=SPEC['y'])
 
 
+# The paper's models with a small encoder (`fedembed_testdata.tiny_encoder`):
+# its feature count and trainable tensors.
+FEATURES = fedembed_testdata.TINY_FEATURES
+ENCODER = fedembed_testdata.TINY_ENCODER_TENSORS
+
+
 def model_fn_factory(dim):
-  return lambda: fedembed_mnist.build_preference_model(dim, input_spec=SPEC)
+  return lambda: fedembed_mnist.build_preference_model(
+      dim, input_spec=SPEC, encoder_fn=fedembed_testdata.tiny_encoder)
 
 
 def fedembed_factory(config):
   return lambda: fedembed_model.build_fedembed_model(
-      fedembed_testdata.with_k(config), input_spec=SPEC)
+      fedembed_testdata.with_k(config),
+      encoder_fn=fedembed_testdata.tiny_encoder, input_spec=SPEC)
 
 
 def sgd(lr):
@@ -62,7 +70,7 @@ initial_states = fedembed_testdata.initial_states
 def fedavg_process(client_opt):
   def tff_model_fn():
     return tff.learning.models.from_keras_model(
-        fedembed_mnist.build_preference_model(0).model,
+        model_fn_factory(0)().model,
         input_spec=PLAIN_SPEC,
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   return tff.learning.algorithms.build_weighted_fed_avg(
@@ -129,10 +137,10 @@ def test_fedrep_trains_the_head_first_and_keeps_it_private():
   proc = fedrep.build_fedrep(model_fn_factory, client_optimizer=sgd(0.05),
                              server_optimizer=sgd(1.0), seed=2,
                              head_epochs=3)
-  head = [tff.TensorType(np.float32, [64, 2]), tff.TensorType(np.float32, [2])]
+  head = [tff.TensorType(np.float32, [FEATURES, 2]), tff.TensorType(np.float32, [2])]
   assert list(proc.client_state_type.private) == head
   shared = list(proc.aggregation_value_type)
-  assert len(shared) == 12 and not set(map(str, head)) & set(map(str, shared))
+  assert len(shared) == ENCODER and not set(map(str, head)) & set(map(str, shared))
   state = proc.initialize()
   states = initial_states(proc, 2)
   data = datasets(2)
@@ -156,7 +164,7 @@ def test_fedrep_trains_the_head_first_and_keeps_it_private():
 
 def test_fedrep_refuses_a_model_with_nothing_shared_to_train():
   def frozen_body_fn():
-    base = fedembed_mnist.build_preference_model(0, input_spec=SPEC)
+    base = model_fn_factory(0)()
     for layer in base.model.layers:
       if layer.name != 'head':
         layer.trainable = False
@@ -318,8 +326,8 @@ def test_pfedkm_with_one_cluster_is_fedavg():
   proc = pfedkm.build_pfedkm(fedembed_factory, client_optimizer=opt,
                              server_optimizer=sgd(1.0), seed=2,
                              num_subpopulations=1)
-  # Shared trainable: encoder (12) then heads kernel [1, 64, 2], bias [1, 2].
-  as_fedavg = lambda w: list(w[:12]) + [w[12][0], w[13][0]]
+  # Shared trainable: the encoder, then heads kernel [1, F, 2], bias [1, 2].
+  as_fedavg = lambda w: list(w[:ENCODER]) + [w[ENCODER][0], w[ENCODER + 1][0]]
   ours, theirs, _ = run_both(proc, as_fedavg, opt)
   for a, b in zip(ours, theirs):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -370,10 +378,10 @@ def test_private_state_stays_on_clients_and_dp_covers_the_shared_update(name):
   if name in ('fedrep', 'pfedme', 'pfedme_restart'):
     # The personal head is client state; for pFedMe its global twin (the
     # same type) is shared, so the check is on the client-state type.
-    assert tff.TensorType(np.float32, [64, 2]) in list(
+    assert tff.TensorType(np.float32, [FEATURES, 2]) in list(
         proc.client_state_type.private)
   if name == 'fedrep':
-    assert tff.TensorType(np.float32, [64, 2]) not in shared
+    assert tff.TensorType(np.float32, [FEATURES, 2]) not in shared
   state, _, _ = proc.next(proc.initialize(), initial_states(proc, 2),
                           datasets(2))
   for w in state.global_model_weights.trainable:

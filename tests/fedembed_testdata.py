@@ -28,6 +28,11 @@ def factory(config):
                                                      input_spec=SPEC)
 
 
+# `tiny_encoder`'s feature count and trainable tensors (kernel, bias).
+TINY_FEATURES = 16
+TINY_ENCODER_TENSORS = 2
+
+
 def tiny_encoder(channels: int) -> tf.keras.Model:
   """A small encoder of 28 x 28 x `channels` images (16 features): one
   7 x 7 convolution of stride 7 and a ReLU. For tests of an algorithm's

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.core import process as process_lib
 from tff_personal.models import fedembed_mnist
 
@@ -17,7 +18,9 @@ SPEC = collections.OrderedDict(
 
 
 def model_fn_factory(dim):
-  return lambda: fedembed_mnist.build_preference_model(dim, input_spec=SPEC)
+  # The paper's model with a small encoder: the tests are of the methods.
+  return lambda: fedembed_mnist.build_preference_model(
+      dim, input_spec=SPEC, encoder_fn=fedembed_testdata.tiny_encoder)
 
 
 def sgd(lr):

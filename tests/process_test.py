@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tests import fedembed_testdata
 from tff_personal.core import process
 from tff_personal.models import fedembed_mnist
 
@@ -20,8 +21,10 @@ SPEC = collections.OrderedDict(
 
 
 def model_fn(embedding_dim):
+  # The paper's model with a small encoder (`fedembed_testdata.tiny_encoder`).
   return lambda: fedembed_mnist.build_preference_model(
-      embedding_dim, input_spec=SPEC)
+      embedding_dim, input_spec=SPEC,
+      encoder_fn=fedembed_testdata.tiny_encoder)
 
 
 def make_datasets(num_clients, seed, n=20, batch=10):
@@ -74,8 +77,9 @@ def test_type_signature_keeps_client_state_at_clients():
   assert result[1].member == proc.client_state_type
   assert result[2].placement is tff.SERVER
   assert list(proc.client_state_type.private) == [private_type]
-  # The server state holds the shared weights only: 92 = 64 + 28 inputs to
-  # the head, but no [28] personal embedding tensor.
+  # The server state holds the shared weights only: a head over the
+  # features and the 28 embedding inputs, but no [28] personal embedding
+  # tensor.
   server_weights = param[0].member.global_model_weights.trainable
   assert private_type not in list(server_weights)
   # The only thing aggregated is the shared update, with the shared shapes.
