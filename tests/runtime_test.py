@@ -126,6 +126,27 @@ def test_a_computation_is_sent_to_the_worker_once_per_executor(monkeypatch):
     assert len(sent) == 3
 
 
+def test_values_alive_when_the_worker_stops_are_not_disposed(monkeypatch):
+  """Remote values still alive when the runtime closes (at interpreter exit,
+  say) are not sent to the stopped worker for disposal: TFF batches 20
+  disposals into one gRPC call, which then failed and printed its
+  traceback at exit."""
+  from tensorflow_federated.proto.v0 import executor_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow_federated.python.core.impl.executors import remote_executor_grpc_stub  # pylint: disable=g-import-not-at-top
+  disposed = []
+  monkeypatch.setattr(remote_executor_grpc_stub.RemoteExecutorGrpcStub,
+                      'dispose', lambda self, request: disposed.append(request))
+  rt = runtime.LocalCppRuntime()
+  with rt:
+    assert _mean([1.0, 3.0]) == 2.0
+    executors = [(ex, ex._executor_id) for ex in rt._executors]  # pylint: disable=protected-access
+  assert executors
+  for ex, executor_id in executors:
+    for i in range(25):  # More than one batch of values.
+      ex._dispose(executor_pb2.ValueRef(id=str(i)), executor_id)  # pylint: disable=protected-access
+  assert not disposed
+
+
 def test_the_executor_keeps_its_newest_computations(monkeypatch):
   sent = _count_sent_computations(monkeypatch)
   monkeypatch.setattr(runtime, '_CACHED_COMPUTATIONS', 1)

@@ -76,6 +76,7 @@ import signal
 import subprocess
 import threading
 import time
+import weakref
 from typing import Iterator, Optional, Sequence
 
 from absl import logging
@@ -212,6 +213,17 @@ class _CachingExecutor(_remote_executor.RemoteExecutor):
     self._computations.clear()
     super().set_cardinalities(cardinalities)
 
+  def forget_worker(self):
+    """The worker is stopping: the values it holds need no disposal.
+
+    TFF disposes a remote value when it is collected, in batches of 20
+    over gRPC; values still alive at interpreter exit are disposed then,
+    after the worker has stopped, and each batch printed a gRPC traceback.
+    Without an executor id, TFF's `_dispose` skips them.
+    """
+    self._executor_id = None
+    self._computations.clear()
+
   def close(self):
     self._computations.clear()
     super().close()
@@ -271,6 +283,7 @@ class LocalCppRuntime:
                                                  inter_op_threads)
     self._process: Optional[subprocess.Popen] = None
     self._stub = None
+    self._executors = weakref.WeakSet()  # Those on the current worker.
     self._lock = threading.Lock()
     self._closed = False
     self._previous_default = None
@@ -333,10 +346,14 @@ class LocalCppRuntime:
       cardinalities[tff.CLIENTS] = self._default_num_clients
     ex = _CachingExecutor(self._stub)
     ex.set_cardinalities(cardinalities)
+    self._executors.add(ex)
     return ex
 
   def _stop_worker(self):
     proc, self._process, self._stub = self._process, None, None
+    for executor in list(self._executors):
+      executor.forget_worker()
+    self._executors = weakref.WeakSet()
     if proc is None or proc.poll() is not None:
       return
     proc.send_signal(signal.SIGINT)
