@@ -208,6 +208,7 @@ class _CachingExecutor(_remote_executor.RemoteExecutor):
   def __init__(self, stub):
     super().__init__(stub)
     self._computations = collections.OrderedDict()
+    self._worker_stopped = False
 
   def set_cardinalities(self, cardinalities):
     self._computations.clear()
@@ -219,10 +220,16 @@ class _CachingExecutor(_remote_executor.RemoteExecutor):
     TFF disposes a remote value when it is collected, in batches of 20
     over gRPC; values still alive at interpreter exit are disposed then,
     after the worker has stopped, and each batch printed a gRPC traceback.
-    Without an executor id, TFF's `_dispose` skips them.
+    The executor is otherwise left as it is: used again (TFF's context
+    keeps one per cardinalities), its calls fail as retryable, and the
+    context then builds a new executor on a new worker.
     """
-    self._executor_id = None
+    self._worker_stopped = True
     self._computations.clear()
+
+  def _dispose(self, value_ref, value_executor_id):
+    if not self._worker_stopped:
+      super()._dispose(value_ref, value_executor_id)
 
   def close(self):
     self._computations.clear()
