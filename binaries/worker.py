@@ -19,7 +19,6 @@ running without listening, and the readiness check would reach the other
 process).
 """
 
-import ctypes
 import importlib.util
 import os
 import signal
@@ -32,6 +31,7 @@ from absl import app
 from absl import flags
 import grpc
 
+from tff_personal.core import parent_death
 from tff_personal.core import worker_threads
 
 _PORT = flags.DEFINE_integer('port', None, 'Port to serve on.', lower_bound=1,
@@ -59,7 +59,6 @@ _SHUTDOWN_TIMEOUT_S = flags.DEFINE_float(
     'Seconds to wait for the service to exit after SIGINT before killing it.')
 
 
-_PR_SET_PDEATHSIG = 1
 
 
 class _Stop(Exception):
@@ -80,11 +79,6 @@ def worker_binary_path() -> str:
   if not os.path.isfile(path):
     raise RuntimeError(f'TFF worker binary not found at {path}')
   return path
-
-
-def _die_with_parent() -> None:  # Runs in the child between fork and exec.
-  ctypes.CDLL('libc.so.6', use_errno=True).prctl(_PR_SET_PDEATHSIG,
-                                                 signal.SIGKILL)
 
 
 def _raise_stop(signum, frame):
@@ -155,11 +149,11 @@ def main(argv):
   proc = None
   try:
     _check_port_free(_PORT.value)
-    proc = subprocess.Popen(
+    proc = parent_death.popen(
         [worker_binary_path(), f'--port={_PORT.value}',
          f'--max_concurrent_computation_calls={_MAX_CONCURRENT.value}'],
         stdin=subprocess.DEVNULL, stdout=out or sys.stderr,
-        stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=env)
+        stderr=subprocess.STDOUT, env=env)
     _wait_ready(proc, _PORT.value, _READY_TIMEOUT_S.value)
     print(f'worker ready on port {_PORT.value} (pid {proc.pid})', flush=True)
     while proc.poll() is None:

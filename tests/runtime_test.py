@@ -147,6 +147,23 @@ def test_values_alive_when_the_worker_stops_are_not_disposed(monkeypatch):
   assert not disposed
 
 
+def test_a_killed_worker_is_replaced_for_every_cardinality():
+  """After the worker dies, the next call starts a new one, and the
+  executors TFF's context keeps for other cardinalities (whose values the
+  restart stopped disposing) still compute, on the new worker. The restart
+  runs while this process's gRPC threads do (`parent_death`: no fork)."""
+  with runtime.LocalCppRuntime() as rt:
+    assert _mean([1.0, 3.0]) == 2.0
+    assert _mean([1.0, 2.0, 6.0]) == 3.0
+    for _ in range(25):  # A forked restart failed within 25 (3 of 3 runs).
+      first = rt.worker_pid
+      os.kill(first, signal.SIGKILL)
+      assert process_utils.wait_dead(first)
+      assert _mean([1.0, 2.0, 3.0, 6.0]) == 3.0  # new cardinalities
+      assert _mean([1.0, 3.0]) == 2.0  # an executor kept from before
+      assert rt.worker_pid not in (None, first)
+
+
 def test_the_executor_keeps_its_newest_computations(monkeypatch):
   sent = _count_sent_computations(monkeypatch)
   monkeypatch.setattr(runtime, '_CACHED_COMPUTATIONS', 1)

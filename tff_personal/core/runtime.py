@@ -70,7 +70,6 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -85,6 +84,7 @@ import portpicker
 import tensorflow_federated as tff
 
 from tff_personal.core import coroutines
+from tff_personal.core import parent_death
 from tff_personal.core import worker_threads
 
 # TFF internals: the same pieces TFF's own `local_cpp_executor_factory` uses.
@@ -119,7 +119,6 @@ _GRPC_CHANNEL_OPTIONS = [
     ('grpc.max_reconnect_backoff_ms', 200),
 ]
 _READY_POLL_SECONDS = 0.01
-_PR_SET_PDEATHSIG = 1
 
 
 def _release_tff_import_time_context() -> None:
@@ -254,11 +253,6 @@ def worker_binary_path() -> str:
   return os.path.join(os.path.dirname(tff.__file__), 'data', 'worker_binary')
 
 
-def _die_with_parent() -> None:  # Runs in the child between fork and exec.
-  libc = ctypes.CDLL('libc.so.6', use_errno=True)
-  libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class LocalCppRuntime:
   """Owns one local `worker_binary` and the sync TFF context that talks to it.
 
@@ -318,12 +312,12 @@ class LocalCppRuntime:
     port = portpicker.pick_unused_port()
     out = (open(self._log_path, 'ab') if self._log_path
            else subprocess.DEVNULL)
-    self._process = subprocess.Popen(
+    # Without a fork of this process: it may run gRPC threads (a restart).
+    self._process = parent_death.popen(
         [binary, f'--port={port}',
          f'--max_concurrent_computation_calls={self._max_concurrent}'],
         stdout=out, stderr=subprocess.STDOUT if self._log_path else out,
-        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-        env=self._worker_env)
+        stdin=subprocess.DEVNULL, env=self._worker_env)
     if self._log_path:
       out.close()
     channel = grpc.insecure_channel(f'localhost:{port}', _GRPC_CHANNEL_OPTIONS)
