@@ -161,6 +161,14 @@ def define_flags():
                     'Before testing, each evaluated client trains only its '
                     'private variables for one local pass on its own '
                     'training data (test-time personalization).')
+  flags.DEFINE_multi_string(
+      'eval_strategies', [],
+      'A named personalization strategy evaluated next to the run\'s own '
+      'evaluation, [name=]kind[(field=value,...)] (repeat the flag for '
+      'more): none; fine_tune(epochs=,learning_rate=,optimizer=sgd|adam); '
+      'cold_start(start=initial|dp_average,samples=1/5/all,'
+      'noise_multiplier=,clip_norm=,delta=): the withheld users as new '
+      'users. See tff_personal/strategies.py.')
   flags.DEFINE_integer('cold_start_epochs', 5,
                        'Local epochs of private-state fine-tuning for users '
                        'who never trained (tasks with cold-start users).')
@@ -213,8 +221,9 @@ def define_flags():
   _group('training', ['rounds', 'clients_per_round', 'sampling', 'seed',
                       'eval_every', 'eval_clients', 'curve_eval_clients',
                       'checkpoint_every', 'keep_checkpoints',
-                      'eval_fine_tune', 'cold_start_epochs',
-                      'resume', 'client_state_backend', 'train_metrics',
+                      'eval_fine_tune', 'eval_strategies',
+                      'cold_start_epochs', 'resume', 'client_state_backend',
+                      'train_metrics',
                       'use_gpu', 'workers', 'simulation_shards',
                       'simulation_batched', 'simulation_batch_users',
                       'intra_op_threads',
@@ -341,6 +350,7 @@ def configs_from_flags(f):
       simulation_batched=f.simulation_batched,
       simulation_batch_users=f.simulation_batch_users,
       cold_start_epochs=f.cold_start_epochs,
+      eval_strategies=tuple(f.eval_strategies),
       client_state_backend=f.client_state_backend,
       train_metrics=f.train_metrics, dp=dp,
       release_unnoised_metrics=f.release_unnoised_metrics,
@@ -567,9 +577,8 @@ EVALUATION_FLAGS = tuple(name for name in run_records.RESUMABLE_FIELDS
 
 
 def run_evaluation(config, task_kwargs, f, eval_name: str,
-                   overwrite: bool = False, new_users=None) -> int:
-  """Re-evaluates the finished run of `f`'s flags (binaries.evaluate);
-  `new_users`: a `run_evaluation.NewUsers`, or None."""
+                   overwrite: bool = False) -> int:
+  """Re-evaluates the finished run of `f`'s flags (binaries.evaluate)."""
   if not f.use_gpu:
     tf.config.set_visible_devices([], 'GPU')
   if not f['verbosity'].present:
@@ -586,8 +595,9 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
     if differences:
       print(f'error: {summary_path} was trained with other flags:\n  ' +
             '\n  '.join(differences) + '\nPass the run\'s flags; only the '
-            'evaluation flags (--eval_fine_tune, --eval_clients, '
-            '--cold_start_epochs) and the runtime ones may differ.',
+            'evaluation flags (--eval_fine_tune, --eval_strategies, '
+            '--eval_clients, --cold_start_epochs) and the runtime ones may '
+            'differ.',
             file=sys.stderr)
       return 2
   try:
@@ -609,8 +619,7 @@ def run_evaluation(config, task_kwargs, f, eval_name: str,
                               inter_op_threads=f.inter_op_threads)):
       return run_evaluation_lib.evaluate_experiment(
           task, config, eval_name, log_fn=lambda s: print(s, flush=True),
-          overwrite=overwrite, flag_values=flag_values(f),
-          new_users=new_users)
+          overwrite=overwrite, flag_values=flag_values(f))
 
   return _report_evaluation(
       evaluate, run_evaluation_lib.evaluation_path(config, eval_name))
@@ -630,18 +639,18 @@ def _report_evaluation(evaluate: Callable[[], dict], path: str) -> int:
     return 3
   print(json.dumps({k: record[k] for k in (
       'eval_name', 'round', 'eval', 'test', 'test_fine_tuned', 'cold_start',
-      'new_users') if k in record}, indent=1, default=str))
+      run_evaluation_lib.STRATEGIES) if k in record}, indent=1, default=str))
   print(f'written: {path}')
   return 0
 
 
 def evaluate_run_dir(run_dir: str, f, eval_name: str,
-                     overwrite: bool = False, new_users=None) -> int:
+                     overwrite: bool = False) -> int:
   """Re-evaluates the finished run in `run_dir` from its own record
   (`runs.Run.open`; binaries.evaluate --run_dir): its task and
   configuration are the run's; the evaluation flags given on the command
-  line (`run_records.EVALUATION_FIELDS`) change its evaluation; `new_users`
-  as for `run_evaluation`. Exit codes as `run_evaluation`."""
+  line (`run_records.EVALUATION_FIELDS`) change its evaluation. Exit codes
+  as `run_evaluation`."""
   if not f.use_gpu:
     tf.config.set_visible_devices([], 'GPU')
   if not f['verbosity'].present:
@@ -665,8 +674,7 @@ def evaluate_run_dir(run_dir: str, f, eval_name: str,
                                intra_op_threads=f.intra_op_threads,
                                inter_op_threads=f.inter_op_threads):
       return run.evaluate(eval_name, overwrite=overwrite,
-                          log_fn=lambda s: print(s, flush=True),
-                          new_users=new_users, **changes)
+                          log_fn=lambda s: print(s, flush=True), **changes)
 
   return _report_evaluation(
       evaluate, run_evaluation_lib.evaluation_path(run.config, eval_name))

@@ -13,7 +13,7 @@ from tasks import context_task
 from tasks import tv_shows_task
 from tests import fedperc_testdata
 from tff_personal import experiment
-from tff_personal import run_evaluation
+from tff_personal import strategies
 from tff_personal import runs
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.core import evaluation
@@ -134,9 +134,9 @@ def test_new_users_start_from_the_seeded_dp_average(tmp_path):
       client_learning_rate=0.05, eval_clients=4, seed=5)
   runs.run_experiment(task, config, log_fn=lambda s: None)
   run = runs.Run.open(config.experiment_dir, task=task)
-  exact = run.evaluate(new_users=run_evaluation.NewUsers(
+  exact = run.evaluate(strategies={'new': strategies.ColdStart(
       samples=(1, 'all'), start='dp_average', noise_multiplier=0.0,
-      clip_norm=1e6))['new_users']
+      clip_norm=1e6)})['strategies']['new']
   states = [s for s in run.client_states(range(task.population))
             if s['rounds_participated'] > 0]
   assert exact['dp_average']['users'] == len(states) < task.population
@@ -148,18 +148,18 @@ def test_new_users_start_from_the_seeded_dp_average(tmp_path):
                          None if samples == 'all' else samples), rel=1e-5)
   assert exact['samples']['1'] != exact['samples']['all']
 
-  noisy = run_evaluation.NewUsers(samples=('all',), start='dp_average')
-  first = run.evaluate(new_users=noisy)['new_users']
+  noisy = ['cold_start(start=dp_average)']  # As text: the same strategy.
+  first = run.evaluate(strategies=noisy)['strategies']['cold_start']
   again = runs.Run.open(config.experiment_dir, task=task).evaluate(
-      new_users=noisy)['new_users']
+      strategies=noisy)['strategies']['cold_start']
   assert first['samples'] == again['samples']  # Same seed, same draw.
   assert first['samples'] != exact['samples']['all']
   clip = fedperc_alg.DP_CLIP_NORMS['embedding']
   assert first['dp_average']['clip_norm'] == clip
   assert first['dp_average']['epsilon'] == pytest.approx(
       new_users.dp_mean_epsilon(1.0, 1e-5))
-  initial = run.evaluate(new_users=run_evaluation.NewUsers(
-      samples=('all',)))['new_users']
+  initial = run.evaluate(strategies={'new': strategies.ColdStart()})[
+      'strategies']['new']
   zero = tuple(np.zeros_like(m) for m in mean)
   assert initial['samples']['all']['perplexity'] == pytest.approx(
       _perplexity_from(run, task, zero, None), rel=1e-5)
@@ -185,12 +185,13 @@ def test_context_table_trains_from_the_binary_and_evaluates_new_users(
   capsys.readouterr()
   with flagsaver.flagsaver(run_dir=str(tmp_path / 'out' / 'run'),
                            eval_name='new_users',
-                           new_users_samples=['1', 'all'],
-                           new_users_start='dp_average'):
+                           eval_strategies=[
+                               'new=cold_start(start=dp_average,'
+                               'samples=1/all)']):
     assert evaluate.main(['evaluate']) == 0
   with open(tmp_path / 'out' / 'run' / 'evaluations' / 'new_users.json') as f:
     record = json.load(f)
-  got = record['new_users']
+  got = record['strategies']['new']
   assert got['users'] == 2 and set(got['samples']) == {'1', 'all'}
   assert all(np.isfinite(m['perplexity']) for m in got['samples'].values())
   assert got['dp_average']['clip_norm'] == fedperc_alg.DP_CLIP_NORMS[
@@ -200,6 +201,6 @@ def test_context_table_trains_from_the_binary_and_evaluates_new_users(
   assert got['dp_average']['delta'] == record['privacy']['delta']
   assert record['privacy']['epsilon'] > 0
   with flagsaver.flagsaver(run_dir=str(tmp_path / 'out' / 'run'),
-                           new_users_samples=['0']):
+                           eval_strategies=['cold_start(samples=0)']):
     assert evaluate.main(['evaluate']) == 2
   assert 'samples must be ints >= 1' in capsys.readouterr().err

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal import strategies as strategies_lib
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
@@ -104,6 +105,12 @@ class ExperimentConfig:
   # `eval_fine_tune`). Measures how stale the stored private state is.
   test_fine_tune: bool = False
   cold_start_epochs: int = 5
+  # Named personalization strategies evaluated next to the run's own
+  # evaluation, as `strategies.parse` texts (e.g. 'ft3=fine_tune(epochs=3)',
+  # 'new=cold_start(start=dp_average,samples=1/all)'): the per-client ones
+  # at every evaluation (their curves: `strategies/<name>/<metric>`), all
+  # of them after the last round (summary['strategies']).
+  eval_strategies: tuple[str, ...] = ()
   resume: bool = False
   client_state_backend: str = 'auto'
   # Release training-metric sums (loss, accuracy: un-noised). Under DP they
@@ -124,6 +131,11 @@ class ExperimentConfig:
   # the shared aggregate's noise multiplier, and its own epsilon is reported.
   # Needs dp.mechanism 'gaussian_fixed'.
   dp_personal_heads: str = 'exempt'
+
+  def __post_init__(self):
+    if isinstance(self.eval_strategies, list):  # A flag's or JSON's form.
+      object.__setattr__(self, 'eval_strategies',
+                         tuple(self.eval_strategies))
 
   @property
   def experiment_dir(self) -> str:
@@ -212,6 +224,13 @@ def check_values(config: ExperimentConfig) -> None:
   if config.simulation_batch_users < 0:
     raise ValueError('simulation_batch_users must be >= 0 (0: all of a '
                      f'shard\'s users), got {config.simulation_batch_users}')
+  if isinstance(config.eval_strategies, str):
+    raise ValueError('eval_strategies must be a list of strategy texts, got '
+                     f'the string {config.eval_strategies!r}')
+  try:
+    strategies_lib.resolve(config.eval_strategies)
+  except ValueError as e:
+    raise ValueError(f'eval_strategies: {e}') from e
 
 
 def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
@@ -306,7 +325,8 @@ _NOT_BUILT_FROM = (
     'checkpoint_every', 'keep_checkpoints', 'eval_every', 'eval_clients',
     'curve_eval_clients', 'eval_chunk', 'simulation_shards',
     'simulation_batched', 'simulation_batch_users', 'eval_fine_tune',
-    'test_fine_tune', 'cold_start_epochs', 'client_state_backend')
+    'test_fine_tune', 'cold_start_epochs', 'eval_strategies',
+    'client_state_backend')
 _DERIVED = weakref.WeakKeyDictionary()
 
 

@@ -8,7 +8,7 @@ import collections
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow_federated as tff
@@ -16,6 +16,8 @@ import tensorflow_federated as tff
 from tff_personal import experiment
 from tff_personal import run_privacy
 from tff_personal import run_records
+from tff_personal import strategies as strategies_lib
+from tff_personal.core import client_data as client_data_lib
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
 from tff_personal.core import new_users as new_users_lib
@@ -62,17 +64,18 @@ def _evaluators(model_fn, weights_type, state_type, num_shards: int,
 
 
 def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
-                       num_shards: int, eval_ids=None):
+                       num_shards: int, eval_ids=None,
+                       fine_tune: Optional[strategies_lib.FineTune] = None):
   """`(evaluate, eval_ids, eval_data_fn)` for `proc`'s state on `task`.
 
   `evaluate(state, datasets_fn, ids=eval_ids, fine_tune=config.eval_fine_tune,
   test=False)` tests the clients `ids` with their private states from
-  `store` (after the fixed local pass of `eval_fine_tune` if `fine_tune`)
-  and returns `task.evaluate`'s metrics; `evaluate.outputs` (same
-  arguments) returns the per-client outputs instead. `eval_ids`: the
-  clients evaluated by default (None: `config.eval_clients` of them drawn
-  by the seed, `eval_client_ids`). Shared by training (`train`)
-  and re-evaluation (`evaluate_experiment`).
+  `store` (after the local passes of the `fine_tune` strategy, default
+  `FineTune()`: one pass, if `fine_tune`) and returns `task.evaluate`'s
+  metrics; `evaluate.outputs` (same arguments) returns the per-client
+  outputs instead. `eval_ids`: the clients evaluated by default (None:
+  `config.eval_clients` of them drawn by the seed, `eval_client_ids`).
+  Shared by training (`train`) and re-evaluation (`evaluate_experiment`).
 
   The traced evaluation computations are made once per process and
   evaluation settings (`experiment.derived`): the groups of a per-group
@@ -84,11 +87,13 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   # fine-tune) and whether the process always fine-tunes before testing.
   state_type = getattr(proc, 'eval_client_state_type', proc.client_state_type)
   always_fine_tune = getattr(proc, 'eval_fine_tune', False)
-  fine_tune_optimizer = (getattr(proc, 'eval_fine_tune_optimizer', None) or
+  tune = fine_tune or strategies_lib.FineTune()
+  fine_tune_optimizer = (tune.build_optimizer() or
+                         getattr(proc, 'eval_fine_tune_optimizer', None) or
                          experiment.make_private_optimizer(config) or
                          experiment.make_client_optimizer(config)) if (
-          config.eval_fine_tune or config.test_fine_tune or
-          always_fine_tune) else None
+          fine_tune is not None or config.eval_fine_tune or
+          config.test_fine_tune or always_fine_tune) else None
   # Sharded evaluation reads the task's numpy batches where it has them
   # (examples in its wire form); otherwise its tf.data datasets.
   wire = getattr(task, 'wire_format', None)
@@ -101,7 +106,7 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   optimizer_key = None if fine_tune_optimizer is None else (
       getattr(proc, 'eval_fine_tune_optimizer', None) is not None,
       config.private_learning_rate, config.client_optimizer,
-      config.client_learning_rate)
+      config.client_learning_rate, tune.optimizer, tune.learning_rate)
   parts = experiment.derived(
       proc, ('evaluators', num_shards, optimizer_key, batches_eval,
              batches_train, repr(wire)),
@@ -133,8 +138,8 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
         outputs.extend(plain(weights, states, datasets_fn(chunk)))
       else:  # The same fixed local pass at every evaluation.
         outputs.extend(tuned(
-            weights, states, fine_tune_train_fn(chunk, config.rounds),
-            datasets_fn(chunk)))
+            weights, states, repeated(fine_tune_train_fn(
+                chunk, config.rounds), tune.epochs), datasets_fn(chunk)))
     return outputs
 
   def evaluate(state, datasets_fn, ids=eval_ids,
@@ -147,7 +152,20 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   return evaluate, eval_ids, eval_data_fn
 
 
+def repeated(data: Sequence[Any], epochs: int) -> list:
+  """Each client's data (`tf.data.Dataset`s or `ClientBatches`) visited
+  `epochs` times in a row."""
+  if epochs == 1:
+    return list(data)
+  return [dataclasses.replace(d, index_batches=d.index_batches * epochs)
+          if isinstance(d, client_data_lib.ClientBatches) else d.repeat(epochs)
+          for d in data]
+
+
 NEVER_TRAINED = 'never_trained_clients'
+# Where a run's summary and an evaluation record keep each strategy's
+# results (`evaluate_strategies`).
+STRATEGIES = 'strategies'
 TRAINED_PREFIX = 'trained/'
 NEVER_TRAINED_PREFIX = 'never_trained/'
 
@@ -267,8 +285,8 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
                         eval_name: Optional[str],
                         log_fn: Callable[[str], None] = print,
                         overwrite: bool = False,
-                        flag_values: Optional[dict[str, Any]] = None,
-                        new_users: Optional['NewUsers'] = None) -> dict:
+                        flag_values: Optional[dict[str, Any]] = None
+                        ) -> dict:
   """Evaluates a finished run's final state again; writes nothing else.
 
   Needs `<experiment_dir>/summary.json` (a run writes it when it ends) and
@@ -288,9 +306,10 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
   `binaries.evaluate` also compares its flags (the task's too) with
   summary.json. The record's privacy report is recomputed from
   run_config.json's DP configuration and the rounds the run started
-  (`run_privacy_report`), not copied from summary.json. With `new_users`,
-  the task's withheld users are evaluated as new users too
-  (`evaluate_new_users`; the record's `new_users`).
+  (`run_privacy_report`), not copied from summary.json. The config's
+  `eval_strategies` are evaluated too (`evaluate_strategies`; the record's
+  `strategies`): e.g. a `ColdStart` evaluates the task's withheld users as
+  new users.
 
   Raises:
     EvaluationError: the run has not finished, was trained under another
@@ -302,6 +321,10 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
     run_lock.ExperimentLockedError: another process holds the experiment
       directory (a training or another evaluation).
   """
+  try:
+    named = strategies_lib.resolve(config.eval_strategies)
+  except ValueError as e:
+    raise EvaluationError(f'eval_strategies: {e}') from e
   if eval_name is not None and (not eval_name or os.sep in eval_name or
                                 eval_name.startswith('.')):
     raise EvaluationError(f'eval_name must be a plain file name, got '
@@ -354,9 +377,9 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
   built = experiment.build_process(task, config, dp=dp)
   proc = stages_lib.final_process(built)
   t_start = time.perf_counter()
-  if per_group and new_users is not None:
-    raise EvaluationError('new users are evaluated on one final model; this '
-                          'run ended with a model per group')
+  if per_group and named:
+    raise EvaluationError('personalization strategies evaluate one final '
+                          'model; this run ended with a model per group')
   if per_group:
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
     run_report = run_privacy.group_privacy_report(
@@ -382,12 +405,10 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
       log_fn(f'eval: {format_metrics(result["eval"])}')
       result.update(final_evaluations(task, proc, state, store, config,
                                       evaluate, log_fn))
-      if new_users is not None:
-        result['new_users'] = evaluate_new_users(
-            task, proc, state, store, config, new_users,
-            (run_dp.target_delta or privacy.default_target_delta(
-                population)) if run_dp.is_private else None, log_fn)
-        result['new_users']['settings'] = dataclasses.asdict(new_users)
+      if named:
+        result[STRATEGIES] = evaluate_strategies(
+            task, proc, state, store, config, named, num_shards,
+            run_delta=run_delta(run_dp, population), log_fn=log_fn)
     finally:
       store.close()
   record = {
@@ -413,6 +434,13 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     training_loop.write_summary(out_path, record)
   return record
+
+
+def run_delta(dp: privacy.DPConfig, population: int) -> Optional[float]:
+  """The delta of a run's DP guarantee (None without DP)."""
+  if not dp.is_private:
+    return None
+  return dp.target_delta or privacy.default_target_delta(population)
 
 
 def open_committed_store(proc, config: experiment.ExperimentConfig,
@@ -548,73 +576,8 @@ def evaluate_cold_start(task, proc, state, store,
   return task.evaluate(outputs, ids)
 
 
-# How a new user starts (`NewUsers.start`).
-NEW_USER_STARTS = ('initial', 'dp_average')
-DEFAULT_NEW_USERS_DELTA = 1e-5
-
-
-@dataclasses.dataclass(frozen=True)
-class NewUsers:
-  """How the task's withheld users are evaluated: as new users.
-
-  Each withheld user (never trained on) starts from `start`, then the
-  algorithm's own test-time adaptation (its evaluation model: FedPerC's
-  fine-tuning or generation) reads its first k adaptation samples, for
-  each k of `samples`, and its test split is scored.
-
-  Attributes:
-    samples: the adaptation sample counts, ints >= 1 or 'all'.
-    start: 'initial': the process's new-user state (FedPerC's: zero
-      offsets; others: the store's documented initial state of an id past
-      the population). 'dp_average': the DP average of the trained users'
-      private states (`core/new_users.build_dp_mean`), released once, its
-      noise drawn from the run's seed.
-    noise_multiplier: the DP average's noise stddev over its clip.
-    clip_norm: each trained user's state is clipped to this L2 norm; None:
-      the process's `new_user_dp_clip` (FedPerC's per variant).
-    delta: the DP average's delta (None: the run's DP delta, else 1e-5).
-
-  Example:
-
-    run.evaluate(new_users=NewUsers(samples=(1, 'all'), start='dp_average'))
-  """
-  samples: tuple = ('all',)
-  start: str = 'initial'
-  noise_multiplier: float = 1.0
-  clip_norm: Optional[float] = None
-  delta: Optional[float] = None
-
-  def __post_init__(self):
-    samples = tuple(s if s == 'all' else int(s) for s in self.samples)
-    if not samples or any(s != 'all' and s < 1 for s in samples):
-      raise ValueError(f'new-user samples must be ints >= 1 or "all", got '
-                       f'{self.samples}')
-    object.__setattr__(self, 'samples', samples)
-    if self.start not in NEW_USER_STARTS:
-      raise ValueError(f'new-user start must be one of {NEW_USER_STARTS}, '
-                       f'got {self.start!r}')
-    if self.noise_multiplier < 0 or (self.clip_norm is not None and
-                                     not self.clip_norm > 0):
-      raise ValueError(f'new-user DP average needs noise_multiplier >= 0 '
-                       f'and clip_norm > 0, got {self.noise_multiplier}, '
-                       f'{self.clip_norm}')
-    if self.delta is not None and not 0 < self.delta < 1:
-      raise ValueError(f'new-user delta must be in (0, 1), got {self.delta}')
-
-  @classmethod
-  def parse_samples(cls, values) -> tuple:
-    """'1,5,all' or ['1', 'all'] -> (1, 'all') (flag values)."""
-    if isinstance(values, str):
-      values = values.split(',')
-    try:
-      return tuple(v if v == 'all' else int(v)
-                   for v in (str(x).strip() for x in values) if v)
-    except ValueError as e:
-      raise ValueError(f'new-user samples must be ints or "all", got '
-                       f'{values}') from e
-
-
-def _dp_average_start(proc, store, population: int, new_users: NewUsers,
+def _dp_average_start(proc, store, population: int,
+                      new_users: strategies_lib.ColdStart,
                       config: experiment.ExperimentConfig,
                       run_delta: Optional[float]) -> tuple:
   """(the DP average of the trained clients' private states, its record)."""
@@ -635,8 +598,10 @@ def _dp_average_start(proc, store, population: int, new_users: NewUsers,
   if clip is None:
     raise EvaluationError(
         'the dp_average new-user start needs a clip norm: the algorithm '
-        'declares none (new_user_dp_clip); give one (--new_users_clip)')
-  delta = new_users.delta or run_delta or DEFAULT_NEW_USERS_DELTA
+        'declares none (new_user_dp_clip); give one '
+        '(cold_start(clip_norm=...))')
+  delta = (new_users.delta or run_delta or
+           strategies_lib.DEFAULT_NEW_USERS_DELTA)
   private_type = tff.types.to_type(tuple(
       tff.TensorType(v.dtype, v.shape) for v in private[0]))
   dp_mean = new_users_lib.build_dp_mean(
@@ -659,10 +624,11 @@ def _dp_average_start(proc, store, population: int, new_users: NewUsers,
 
 def evaluate_new_users(task, proc, state, store,
                        config: experiment.ExperimentConfig,
-                       new_users: NewUsers, run_delta: Optional[float] = None,
+                       new_users: strategies_lib.ColdStart,
+                       run_delta: Optional[float] = None,
                        log_fn: Optional[Callable[[str], None]] = None
                        ) -> dict:
-  """The task's withheld users, evaluated as new users (`NewUsers`).
+  """The task's withheld users, evaluated as new users (`ColdStart`).
 
   Args:
     task: a task with the `withheld` capability.
@@ -716,6 +682,74 @@ def evaluate_new_users(task, proc, state, store,
       log_fn(f'new users ({len(ids)} withheld, start {new_users.start}, '
              f'{samples} samples): '
              f'{format_metrics(out["samples"][str(samples)])}')
+  return out
+
+
+def strategy_evaluator(task, proc, config: experiment.ExperimentConfig, store,
+                       num_shards: int, strategy: strategies_lib.Strategy,
+                       eval_ids=None) -> Callable[..., dict]:
+  """`evaluate(state, ids=eval_ids, test=False)`: the metrics of the
+  per-client `strategy` (`AsTrained` or `FineTune`) on the clients `ids`'
+  evaluation data (their held-out test split with `test`), never-trained
+  clients counted and reported apart (`with_never_trained`)."""
+  if not isinstance(strategy, strategies_lib.PER_CLIENT):
+    raise ValueError(f'{strategies_lib.to_text(strategy)} does not score '
+                     'the evaluated clients')
+  tune = strategy if isinstance(strategy, strategies_lib.FineTune) else None
+  evaluate, default_ids, eval_data_fn = personal_evaluator(
+      task, proc, config, store, num_shards, eval_ids, fine_tune=tune)
+
+  def evaluate_strategy(state, ids=default_ids, test=False):
+    return evaluate(state, task.test_datasets if test else eval_data_fn,
+                    ids=ids, fine_tune=tune is not None, test=test)
+
+  return evaluate_strategy
+
+
+def evaluate_strategies(task, proc, state, store,
+                        config: experiment.ExperimentConfig,
+                        named: Mapping[str, strategies_lib.Strategy],
+                        num_shards: int, eval_ids=None,
+                        run_delta: Optional[float] = None,
+                        log_fn: Optional[Callable[[str], None]] = None,
+                        evaluated: Optional[Mapping[str, dict]] = None
+                        ) -> dict:
+  """Every named strategy's results on `proc`'s final `state`.
+
+  Args:
+    task, proc, state, store, config, num_shards: the run's, as for
+      `personal_evaluator`.
+    named: `{name: strategy}` (`strategies.resolve`).
+    eval_ids: the evaluated clients (None: the config's).
+    run_delta: the delta of the run's DP guarantee, if any (a cold start's
+      DP average defaults to it).
+    log_fn: each result's line.
+    evaluated: `{name: eval metrics}` already computed on `eval_ids` (the
+      loop's last evaluation), not computed again.
+
+  Returns:
+    `{name: {'strategy': its text, 'eval': metrics, 'test': metrics (a task
+    with a held-out split)}}` for per-client strategies, and `{name:
+    {'strategy': ..., **evaluate_new_users(...)}}` for `ColdStart`.
+  """
+  out = {}
+  for name, strategy in named.items():
+    text = strategies_lib.to_text(strategy)
+    if isinstance(strategy, strategies_lib.ColdStart):
+      result = evaluate_new_users(task, proc, state, store, config, strategy,
+                                  run_delta, log_fn)
+      out[name] = {'strategy': text, **result}
+      continue
+    evaluate = strategy_evaluator(task, proc, config, store, num_shards,
+                                  strategy, eval_ids)
+    result = {'strategy': text,
+              'eval': (evaluated or {}).get(name) or evaluate(state)}
+    if hasattr(task, 'test_datasets'):
+      result['test'] = evaluate(state, test=True)
+    out[name] = result
+    if log_fn:
+      log_fn(f'strategy {name} ({text}): '
+             f'{format_metrics(result["eval"])}')
   return out
 
 

@@ -134,7 +134,8 @@ RUN_CONFIG_FILENAME = 'run_config.json'
 # Config fields that only shape evaluation: a re-evaluation
 # (`evaluate_experiment`) may change them.
 EVALUATION_FIELDS = ('eval_clients', 'curve_eval_clients', 'eval_chunk',
-                     'eval_fine_tune', 'test_fine_tune', 'cold_start_epochs')
+                     'eval_fine_tune', 'test_fine_tune', 'cold_start_epochs',
+                     'eval_strategies')
 
 
 # What a resumed run may change: the evaluation fields, how the simulation

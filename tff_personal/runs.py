@@ -39,6 +39,7 @@ from tff_personal import experiment
 from tff_personal import run_evaluation
 from tff_personal import run_privacy
 from tff_personal import run_records
+from tff_personal import strategies as strategies_lib
 from tff_personal import training
 from tff_personal.core import privacy
 from tff_personal.core import stages as stages_lib
@@ -358,8 +359,7 @@ class Run(collections.abc.Mapping):
 
   def evaluate(self, eval_name: Optional[str] = None, overwrite: bool = False,
                log_fn: Callable[[str], None] = lambda s: None,
-               new_users: Optional[run_evaluation.NewUsers] = None,
-               **evaluation: Any) -> dict:
+               strategies: Any = None, **evaluation: Any) -> dict:
     """The finished run's final state evaluated again
     (`run_evaluation.evaluate_experiment`).
 
@@ -368,24 +368,33 @@ class Run(collections.abc.Mapping):
         (None: only return it).
       overwrite: replace an existing record of that name.
       log_fn: progress lines.
-      new_users: also evaluate the task's withheld users as new users
-        (`run_evaluation.NewUsers`: their start and adaptation samples).
+      strategies: named personalization strategies to evaluate instead of
+        the run's own `eval_strategies`: `{name: strategy or text}` or a
+        list of texts (`tff_personal.strategies`), e.g. `{'ft3':
+        strategies.FineTune(epochs=3), 'new': strategies.ColdStart(
+        start='dp_average', samples=(1, 'all'))}`.
       **evaluation: evaluation settings to change
         (`run_records.EVALUATION_FIELDS`, e.g. `eval_fine_tune=True`).
 
     Returns:
       `{'eval', 'test', 'test_fine_tuned', 'cold_start', 'privacy', ...}`;
-      a per-group run's also has each group's `groups`; with `new_users`,
-      `new_users` (`run_evaluation.evaluate_new_users`).
+      a per-group run's also has each group's `groups`; with strategies,
+      `strategies`: `{name: its results}`
+      (`run_evaluation.evaluate_strategies`).
     """
     unknown = sorted(set(evaluation) - set(run_records.EVALUATION_FIELDS))
     if unknown:
       raise RunError(f'evaluate() changes only the evaluation settings '
                      f'{run_records.EVALUATION_FIELDS}; got {unknown}')
+    if strategies is not None:
+      try:
+        evaluation['eval_strategies'] = strategies_lib.texts(
+            strategies_lib.resolve(strategies))
+      except ValueError as e:
+        raise RunError(str(e)) from e
     config = dataclasses.replace(self._config, **evaluation)
     return run_evaluation.evaluate_experiment(
-        self.task, config, eval_name, log_fn=log_fn, overwrite=overwrite,
-        new_users=new_users)
+        self.task, config, eval_name, log_fn=log_fn, overwrite=overwrite)
 
   def resume(self, rounds: Optional[int] = None,
              log_fn: Callable[[str], None] = print) -> 'Run':

@@ -20,6 +20,7 @@ from tff_personal import run_evaluation
 from tff_personal import run_lock
 from tff_personal import run_privacy
 from tff_personal import run_records
+from tff_personal import strategies as strategies_lib
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
@@ -81,8 +82,13 @@ def train(task, config: experiment.ExperimentConfig,
   if isinstance(built, stages_lib.Staged):
     _check_stage_cohorts(built, config, population)
   per_group = isinstance(built, stages_lib.Staged) and built.per_group
+  named = strategies_lib.resolve(config.eval_strategies)
   if per_group:  # Refused here, before any record or round.
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
+    if named:
+      raise experiment.ConfigurationError(
+          'eval_strategies evaluate one final model; this algorithm ends '
+          'with a model per group')
   if not resuming:  # A new run's record, once its process could be built.
     os.makedirs(config.experiment_dir, exist_ok=True)
     run_records.check_or_record_run_config(config, dp, flag_values,
@@ -104,10 +110,20 @@ def train(task, config: experiment.ExperimentConfig,
   curve_ids = run_evaluation.curve_eval_ids(eval_ids, config.curve_eval_clients,
                                             config.seed)
 
+  # The per-client strategies are scored at every evaluation too.
+  per_client = {name: run_evaluation.strategy_evaluator(
+      task, proc, config, store, num_shards, s, eval_ids)
+                for name, s in named.items()
+                if isinstance(s, strategies_lib.PER_CLIENT)}
+
   def eval_fn(state, round_num):
-    if round_num < config.rounds:  # A point of the learning curve.
-      return evaluate(state, eval_data_fn, ids=curve_ids)
-    return evaluate(state, eval_data_fn)
+    # A point of the learning curve, or the last round's evaluation.
+    ids = curve_ids if round_num < config.rounds else eval_ids
+    metrics = evaluate(state, eval_data_fn, ids=ids)
+    if per_client:
+      metrics[run_evaluation.STRATEGIES] = {name: fn(state, ids=ids)
+                             for name, fn in per_client.items()}
+    return metrics
 
   loop_config = _loop_config(config, config.experiment_dir, population)
   setup_seconds = time.perf_counter() - t_start
@@ -118,6 +134,12 @@ def train(task, config: experiment.ExperimentConfig,
         initial_state=initial_state)
     finals = run_evaluation.final_evaluations(task, proc, result.state, store,
                                               config, evaluate, log_fn)
+    eval_metrics = dict(result.eval_metrics)
+    if named:
+      finals[run_evaluation.STRATEGIES] = run_evaluation.evaluate_strategies(
+          task, proc, result.state, store, config, named, num_shards,
+          eval_ids, run_evaluation.run_delta(dp, population), log_fn,
+          evaluated=eval_metrics.pop(run_evaluation.STRATEGIES, None))
     if export_private_states:
       run_evaluation.write_private_states(store, eval_ids,
                                           config.experiment_dir)
@@ -139,7 +161,7 @@ def train(task, config: experiment.ExperimentConfig,
       'setup_seconds': setup_seconds,
       'population': population,
       'simulation_shards': num_shards,
-      'eval': result.eval_metrics,
+      'eval': eval_metrics,
       **finals,
       'final_train_metrics': result.train_metrics,
   }

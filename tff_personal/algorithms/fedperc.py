@@ -306,7 +306,7 @@ def build_step_process(model_fn: Callable[[], fedperc.FedPercModel],
       eval_model_fn=lambda: FedPercEvalModel(
           model_fn(), adapt, fine_tune_optimizer, fine_tune_steps),
       initial_private=private)
-  # The new-user DP average's default clip (`run_evaluation.NewUsers`).
+  # The new-user DP average's default clip (`strategies.ColdStart`).
   proc.new_user_dp_clip = DP_CLIP_NORMS.get(model.config.variant)
   return proc
 

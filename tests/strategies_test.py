@@ -1,0 +1,133 @@
+"""Named personalization strategies (`tff_personal/strategies.py`).
+
+One small Ditto run evaluates four strategies at every evaluation. The
+default fine-tuning equals the run's own `eval_fine_tune` evaluation;
+fine-tuning at a vanishing learning rate equals no fine-tuning; more epochs
+move the result; the reopened run evaluates its recorded strategies to the
+same numbers; never-trained clients are counted in every strategy's result.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tasks import client_data_task
+from tff_personal import experiment
+from tff_personal import runs
+from tff_personal import strategies
+from tff_personal.core import runtime
+from tff_personal.core import training_loop
+
+_CLIENTS = [f'c{k}' for k in range(8)]
+
+
+def _client_data(seed):
+  def dataset_fn(client_id):
+    rng = np.random.default_rng([seed, _CLIENTS.index(client_id)])
+    x = rng.normal(size=(12, 4)).astype(np.float32)
+    y = (x[:, 0] + rng.normal(0.5, size=12) > 0).astype(np.int32)
+    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
+  return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
+      _CLIENTS, dataset_fn)
+
+
+def _mean_loss(outputs, ids):
+  """Pooled cross-entropy: moves with every fine-tuning step."""
+  del ids
+  logits = np.concatenate([np.asarray(o['outputs']) for o in outputs])
+  labels = np.concatenate([np.asarray(o['labels']) for o in outputs])
+  return {'loss': float(tf.reduce_mean(
+      tf.keras.losses.sparse_categorical_crossentropy(
+          labels, logits, from_logits=True)))}
+
+
+_STRATEGIES = ('none', 'ft=fine_tune', 'ft2=fine_tune(epochs=2)',
+               'still=fine_tune(learning_rate=1e-12,optimizer=sgd)')
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  task = client_data_task.ClientDataTask(
+      'strategies', _client_data(0), _client_data(1),
+      model_builder=client_data_task.keras_classifier(
+          lambda: tf.keras.Sequential([tf.keras.layers.Input(shape=(4,)),
+                                       tf.keras.layers.Dense(2)])),
+      batch_size=4, evaluate_fn=_mean_loss)
+  config = experiment.ExperimentConfig(
+      algorithm='ditto', rounds=2, clients_per_round=2, eval_every=1,
+      root_output_dir=str(tmp_path_factory.mktemp('strategies')),
+      experiment_name='run', client_optimizer='sgd',
+      client_learning_rate=0.5, eval_strategies=_STRATEGIES, seed=3)
+  with runtime.local_runtime():
+    runs.run_experiment(task, config, log_fn=lambda s: None)
+    opened = runs.Run.open(config.experiment_dir, task=task)
+    yield opened
+
+
+def test_strategies_equal_the_evaluations_they_name(run):
+  got = run.summary['strategies']
+  assert set(got) == {'none', 'ft', 'ft2', 'still'}
+  assert got['ft2']['strategy'] == 'fine_tune(epochs=2)'
+  loss = {name: r['eval']['loss'] for name, r in got.items()}
+  # `none` is the run's own evaluation; `fine_tune` is eval_fine_tune's.
+  assert loss['none'] == pytest.approx(run.summary['eval']['loss'],
+                                       rel=1e-6)
+  fine_tuned = run.evaluate(eval_fine_tune=True)
+  assert loss['ft'] == pytest.approx(fine_tuned['eval']['loss'], rel=1e-6)
+  # A vanishing step changes nothing; a second pass moves further.
+  assert loss['still'] == pytest.approx(loss['none'], rel=1e-6)
+  assert abs(loss['ft'] - loss['none']) > 1e-4
+  assert abs(loss['ft2'] - loss['ft']) > 1e-4
+  # Every result counts the evaluated clients that never trained (2 rounds
+  # of 2 from 8 clients leave at least 4), and reports them apart.
+  states = run.client_states(range(len(_CLIENTS)))
+  never = sum(int(s['rounds_participated']) == 0 for s in states)
+  assert never >= 4
+  for r in got.values():
+    assert r['eval']['never_trained_clients'] == never
+    assert 'trained/loss' in r['eval'] and 'never_trained/loss' in r['eval']
+
+
+def test_the_curve_and_the_reopened_run_carry_every_strategy(run):
+  rows = training_loop.read_metrics(
+      f'{run.directory}/eval_metrics.csv')
+  assert [int(r['round']) for r in rows] == [1, 2]
+  for name in ('none', 'ft', 'ft2', 'still'):
+    assert all(f'strategies/{name}/loss' in r for r in rows)
+  last = rows[-1]
+  assert float(last['strategies/ft2/loss']) == pytest.approx(
+      run.summary['strategies']['ft2']['eval']['loss'], rel=1e-5)
+  # Evaluated again from the record alone: the same numbers.
+  again = run.evaluate()['strategies']
+  for name, r in run.summary['strategies'].items():
+    assert again[name]['eval']['loss'] == pytest.approx(r['eval']['loss'],
+                                                        rel=1e-6)
+  only = run.evaluate(strategies={'ft3': strategies.FineTune(epochs=3)})
+  assert set(only['strategies']) == {'ft3'}
+
+
+def test_strategy_texts_round_trip_and_bad_ones_are_named():
+  for text in ('none', 'fine_tune(epochs=3,learning_rate=0.01,optimizer=sgd)',
+               'cold_start(samples=1/5/all,start=dp_average,clip_norm=2.0)'):
+    name, strategy = strategies.parse(text)
+    assert strategies.parse(strategies.to_text(strategy)) == (name, strategy)
+  assert strategies.parse('ft3=fine_tune(epochs=3)') == (
+      'ft3', strategies.FineTune(epochs=3))
+  for text, named in (('fine_tun', 'unknown kind'),
+                      ('fine_tune(epoch=3)', 'epoch=3'),
+                      ('fine_tune(epochs=0)', 'epochs'),
+                      ('fine_tune(optimizer=sgd)', 'learning_rate'),
+                      ('cold_start(start=zero)', 'start'),
+                      ('cold_start(samples=0/all)', 'samples')):
+    with pytest.raises(ValueError, match=named):
+      strategies.parse(text)
+  with pytest.raises(ValueError, match='given twice'):
+    strategies.resolve(['fine_tune', 'fine_tune(epochs=2)'])
+  config = experiment.ExperimentConfig(
+      algorithm='fedavg', rounds=1, clients_per_round=1, root_output_dir='/x',
+      experiment_name='y', eval_strategies=('fine_tune(epochs=-1)',))
+  with pytest.raises(ValueError, match='eval_strategies'):
+    experiment.check_values(config)
