@@ -195,16 +195,20 @@ class ContextTask:
           self._eval_spec))
     return out
 
-  def eval_batches(self, client_ids: Sequence[int]
+  def eval_batches(self, client_ids: Sequence[int],
+                   samples: Optional[int] = None
                    ) -> list[client_data_lib.ClientBatches]:
-    """Each client's fine-tuning then test utterances, with their roles."""
+    """Each client's fine-tuning (its first `samples` of them; None: all)
+    then test utterances, with their roles."""
+    _check_samples(samples)
     self._check_ids(client_ids, self.client_names)
     return self._eval_batches([self.client_names[int(c)] for c in client_ids],
-                              None)
+                              samples)
 
-  def eval_datasets(self, client_ids: Sequence[int]) -> list[tf.data.Dataset]:
+  def eval_datasets(self, client_ids: Sequence[int],
+                    samples: Optional[int] = None) -> list[tf.data.Dataset]:
     return [tf.data.Dataset.from_tensor_slices(b.examples).batch(EVAL_BATCH)
-            for b in self.eval_batches(client_ids)]
+            for b in self.eval_batches(client_ids, samples)]
 
   def withheld_eval_datasets(self, ids: Sequence[int],
                              samples: Optional[int] = None
@@ -212,8 +216,7 @@ class ContextTask:
     """Withheld users `ids` (indices of `withheld_names`): each one's first
     `samples` fine-tuning utterances (None: all), then its test ones, in the
     form of `eval_datasets`."""
-    if samples is not None and samples < 1:
-      raise ValueError(f'samples must be >= 1 or None (all), got {samples}')
+    _check_samples(samples)
     self._check_ids(ids, self.withheld_names, 'withheld user')
     return [tf.data.Dataset.from_tensor_slices(b.examples).batch(EVAL_BATCH)
             for b in self._eval_batches(
@@ -223,6 +226,11 @@ class ContextTask:
     """Pooled test perplexity (`algorithms/fedperc.pooled_perplexity`)."""
     del client_ids
     return dict(fedperc_alg.pooled_perplexity(per_client_outputs))
+
+
+def _check_samples(samples: Optional[int]) -> None:
+  if samples is not None and samples < 1:
+    raise ValueError(f'samples must be >= 1 or None (all), got {samples}')
 
 
 # ------------------------------------------------------------ from a table

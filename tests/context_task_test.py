@@ -13,6 +13,7 @@ from tasks import context_task
 from tasks import tv_shows_task
 from tests import fedperc_testdata
 from tff_personal import experiment
+from tff_personal import run_evaluation
 from tff_personal import strategies
 from tff_personal import runs
 from tff_personal.algorithms import fedperc as fedperc_alg
@@ -163,6 +164,27 @@ def test_new_users_start_from_the_seeded_dp_average(tmp_path):
   zero = tuple(np.zeros_like(m) for m in mean)
   assert initial['samples']['all']['perplexity'] == pytest.approx(
       _perplexity_from(run, task, zero, None), rel=1e-5)
+
+  # The known users, adapted on their first k samples (`adapt`): by hand
+  # for k=1; all of them for a k past every user's count, as `none`.
+  known = run.evaluate(strategies=[
+      'none', 'a1=adapt(samples=1)', 'every=adapt(samples=1000000)'])[
+          'strategies']
+  ids = run_evaluation.eval_client_ids(task.population, 4, 5)
+  proc, weights = run.process(), run.weights()
+  personal_eval = evaluation.build_personal_eval(
+      proc.eval_model_fn, proc.model_weights_type,
+      proc.eval_client_state_type)
+  outputs = personal_eval(
+      weights, process_lib.eval_client_states(proc, weights,
+                                              run.client_states(ids)),
+      task.eval_datasets(ids, samples=1))
+  assert known['a1']['eval']['perplexity'] == pytest.approx(
+      task.evaluate(outputs, ids)['perplexity'], rel=1e-5)
+  assert known['every']['eval']['perplexity'] == pytest.approx(
+      known['none']['eval']['perplexity'], rel=1e-6)
+  assert abs(known['a1']['eval']['perplexity'] -
+             known['none']['eval']['perplexity']) > 1e-3
 
 
 def test_context_table_trains_from_the_binary_and_evaluates_new_users(

@@ -16,6 +16,7 @@ import tensorflow_federated as tff
 
 from tasks import client_data_task
 from tff_personal import experiment
+from tff_personal import run_evaluation
 from tff_personal import runs
 from tff_personal import strategies
 from tff_personal.core import runtime
@@ -107,10 +108,14 @@ def test_the_curve_and_the_reopened_run_carry_every_strategy(run):
                                                         rel=1e-6)
   only = run.evaluate(strategies={'ft3': strategies.FineTune(epochs=3)})
   assert set(only['strategies']) == {'ft3'}
+  with pytest.raises(run_evaluation.EvaluationError,
+                     match='no adaptation samples'):
+    run.evaluate(strategies=['adapt(samples=1)'])
 
 
 def test_strategy_texts_round_trip_and_bad_ones_are_named():
   for text in ('none', 'fine_tune(epochs=3,learning_rate=0.01,optimizer=sgd)',
+               'adapt(samples=5)',
                'cold_start(samples=1/5/all,start=dp_average,clip_norm=2.0)'):
     name, strategy = strategies.parse(text)
     assert strategies.parse(strategies.to_text(strategy)) == (name, strategy)

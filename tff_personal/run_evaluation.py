@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import inspect
 import os
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -406,9 +408,12 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
       result.update(final_evaluations(task, proc, state, store, config,
                                       evaluate, log_fn))
       if named:
-        result[STRATEGIES] = evaluate_strategies(
-            task, proc, state, store, config, named, num_shards,
-            run_delta=run_delta(run_dp, population), log_fn=log_fn)
+        try:
+          result[STRATEGIES] = evaluate_strategies(
+              task, proc, state, store, config, named, num_shards,
+              run_delta=run_delta(run_dp, population), log_fn=log_fn)
+        except experiment.ConfigurationError as e:
+          raise EvaluationError(str(e)) from e
     finally:
       store.close()
   record = {
@@ -698,8 +703,17 @@ def strategy_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   tune = strategy if isinstance(strategy, strategies_lib.FineTune) else None
   evaluate, default_ids, eval_data_fn = personal_evaluator(
       task, proc, config, store, num_shards, eval_ids, fine_tune=tune)
+  if isinstance(strategy, strategies_lib.Adapt):
+    if 'samples' not in inspect.signature(eval_data_fn).parameters:
+      raise experiment.ConfigurationError(
+          f'{strategies_lib.to_text(strategy)}: the evaluation data of task '
+          f'{task_lib.task_name(task)} has no adaptation samples to limit '
+          '(its eval_datasets / eval_batches take no samples=)')
+    eval_data_fn = functools.partial(eval_data_fn, samples=strategy.samples)
 
   def evaluate_strategy(state, ids=default_ids, test=False):
+    if test and isinstance(strategy, strategies_lib.Adapt):
+      raise ValueError('adapt scores the evaluation data only')
     return evaluate(state, task.test_datasets if test else eval_data_fn,
                     ids=ids, fine_tune=tune is not None, test=test)
 
@@ -744,7 +758,8 @@ def evaluate_strategies(task, proc, state, store,
                                   strategy, eval_ids)
     result = {'strategy': text,
               'eval': (evaluated or {}).get(name) or evaluate(state)}
-    if hasattr(task, 'test_datasets'):
+    if hasattr(task, 'test_datasets') and not isinstance(
+        strategy, strategies_lib.Adapt):
       result['test'] = evaluate(state, test=True)
     out[name] = result
     if log_fn:

@@ -13,6 +13,10 @@ each client's own private state, as trained.
 * `FineTune(epochs, learning_rate, optimizer)` (`fine_tune`): first
   `epochs` local passes over the client's own training data that update
   only its private variables; nothing leaves the client.
+* `Adapt(samples=k)` (`adapt`): each client's stored private state, and
+  the algorithm's own test-time adaptation (FedPerC's fine-tuning or
+  generation) reads only the first k of the client's adaptation samples
+  (tasks whose evaluation data has them: `eval_datasets(ids, samples=)`).
 * `ColdStart(start, samples, ...)` (`cold_start`): the task's withheld
   users, never trained on, as new users: each starts from `initial` (the
   process's new-user state; FedPerC's is zero offsets) or `dp_average` (the
@@ -26,6 +30,7 @@ separated by `/`:
 
   none
   ft3=fine_tune(epochs=3,learning_rate=0.01,optimizer=sgd)
+  a5=adapt(samples=5)
   cold=cold_start(start=dp_average,samples=1/5/all)
 
 Example:
@@ -103,6 +108,24 @@ class FineTune:
 
 
 @dataclasses.dataclass(frozen=True)
+class Adapt:
+  """The algorithm's own test-time adaptation on the first `samples`
+  adaptation samples of each evaluated client (its stored private state).
+
+  Attributes:
+    samples: how many adaptation samples (>= 1) the adaptation reads.
+  """
+  samples: int = 1
+  kind = 'adapt'
+
+  def __post_init__(self):
+    if isinstance(self.samples, bool) or not isinstance(self.samples, int) or (
+        self.samples < 1):
+      raise ValueError(f'adapt samples must be an int >= 1, got '
+                       f'{self.samples!r}')
+
+
+@dataclasses.dataclass(frozen=True)
 class ColdStart:
   """The task's withheld users, evaluated as new users.
 
@@ -156,11 +179,11 @@ class ColdStart:
                        f'{self.delta}')
 
 
-Strategy = Union[AsTrained, FineTune, ColdStart]
-KINDS = {c.kind: c for c in (AsTrained, FineTune, ColdStart)}
+Strategy = Union[AsTrained, FineTune, Adapt, ColdStart]
+KINDS = {c.kind: c for c in (AsTrained, FineTune, Adapt, ColdStart)}
 # Strategies that score the evaluated (trained) clients, e.g. at every
 # point of the learning curve; the others score other users, once.
-PER_CLIENT = (AsTrained, FineTune)
+PER_CLIENT = (AsTrained, FineTune, Adapt)
 
 _TEXT = re.compile(r'^(?:(?P<name>[A-Za-z0-9_.-]+)=)?(?P<kind>[a-z_]+)'
                    r'(?:\((?P<args>[^()]*)\))?$')
@@ -169,6 +192,8 @@ _NAME = re.compile(r'^[A-Za-z0-9_.-]+$')
 
 def _value(field: dataclasses.Field, text: str) -> Any:
   if field.name == 'samples':
+    if field.type in ('int', int):  # Adapt's one count.
+      return int(text)
     return tuple(s.strip() for s in text.split('/') if s.strip())
   if text in ('None', 'none', ''):
     return None
