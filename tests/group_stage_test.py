@@ -26,6 +26,7 @@ from tasks import speaker_context_io
 from tff_personal import experiment
 from tff_personal import run_records
 from tff_personal import runs
+from tff_personal import strategies
 from tff_personal import training
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import group_fl
@@ -142,13 +143,16 @@ def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
   # GroupPerFL and the shuffled control train no FL round: they continue
   # from the FL stage GroupFL trained (the hand-driven checks below hold
   # GroupPerFL to the paper's algorithm from that stage).
-  personal = _run(task, _config(tmp_path, 'groupperfl', 'groupperfl',
-                                options={'personalization_lr': 0.3}))
+  personal = _run(task, _config(
+      tmp_path, 'groupperfl', 'groupperfl',
+      options={'personalization_lr': 0.3},
+      eval_strategies=('lr05=fine_tune(learning_rate=0.5,optimizer=sgd)',)))
   _run(task, _config(tmp_path, 'groupfl', 'shuffled',
                      options={'grouping': 'shuffled'}))
   # Each run's group rounds, and GroupPerFL's evaluation, which fine-tunes
-  # each group's evaluated clients on their own data (one call per group).
-  assert len(requests) == 2 + 3 * 2 * groups + groups
+  # each group's evaluated clients on their own data (one call per group),
+  # as does its strategy.
+  assert len(requests) == 2 + 3 * 2 * groups + 2 * groups
   del task.train_datasets
   links = {os.path.realpath(experiment.stage_directory(
       _config(tmp_path, 'groupfl', name), 'fl'))
@@ -192,6 +196,33 @@ def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
     np.testing.assert_allclose(personal['eval'][key], value, rtol=1e-5,
                                err_msg=key)
   assert abs(want_personal['perplexity'] - want['perplexity']) > 1e-3
+  # The personalization sweep as strategies, in training and of the run
+  # reopened: SGD at another rate, and two passes, each the paper's by hand.
+  swept = runs.Run.open(
+      _config(tmp_path, 'groupperfl', 'groupperfl').experiment_dir,
+      task=task).evaluate(strategies={
+          'none': strategies.AsTrained(),
+          'lr05': strategies.FineTune(learning_rate=0.5, optimizer='sgd'),
+          'twice': strategies.FineTune(epochs=2, learning_rate=0.3,
+                                       optimizer='sgd')})['strategies']
+  np.testing.assert_allclose(swept['none']['eval']['perplexity'],
+                             want_personal['perplexity'], rtol=1e-5)
+  np.testing.assert_allclose(personal['strategies']['lr05']['eval'][
+      'perplexity'], swept['lr05']['eval']['perplexity'], rtol=1e-6)
+  for name, lr, epochs in (('lr05', 0.5, 1), ('twice', 0.3, 2)):
+    personalize = group_fl.build_local_personalization(
+        task.model_fn, tff.learning.optimizers.build_sgdm(lr), wtype)
+    sums = {}
+    for g, weights in models.items():
+      sums.update(group_fl.personalize_and_evaluate(
+          personalize, evaluate_personal, weights, task.clients_of(g),
+          lambda c, e=epochs: task.train_dataset(c, 1, round_num=2).repeat(e),
+          task.eval_dataset))
+    np.testing.assert_allclose(swept[name]['eval']['perplexity'],
+                               _perplexities(task, sums)['perplexity'],
+                               rtol=1e-5, err_msg=name)
+  assert abs(swept['lr05']['eval']['perplexity'] -
+             want_personal['perplexity']) > 1e-3
   assert set(summary['groups']) == set(task.group_names)
   assert summary['privacy'] is None
 

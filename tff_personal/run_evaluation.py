@@ -379,14 +379,15 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
   built = experiment.build_process(task, config, dp=dp)
   proc = stages_lib.final_process(built)
   t_start = time.perf_counter()
-  if per_group and named:
-    raise EvaluationError('personalization strategies evaluate one final '
-                          'model; this run ended with a model per group')
   if per_group:
+    try:
+      named = per_group_strategies(named)
+    except experiment.ConfigurationError as e:
+      raise EvaluationError(str(e)) from e
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
     run_report = run_privacy.group_privacy_report(
         config, run_dp, groups, run_privacy.earlier_stages_noised(config))
-    result = evaluate_per_group(task, proc, config, dp, groups)
+    result = evaluate_per_group(task, proc, config, dp, groups, named)
     log_fn(f'eval, each client on its group\'s model: '
            f'{format_metrics(result["eval"])}')
   else:
@@ -493,15 +494,19 @@ def pooled_metrics(task, ids: list, outputs: list) -> dict:
 
 
 def evaluate_per_group(task, proc, config: experiment.ExperimentConfig, dp,
-                       groups: dict[str, list[int]]) -> dict:
+                       groups: dict[str, list[int]],
+                       named: Optional[Mapping[str, Any]] = None) -> dict:
   """`{'eval': pooled metrics, 'groups': {group: its metrics}}` of a finished
   per-group run: each evaluated client tested with its group's last
   checkpoint and its state committed there, as training's last
-  evaluation (`_run_per_group`) tested it."""
+  evaluation (`_run_per_group`) tested it. With `named` per-client
+  strategies, also `'strategies'` (`pooled_strategies`)."""
   eval_set = set(eval_client_ids(task.population, config.eval_clients,
                                  config.seed))
   num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
   ids, outputs, per_group = [], [], {}
+  named = dict(named or {})
+  strategy_outputs = {n: {} for n in named}
   for name, members in groups.items():
     local_eval = [i for i, c in enumerate(members) if c in eval_set]
     if not local_eval:
@@ -520,12 +525,19 @@ def evaluate_per_group(task, proc, config: experiment.ExperimentConfig, dp,
       evaluate, _, eval_data_fn = personal_evaluator(
           view, proc, config, store, num_shards, eval_ids=local_eval)
       outs = list(evaluate.outputs(state, eval_data_fn, ids=local_eval))
+      for n, strategy in named.items():
+        strategy_outputs[n][name] = (view.global_ids(local_eval), list(
+            strategy_evaluator(view, proc, config, store, num_shards,
+                               strategy, local_eval).outputs(state)))
     finally:
       store.close()
     per_group[name] = view.evaluate(outs, local_eval)
     ids += view.global_ids(local_eval)
     outputs += outs
-  return {'eval': pooled_metrics(task, ids, outputs), 'groups': per_group}
+  result = {'eval': pooled_metrics(task, ids, outputs), 'groups': per_group}
+  if named:
+    result[STRATEGIES] = pooled_strategies(task, named, strategy_outputs)
+  return result
 
 
 def final_evaluations(task, proc, state, store,
@@ -717,7 +729,45 @@ def strategy_evaluator(task, proc, config: experiment.ExperimentConfig, store,
     return evaluate(state, task.test_datasets if test else eval_data_fn,
                     ids=ids, fine_tune=tune is not None, test=test)
 
+  def outputs(state, ids=default_ids):
+    return evaluate.outputs(state, eval_data_fn, ids=ids,
+                            fine_tune=tune is not None)
+
+  evaluate_strategy.outputs = outputs  # The per-client outputs instead.
   return evaluate_strategy
+
+
+def per_group_strategies(named: Mapping[str, strategies_lib.Strategy]
+                         ) -> dict[str, strategies_lib.Strategy]:
+  """`named`, checked for a run that ends with a model per group: each
+  evaluated client is scored with its own group's model, so every strategy
+  must be per-client (a cold start has no group).
+
+  Raises:
+    experiment.ConfigurationError: a strategy is not per-client.
+  """
+  others = [n for n, s in named.items()
+            if not isinstance(s, strategies_lib.PER_CLIENT)]
+  if others:
+    raise experiment.ConfigurationError(
+        f'strategies {others} evaluate users outside every group on one '
+        'final model; this run ends with a model per group')
+  return dict(named)
+
+
+def pooled_strategies(task, named, outputs: Mapping[str, Mapping[str, tuple]]
+                      ) -> dict:
+  """`{name: {'strategy', 'eval'}}` from each strategy's per-group
+  `(global ids, outputs)`, pooled over the groups (`pooled_metrics`)."""
+  out = {}
+  for name, strategy in named.items():
+    ids, outs = [], []
+    for group_ids, group_outs in outputs.get(name, {}).values():
+      ids += list(group_ids)
+      outs += list(group_outs)
+    out[name] = {'strategy': strategies_lib.to_text(strategy),
+                 'eval': pooled_metrics(task, ids, outs)}
+  return out
 
 
 def evaluate_strategies(task, proc, state, store,

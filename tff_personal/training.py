@@ -85,10 +85,7 @@ def train(task, config: experiment.ExperimentConfig,
   named = strategies_lib.resolve(config.eval_strategies)
   if per_group:  # Refused here, before any record or round.
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
-    if named:
-      raise experiment.ConfigurationError(
-          'eval_strategies evaluate one final model; this algorithm ends '
-          'with a model per group')
+    named = run_evaluation.per_group_strategies(named)
   if not resuming:  # A new run's record, once its process could be built.
     os.makedirs(config.experiment_dir, exist_ok=True)
     run_records.check_or_record_run_config(config, dp, flag_values,
@@ -100,7 +97,7 @@ def train(task, config: experiment.ExperimentConfig,
   if per_group:  # e.g. GroupFL: one run of the last stage per group.
     return _run_per_group(task, proc, config, dp, groups, initial_state,
                           earlier_noised, log_fn, flag_values,
-                          eval_ids), built
+                          eval_ids, named), built
   train_proc, num_shards, store, train_data_fn = _training_parts(
       task, proc, config, dp, config.experiment_dir, log_fn)
 
@@ -236,14 +233,16 @@ def _check_stage_cohorts(staged, config: experiment.ExperimentConfig,
 
 def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
                    initial_state, earlier_noised: int, log_fn,
-                   flag_values, eval_ids=None) -> dict:
+                   flag_values, eval_ids=None, named=None) -> dict:
   """Runs a per-group last stage (`core/stages.py`) and writes the summary.
 
   Each group's run is the one loop on `core/task.TaskSubset(task, group)`
   in `group_directory` (its own checkpoints, store, metrics and resume),
   from `initial_state`. The evaluation tests each evaluated client with its
   group's final model and pools them with `task.evaluate`; each group's
-  own metrics are in `summary['groups']` and its `eval_metrics.csv`.
+  own metrics are in `summary['groups']` and its `eval_metrics.csv`. The
+  per-client strategies `named` are scored so too (each group's curve;
+  pooled in `summary['strategies']`).
   Privacy: a user took part in the earlier stages' rounds and in its own
   group's run only; epsilon is the largest over the groups of the two
   composed (`privacy.compute_epsilon_phases`).
@@ -256,6 +255,8 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
       run_evaluation.curve_eval_ids(eval_ids, config.curve_eval_clients,
                                     config.seed))
   outputs, per_group, results = {}, {}, {}
+  named = dict(named or {})
+  strategy_outputs = {n: {} for n in named}
   # The groups' runs share one training form and one set of evaluators
   # (`experiment.derived`): each is traced once, not once per group.
   for name, members in groups.items():
@@ -269,16 +270,27 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
     try:
       evaluate, _, eval_data_fn = run_evaluation.personal_evaluator(
           view, proc, config, store, num_shards, eval_ids=local_eval)
+      strategy_fns = {n: run_evaluation.strategy_evaluator(
+          view, proc, config, store, num_shards, s, local_eval)
+                      for n, s in named.items()}
 
       def eval_fn(state, round_num, view=view, evaluate=evaluate,
                   eval_data_fn=eval_data_fn, local_eval=local_eval,
-                  local_curve=local_curve, name=name):
+                  local_curve=local_curve, name=name,
+                  strategy_fns=strategy_fns):
         ids = local_curve if round_num < config.rounds else local_eval
         if not ids:
           return {}
         outs = evaluate.outputs(state, eval_data_fn, ids=ids)
         outputs[name] = (view.global_ids(ids), outs)
-        return view.evaluate(outs, ids)
+        metrics = view.evaluate(outs, ids)
+        if strategy_fns:
+          metrics[run_evaluation.STRATEGIES] = {}
+        for n, fn in strategy_fns.items():
+          outs = fn.outputs(state, ids)
+          strategy_outputs[n][name] = (view.global_ids(ids), outs)
+          metrics[run_evaluation.STRATEGIES][n] = view.evaluate(outs, ids)
+        return metrics
 
       result = training_loop.run_training(
           train_proc, store=store, train_data_fn=train_data_fn,
@@ -287,12 +299,16 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
     finally:
       store.close()
     results[name] = result
+    group_eval = dict(result.eval_metrics)
+    group_strategies = group_eval.pop(run_evaluation.STRATEGIES, None)
     per_group[name] = {
         'clients': len(members), 'eval_clients': len(local_eval),
         'rounds_started': result.rounds_started,
         'resumed_from_round': result.resumed_from,
         'seconds_per_round': result.seconds_per_round,
-        'eval': result.eval_metrics,
+        'eval': group_eval,
+        **({run_evaluation.STRATEGIES: group_strategies}
+           if group_strategies else {}),
         'final_train_metrics': result.train_metrics}
   ids, outs = [], []
   for name in groups:
@@ -329,6 +345,9 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
       'groups': per_group,
       'final_train_metrics': {},
   }
+  if named:
+    summary[run_evaluation.STRATEGIES] = run_evaluation.pooled_strategies(
+        task, named, strategy_outputs)
   return _write_summary(config, summary, report, flag_values, log_fn)
 
 
