@@ -325,6 +325,7 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
   """
   try:
     named = strategies_lib.resolve(config.eval_strategies)
+    check_strategies(task, named)
   except ValueError as e:
     raise EvaluationError(f'eval_strategies: {e}') from e
   if eval_name is not None and (not eval_name or os.sep in eval_name or
@@ -409,12 +410,9 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
       result.update(final_evaluations(task, proc, state, store, config,
                                       evaluate, log_fn))
       if named:
-        try:
-          result[STRATEGIES] = evaluate_strategies(
-              task, proc, state, store, config, named, num_shards,
-              run_delta=run_delta(run_dp, population), log_fn=log_fn)
-        except experiment.ConfigurationError as e:
-          raise EvaluationError(str(e)) from e
+        result[STRATEGIES] = evaluate_strategies(
+            task, proc, state, store, config, named, num_shards,
+            run_delta=run_delta(run_dp, population), log_fn=log_fn)
     finally:
       store.close()
   record = {
@@ -706,21 +704,23 @@ def strategy_evaluator(task, proc, config: experiment.ExperimentConfig, store,
                        num_shards: int, strategy: strategies_lib.Strategy,
                        eval_ids=None) -> Callable[..., dict]:
   """`evaluate(state, ids=eval_ids, test=False)`: the metrics of the
-  per-client `strategy` (`AsTrained` or `FineTune`) on the clients `ids`'
-  evaluation data (their held-out test split with `test`), never-trained
-  clients counted and reported apart (`with_never_trained`)."""
+  per-client `strategy` (`AsTrained`, `FineTune` or `Adapt`) on the clients
+  `ids`' evaluation data (their held-out test split with `test`),
+  never-trained clients counted and reported apart (`with_never_trained`);
+  `evaluate.outputs(state, ids)`: the per-client outputs instead.
+
+  Raises:
+    experiment.ConfigurationError: the task cannot run the strategy
+      (`check_strategies`).
+  """
   if not isinstance(strategy, strategies_lib.PER_CLIENT):
     raise ValueError(f'{strategies_lib.to_text(strategy)} does not score '
                      'the evaluated clients')
+  check_strategies(task, {'': strategy})
   tune = strategy if isinstance(strategy, strategies_lib.FineTune) else None
   evaluate, default_ids, eval_data_fn = personal_evaluator(
       task, proc, config, store, num_shards, eval_ids, fine_tune=tune)
   if isinstance(strategy, strategies_lib.Adapt):
-    if 'samples' not in inspect.signature(eval_data_fn).parameters:
-      raise experiment.ConfigurationError(
-          f'{strategies_lib.to_text(strategy)}: the evaluation data of task '
-          f'{task_lib.task_name(task)} has no adaptation samples to limit '
-          '(its eval_datasets / eval_batches take no samples=)')
     eval_data_fn = functools.partial(eval_data_fn, samples=strategy.samples)
 
   def evaluate_strategy(state, ids=default_ids, test=False):
@@ -735,6 +735,34 @@ def strategy_evaluator(task, proc, config: experiment.ExperimentConfig, store,
 
   evaluate_strategy.outputs = outputs  # The per-client outputs instead.
   return evaluate_strategy
+
+
+def check_strategies(task, named: Mapping[str, strategies_lib.Strategy]
+                     ) -> None:
+  """Refuses strategies that `task` cannot run, before anything runs.
+
+  Raises:
+    experiment.ConfigurationError: an `adapt` on a task whose evaluation
+      data has no adaptation samples to limit (`eval_datasets(ids,
+      samples=)`), or a `cold_start` on a task without withheld users.
+  """
+  for name, strategy in named.items():
+    label = f'strategy {name + "=" if name else ""}' + strategies_lib.to_text(
+        strategy)
+    if isinstance(strategy, strategies_lib.Adapt):
+      data_fns = [getattr(task, n) for n in ('eval_datasets', 'eval_batches')
+                  if hasattr(task, n)]
+      if not data_fns or any('samples' not in inspect.signature(
+          fn).parameters for fn in data_fns):
+        raise experiment.ConfigurationError(
+            f'{label}: the evaluation data of task {task_lib.task_name(task)}'
+            ' has no adaptation samples to limit (its eval_datasets / '
+            'eval_batches take no samples=)')
+    if isinstance(strategy, strategies_lib.ColdStart) and not getattr(
+        task, 'withheld_names', None):
+      raise experiment.ConfigurationError(
+          f'{label}: task {task_lib.task_name(task)} has no withheld users '
+          '(the `withheld` capability) to evaluate as new users')
 
 
 def per_group_strategies(named: Mapping[str, strategies_lib.Strategy]
