@@ -8,6 +8,7 @@ same numbers; never-trained clients are counted in every strategy's result.
 """
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -111,6 +112,22 @@ def test_the_curve_and_the_reopened_run_carry_every_strategy(run):
   with pytest.raises(run_evaluation.EvaluationError,
                      match='no adaptation samples'):
     run.evaluate(strategies=['adapt(samples=1)'])
+
+
+def test_strategies_a_run_cannot_take_are_refused_before_it_starts(
+    run, tmp_path):
+  for algorithm, text, named in (
+      ('global', 'fine_tune', 'no private variables to fine-tune'),
+      ('ditto', 'adapt(samples=1)', 'no adaptation samples'),
+      ('ditto', 'cold_start', 'no withheld users')):
+    config = experiment.ExperimentConfig(
+        algorithm=algorithm, rounds=1, clients_per_round=2,
+        root_output_dir=str(tmp_path), experiment_name=algorithm,
+        eval_strategies=(text,))
+    with pytest.raises(experiment.ConfigurationError, match=named):
+      runs.run_experiment(run.task, config, log_fn=lambda s: None)
+    assert not os.path.exists(os.path.join(config.experiment_dir,
+                                           'run_config.json'))
 
 
 def test_strategy_texts_round_trip_and_bad_ones_are_named():

@@ -379,6 +379,10 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
             if started.get('dp') else dp)
   built = experiment.build_process(task, config, dp=dp)
   proc = stages_lib.final_process(built)
+  try:
+    check_strategies(task, named, proc)
+  except experiment.ConfigurationError as e:
+    raise EvaluationError(f'eval_strategies: {e}') from e
   t_start = time.perf_counter()
   if per_group:
     try:
@@ -737,18 +741,30 @@ def strategy_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   return evaluate_strategy
 
 
-def check_strategies(task, named: Mapping[str, strategies_lib.Strategy]
-                     ) -> None:
-  """Refuses strategies that `task` cannot run, before anything runs.
+def check_strategies(task, named: Mapping[str, strategies_lib.Strategy],
+                     proc=None) -> None:
+  """Refuses strategies that `task` (and `proc`, if given) cannot run,
+  before anything runs.
 
   Raises:
     experiment.ConfigurationError: an `adapt` on a task whose evaluation
       data has no adaptation samples to limit (`eval_datasets(ids,
-      samples=)`), or a `cold_start` on a task without withheld users.
+      samples=)`), a `cold_start` on a task without withheld users, or a
+      `fine_tune` of a process whose evaluated clients have no private
+      variables to tune (FedAvg's: `fedavg_ft` fine-tunes a copy of the
+      global model).
   """
   for name, strategy in named.items():
     label = f'strategy {name + "=" if name else ""}' + strategies_lib.to_text(
         strategy)
+    if isinstance(strategy, strategies_lib.FineTune) and proc is not None:
+      state_type = getattr(proc, 'eval_client_state_type',
+                           proc.client_state_type)
+      if not len(state_type[process_lib.CLIENT_STATE_PRIVATE]):  # pylint: disable=g-explicit-length-test
+        raise experiment.ConfigurationError(
+            f'{label}: the evaluated clients of {type(proc).__name__} have '
+            'no private variables to fine-tune (fedavg_ft fine-tunes a copy '
+            'of the global model)')
     if isinstance(strategy, strategies_lib.Adapt):
       data_fns = [getattr(task, n) for n in ('eval_datasets', 'eval_batches')
                   if hasattr(task, n)]

@@ -83,7 +83,7 @@ def train(task, config: experiment.ExperimentConfig,
     _check_stage_cohorts(built, config, population)
   per_group = isinstance(built, stages_lib.Staged) and built.per_group
   named = strategies_lib.resolve(config.eval_strategies)
-  run_evaluation.check_strategies(task, named)
+  run_evaluation.check_strategies(task, named, proc)
   if per_group:  # Refused here, before any record or round.
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
     named = run_evaluation.per_group_strategies(named)
