@@ -222,6 +222,8 @@ def test_context_table_trains_from_the_binary_and_evaluates_new_users(
   # run's own.
   assert got['dp_average']['delta'] == record['privacy']['delta']
   assert record['privacy']['epsilon'] > 0
+  assert [r['covered'] for r in record['privacy']['released']
+          if r['name'] == 'new-user DP average (strategy new)'] == [False]
   with flagsaver.flagsaver(run_dir=str(tmp_path / 'out' / 'run'),
                            eval_strategies=['cold_start(samples=0)']):
     assert evaluate.main(['evaluate']) == 2

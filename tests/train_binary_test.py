@@ -180,18 +180,21 @@ def test_noised_personal_heads_report_their_own_epsilon(tmp_path, mnist_dir):
   with flagsaver.flagsaver(**_base(
       tmp_path, mnist_dir, algorithm='pfedme', dp='gaussian_fixed',
       noise_multiplier=1.3, clip_norm=0.5, dp_personal_heads='noised',
-      server_optimizer='sgd', server_learning_rate=1.0)):
+      server_optimizer='sgd', server_learning_rate=1.0,
+      eval_strategies=['ft=fine_tune'])):
     assert train.main(['train']) == 0
   with open(tmp_path / 'e2e' / 'summary.json') as f:
     summary = json.load(f)
   privacy = summary['privacy']
   heads = privacy['personal_heads']
-  # Two rounds, no intermediate evaluation: at most 2 + 3 passes, accounted
-  # under the shared part's relation (replace-one for fixed-size sampling).
-  assert heads['passes'] == 5
+  # Two rounds, no intermediate evaluation: at most 2 + 3 passes, and the
+  # fine_tune strategy's at the last evaluation and the held-out test;
+  # accounted under the shared part's relation (replace-one for fixed-size
+  # sampling).
+  assert heads['passes'] == 5 + 2
   assert heads['neighboring_relation'] == privacy['neighboring_relation']
   assert heads['epsilon'] == pytest.approx(private_noise.personal_epsilon(
-      1.3, 5, privacy['delta'], 'replace_one'))
+      1.3, 7, privacy['delta'], 'replace_one'))
   assert (heads['noise_multiplier'], heads['clip_norm']) == (1.3, 0.5)
   assert summary['flags']['privacy']['dp_personal_heads'] == 'noised'
   with open(tmp_path / 'e2e' / 'run_config.json') as f:

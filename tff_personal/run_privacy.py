@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 from tff_personal import experiment
+from tff_personal import strategies as strategies_lib
 from tff_personal.core import private_noise
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
@@ -166,6 +167,15 @@ def released_values(config: experiment.ExperimentConfig, dp: privacy.DPConfig
         'personal heads', 'separate_dp',
         'noised on their own; bounded by personal_heads.epsilon, not by '
         'the shared epsilon'))
+  for name, strategy in strategies_lib.resolve(
+      config.eval_strategies).items():
+    if (isinstance(strategy, strategies_lib.ColdStart) and
+        strategy.start == 'dp_average'):
+      released.append(_released(
+          f'new-user DP average (strategy {name})', 'separate_dp',
+          'the DP average of the trained users\' private states, released '
+          f'once; bounded by strategies.{name}.dp_average\'s own (epsilon, '
+          'delta), not by the shared epsilon'))
   return released
 
 
@@ -173,10 +183,14 @@ def personal_passes(config: experiment.ExperimentConfig, rounds: int) -> int:
   """An upper bound on the noised local passes of one user's personal head:
   one per round, one per intermediate evaluation (each fine-tunes from the
   stored state), and the final evaluation's, the held-out test's and the
-  fine-tuned test's (a user who never trained has at most the evaluations').
+  fine-tuned test's (a user who never trained has at most the evaluations');
+  and each `fine_tune` strategy's pass at every one of those evaluations
+  and at the held-out test.
   """
   intermediate = rounds // config.eval_every if config.eval_every else 0
-  return rounds + intermediate + 3
+  tuned = sum(isinstance(s, strategies_lib.FineTune) for s in
+              strategies_lib.resolve(config.eval_strategies).values())
+  return rounds + intermediate + 3 + tuned * (intermediate + 2)
 
 
 def group_privacy_report(config: experiment.ExperimentConfig,
