@@ -60,6 +60,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import tensorflow as tf
@@ -255,6 +256,7 @@ class TaskSubset:
         setattr(self, member, getattr(task, member))
 
   def _mapped(self, method):
+    @functools.wraps(method)  # Its signature is the task's method's.
     def call(client_ids, *args, **kwargs):
       return method(self.global_ids(client_ids), *args, **kwargs)
     return call
