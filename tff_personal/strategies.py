@@ -267,8 +267,8 @@ def resolve(strategies: Union[None, Mapping[str, Any], Sequence[str]]
     for name, s in strategies.items():
       items.append((name, parse(s)[1] if isinstance(s, str) else s))
   else:
-    items = [parse(s) if isinstance(s, str) else (s.kind, s)
-             for s in strategies]
+    items = [parse(s) if isinstance(s, str) else
+             (getattr(s, 'kind', type(s).__name__), s) for s in strategies]
   out = {}
   for name, s in items:
     if not isinstance(s, tuple(KINDS.values())):
