@@ -31,8 +31,8 @@ What the task gives the run:
   trained on; `withheld_eval_datasets(ids, samples)` gives each one's first
   `samples` fine-tuning utterances (None: all) and its test utterances, in
   the evaluation's form, for the new-user evaluation
-  (`run_evaluation.evaluate_new_users`: a start state, then the algorithm's
-  own adaptation on those samples).
+  (`new_user_evaluation.evaluate_new_users`: a start state, then the
+  algorithm's own adaptation on those samples).
 * Model: `fedperc_model_fn_factory(variant, seed)` builds
   `models/fedperc.FedPercModel` on the backbone.
 """

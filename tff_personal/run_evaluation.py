@@ -4,7 +4,6 @@ a finished run (`evaluate_experiment`)."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import inspect
@@ -13,16 +12,15 @@ import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
-import tensorflow_federated as tff
 
 from tff_personal import experiment
+from tff_personal import new_user_evaluation
 from tff_personal import run_privacy
 from tff_personal import run_records
 from tff_personal import strategies as strategies_lib
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
-from tff_personal.core import new_users as new_users_lib
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
@@ -394,7 +392,7 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
         config, run_dp, groups, run_privacy.earlier_stages_noised(config))
     result = evaluate_per_group(task, proc, config, dp, groups, named)
     log_fn(f'eval, each client on its group\'s model: '
-           f'{format_metrics(result["eval"])}')
+           f'{evaluation.format_metrics(result["eval"])}')
   else:
     run_report = run_privacy.run_privacy_report(
         config, run_dp, rounds, training_loop.rounds_started(
@@ -410,7 +408,7 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
       evaluate, _, eval_data_fn = personal_evaluator(
           task, proc, config, store, num_shards)
       result = {'eval': evaluate(state, eval_data_fn)}
-      log_fn(f'eval: {format_metrics(result["eval"])}')
+      log_fn(f'eval: {evaluation.format_metrics(result["eval"])}')
       result.update(final_evaluations(task, proc, state, store, config,
                                       evaluate, log_fn))
       if named:
@@ -550,22 +548,17 @@ def final_evaluations(task, proc, state, store,
   out = dict(test=None, test_fine_tuned=None, cold_start=None)
   if hasattr(task, 'test_datasets'):  # held-out test split, after training
     out['test'] = evaluate(state, task.test_datasets, test=True)
-    log_fn(f'test: {format_metrics(out["test"])}')
+    log_fn(f'test: {evaluation.format_metrics(out["test"])}')
     if config.test_fine_tune:
       out['test_fine_tuned'] = evaluate(state, task.test_datasets,
                                         fine_tune=True, test=True)
       log_fn(f'test after one local pass of private state: '
-             f'{format_metrics(out["test_fine_tuned"])}')
+             f'{evaluation.format_metrics(out["test_fine_tuned"])}')
   if getattr(task, 'cold_client_ids', None):
     out['cold_start'] = evaluate_cold_start(task, proc, state, store, config)
     log_fn(f'cold start ({len(task.cold_client_ids)} users never trained): '
-           f'{format_metrics(out["cold_start"])}')
+           f'{evaluation.format_metrics(out["cold_start"])}')
   return out
-
-
-def format_metrics(metrics: dict) -> str:
-  return ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()
-                   if isinstance(v, float))
 
 
 def evaluate_cold_start(task, proc, state, store,
@@ -593,115 +586,6 @@ def evaluate_cold_start(task, proc, state, store,
     sl = slice(i, i + config.eval_chunk)
     outputs.extend(cold_eval(weights, states[sl], train[sl], test[sl]))
   return task.evaluate(outputs, ids)
-
-
-def _dp_average_start(proc, store, population: int,
-                      new_users: strategies_lib.ColdStart,
-                      config: experiment.ExperimentConfig,
-                      run_delta: Optional[float]) -> tuple:
-  """(the DP average of the trained clients' private states, its record)."""
-  private = []
-  for start in range(0, population, config.eval_chunk):
-    for s in store.load(list(range(start, min(start + config.eval_chunk,
-                                              population)))):
-      if int(s.get(process_lib.CLIENT_STATE_ROUNDS, 1)) > 0:
-        private.append(tuple(
-            np.asarray(v) for v in s[process_lib.CLIENT_STATE_PRIVATE]))
-  if not private or not private[0]:
-    raise EvaluationError(
-        'the dp_average new-user start needs trained clients with a private '
-        f'state; this run has {len(private)} trained clients'
-        + (' and no private state' if private else ''))
-  base = getattr(proc, 'base_process', proc)
-  clip = new_users.clip_norm or getattr(base, 'new_user_dp_clip', None)
-  if clip is None:
-    raise EvaluationError(
-        'the dp_average new-user start needs a clip norm: the algorithm '
-        'declares none (new_user_dp_clip); give one '
-        '(cold_start(clip_norm=...))')
-  delta = (new_users.delta or run_delta or
-           strategies_lib.DEFAULT_NEW_USERS_DELTA)
-  private_type = tff.types.to_type(tuple(
-      tff.TensorType(v.dtype, v.shape) for v in private[0]))
-  dp_mean = new_users_lib.build_dp_mean(
-      private_type, noise_multiplier=new_users.noise_multiplier,
-      clip_norm=clip, num_clients=len(private), seed=config.seed)
-  mean = tuple(np.asarray(v) for v in dp_mean(private))
-  record = dict(
-      users=len(private), clip_norm=float(clip),
-      noise_multiplier=float(new_users.noise_multiplier),
-      epsilon=new_users_lib.dp_mean_epsilon(new_users.noise_multiplier,
-                                            delta),
-      delta=float(delta), seed=config.seed,
-      accounting='one Gaussian release, RDP (dp_accounting), add-or-remove '
-                 'one trained user',
-      released='the DP average of the trained users\' private states, '
-               'once: every new user starts from it',
-      clip=new_users_lib.dp_clip_report(private, clip))
-  return mean, record
-
-
-def evaluate_new_users(task, proc, state, store,
-                       config: experiment.ExperimentConfig,
-                       new_users: strategies_lib.ColdStart,
-                       run_delta: Optional[float] = None,
-                       log_fn: Optional[Callable[[str], None]] = None
-                       ) -> dict:
-  """The task's withheld users, evaluated as new users (`ColdStart`).
-
-  Args:
-    task: a task with the `withheld` capability.
-    proc: the run's (final) process; `state` its server state.
-    store: the run's client-state store at that state's round.
-    config: the run's config (its seed draws the DP average's noise).
-    new_users: how they start and adapt.
-    run_delta: the delta of the run's own DP guarantee, if it has one (the
-      DP average's default delta).
-    log_fn: where each sample count's metrics are logged.
-
-  Returns:
-    `{'users': n, 'start': ..., 'samples': {'1': metrics, 'all': ...},
-    'dp_average': the release's record (dp_average only)}`; the
-    DP average's (epsilon, delta) covers only that one release.
-
-  Raises:
-    EvaluationError: the task has no withheld users, or the start cannot be
-      made.
-  """
-  names = list(getattr(task, 'withheld_names', ()) or ())
-  if not names:
-    raise EvaluationError(
-        f'task {task_lib.task_name(task)} has no withheld users (the '
-        '`withheld` capability) to evaluate as new users')
-  ids = list(range(len(names)))
-  population = task.population
-  weights = proc.get_model_weights(state)
-  initial = experiment.initial_client_state_fn(proc, config)
-  starts = [collections.OrderedDict(initial(population + i)) for i in ids]
-  out = {'users': len(ids), 'start': new_users.start}
-  if new_users.start == 'dp_average':
-    mean, out['dp_average'] = _dp_average_start(proc, store, population,
-                                                new_users, config, run_delta)
-    for s in starts:
-      s[process_lib.CLIENT_STATE_PRIVATE] = mean
-  states = process_lib.eval_client_states(proc, weights, starts)
-  personal_eval = evaluation.build_personal_eval(
-      getattr(proc, 'eval_model_fn', proc.model_fn), proc.model_weights_type,
-      getattr(proc, 'eval_client_state_type', proc.client_state_type))
-  out['samples'] = {}
-  for samples in new_users.samples:
-    data = task.withheld_eval_datasets(ids, None if samples == 'all'
-                                       else samples)
-    outputs = []
-    for i in range(0, len(ids), config.eval_chunk):
-      sl = slice(i, i + config.eval_chunk)
-      outputs.extend(personal_eval(weights, states[sl], data[sl]))
-    out['samples'][str(samples)] = task.evaluate(outputs, ids)
-    if log_fn:
-      log_fn(f'new users ({len(ids)} withheld, start {new_users.start}, '
-             f'{samples} samples): '
-             f'{format_metrics(out["samples"][str(samples)])}')
-  return out
 
 
 def strategy_evaluator(task, proc, config: experiment.ExperimentConfig, store,
@@ -760,7 +644,8 @@ def check_strategies(task, named: Mapping[str, strategies_lib.Strategy],
     if isinstance(strategy, strategies_lib.FineTune) and proc is not None:
       state_type = getattr(proc, 'eval_client_state_type',
                            proc.client_state_type)
-      if not len(state_type[process_lib.CLIENT_STATE_PRIVATE]):  # pylint: disable=g-explicit-length-test
+      private = state_type[process_lib.CLIENT_STATE_PRIVATE]
+      if len(private) == 0:  # pylint: disable=g-explicit-length-test
         raise experiment.ConfigurationError(
             f'{label}: the evaluated clients of {type(proc).__name__} have '
             'no private variables to fine-tune (fedavg_ft fine-tunes a copy '
@@ -838,14 +723,18 @@ def evaluate_strategies(task, proc, state, store,
   Returns:
     `{name: {'strategy': its text, 'eval': metrics, 'test': metrics (a task
     with a held-out split)}}` for per-client strategies, and `{name:
-    {'strategy': ..., **evaluate_new_users(...)}}` for `ColdStart`.
+    {'strategy': ..., **new_user_evaluation.evaluate_new_users(...)}}` for
+    `ColdStart`.
   """
   out = {}
   for name, strategy in named.items():
     text = strategies_lib.to_text(strategy)
     if isinstance(strategy, strategies_lib.ColdStart):
-      result = evaluate_new_users(task, proc, state, store, config, strategy,
-                                  run_delta, log_fn)
+      try:
+        result = new_user_evaluation.evaluate_new_users(
+            task, proc, state, store, config, strategy, run_delta, log_fn)
+      except new_user_evaluation.NewUserError as e:
+        raise EvaluationError(str(e)) from e
       out[name] = {'strategy': text, **result}
       continue
     evaluate = strategy_evaluator(task, proc, config, store, num_shards,
@@ -858,7 +747,7 @@ def evaluate_strategies(task, proc, state, store,
     out[name] = result
     if log_fn:
       log_fn(f'strategy {name} ({text}): '
-             f'{format_metrics(result["eval"])}')
+             f'{evaluation.format_metrics(result["eval"])}')
   return out
 
 

@@ -23,6 +23,7 @@ from tff_personal import run_records
 from tff_personal import strategies as strategies_lib
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import evaluation
 from tff_personal.core import privacy
 from tff_personal.core import sharded
 from tff_personal.core import stages as stages_lib
@@ -318,7 +319,7 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
       outs += list(outputs[name][1])
   eval_metrics = run_evaluation.pooled_metrics(task, ids, outs)
   log_fn(f'evaluation, each client on its group\'s model: '
-         f'{run_evaluation.format_metrics(eval_metrics)}')
+         f'{evaluation.format_metrics(eval_metrics)}')
   noised = {name: max(r.rounds_completed, r.rounds_started or 0)
             for name, r in results.items()}
   report = run_privacy.run_privacy_report(config, dp, config.rounds,

@@ -101,6 +101,12 @@ def build_cold_start_eval(model_fn: split_model_lib.SplitModelFn,
       ('train_data', data_type), ('test_data', data_type))
 
 
+def format_metrics(metrics: Mapping[str, Any]) -> str:
+  """A log line of `metrics`' float values: `name 0.1234, ...`."""
+  return ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()
+                   if isinstance(v, float))
+
+
 def classification_metrics(per_client: Sequence[Mapping[str, Any]]
                            ) -> dict[str, Any]:
   """Accuracy over all examples and the mean of per-user accuracies."""

@@ -1,10 +1,11 @@
 """How a user who never trained starts: the DP average of trained users' states.
 
 A new user (one withheld from training, or never sampled) has no private
-state of its own. `run_evaluation.evaluate_new_users` starts it from either
-the process's initial private state or, as FedPerC's section 3.2 does, "the
-noisy-average of all known user embeddings": `build_dp_mean` is that average
-as a TFF computation over the known users' private states at CLIENTS,
+state of its own. `new_user_evaluation.evaluate_new_users` starts it from
+either the process's initial private state or, as FedPerC's section 3.2
+does, "the noisy-average of all known user embeddings": `build_dp_mean` is
+that average as a TFF computation over the known users' private states at
+CLIENTS,
 through `tff.aggregators.DifferentiallyPrivateFactory` (each user's whole
 state clipped to `clip_norm` in L2, Gaussian noise of std
 `noise_multiplier * clip_norm` on the sum, divided by the number of users),

@@ -36,7 +36,7 @@ task has):
 * `withheld`: `withheld_names` and `withheld_eval_datasets(ids, samples)`,
   users never trained on, each with its first `samples` adaptation
   examples and its test examples in the evaluation's form
-  (`run_evaluation.evaluate_new_users`);
+  (`new_user_evaluation.evaluate_new_users`);
 * `groups`: `groups(ids)`, a group (sub-population) per client;
 * `named_head`: the model's output layer is named 'head' (declared by
   `has_named_head = True`), FedRep's and pFedMe's personal head;
