@@ -12,10 +12,12 @@ The four methods of section 5.3 on one pipeline (`algorithms/group_fl.py`):
 FL and the group runs train on the one run path: one `groupfl` run
 (`train_config`: stage 'fl', then a per-group stage) under
 `<root>/runs/group/pipeline/<config digest>/seed_<n>/groupfl_task/`, resumed
-from its checkpoints if killed. The analysis below reads the FL and group
-models from that run's final checkpoints and caches each result (evaluations,
-sweep, clustering) as JSON in the same digest-keyed directory; each cell
-(method, group) reads its numbers from it. The control `fl_more` is the same
+from its checkpoints if killed. The analysis below evaluates that run's
+clients through the library (`runs.Run.client_outputs`: FL's model is stage
+'fl', GroupFL's each client's group model; PerFL and GroupPerFL are the
+`fine_tune` strategy, K_l epochs of SGD at each swept lr) and caches each
+result (evaluations, sweep, clustering) as JSON in the same digest-keyed
+directory; each cell (method, group) reads its numbers from it. The control `fl_more` is the same
 run with `grouping='one'`.
 
 Readings of the paper, and choices made for the CPU budget
@@ -82,8 +84,7 @@ import glob
 import hashlib
 import json
 import os
-from typing import Callable, Mapping, Optional
-import weakref
+from typing import Mapping, Optional
 
 from absl import flags
 import numpy as np
@@ -96,11 +97,11 @@ from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal import runs
+from tff_personal import strategies
 from tff_personal.algorithms import group_fl
 from tff_personal.algorithms import update_clustering
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
-from tff_personal.models import word_lm
 
 PAPER = 'group'
 METHODS = ('fl', 'perfl', 'groupfl', 'groupperfl')
@@ -396,10 +397,17 @@ def _digest(value) -> str:
                         ).hexdigest()[:10]
 
 
+# How the cached evaluations were made: the library's per-client strategies
+# (`runs.Run.client_outputs`). Part of the pipeline's key, so a directory
+# evaluated by the paper's former code is not read as this one's.
+_EVALUATOR = 'client_outputs'
+
+
 def _config_dir(root, cfg, seed):
   """The pipeline's directory: keyed by the configuration without the
   controls' plateau rule (which the tables of the paper do not use)."""
-  digest = _digest({k: v for k, v in cfg.items() if k != 'plateau'})
+  digest = _digest({**{k: v for k, v in cfg.items() if k != 'plateau'},
+                    'evaluator': _EVALUATOR})
   return os.path.join(root, reporting.RUNS_DIRNAME, PAPER, 'pipeline',
                       digest, f'seed_{seed}')
 
@@ -415,29 +423,32 @@ def _task(cfg, seed):
       max_clients=cfg['max_clients'], local_epochs=cfg['local_epochs'])
 
 
-# The computations traced for a task's model, kept while the task lives: the
-# methods, sweeps and curves of one task build each once.
-_TRACED: dict[int, tuple] = {}  # id(task): (weak reference, {key: built})
+def _sums(output) -> dict:
+  """A client's evaluation output (the word LM's per-speech (NLL, tokens)
+  rows) as the token sums `group_fl.perplexity` pools."""
+  rows = np.asarray(output['outputs'], np.float64).reshape(-1, 2)
+  return {'token_nll_sum': float(rows[:, 0].sum()),
+          'tokens': float(rows[:, 1].sum())}
 
 
-def _traced(task, key, build: Callable[[], tff.Computation]
-            ) -> tff.Computation:
-  """`build()`, once per `task` and `key` (tasks are not hashable)."""
-  ref, built = _TRACED.get(id(task), (None, None))
-  if ref is None or ref() is not task:
-    built = {}
-    _TRACED[id(task)] = (weakref.ref(
-        task, lambda _, i=id(task): _TRACED.pop(i, None)), built)
-  if key not in built:
-    built[key] = build()
-  return built[key]
+def _personalization(cfg, lr: float):
+  """Algorithm 3 as the library's strategy: K_l local epochs of SGD at `lr`
+  over a copy of the client's model (none with K_l = 0)."""
+  if not cfg['personalization_epochs']:
+    return strategies.AsTrained()
+  return strategies.FineTune(epochs=cfg['personalization_epochs'],
+                             learning_rate=lr, optimizer='sgd')
 
 
-def _lm_evaluation(task, wtype, placement=tff.SERVER) -> tff.Computation:
-  """`group_fl.build_lm_evaluation` of the task's model, once per task."""
-  return _traced(task, ('evaluate', str(wtype), str(placement)),
-                 lambda: group_fl.build_lm_evaluation(
-                     task.model_fn, word_lm.metrics_fn, wtype, placement))
+def _evaluated(run: runs.Run, clients, strategy='none', stage=None,
+               round_num=None) -> dict[int, dict]:
+  """`{client: token sums}` of `clients` on the run's model (a per-group
+  run: each on its group's; `stage='fl'`: the FL model) under a strategy
+  (`runs.Run.client_outputs`)."""
+  clients = list(clients)
+  outputs = run.client_outputs(clients, strategy, round=round_num,
+                               stage=stage)
+  return {c: _sums(o) for c, o in zip(clients, outputs)}
 
 
 def train_config(cfg: dict, seed: int, directory: str,
@@ -487,17 +498,6 @@ def _train(task, config, log_fn) -> runs.Run:
   return runs.finished_or_trained(
       task, config, log_fn=lambda s: log_fn(
           f'group {config.experiment_name}: {s}'))
-
-
-def _models(task, config, round_num=None, run=None):
-  """(FL model, {group: its model}, weights type) from the run's
-  checkpoints: stage 'fl''s final one, then each group's run's of
-  `round_num` (None: its last round). `run`: the run's handle, opened if
-  None."""
-  run = run or runs.Run.open(config.experiment_dir, task=task)
-  models = {g: run.weights(round=round_num, group=g) for g in run.groups()}
-  return (run.weights(stage='fl'), models,
-          run.process().model_weights_type)
 
 
 def _participations(config, members, rounds, cohort):
@@ -562,36 +562,21 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   config = train_config(cfg, seed, directory,
                         keep_checkpoints=_pipeline_keep(cfg))
   run = _train(task, config, log_fn)
-  global_weights, group_weights, wtype = _models(task, config, run=run)
   fl_part = _fl_participations(task, config, cfg)
   group_part = _group_participations(task, config, 'task')
   group_of = dict(enumerate(task.client_groups))
 
   eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
-  evaluate = _lm_evaluation(task, wtype)
-  eval_set = set(eval_clients)
-
-  def eval_global(name, weights_of):
-    def compute():
-      out = {}
-      for g, members in groups.items():
-        clients = [c for c in members if c in eval_set]
-        out.update(group_fl.evaluate_global(
-            evaluate, weights_of(g), clients, task.eval_dataset))
-      return {str(c): v for c, v in out.items()}
-    log_fn(f'group: evaluating {name}')
-    return {int(c): v for c, v in stages.json(f'eval_{name}', compute).items()}
-
-  sums = {'fl': eval_global('fl', lambda g: global_weights),
-          'groupfl': eval_global('groupfl', lambda g: group_weights[g])}
-
-  # Stage 3: local personalization; lr selected on the sweep clients.
-  sweep = {}
-  for method, models in (('perfl', {g: global_weights for g in groups}),
-                         ('groupperfl', group_weights)):
-    sums[method], sweep[method] = _personalize(
-        task, cfg, stages, method, models, group_of, eval_clients,
-        sweep_clients, wtype, log_fn)
+  sums, sweep = {}, {}
+  # FL's model (stage 'fl'), each group's model; then local personalization
+  # from each, its lr selected on the sweep clients.
+  for method, personal, stage in (('fl', 'perfl', 'fl'),
+                                  ('groupfl', 'groupperfl', None)):
+    sums[method] = _evaluate_cached(stages, method, run, eval_clients,
+                                    stage, log_fn)
+    sums[personal], sweep[personal] = _personalize(
+        cfg, stages, personal, run, stage, eval_clients, sweep_clients,
+        log_fn)
 
   result = {'cells': _cells(task, cfg, groups, eval_clients, sums, fl_part,
                             group_part, sweep),
@@ -605,73 +590,52 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
                                for c in eval_clients}}
   lrs = {m: sweep[m]['lr'] for m in sweep}
   stages.json('curves', lambda: _control_curves(
-      task, cfg, seed, directory, eval_clients, lrs, wtype, log_fn,
+      task, cfg, seed, directory, eval_clients, lrs, log_fn,
       control_runs=_CONTROL_RUNS[:1], opened={'groupfl': run}))
   stages.json('fl_curves', lambda: _global_curves(
-      task, cfg, run.process(stage='fl'),
-      experiment.stage_directory(config, 'fl'), 1, cfg['rounds'],
-      eval_clients, lrs['perfl'], wtype, log_fn))
+      task, cfg, run, 'fl', 1, cfg['rounds'], eval_clients, lrs['perfl'],
+      log_fn))
   if cfg['clustering']:
     result['clustering'] = stages.json(
-        'clustering', lambda: _cluster(task, cfg, wtype, global_weights,
-                                       seed, log_fn))
+        'clustering', lambda: _cluster(
+            task, cfg, run.process(stage='fl').model_weights_type,
+            run.weights(stage='fl'), seed, log_fn))
   return result
 
 
-def _personalize(task, cfg, stages, method, models, key_of, eval_clients,
-                 sweep_clients, wtype, log_fn):
-  """Local personalization (K_l epochs of SGD) from each client's model.
+def _evaluate_cached(stages, method, run, clients, stage, log_fn,
+                     strategy='none', name=None) -> dict[int, dict]:
+  """`_evaluated`, cached in `stages` as `name` (default `eval_<method>`)."""
+  log_fn(f'group: evaluating {name or method}')
+  return {int(c): v for c, v in stages.json(
+      name or f'eval_{method}', lambda: {
+          str(c): v for c, v in _evaluated(run, clients, strategy,
+                                           stage).items()}).items()}
 
-  Client `c` starts from `models[key_of[c]]`. The learning rate is the one
-  of `cfg['personalization_lrs']` with the lowest pooled perplexity on
-  `sweep_clients`; the evaluated clients are then personalized with it.
-  Each step is cached in `stages` (`sweep_<method>_lr<lr>`,
-  `eval_<method>`). Returns `({eval client: its sums}, {'perplexity_by_lr',
-  'lr'})`.
+
+def _personalize(cfg, stages, method, run, stage, eval_clients,
+                 sweep_clients, log_fn):
+  """Local personalization (K_l epochs of SGD, `_personalization`) from
+  each client's model in `run` (of `stage`; None: its group's).
+
+  The learning rate is the one of `cfg['personalization_lrs']` with the
+  lowest pooled perplexity on `sweep_clients`; the evaluated clients are
+  then personalized with it. Each step is cached in `stages`
+  (`sweep_<method>_lr<lr>`, `eval_<method>`). Returns `({eval client: its
+  sums}, {'perplexity_by_lr', 'lr'})`.
   """
-  personalized = _personalizer(task, cfg, wtype)
-
-  def run(lr, clients):
-    return {str(c): v for c, v in personalized(lr, models, key_of,
-                                               clients).items()}
-
   by_lr = {}
   for lr in cfg['personalization_lrs']:
-    log_fn(f'group: {method} sweep lr={lr}')
-    result = stages.json(f'sweep_{method}_lr{lr:g}',
-                         lambda lr=lr: run(lr, sweep_clients))
+    result = _evaluate_cached(stages, method, run, sweep_clients, stage,
+                              log_fn, _personalization(cfg, lr),
+                              f'sweep_{method}_lr{lr:g}')
     by_lr[lr] = group_fl.perplexity(list(result.values()))
   best = min(by_lr, key=lambda lr: (by_lr[lr], lr))
   log_fn(f'group: {method} personalization lr {best} (sweep {by_lr})')
-  log_fn(f'group: {method} on the evaluation clients')
-  sums = {int(c): v for c, v in stages.json(
-      f'eval_{method}', lambda: run(best, eval_clients)).items()}
+  sums = _evaluate_cached(stages, method, run, eval_clients, stage, log_fn,
+                          _personalization(cfg, best))
   return sums, {'perplexity_by_lr': {f'{k:g}': v for k, v in by_lr.items()},
                 'lr': best}
-
-
-def _personalizer(task, cfg, wtype):
-  """`personalized(lr, models, key_of, clients) -> {client: sums}`: each of
-  `clients` fine-tunes `models[key_of[client]]` for K_l epochs of SGD at
-  `lr` on its training data, then is tested on its evaluation speeches.
-  Builds each lr's computation once per task (`_traced`)."""
-  evaluate_personal = _lm_evaluation(task, wtype, tff.CLIENTS)
-  k_l = cfg['personalization_epochs']
-  personal_train = lambda c: task.train_dataset(c, k_l, round_num=10**6)
-
-  def personalized(lr, models, key_of, clients):
-    personalize = _traced(task, ('personalize', str(wtype), lr), lambda:
-                          group_fl.build_local_personalization(
-                              task.model_fn,
-                              tff.learning.optimizers.build_sgdm(lr), wtype))
-    out = {}
-    for key, weights in models.items():
-      members = [c for c in clients if key_of[c] == key]
-      out.update(group_fl.personalize_and_evaluate(
-          personalize, evaluate_personal, weights, members, personal_train,
-          task.eval_dataset))
-    return out
-  return personalized
 
 
 def plateau_round(curve: Mapping[int, float], window: int,
@@ -758,61 +722,59 @@ def _find_plateau(task, cfg, seed, directory, validation, log_fn) -> dict:
 
 
 def _fl_curves(task, cfg, seed, directory, validation, eval_clients, lr,
-               wtype, log_fn) -> dict:
+               log_fn) -> dict:
   """`fl` and `perfl` over the controls' FL run (`_global_curves` at every
   checkpoint it keeps: every `2 * eval_every` rounds up to `max_rounds`;
   the run is trained again first if its directory is gone)."""
   config = _fl_curve_config(cfg, seed, directory)
   run = _train_fl_curve(task, config, validation, log_fn)
-  return _global_curves(task, cfg, run.process(),
-                        config.experiment_dir, config.checkpoint_every,
-                        config.rounds, eval_clients, lr, wtype, log_fn)
+  return _global_curves(task, cfg, run, None, config.checkpoint_every,
+                        config.rounds, eval_clients, lr, log_fn)
 
 
-def _global_curves(task, cfg, process, directory, every, last, eval_clients,
-                   lr, wtype, log_fn) -> dict:
+def _global_curves(task, cfg, run, stage, every, last, eval_clients, lr,
+                   log_fn) -> dict:
   """`fl` and `perfl` over an FL run's rounds, on the evaluated clients.
 
   At rounds `every`, `2 * every`, ... up to `last`, from the checkpoints of
-  `process`'s run in `directory`, the FL model is tested on the evaluated
-  clients as is (`fl`) and after each client's local fine-tuning at `lr`
-  (`perfl`, the lr PerFL's sweep selected). Returns `{'round': [...],
-  'fl': {group or 'all': [...]}, 'perfl': {...}}`, perplexities pooled as
-  in the tables.
+  `run` (of its `stage`), the FL model is tested on the evaluated clients
+  as is (`fl`) and after each client's local fine-tuning at `lr` (`perfl`,
+  the lr PerFL's sweep selected). Returns `{'round': [...], 'fl': {group or
+  'all': [...]}, 'perfl': {...}}`, perplexities pooled as in the tables.
 
   Raises:
     ValueError: the run kept no checkpoint of one of those rounds (a run
       made before its curves were: it kept its last 3), naming them.
   """
   rounds = list(range(every, last + 1, every))
-  kept = set(training_loop.checkpoint_rounds(directory))
+  kept = set(run.rounds(stage=stage))
   missing = [r for r in rounds if r not in kept]
   if missing:
     raise ValueError(
-        f'group: {directory} kept no checkpoint of rounds {missing[:5]}'
+        f'group: {run.directory} kept no checkpoint of rounds {missing[:5]}'
         f'{" ..." if len(missing) > 5 else ""} ({len(missing)} of the '
         f'{len(rounds)} the learning curve needs). The run was made before '
         'it kept them: move its directory away to train it again.')
-  evaluate = _lm_evaluation(task, wtype)
-  personalized = _personalizer(task, cfg, wtype)
-  pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
-           for g in task.group_names}
-  pools[ALL] = list(eval_clients)
+  pools = _pools(task, eval_clients)
   out = {'round': rounds, 'fl': {g: [] for g in pools},
          'perfl': {g: [] for g in pools}}
   for r in rounds:
     log_fn(f'group: curves of fl / perfl, FL round {r}')
-    weights = process.get_model_weights(training_loop.load_checkpoint(
-        process, directory, r))
-    sums = group_fl.evaluate_global(evaluate, weights, eval_clients,
-                                    task.eval_dataset)
-    personal = personalized(lr, {ALL: weights},
-                            {c: ALL for c in eval_clients}, eval_clients)
-    for name, by_client in (('fl', sums), ('perfl', personal)):
+    for name, strategy in (('fl', 'none'),
+                           ('perfl', _personalization(cfg, lr))):
+      by_client = _evaluated(run, eval_clients, strategy, stage, r)
       for g, clients in pools.items():
         out[name][g].append(group_fl.perplexity(
             [by_client[c] for c in clients]))
   return out
+
+
+def _pools(task, eval_clients) -> dict[str, list[int]]:
+  """The evaluated clients of each genre, and `all` of them."""
+  pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
+           for g in task.group_names}
+  pools[ALL] = list(eval_clients)
+  return pools
 
 
 def _controls(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
@@ -841,47 +803,30 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
       task, cfg, seed, directory, validation, log_fn))
   cfg_t = dict(cfg, rounds=plateau['rounds'])
   num_groups = len(task.group_names)
-  starts = {}  # method -> ({model key: weights}, {client: model key})
   opened = {}  # method -> its run
-  wtype = None
   for control in _CONTROL_RUNS:
-    grouping, name = control[0], control[3]
     config = _control_config(cfg_t, seed, directory, control, num_groups,
                              keep_checkpoints=_control_keep(cfg))
-    opened[name] = _train(task, config, log_fn)
-    fl_weights, models, wtype = _models(task, config, run=opened[name])
-    members = experiment.group_members(task, config, grouping)
-    starts[name] = (models, {c: g for g, ms in members.items() for c in ms})
-    if name == 'groupfl':
-      starts['fl'] = ({ALL: fl_weights},
-                      {c: ALL for c in range(task.population)})
-  evaluate = _lm_evaluation(task, wtype)
+    opened[control[3]] = _train(task, config, log_fn)
+  # FL (the FL stage every control run shares), then each control run's
+  # groups; each as is and personalized.
+  starts = [('fl', 'perfl', opened['groupfl'], 'fl')] + [
+      (name, personal, opened[name], None)
+      for *_, name, personal in _CONTROL_RUNS]
   sums, sweep = {}, {}
-  for method in ('fl',) + tuple(run[3] for run in _CONTROL_RUNS):
-    models, key_of = starts[method]
-
-    def compute(models=models, key_of=key_of):
-      out = {}
-      for key, weights in models.items():
-        out.update(group_fl.evaluate_global(
-            evaluate, weights, [c for c in eval_clients if key_of[c] == key],
-            task.eval_dataset))
-      return {str(c): v for c, v in out.items()}
-    log_fn(f'group: evaluating {method}')
-    sums[method] = {int(c): v for c, v in stages.json(
-        f'eval_{method}', compute).items()}
-  for method, start in (('perfl', 'fl'),) + tuple(
-      (personal, name) for *_, name, personal in _CONTROL_RUNS):
-    models, key_of = starts[start]
-    sums[method], sweep[method] = _personalize(
-        task, cfg, stages, method, models, key_of, eval_clients,
-        sweep_clients, wtype, log_fn)
+  for method, personal, run, stage in starts:
+    sums[method] = _evaluate_cached(stages, method, run, eval_clients, stage,
+                                    log_fn)
+  for method, personal, run, stage in starts:
+    sums[personal], sweep[personal] = _personalize(
+        cfg, stages, personal, run, stage, eval_clients, sweep_clients,
+        log_fn)
   stages.json('curves', lambda: _control_curves(
       task, cfg_t, seed, directory, eval_clients,
-      {m: s['lr'] for m, s in sweep.items()}, wtype, log_fn, opened=opened))
+      {m: s['lr'] for m, s in sweep.items()}, log_fn, opened=opened))
   stages.json('fl_curves', lambda: _fl_curves(
       task, cfg, seed, directory, validation, eval_clients,
-      sweep['perfl']['lr'], wtype, log_fn))
+      sweep['perfl']['lr'], log_fn))
   return _control_cells(task, eval_clients, sums, sweep, plateau['rounds'])
 
 
@@ -922,8 +867,8 @@ def _control_config(cfg_t, seed, directory, control_run, num_groups,
                       group_server_lr=lr_share * cfg_t['server_lr'], **kwargs)
 
 
-def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
-                    log_fn, control_runs=_CONTROL_RUNS, opened=None) -> dict:
+def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, log_fn,
+                    control_runs=_CONTROL_RUNS, opened=None) -> dict:
   """Held-out learning curves of group stages (the controls', or with
   `control_runs=_CONTROL_RUNS[:1]` the tables' GroupFL and GroupPerFL).
 
@@ -942,11 +887,7 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
   every genre).
   """
   num_groups = len(task.group_names)
-  evaluate = _lm_evaluation(task, wtype)
-  personalized = _personalizer(task, cfg_t, wtype)
-  pools = {g: [c for c in eval_clients if task.client_groups[c] == g]
-           for g in task.group_names}
-  pools[ALL] = list(eval_clients)
+  pools = _pools(task, eval_clients)
   rounds = list(range(cfg_t['group_rounds'] + 1))
   out = {}
   for control in control_runs:
@@ -954,22 +895,15 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
     config = _control_config(cfg_t, seed, directory, control, num_groups)
     run = (opened or {}).get(method) or runs.Run.open(config.experiment_dir,
                                                       task=task)
-    key_of = {c: g for g, ms in run.groups().items() for c in ms}
     for name in (method, personal):
       out[name] = {'round': rounds, **{g: [] for g in pools}}
     for r in rounds:
       log_fn(f'group: curves of {method} / {personal}, group round {r}')
-      fl_weights, models, _ = _models(task, config, max(r, 1), run)
-      if r == 0:
-        models = {g: fl_weights for g in models}
-      sums = {}
-      for key, weights in models.items():
-        sums.update(group_fl.evaluate_global(
-            evaluate, weights, [c for c in eval_clients if key_of[c] == key],
-            task.eval_dataset))
-      personal_sums = personalized(lrs[personal], models, key_of,
-                                   eval_clients)
-      for name, by_client in ((method, sums), (personal, personal_sums)):
+      # Round 0: the FL model at T, every group's start.
+      at = dict(stage='fl') if r == 0 else dict(stage=None, round_num=r)
+      for name, strategy in ((method, 'none'), (personal, _personalization(
+          cfg_t, lrs[personal]))):
+        by_client = _evaluated(run, eval_clients, strategy, **at)
         for g, clients in pools.items():
           out[name][g].append(group_fl.perplexity(
               [by_client[c] for c in clients]))
@@ -979,9 +913,7 @@ def _control_curves(task, cfg_t, seed, directory, eval_clients, lrs, wtype,
 def _control_cells(task, eval_clients, sums, sweep, rounds) -> dict:
   """`{method: {group: metrics}}` of the controls, with each group
   method's `margin` over the better of its controls (`CONTROLS_OF`)."""
-  members_of = {g: [c for c in eval_clients if task.client_groups[c] == g]
-                for g in task.group_names}
-  members_of[ALL] = list(eval_clients)
+  members_of = _pools(task, eval_clients)
   out = {}
   for method in CONTROL_METHODS:
     out[method] = {}

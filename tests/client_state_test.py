@@ -273,6 +273,7 @@ def test_memory_snapshots_restore_exactly(tmp_path):
   latest = cs.InMemoryClientStateStore(init_fn(), ckpt)
   latest.rollback(3)
   assert_state_equal(latest.load([12])[0], state_for(12, 3))
+
   assert_state_equal(latest.load([7])[0], state_for(7, 2))
   # In-process rollback below the committed round reloads the snapshot.
   latest.rollback(2)
@@ -281,6 +282,23 @@ def test_memory_snapshots_restore_exactly(tmp_path):
   missing = cs.InMemoryClientStateStore(init_fn(), ckpt)
   with pytest.raises(cs.SnapshotNotFoundError, match='client_states_1.npz'):
     missing.rollback(1)
+
+
+def test_memory_store_keeps_as_many_snapshots_as_asked(tmp_path):
+  # The loop asks for as many as it keeps server checkpoints, so each kept
+  # checkpoint's client states can be read back (`Run.client_states`).
+  ckpt = str(tmp_path)
+  with cs.InMemoryClientStateStore(init_fn(), ckpt, keep_snapshots=5) as store:
+    for r in range(1, 8):
+      store.save([r], [state_for(r, r)], r)
+      store.commit(r)
+      assert store.snapshot_rounds() == list(range(max(1, r - 4), r + 1))
+  oldest = cs.InMemoryClientStateStore(init_fn(), ckpt)
+  oldest.restore(3)
+  assert_state_equal(oldest.load([3])[0], state_for(3, 3))
+  assert_state_equal(oldest.load([4])[0], init_fn()(4))
+  with pytest.raises(ValueError, match='keep_snapshots must be >= 2'):
+    cs.InMemoryClientStateStore(init_fn(), ckpt, keep_snapshots=1)
 
 
 def test_memory_rollback_zero_on_empty_dir_starts_fresh(tmp_path):

@@ -1,5 +1,6 @@
 """Tests of group personalized FL's building blocks: the task, perplexity,
-personalization at CLIENTS, costs (the one-path stages: group_stage_test)."""
+costs, and the paper's evaluation by hand that group_stage_test holds the
+one path to (`tests/group_reference.py`)."""
 
 import collections
 import math
@@ -12,6 +13,7 @@ import tensorflow_federated as tff
 from tasks import shakespeare_groups as sg
 from tasks import speaker_context_io
 from tff_personal.algorithms import fedavg
+from tests import group_reference
 from tff_personal.algorithms import group_fl
 from tff_personal.models import word_lm
 
@@ -120,11 +122,11 @@ def shared_shakespeare():
 
 def test_perplexity_is_exp_of_keras_token_cross_entropy(task, fl_process):
   weights = fl_process.get_model_weights(fl_process.initialize())
-  evaluate = group_fl.build_lm_evaluation(
+  evaluate = group_reference.build_lm_evaluation(
       task.model_fn, word_lm.metrics_fn, fl_process.model_weights_type)
   clients = [c for c in range(task.num_clients) if task.num_eval(c)]
-  sums = group_fl.evaluate_global(evaluate, weights, clients,
-                                  task.eval_dataset)
+  sums = group_reference.evaluate_global(evaluate, weights, clients,
+                                         task.eval_dataset)
   # Reference: Keras model, same weights, masked mean cross-entropy.
   model = task.model_fn()
   for v, w in zip(model.shared_trainable_variables, weights.trainable):
@@ -149,21 +151,21 @@ def test_personalization_lowers_each_clients_training_loss(task,
   """Local personalization (Algorithm 3) lowers each client's loss on its
   own training data (what it fine-tuned on) and keeps a model per client."""
   wtype = fl_process.model_weights_type
-  personalize = group_fl.build_local_personalization(
+  personalize = group_reference.build_local_personalization(
       task.model_fn, tff.learning.optimizers.build_sgdm(0.5), wtype)
-  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
-                                          wtype)
-  evaluate_personal = group_fl.build_lm_evaluation(
+  evaluate = group_reference.build_lm_evaluation(
+      task.model_fn, word_lm.metrics_fn, wtype)
+  evaluate_personal = group_reference.build_lm_evaluation(
       task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
   members = task.clients_of(sg.HISTORY)
   start = fl_process.get_model_weights(fl_process.initialize())
   kept = {}
-  sums = group_fl.personalize_and_evaluate(
+  sums = group_reference.personalize_and_evaluate(
       personalize, evaluate_personal, start, members,
       lambda c: task.train_dataset(c, 5), lambda c: task.train_dataset(c, 1),
       keep_fn=lambda c, w: kept.setdefault(c, w))
-  before = group_fl.evaluate_global(evaluate, start, members,
-                                    lambda c: task.train_dataset(c, 1))
+  before = group_reference.evaluate_global(
+      evaluate, start, members, lambda c: task.train_dataset(c, 1))
   assert set(kept) == set(members)
   for c in members:
     assert not _close(kept[c], start)
@@ -173,15 +175,15 @@ def test_personalization_lowers_each_clients_training_loss(task,
 
 def test_personalized_models_and_updates_stay_at_clients(task, fl_process):
   wtype = fl_process.model_weights_type
-  personalize = group_fl.build_local_personalization(
+  personalize = group_reference.build_local_personalization(
       task.model_fn, tff.learning.optimizers.build_sgdm(0.1), wtype)
   assert personalize.type_signature.result.placement == tff.CLIENTS
   assert personalize.type_signature.result.member == wtype
   updates = group_fl.build_client_updates(
       task.model_fn, tff.learning.optimizers.build_sgdm(0.1), wtype)
   assert updates.type_signature.result.placement == tff.CLIENTS
-  ev = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn, wtype,
-                                    tff.CLIENTS)
+  ev = group_reference.build_lm_evaluation(
+      task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
   assert ev.type_signature.parameter[0].placement == tff.CLIENTS
   assert ev.type_signature.result.placement == tff.CLIENTS
 

@@ -14,6 +14,7 @@ from tests import conftest
 from tff_personal import curve_bands
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import runs
 from tff_personal.core import client_state as client_state_lib
 
 
@@ -128,8 +129,8 @@ def _check_controls(f, root, records):
   for grouping in ('task', 'shuffled', 'one'):
     config = group.train_config(cfg_t, 0, directory, grouping,
                                 len(task.group_names))
-    fl, models, _ = group._models(task, config)
-    fl_weights.append(fl)
+    fl_weights.append(runs.Run.open(config.experiment_dir,
+                                    task=task).weights(stage='fl'))
     sizes = sorted(len(m) for m in experiment.group_members(
         task, config, grouping).values())
     if grouping == 'shuffled':
@@ -169,12 +170,11 @@ def _check_table_curves(f, root, cells):
   # with the rounds it has.
   cfg = group._config(f)
   task = group._task(cfg, 0)
-  config = group.train_config(cfg, 0, directory)
-  fl_stage = experiment.build_process(task, config).stages[0]
-  stage_dir = experiment.stage_directory(config, fl_stage.name)
+  run = runs.Run.open(group.train_config(cfg, 0, directory).experiment_dir,
+                      task=task)
   with pytest.raises(ValueError, match=r'no checkpoint of rounds \[3\]'):
-    group._global_curves(task, cfg, fl_stage.process, stage_dir, 1,
-                         f.group_rounds + 1, [], 1.0, None, print)
+    group._global_curves(task, cfg, run, 'fl', 1, f.group_rounds + 1, [],
+                         1.0, print)
 
 
 def _check_control_curves(f, root, directory, cells):

@@ -29,6 +29,7 @@ from tff_personal import runs
 from tff_personal import strategies
 from tff_personal import training
 from tff_personal.algorithms import fedavg
+from tests import group_reference
 from tff_personal.algorithms import group_fl
 from tff_personal.core import privacy
 from tff_personal.core import stages
@@ -169,26 +170,25 @@ def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
           fl, experiment.group_directory(config, g), 2)
       _close(fl.get_model_weights(state), weights)
   # GroupFL: each client evaluated on its group's model.
-  evaluate = group_fl.build_lm_evaluation(task.model_fn, word_lm.metrics_fn,
-                                          wtype)
+  evaluate = group_reference.build_lm_evaluation(
+      task.model_fn, word_lm.metrics_fn, wtype)
   sums = {}
   for g, weights in models.items():
-    sums.update(group_fl.evaluate_global(evaluate, weights,
-                                         task.clients_of(g),
-                                         task.eval_dataset))
+    sums.update(group_reference.evaluate_global(
+        evaluate, weights, task.clients_of(g), task.eval_dataset))
   want = _perplexities(task, sums)
   for key, value in want.items():
     np.testing.assert_allclose(summary['eval'][key], value, rtol=1e-5,
                                err_msg=key)
   # GroupPerFL: each client fine-tunes its group's model (SGD 0.3, one pass
   # of the last round's data) and is evaluated on its own copy.
-  personalize = group_fl.build_local_personalization(
+  personalize = group_reference.build_local_personalization(
       task.model_fn, tff.learning.optimizers.build_sgdm(0.3), wtype)
-  evaluate_personal = group_fl.build_lm_evaluation(
+  evaluate_personal = group_reference.build_lm_evaluation(
       task.model_fn, word_lm.metrics_fn, wtype, tff.CLIENTS)
   personal_sums = {}
   for g, weights in models.items():
-    personal_sums.update(group_fl.personalize_and_evaluate(
+    personal_sums.update(group_reference.personalize_and_evaluate(
         personalize, evaluate_personal, weights, task.clients_of(g),
         lambda c: task.train_dataset(c, 1, round_num=2), task.eval_dataset))
   want_personal = _perplexities(task, personal_sums)
@@ -210,11 +210,11 @@ def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
   np.testing.assert_allclose(personal['strategies']['lr05']['eval'][
       'perplexity'], swept['lr05']['eval']['perplexity'], rtol=1e-6)
   for name, lr, epochs in (('lr05', 0.5, 1), ('twice', 0.3, 2)):
-    personalize = group_fl.build_local_personalization(
+    personalize = group_reference.build_local_personalization(
         task.model_fn, tff.learning.optimizers.build_sgdm(lr), wtype)
     sums = {}
     for g, weights in models.items():
-      sums.update(group_fl.personalize_and_evaluate(
+      sums.update(group_reference.personalize_and_evaluate(
           personalize, evaluate_personal, weights, task.clients_of(g),
           lambda c, e=epochs: task.train_dataset(c, 1, round_num=2).repeat(e),
           task.eval_dataset))

@@ -117,7 +117,6 @@ def test_the_curve_and_the_reopened_run_carry_every_strategy(run):
 def test_strategies_a_run_cannot_take_are_refused_before_it_starts(
     run, tmp_path):
   for algorithm, text, named in (
-      ('global', 'fine_tune', 'no private variables to fine-tune'),
       ('ditto', 'adapt(samples=1)', 'no adaptation samples'),
       ('ditto', 'cold_start', 'no withheld users')):
     config = experiment.ExperimentConfig(
@@ -128,6 +127,45 @@ def test_strategies_a_run_cannot_take_are_refused_before_it_starts(
       runs.run_experiment(run.task, config, log_fn=lambda s: None)
     assert not os.path.exists(os.path.join(config.experiment_dir,
                                            'run_config.json'))
+
+
+def test_fine_tune_of_fedavg_is_fedavg_ft_and_client_outputs_pool_to_it(
+    run, tmp_path):
+  """FedAvg's clients hold no private variables: `fine_tune` tunes a copy of
+  the whole global model, which is FedAvg+FT's evaluation (the two train
+  the same model). `client_outputs` pools to the run's metrics."""
+  results = {}
+  with runtime.local_runtime():
+    for algorithm, text in (('global', 'ft=fine_tune(epochs=2)'),
+                            ('fedavg_ft', 'none')):
+      config = experiment.ExperimentConfig(
+          algorithm=algorithm, rounds=3, clients_per_round=2, eval_every=1,
+          root_output_dir=str(tmp_path), experiment_name=algorithm,
+          client_optimizer='sgd', client_learning_rate=0.5, seed=3,
+          eval_strategies=(text,))
+      results[algorithm] = runs.run_experiment(run.task, config,
+                                               log_fn=lambda s: None)
+    fedavg_ft = runs.Run.open(results['fedavg_ft'].directory, task=run.task)
+    ids = [1, 4, 6]
+    twice = fedavg_ft.client_outputs(ids, 'fine_tune(epochs=2)')
+    tuned = results['global'].client_outputs(ids, 'fine_tune(epochs=2)')
+    plain = results['global'].client_outputs(ids)
+  # fine_tune(epochs=2) of FedAvg = FedAvg+FT's fine-tuning, twice.
+  for a, b in zip(tuned, twice):
+    np.testing.assert_allclose(a['outputs'], b['outputs'], rtol=1e-5)
+  assert not np.allclose(tuned[0]['outputs'], plain[0]['outputs'])
+  # Per-client outputs pool to the run's own metrics, at any kept round
+  # (its client states kept with each checkpoint).
+  everyone = list(range(len(_CLIENTS)))
+  curve = {int(r['round']): r for r in results['global'].curves()['eval']}
+  with runtime.local_runtime():
+    for round_num in (1, 3):
+      pooled = run.task.evaluate(results['global'].client_outputs(
+          everyone, 'ft=fine_tune(epochs=2)', round=round_num), everyone)
+      assert pooled['loss'] == pytest.approx(
+          float(curve[round_num]['strategies/ft/loss']), rel=1e-5)
+  assert fedavg_ft['eval']['loss'] != pytest.approx(
+      results['global']['eval']['loss'], rel=1e-4)
 
 
 def test_strategy_texts_round_trip_and_bad_ones_are_named():

@@ -18,6 +18,7 @@ from tff_personal import new_user_evaluation
 from tff_personal import run_privacy
 from tff_personal import run_records
 from tff_personal import strategies as strategies_lib
+from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
@@ -76,11 +77,18 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   outputs instead. `eval_ids`: the clients evaluated by default (None:
   `config.eval_clients` of them drawn by the seed, `eval_client_ids`).
   Shared by training (`train`) and re-evaluation (`evaluate_experiment`).
+  A `fine_tune` of a process whose evaluated clients hold no private
+  variables (FedAvg's) tunes a copy of the whole global model, as FedAvg+FT
+  does (`fedavg_ft.WholeModelView`).
 
   The traced evaluation computations are made once per process and
   evaluation settings (`experiment.derived`): the groups of a per-group
   stage, and a run evaluated again in the same Python process, reuse them.
   """
+  whole_model = fine_tune is not None and not _has_private(proc)
+  built_from = proc  # What the traced evaluators are kept with.
+  if whole_model:
+    proc = fedavg_ft.WholeModelView(proc)
   weights_type = proc.model_weights_type
   model_fn = getattr(proc, 'eval_model_fn', proc.model_fn)
   # The state evaluation sees (e.g. FedAvg+FT's: the global model to
@@ -108,8 +116,8 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
       config.private_learning_rate, config.client_optimizer,
       config.client_learning_rate, tune.optimizer, tune.learning_rate)
   parts = experiment.derived(
-      proc, ('evaluators', num_shards, optimizer_key, batches_eval,
-             batches_train, repr(wire)),
+      built_from, ('evaluators', num_shards, optimizer_key, batches_eval,
+                   batches_train, repr(wire), whole_model),
       lambda: _evaluators(model_fn, weights_type, state_type, num_shards,
                           fine_tune_optimizer, batches_eval,
                           wire if batches_eval else None,
@@ -150,6 +158,13 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
 
   evaluate.outputs = outputs_of
   return evaluate, eval_ids, eval_data_fn
+
+
+def _has_private(proc) -> bool:
+  """Whether `proc`'s evaluated clients hold private variables."""
+  state_type = getattr(proc, 'eval_client_state_type', proc.client_state_type)
+  private = state_type[process_lib.CLIENT_STATE_PRIVATE]
+  return len(private) > 0  # pylint: disable=g-explicit-length-test
 
 
 def repeated(data: Sequence[Any], epochs: int) -> list:
@@ -378,7 +393,7 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
   built = experiment.build_process(task, config, dp=dp)
   proc = stages_lib.final_process(built)
   try:
-    check_strategies(task, named, proc)
+    check_strategies(task, named)
   except experiment.ConfigurationError as e:
     raise EvaluationError(f'eval_strategies: {e}') from e
   t_start = time.perf_counter()
@@ -625,31 +640,18 @@ def strategy_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   return evaluate_strategy
 
 
-def check_strategies(task, named: Mapping[str, strategies_lib.Strategy],
-                     proc=None) -> None:
-  """Refuses strategies that `task` (and `proc`, if given) cannot run,
-  before anything runs.
+def check_strategies(task, named: Mapping[str, strategies_lib.Strategy]
+                     ) -> None:
+  """Refuses strategies that `task` cannot run, before anything runs.
 
   Raises:
     experiment.ConfigurationError: an `adapt` on a task whose evaluation
       data has no adaptation samples to limit (`eval_datasets(ids,
-      samples=)`), a `cold_start` on a task without withheld users, or a
-      `fine_tune` of a process whose evaluated clients have no private
-      variables to tune (FedAvg's: `fedavg_ft` fine-tunes a copy of the
-      global model).
+      samples=)`), or a `cold_start` on a task without withheld users.
   """
   for name, strategy in named.items():
     label = f'strategy {name + "=" if name else ""}' + strategies_lib.to_text(
         strategy)
-    if isinstance(strategy, strategies_lib.FineTune) and proc is not None:
-      state_type = getattr(proc, 'eval_client_state_type',
-                           proc.client_state_type)
-      private = state_type[process_lib.CLIENT_STATE_PRIVATE]
-      if len(private) == 0:  # pylint: disable=g-explicit-length-test
-        raise experiment.ConfigurationError(
-            f'{label}: the evaluated clients of {type(proc).__name__} have '
-            'no private variables to fine-tune (fedavg_ft fine-tunes a copy '
-            'of the global model)')
     if isinstance(strategy, strategies_lib.Adapt):
       data_fns = [getattr(task, n) for n in ('eval_datasets', 'eval_batches')
                   if hasattr(task, n)]

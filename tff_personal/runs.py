@@ -42,6 +42,7 @@ from tff_personal import run_records
 from tff_personal import strategies as strategies_lib
 from tff_personal import training
 from tff_personal.core import privacy
+from tff_personal.core import sharded
 from tff_personal.core import stages as stages_lib
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
@@ -357,6 +358,60 @@ class Run(collections.abc.Mapping):
     finally:
       store.close()
 
+  def client_outputs(self, ids: Sequence[int], strategy: Any = 'none',
+                     round: Optional[int] = None,  # pylint: disable=redefined-builtin
+                     stage: Optional[str] = None) -> list:
+    """Each client's evaluation outputs under one per-client strategy.
+
+    What `task.evaluate(outputs, ids)` pools into the run's metrics, one
+    entry per client of `ids`, in order: for analyses that need clients
+    one by one (a per-client comparison of two methods, a pool over a
+    subset). A run whose last stage ran per group scores each client with
+    its own group's model (unless `stage` names an earlier stage).
+
+    Args:
+      ids: the task's client ids.
+      strategy: a per-client strategy (`tff_personal.strategies`: `none`,
+        `fine_tune`, `adapt`) or its text. A `fine_tune` reads the
+        client's training data of the run's last round at every `round`,
+        as the run's own learning curve does.
+      round: a checkpointed round (None: the last).
+      stage: an earlier stage of a staged algorithm (e.g. 'fl').
+
+    Returns:
+      The per-client outputs of `ids`.
+
+    Example:
+      sgd = strategies.FineTune(epochs=5, learning_rate=0.1, optimizer='sgd')
+      tuned = run.client_outputs([3, 7], sgd, stage='fl')
+    """
+    if isinstance(strategy, str):
+      strategy = strategies_lib.parse(strategy)[1]
+    if not isinstance(strategy, strategies_lib.PER_CLIENT):
+      raise RunError(f'{strategies_lib.to_text(strategy)} does not score '
+                     'the run\'s clients one by one')
+    ids = [int(c) for c in ids]
+    if stage is not None or not self._per_group():
+      return self._outputs(self.task, strategy, ids, round, stage, None)
+    groups = self.groups()
+    group_of = {c: g for g, members in groups.items() for c in members}
+    outside = [c for c in ids if c not in group_of]
+    if outside:
+      raise RunError(f'clients {outside[:5]} are in no group of the run')
+    out = [None] * len(ids)
+    for g, members in groups.items():
+      where = {c: i for i, c in enumerate(members)}
+      positions = [p for p, c in enumerate(ids) if group_of[c] == g]
+      if not positions:
+        continue
+      view = task_lib.TaskSubset(self.task, members,
+                                 name=task_lib.task_name(self.task))
+      outs = self._outputs(view, strategy, [where[ids[p]] for p in positions],
+                           round, None, g)
+      for p, o in zip(positions, outs):
+        out[p] = o
+    return out
+
   def evaluate(self, eval_name: Optional[str] = None, overwrite: bool = False,
                log_fn: Callable[[str], None] = lambda s: None,
                strategies: Any = None, **evaluation: Any) -> dict:
@@ -450,6 +505,29 @@ class Run(collections.abc.Mapping):
       raise RunError(f'{self.directory} ran its last stage once per group; '
                      f'name one: group= one of {sorted(self.groups())}')
     return self.directory
+
+  def _outputs(self, task, strategy, ids, round_num, stage, group) -> list:
+    """`client_outputs` of the clients `ids` of `task` (a group's view:
+    its members' positions) from one directory's checkpoint."""
+    directory, proc, round_num = self._checkpoint(round_num, stage, group)
+    bad = [c for c in ids if not 0 <= c < task.population]
+    if bad:
+      raise RunError(f'client ids {bad[:5]} are not in [0, '
+                     f'{task.population})')
+    # A fine-tuning reads the training data of the run's last round at any
+    # round, as the run's own curve does (`personal_evaluator`).
+    config = self._config
+    num_shards = sharded.resolve_num_shards(
+        proc, config.simulation_shards, self._resolved_dp())
+    state = training_loop.load_checkpoint(proc, directory, round_num)
+    store = run_evaluation.open_committed_store(proc, config, task.population,
+                                                directory, round_num)
+    try:
+      return list(run_evaluation.strategy_evaluator(
+          task, proc, config, store, num_shards, strategy, ids).outputs(
+              state))
+    finally:
+      store.close()
 
   def _checkpoint(self, round_num, stage, group):
     directory = self._directory_of(stage, group)

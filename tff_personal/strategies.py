@@ -12,7 +12,9 @@ each client's own private state, as trained.
   evaluation always fine-tunes, such as FedAvg+FT, still does).
 * `FineTune(epochs, learning_rate, optimizer)` (`fine_tune`): first
   `epochs` local passes over the client's own training data that update
-  only its private variables; nothing leaves the client.
+  only its private variables; nothing leaves the client. A process whose
+  clients hold no private variables (FedAvg's) tunes a copy of the whole
+  global model, as FedAvg+FT does.
 * `Adapt(samples=k)` (`adapt`): each client's stored private state, and
   the algorithm's own test-time adaptation (FedPerC's fine-tuning or
   generation) reads only the first k of the client's adaptation samples

@@ -84,7 +84,7 @@ def train(task, config: experiment.ExperimentConfig,
     _check_stage_cohorts(built, config, population)
   per_group = isinstance(built, stages_lib.Staged) and built.per_group
   named = strategies_lib.resolve(config.eval_strategies)
-  run_evaluation.check_strategies(task, named, proc)
+  run_evaluation.check_strategies(task, named)
   if per_group:  # Refused here, before any record or round.
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
     named = run_evaluation.per_group_strategies(named)
@@ -390,7 +390,9 @@ def _training_parts(task, proc, config: experiment.ExperimentConfig, dp,
       config.client_state_backend,
       experiment.initial_client_state_fn(proc, config),
       population=task.population,
-      directory=os.path.join(directory, 'client_states'))
+      directory=os.path.join(directory, 'client_states'),
+      # Every kept checkpoint keeps its client states (`Run.client_states`).
+      keep_snapshots=max(2, config.keep_checkpoints))
   train_data_fn = (task.train_batches if num_shards and
                    hasattr(task, 'train_batches') else task.train_datasets)
   return train_proc, num_shards, store, train_data_fn

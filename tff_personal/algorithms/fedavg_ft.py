@@ -115,3 +115,37 @@ def fine_tune_states(process: process_lib.StatefulClientProcess, state,
   return [ditto.initial_client_state(weights.trainable)
           for _ in range(num_clients)]
 
+
+
+class WholeModelView:
+  """A process as FedAvg+FT evaluates it: every weight of a copy of the
+  global model fine-tuned on each client before its test.
+
+  The training process is `process` unchanged (its attributes are read
+  through); only the evaluation attributes change: the model with every
+  trainable variable private (`eval_model_fn`), each client's starting
+  private state the global weights (`eval_private_fn`) and its type
+  (`eval_client_state_type`). This is how a `fine_tune` strategy
+  (`tff_personal/strategies.py`) tunes a process whose clients hold no
+  private variables (FedAvg's): as TFF's personalization evaluation does,
+  from the global model.
+
+  Example:
+    view = fedavg_ft.WholeModelView(fedavg.build_global(...))
+    view.eval_model_fn   # every variable private
+  """
+
+  def __init__(self, process: process_lib.StatefulClientProcess):
+    self._process = process
+    weights_type = process.model_weights_type
+    self.eval_model_fn = ditto.all_private(process.model_fn)
+    self.eval_client_state_type = ditto.personal_state_type(
+        list(weights_type.trainable))
+    self.eval_fine_tune = True
+
+  @staticmethod
+  def eval_private_fn(weights) -> tuple:
+    return tuple(weights.trainable)
+
+  def __getattr__(self, name):
+    return getattr(self._process, name)

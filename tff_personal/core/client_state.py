@@ -52,8 +52,8 @@ leaves SQLite's previous transaction intact.
 The in-memory backend is durable only at (d) (the snapshot), so after a kill
 between (c) and (d) there is no snapshot for round r: `rollback(r)` then
 raises `SnapshotNotFoundError` listing the snapshots that exist, and the loop
-must resume from the newest version both have (the store keeps the last two
-snapshots and `snapshot_rounds()` lists them for exactly this). It never
+must resume from the newest version both have (the store keeps at least the
+last two snapshots and `snapshot_rounds()` lists them for exactly this). It never
 silently starts fresh.
 
 Rules enforced by every store: `save` with a round <= `committed_round()`
@@ -255,9 +255,11 @@ class InMemoryClientStateStore(ClientStateStore):
   With `checkpoint_dir`, `commit(r)` writes the committed view (for every
   client its newest version with round <= r) to `client_states_<r>.npz`
   atomically (temp file, fsync, `os.replace`, fsync of the directory), then
-  deletes snapshots of other rounds except the newest one below r, so the
-  last two snapshots remain (snapshots of rounds > r belong to an abandoned
-  timeline and are deleted too). A new store over an existing directory
+  deletes snapshots of other rounds except the newest `keep_snapshots - 1`
+  below r, so the last `keep_snapshots` (at least two) remain: the loop
+  keeps as many as server checkpoints, so every kept checkpoint has its
+  client states (snapshots of rounds > r belong to an abandoned timeline
+  and are deleted too). A new store over an existing directory
   loads nothing until `rollback(r)` or `restore(r)`, which load snapshot r
   exactly; a missing snapshot raises `SnapshotNotFoundError` and a corrupt
   one `CorruptStateError`, both naming the file. The one exception is
@@ -268,8 +270,12 @@ class InMemoryClientStateStore(ClientStateStore):
 
   def __init__(self, initial_state_fn: InitialStateFn,
                checkpoint_dir: Optional[str] = None, *,
-               template: Optional[Structure] = None):
+               template: Optional[Structure] = None, keep_snapshots: int = 2):
     super().__init__(initial_state_fn, template)
+    if keep_snapshots < 2:
+      raise ValueError('keep_snapshots must be >= 2 (a kill during a commit '
+                       f'needs the one before), got {keep_snapshots}')
+    self._keep_snapshots = keep_snapshots
     self._checkpoint_dir = checkpoint_dir
     if checkpoint_dir is not None:
       os.makedirs(checkpoint_dir, exist_ok=True)
@@ -453,9 +459,10 @@ class InMemoryClientStateStore(ClientStateStore):
     with atomic_io.atomic_write(self.snapshot_path(round_num), 'wb') as f:
       np.savez(f, **arrays)
       fault.point('mid_store_commit')  # Written, not yet renamed.
-    # Keep this snapshot and the newest older one; drop the rest.
+    # Keep this snapshot and the newest older ones; drop the rest.
     older = [r for r in self.snapshot_rounds() if r < round_num]
-    keep = {round_num} | set(older[-1:])
+    keep = {round_num} | set(
+        older[max(0, len(older) - self._keep_snapshots + 1):])
     for r in self.snapshot_rounds():
       if r not in keep:
         os.remove(self.snapshot_path(r))
@@ -726,7 +733,8 @@ def missing_store(backend: str, directory: str, population: int,
 def make_store(backend: str, initial_state_fn: InitialStateFn, *,
                population: int, directory: Optional[str],
                cache_size: int = 0, auto_threshold: int = 100_000,
-               template: Optional[Structure] = None) -> ClientStateStore:
+               template: Optional[Structure] = None,
+               keep_snapshots: int = 2) -> ClientStateStore:
   """Builds a client-state store.
 
   Args:
@@ -739,6 +747,8 @@ def make_store(backend: str, initial_state_fn: InitialStateFn, *,
     cache_size: LRU cache entries (sqlite only).
     auto_threshold: population above which 'auto' picks sqlite.
     template: structure template; see `ClientStateStore`.
+    keep_snapshots: the newest snapshots the memory backend keeps (>= 2;
+      the SQLite store keeps its last round only).
 
   Returns:
     The store.
@@ -749,7 +759,8 @@ def make_store(backend: str, initial_state_fn: InitialStateFn, *,
   backend = resolve_backend(backend, population, auto_threshold)
   if backend == 'memory':
     return InMemoryClientStateStore(initial_state_fn, directory,
-                                    template=template)
+                                    template=template,
+                                    keep_snapshots=keep_snapshots)
   if directory is None:
     raise ValueError(
         f'The sqlite client-state backend (population {population}, '
