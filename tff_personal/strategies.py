@@ -70,7 +70,9 @@ class FineTune:
 
   Attributes:
     epochs: passes over the client's training data of the run's last
-      round; each updates only the client's private variables.
+      round, each batched on its own (a client with fewer examples than a
+      batch takes one step per pass); each updates only the client's
+      private variables.
     learning_rate: the fine-tuning learning rate; None: the algorithm's own
       fine-tuning optimizer if it declares one, else the run's
       `private_learning_rate` (Adam), else its client optimizer.
