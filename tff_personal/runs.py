@@ -12,7 +12,9 @@ once the run has finished, and offers:
   model and the clients' private states as checkpointed (the process is
   rebuilt with the run's DP aggregator, so DP runs load);
 * `evaluate(...)`: the run's final state evaluated again, under other
-  evaluation settings if asked;
+  evaluation settings or strategies if asked;
+* `client_outputs(ids, strategy, round=, stage=)`: each client's
+  evaluation outputs under one per-client strategy, at any kept round;
 * `resume(rounds=)`: continues an interrupted run, or extends a finished one.
 
 Example:
