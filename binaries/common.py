@@ -166,7 +166,8 @@ def define_flags():
       'A named personalization strategy evaluated next to the run\'s own '
       'evaluation, [name=]kind[(field=value,...)] (repeat the flag for '
       'more): none; fine_tune(epochs=,learning_rate=,optimizer=sgd|adam); '
-      'adapt(samples=k): the algorithm\'s own adaptation on k samples; '
+      'adapt(samples=k): the algorithm\'s own adaptation on k samples (0: '
+      'none); '
       'cold_start(start=initial|dp_average,samples=1/5/all,'
       'noise_multiplier=,clip_norm=,delta=): the withheld users as new '
       'users. See tff_personal/strategies.py.')

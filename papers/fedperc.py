@@ -33,22 +33,21 @@ over the 4 withheld ones (the paper trains twice; this halves the CPU cost).
 client-state store, metrics) lives under
 `<root>/runs/fedperc/_trained/<digest of the paper's flags>/<variant>_seed<n>/`.
 
-Test time: `fine_tune` methods take `--fedperc_fine_tune_steps` (15, as
-Appendix B) local Adam steps (lr 1e-3) on their adaptable variables, each on
-the user's first n fine-tuning utterances (n < 15) or on 15 of them sampled
-(all); the adapted values are local copies, discarded after the user is
-scored. `fedperc_generated` runs its generators once over the n utterances.
-Withheld users start from the DP noisy average of the trained users'
-personal embeddings (`core/new_users.build_dp_mean`, a TFF computation
-over the states at CLIENTS; section 3.2) for both FedPerC variants; a
-withheld Split-Learning user starts with a zero personal-head delta, i.e.
-the pre-trained output layer (the paper only describes the embeddings'
-initialisation).
+Test time is the library's evaluator (`strategies_of`, `Run.evaluate`):
+known users by `adapt(samples=k)`, the algorithm's own test-time adaptation
+on their first k fine-tuning utterances (`fine_tune` methods:
+`--fedperc_fine_tune_steps` Adam steps, each on those k; `fedperc_generated`:
+its generators once over them; all: the run's own evaluation), withheld
+users by `cold_start` from the DP average of the trained users' private
+states (`core/new_users.build_dp_mean`, section 3.2) for both FedPerC
+variants, from the pre-trained output layer (a zero head delta) for
+Split-Learning (the paper only describes the embeddings' initialisation).
+`fedperc_frozen` is the `fedperc` run scored with no adaptation
+(`adapt(samples=0)`; `cold_start` at 0 samples for withheld users).
 """
 
 from __future__ import annotations
 
-import collections
 import glob
 import hashlib
 import json
@@ -57,7 +56,6 @@ import pickle
 import re
 import sys
 import time
-from typing import Optional
 
 from absl import flags
 import numpy as np
@@ -72,9 +70,9 @@ from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
 from tff_personal import runs
+from tff_personal import strategies
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.algorithms import registry
-from tff_personal.core import new_users
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.models import bpe_trainer
@@ -195,9 +193,6 @@ def define_flags():
          'algorithms/fedperc.DP_CLIP_NORMS (embedding 1.0, generated 16.0).')
   define('integer', 'fedperc_generator_tokens', 12,
          'FedPerC: tokens of each utterance the generators read (0: all).')
-  define('integer', 'fedperc_eval_known_users', 0,
-         'FedPerC: evaluate this many known users, half from each show '
-         '(0: all trained users).')
   define('integer', 'fedperc_timing_repeats', 20,
          'FedPerC: timed passes per method.')
   define('integer', 'fedperc_curve_points', 10,
@@ -284,26 +279,6 @@ def _config(variant: str, flag_values) -> fedperc.FedPercConfig:
       generator_tokens=flag_values.fedperc_generator_tokens)
 
 
-def evaluated_users(withheld: bool, flag_values) -> list[str]:
-  """Withheld users, or the known users evaluated (all, or a subset taken
-  alternately from the two shows in the task's order)."""
-  users = tv_shows.evaluated_users(withheld)
-  if withheld:
-    return users
-  users = tv_shows.training_users(withheld=True)
-  count = flag_values.fedperc_eval_known_users
-  if not count or count >= len(users):
-    return users
-  shows = [[u for u in users if u in tv_shows.FRIENDS_USERS],
-           [u for u in users if u not in tv_shows.FRIENDS_USERS]]
-  out = []
-  while len(out) < count:
-    for show in shows:
-      if show and len(out) < count:
-        out.append(show.pop(0))
-  return out
-
-
 def _root(out_dir: str) -> str:
   root = out_dir
   while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
@@ -365,23 +340,28 @@ def train_config(variant: str, flag_values, seed: int,
       eval_every=eval_every(flag_values))
 
 
-def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
-  """Trains one variant on the non-withheld users on the one run path.
-
-  One `run_experiment` of the variant's registered algorithm on the
-  `tv_shows` task (`train_config`, in `cache_dir`, itself keyed by the
-  digest of the paper's flags); a killed run resumes, a finished one is
-  read back. Returns dict(weights=ModelWeights (numpy), states={user:
-  private tuple}, seconds=the rounds' wall time, train_loss=[per round],
-  eval_curve=dict(round=[...], perplexity=[...]): the run's held-out
-  evaluations of the known users, `train_config`).
-  """
+def trained_run(variant: str, flag_values, seed: int,
+                cache_dir: str) -> runs.Run:
+  """The finished one-path run of `variant` (`train_config`, in `cache_dir`,
+  itself keyed by the digest of the paper's flags): trained on the users
+  that are not withheld if it has not finished (a killed run resumes),
+  else read back."""
   task = task_of(flag_values, seed)
   config = train_config(variant, flag_values, seed, cache_dir)
-  # Every TFF call (the read-back's too) in a runtime this program owns.
-  with runtime.local_runtime():
-    run = runs.finished_or_trained(task, config, log_fn=lambda s: print(
+  with runtime.local_runtime():  # Every TFF call in a runtime we own.
+    return runs.finished_or_trained(task, config, log_fn=lambda s: print(
         f'fedperc {variant} seed {seed}: {s}', flush=True))
+
+
+def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
+  """The trained model of `variant` (`trained_run`) as numpy values.
+
+  Returns dict(weights=ModelWeights (numpy), states={user: private tuple},
+  **`_curves` of the run).
+  """
+  run = trained_run(variant, flag_values, seed, cache_dir)
+  task = run.task
+  with runtime.local_runtime():
     trained = run.weights()
     initial = run.process().get_model_weights(run.process().initialize())
     loaded = run.client_states(range(task.population))
@@ -391,119 +371,78 @@ def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
   states = {name: tuple(np.asarray(p) for p in s[
       process_lib.CLIENT_STATE_PRIVATE])
             for name, s in zip(task.client_names, loaded)}
-  curves = run.curves()
-  rows = sorted(curves['train'], key=lambda r: r['round'])
-  evals = sorted((r for r in curves['eval'] if 'perplexity' in r),
-                 key=lambda r: r['round'])
-  curve = dict(round=[int(r['round']) for r in evals],
-               perplexity=[float(r['perplexity']) for r in evals])
   return dict(
       weights=tff.learning.models.ModelWeights(
           trainable=tuple(np.asarray(w) for w in trained.trainable),
           non_trainable=tuple(np.asarray(w) for w in trained.non_trainable)),
-      states=states,
+      states=states, **_curves(run))
+
+
+def _curves(run: runs.Run) -> dict:
+  """dict(seconds=the rounds' wall time, train_loss=[per round],
+  eval_curve=dict(round=[...], perplexity=[...]): the run's held-out
+  evaluations of the known users, `train_config`)."""
+  curves = run.curves()
+  rows = sorted(curves['train'], key=lambda r: r['round'])
+  evals = sorted((r for r in curves['eval'] if 'perplexity' in r),
+                 key=lambda r: r['round'])
+  return dict(
       seconds=float(sum(float(r['round_seconds']) for r in rows)),
       train_loss=[float(r['train/loss']) for r in rows],
-      eval_curve=curve)
-
-
-def dp_new_user_state(states: dict[str, tuple], flag_values,
-                      variant: str = fedperc.EMBEDDING,
-                      report: Optional[dict] = None,
-                      seed: Optional[int] = None) -> tuple:
-  """The DP noisy average of the known users' private states (TFF).
-
-  Clipped at `--fedperc_dp_clip`, default the variant's scale
-  (`fedperc_alg.dp_clip_norm`); its noise drawn from `seed` (the run's, so
-  that evaluating the same run again gives the same average; None:
-  unseeded). If `report` is given, it is filled with
-  what the clip does to the known states (`new_users.dp_clip_report`:
-  fraction clipped, median norm and its ratio to the clip), a simulation
-  diagnostic that eval.json records next to the results.
-  """
-  values = list(states.values())
-  value_type = tff.types.to_type(tuple(
-      tff.TensorType(v.dtype, v.shape) for v in values[0]))
-  clip = fedperc_alg.dp_clip_norm(variant, flag_values.fedperc_dp_clip)
-  if report is not None:
-    report.update(new_users.dp_clip_report(values, clip))
-  dp_mean = new_users.build_dp_mean(
-      value_type, noise_multiplier=flag_values.fedperc_dp_noise_multiplier,
-      clip_norm=clip, num_clients=len(values), seed=seed)
-  with runtime.local_runtime():
-    mean = dp_mean(values)
-  return tuple(fedperc_alg.new_user_private_state(mean)[
-      process_lib.CLIENT_STATE_PRIVATE])
+      eval_curve=dict(round=[int(r['round']) for r in evals],
+                      perplexity=[float(r['perplexity']) for r in evals]))
 
 
 # ------------------------------------------------------------ evaluation
 
 
-def _adapt_batches(arrays, n, steps, batch_size, seed) -> tf.data.Dataset:
-  total = len(arrays['ids'])
-  if n == 'all':
-    rng = np.random.default_rng(seed)
-    rows = np.concatenate([rng.choice(total, min(batch_size, total),
-                                      replace=False) for _ in range(steps)])
-    return tv_shows.batched(arrays, min(batch_size, total), rows)
-  rows = np.tile(np.arange(min(n, total)), steps)
-  return tv_shows.batched(arrays, min(n, total), rows)
+def strategies_of(variant: str, flag_values) -> dict:
+  """Tables 1 and 2 of one trained run as the library's named strategies.
+
+  Known users: `adapt(samples=k)` for k in 0 (no adaptation: the frozen
+  row), 1, 5, 15 (all: the run's own evaluation). Withheld users:
+  `cold_start` at 0, 1, 5, 15 and all samples, from the DP average of the
+  trained users' private states (`--fedperc_dp_noise_multiplier`,
+  `--fedperc_dp_clip`) for the variants that have one, else from the
+  process's new-user state (Split-Learning: the pre-trained head).
+  """
+  named = {f'adapt{n}': strategies.Adapt(samples=n)
+           for n in (0,) + SAMPLES if n != 'all'}
+  named['new'] = strategies.ColdStart(
+      samples=(0,) + SAMPLES,
+      start=('dp_average' if variant in fedperc_alg.DP_CLIP_NORMS
+             else 'initial'),
+      noise_multiplier=flag_values.fedperc_dp_noise_multiplier,
+      clip_norm=flag_values.fedperc_dp_clip)
+  return named
 
 
-def evaluate(name: str, trained: dict, flag_values, seed: int,
-             users_kind: str) -> dict:
-  """Pooled perplexity per sample count for one algorithm and user set."""
-  algo = fedperc_alg.algorithm(name)
-  spec = _spec(flag_values)
-  config = _config(algo.variant, flag_values)
-  users = _users(flag_values, seed)
-  withheld = users_kind == 'withheld'
-  model = fedperc.FedPercModel(spec, config, seed)
-  optimizer = tff.learning.optimizers.build_adam(
-      flag_values.fedperc_client_learning_rate)
-  weights = trained['weights']
-  dp_clip = None  # What the new-user DP average's clip did.
-  if withheld and model.private_variables:
-    if algo.variant in (fedperc.EMBEDDING, fedperc.GENERATED):
-      dp_clip = {}
-      new_private = dp_new_user_state(trained['states'], flag_values,
-                                      algo.variant, dp_clip, seed=seed)
-    else:  # Split-Learning: the pre-trained head (zero delta), no data read.
-      new_private = tuple(v.numpy() * 0 for v in model.private_variables)
+def evaluate(run: runs.Run, flag_values) -> dict:
+  """Tables 1 and 2 of one finished run (`strategies_of`, `Run.evaluate`).
 
-  fine_tune = tf.function(lambda d: fedperc_training.fine_tune(
-      model, optimizer, d))
-  generate = tf.function(lambda b: fedperc_training.generate_embeddings(
-      model, b))
-  score = tf.function(lambda d: fedperc_training.nll_sums(
-      model, d, PROMPT_TOKENS))
-  sums = {n: [0.0, 0.0] for n in SAMPLES}
-  per_user = collections.defaultdict(dict)
-  for index, user in enumerate(evaluated_users(withheld, flag_values)):
-    data = users[user]
-    private = new_private if withheld and model.private_variables else (
-        trained['states'].get(user, ()))
-    test = tv_shows.batched(data.splits['test'], 64)
-    for n in SAMPLES:
-      fedperc_training.assign_weights(model, weights, private)
-      tune = data.splits['fine_tune']
-      if algo.adapt == 'fine_tune':
-        fine_tune(_adapt_batches(tune, n, flag_values.fedperc_fine_tune_steps,
-                                 flag_values.fedperc_batch_size,
-                                 [seed, index]))
-      elif algo.adapt == 'generate':
-        count = len(tune['ids']) if n == 'all' else min(n, len(tune['ids']))
-        generate({k: tf.constant(v[:count]) for k, v in tune.items()})
-      total, tokens = (float(x) for x in score(test))
-      sums[n][0] += total
-      sums[n][1] += tokens
-      per_user[user][str(n)] = float(np.exp(total / max(tokens, 1.0)))
+  Returns:
+    `{'known': {samples: perplexity}, 'withheld': {...}, 'tokens':
+    {'known': ..., 'withheld': ...}, 'new_user_dp_average': the DP
+    release's record (variants with one)}`, samples '0', '1', '5', '15'
+    and 'all'.
+  """
+  named = strategies_of(fedperc_alg.algorithm(run.config.algorithm).variant,
+                        flag_values)
+  with runtime.local_runtime():
+    record = run.evaluate(strategies=named)
+  got = record['strategies']
+  known = {str(named[n].samples): got[n]['eval'] for n in named
+           if n != 'new'}
+  known['all'] = record['eval']
+  withheld = got['new']['samples']
   return dict(
-      perplexity={str(n): float(np.exp(s[0] / max(s[1], 1.0)))
-                  for n, s in sums.items()},
-      tokens={str(n): s[1] for n, s in sums.items()},
-      per_user=per_user,
-      **({} if dp_clip is None else {'new_user_dp_clip': dp_clip}))
+      known={k: float(m['perplexity']) for k, m in known.items()},
+      withheld={k: float(m['perplexity']) for k, m in withheld.items()},
+      tokens=dict(known={k: float(m['tokens']) for k, m in known.items()},
+                  withheld={k: float(m['tokens'])
+                            for k, m in withheld.items()}),
+      **({'new_user_dp_average': got['new']['dp_average']}
+         if 'dp_average' in got['new'] else {}))
 
 
 # ------------------------------------------------------------ timing
@@ -652,40 +591,38 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                   parameters_per_user=value['parameters_per_user'])
     return {metric: value[metric], f'{metric}_std': value[f'{metric}_std']}
   algo = fedperc_alg.algorithm(cell.method)
-  users_kind = cell.setting['users']
-  trained = None
+  method = _method_of(algo.variant)  # The run that trains the variant.
 
   def compute():
-    nonlocal trained
-    trained = train(algo.variant, flag_values, seed, cache)
-    result = evaluate(cell.method, trained, flag_values, seed, users_kind)
-    result['train_seconds'] = trained['seconds']
-    result['train_loss'] = trained['train_loss']
-    result['eval_curve'] = trained['eval_curve']
-    return result
+    run = trained_run(algo.variant, flag_values, seed, cache)
+    curves = _curves(run)
+    return dict(evaluate(run, flag_values), train_seconds=curves['seconds'],
+                train_loss=curves['train_loss'],
+                eval_curve=curves['eval_curve'])
 
-  result = _cached_json(
-      os.path.join(cache, f'eval_{cell.method}_{users_kind}_seed{seed}.json'),
-      compute)
-  if cell.method == 'fedperc' and users_kind == 'known':
+  result = _cached_json(os.path.join(cache, f'eval_{method}_seed{seed}.json'),
+                        compute)
+  if cell.method == 'fedperc' and cell.setting['users'] == 'known':
     table4 = os.path.join(root, reporting.TABLES_DIRNAME, PAPER, 'table4.md')
     if not os.path.exists(table4):
-      trained = trained or train(algo.variant, flag_values, seed, cache)
-      write_generations(trained, flag_values, seed, table4)
+      write_generations(train(algo.variant, flag_values, seed, cache),
+                        flag_values, seed, table4)
   with atomic_io.atomic_write(os.path.join(out_dir, 'eval.json')) as f:
     f.write(json.dumps(result, indent=1))
   make_figures(root, flag_values)
-  return dict(perplexity=result['perplexity'][str(cell.setting['samples'])],
-              tokens=result['tokens'][str(cell.setting['samples'])])
+  users = cell.setting['users']
+  # A method without test-time adaptation reads none of the samples.
+  samples = '0' if algo.adapt == 'none' else str(cell.setting['samples'])
+  return dict(perplexity=result[users][samples],
+              tokens=result['tokens'][users][samples])
 
 
-_EVAL_FILE = re.compile(r'eval_(?P<method>.+)_(?P<users>known|withheld)'
-                        r'_seed(?P<seed>\d+)\.json$')
+_EVAL_FILE = re.compile(r'eval_(?P<method>.+)_seed(?P<seed>\d+)\.json$')
 
 
 def _variant_runs(cache: str, key: str):
-  """`key` of every cached evaluation, by variant and training seed (the
-  methods that share a variant share its training), and the methods seen."""
+  """`key` of every cached evaluation, by variant and training seed, and
+  the methods of each variant (they share its training)."""
   runs: dict[str, dict[int, object]] = {}
   methods: dict[str, set[str]] = {}
   for path in sorted(glob.glob(os.path.join(cache, 'eval_*_seed*.json'))):
@@ -698,7 +635,8 @@ def _variant_runs(cache: str, key: str):
       continue
     variant = fedperc_alg.algorithm(match['method']).variant
     runs.setdefault(variant, {})[int(match['seed'])] = value
-    methods.setdefault(variant, set()).add(match['method'])
+    methods[variant] = {m for m in METHODS
+                        if fedperc_alg.algorithm(m).variant == variant}
   return runs, methods
 
 

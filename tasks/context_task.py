@@ -229,8 +229,8 @@ class ContextTask:
 
 
 def _check_samples(samples: Optional[int]) -> None:
-  if samples is not None and samples < 1:
-    raise ValueError(f'samples must be >= 1 or None (all), got {samples}')
+  if samples is not None and samples < 0:
+    raise ValueError(f'samples must be >= 0 or None (all), got {samples}')
 
 
 # ------------------------------------------------------------ from a table

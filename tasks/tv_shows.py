@@ -172,10 +172,6 @@ def training_users(withheld: bool) -> list[str]:
   return [u for u in USERS if not (withheld and u in WITHHELD_USERS)]
 
 
-def evaluated_users(withheld: bool) -> list[str]:
-  return list(WITHHELD_USERS) if withheld else list(USERS)
-
-
 def round_dataset(arrays: dict[str, np.ndarray], *, steps: int,
                   batch_size: int, rng: np.random.Generator) -> tf.data.Dataset:
   """`steps` batches of `batch_size` utterances sampled for one local round

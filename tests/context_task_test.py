@@ -1,5 +1,6 @@
 """Context tasks from a table, and withheld users evaluated as new users."""
 
+import dataclasses
 import json
 
 from absl import flags
@@ -166,10 +167,12 @@ def test_new_users_start_from_the_seeded_dp_average(tmp_path):
       _perplexity_from(run, task, zero, None), rel=1e-5)
 
   # The known users, adapted on their first k samples (`adapt`): by hand
-  # for k=1; all of them for a k past every user's count, as `none`.
+  # for k=1; all of them for a k past every user's count, as `none`; none
+  # of them for k=0, as fedperc_frozen (no test-time adaptation) scores
+  # the same run.
   known = run.evaluate(strategies=[
-      'none', 'a1=adapt(samples=1)', 'every=adapt(samples=1000000)'])[
-          'strategies']
+      'none', 'a1=adapt(samples=1)', 'every=adapt(samples=1000000)',
+      'a0=adapt(samples=0)'])['strategies']
   ids = run_evaluation.eval_client_ids(task.population, 4, 5)
   proc, weights = run.process(), run.weights()
   personal_eval = evaluation.build_personal_eval(
@@ -183,6 +186,18 @@ def test_new_users_start_from_the_seeded_dp_average(tmp_path):
       task.evaluate(outputs, ids)['perplexity'], rel=1e-5)
   assert known['every']['eval']['perplexity'] == pytest.approx(
       known['none']['eval']['perplexity'], rel=1e-6)
+  frozen = experiment.build_process(task, dataclasses.replace(
+      config, algorithm='fedperc_frozen'))
+  outputs = evaluation.build_personal_eval(
+      frozen.eval_model_fn, frozen.model_weights_type,
+      frozen.eval_client_state_type)(
+          weights, process_lib.eval_client_states(frozen, weights,
+                                                  run.client_states(ids)),
+          task.eval_datasets(ids))
+  assert known['a0']['eval']['perplexity'] == pytest.approx(
+      task.evaluate(outputs, ids)['perplexity'], rel=1e-5)
+  assert abs(known['a0']['eval']['perplexity'] -
+             known['a1']['eval']['perplexity']) > 1e-3
   assert abs(known['a1']['eval']['perplexity'] -
              known['none']['eval']['perplexity']) > 1e-3
 
@@ -225,6 +240,6 @@ def test_context_table_trains_from_the_binary_and_evaluates_new_users(
   assert [r['covered'] for r in record['privacy']['released']
           if r['name'] == 'new-user DP average (strategy new)'] == [False]
   with flagsaver.flagsaver(run_dir=str(tmp_path / 'out' / 'run'),
-                           eval_strategies=['cold_start(samples=0)']):
+                           eval_strategies=['cold_start(samples=-1)']):
     assert evaluate.main(['evaluate']) == 2
-  assert 'samples must be ints >= 1' in capsys.readouterr().err
+  assert 'samples must be ints >= 0' in capsys.readouterr().err

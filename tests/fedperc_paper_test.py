@@ -110,13 +110,12 @@ def test_curve_figures_band_each_variant_over_its_seeds(
   cache = paper.trained_cache_dir(root, f)
   os.makedirs(cache)
   curve = lambda *p: {'round': [3, 6], 'perplexity': list(p)}
-  for method, users, seed, loss, evals in (
-      ('fedperc', 'known', 0, [5.0, 4.0], curve(90.0, 80.0)),
-      ('fedperc', 'withheld', 0, [5.0, 4.0], curve(90.0, 80.0)),  # same run
-      ('fedperc', 'known', 1, [5.2, 4.4], curve(92.0, 81.0)),
+  for method, seed, loss, evals in (
+      ('fedperc', 0, [5.0, 4.0], curve(90.0, 80.0)),
+      ('fedperc', 1, [5.2, 4.4], curve(92.0, 81.0)),
       # Cached before the runs recorded curves: a loss curve only.
-      ('split_learning', 'known', 0, [6.0, 5.5], None)):
-    with open(os.path.join(cache, f'eval_{method}_{users}_seed{seed}.json'),
+      ('split_learning', 0, [6.0, 5.5], None)):
+    with open(os.path.join(cache, f'eval_{method}_seed{seed}.json'),
               'w') as fh:
       json.dump({'train_loss': loss, 'eval_curve': evals}, fh)
   drawn = []
@@ -130,7 +129,7 @@ def test_curve_figures_band_each_variant_over_its_seeds(
   assert all(os.path.exists(p) for p in paths)
   variant = {m: paper.fedperc_alg.algorithm(m).variant
              for m in ('fedperc', 'split_learning')}
-  fedperc_label = f'{variant["fedperc"]} (fedperc)'
+  fedperc_label = f'{variant["fedperc"]} (fedperc, fedperc_frozen)'
   split_label = f'{variant["split_learning"]} (split_learning)'
   loss_drawn, eval_drawn = dict(drawn[:2]), dict(drawn[2:])
   assert [c['value'] for c in loss_drawn[fedperc_label]] == [[5.0, 4.0],

@@ -174,43 +174,16 @@ def test_dp_clip_is_per_variant_and_its_effect_is_reported():
                         max_norm=30.0)
 
 
-def test_dp_new_user_state_clips_at_the_variant_scale_and_reports_it():
-  import types  # pylint: disable=g-import-not-at-top
-  from papers import fedperc as fedperc_paper  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(1)
-  # Generated-like states of norm ~16 (a clip of 1 would cut all of them).
-  states = {f'u{i}': (rng.normal(size=HIDDEN).astype(np.float32) *
-                      np.float32(16 / np.sqrt(HIDDEN)),) for i in range(6)}
-  flags_ = types.SimpleNamespace(fedperc_dp_noise_multiplier=0.0,
-                                 fedperc_dp_clip=None)
-  report = {}
-  mean = fedperc_paper.dp_new_user_state(states, flags_, 'generated', report)
-  assert report['clip_norm'] == 16.0 and report['num_users'] == 6
-  norms = [np.linalg.norm(v[0]) for v in states.values()]
-  assert report['fraction_clipped'] == np.mean(np.array(norms) > 16.0)
-  clipped = [v[0] * min(1.0, 16.0 / n) for v, n in zip(states.values(), norms)]
-  np.testing.assert_allclose(mean[0], np.mean(clipped, 0), rtol=1e-4,
-                             atol=1e-6)
-  report = {}
-  fedperc_paper.dp_new_user_state(states, flags_, 'embedding', report)
-  assert report['clip_norm'] == 1.0 and report['fraction_clipped'] == 1.0
-  assert report['median_norm_over_clip'] > 10
-
-
-
-
 def test_the_new_user_dp_average_is_seeded_and_has_the_stated_noise():
-  """The run's seed fixes the new-user average's noise (two evaluations of
-  one run give the same withheld-user numbers); another seed draws other
-  noise, of stddev z * C / n per coordinate, as TFF's gaussian_fixed."""
-  import types  # pylint: disable=g-import-not-at-top
-  from papers import fedperc as fedperc_paper  # pylint: disable=g-import-not-at-top
+  """A seed fixes the new-user average's noise (two evaluations of one run
+  give the same withheld-user numbers); another seed draws other noise, of
+  stddev z * C / n per coordinate, as TFF's gaussian_fixed."""
   n, dim, z, clip = 5, 4096, 2.0, 1.0
-  states = {f'u{i}': (np.zeros(dim, np.float32),) for i in range(n)}
-  flags_ = types.SimpleNamespace(fedperc_dp_noise_multiplier=z,
-                                 fedperc_dp_clip=clip)
+  value_type = tff.types.to_type((tff.TensorType(np.float32, [dim]),))
+  states = [(np.zeros(dim, np.float32),) for _ in range(n)]
   first, again, other = (
-      fedperc_paper.dp_new_user_state(states, flags_, 'embedding', seed=s)[0]
+      new_users.build_dp_mean(value_type, noise_multiplier=z, clip_norm=clip,
+                              num_clients=n, seed=s)(states)[0]
       for s in (7, 7, 8))
   np.testing.assert_array_equal(first, again)
   assert not np.allclose(first, other)

@@ -181,7 +181,8 @@ def test_strategy_texts_round_trip_and_bad_ones_are_named():
                       ('fine_tune(epochs=0)', 'epochs'),
                       ('fine_tune(optimizer=sgd)', 'learning_rate'),
                       ('cold_start(start=zero)', 'start'),
-                      ('cold_start(samples=0/all)', 'samples')):
+                      ('cold_start(samples=-1/all)', 'samples'),
+                      ('adapt(samples=-1)', 'samples')):
     with pytest.raises(ValueError, match=named):
       strategies.parse(text)
   with pytest.raises(ValueError, match='given twice'):

@@ -18,13 +18,15 @@ each client's own private state, as trained.
 * `Adapt(samples=k)` (`adapt`): each client's stored private state, and
   the algorithm's own test-time adaptation (FedPerC's fine-tuning or
   generation) reads only the first k of the client's adaptation samples
-  (tasks whose evaluation data has them: `eval_datasets(ids, samples=)`).
+  (tasks whose evaluation data has them: `eval_datasets(ids, samples=)`);
+  k = 0 scores the stored state with no adaptation (FedPerC-frozen's
+  reading of a FedPerC run).
 * `ColdStart(start, samples, ...)` (`cold_start`): the task's withheld
   users, never trained on, as new users: each starts from `initial` (the
   process's new-user state; FedPerC's is zero offsets) or `dp_average` (the
   DP average of the trained users' private states, released once), then
   the algorithm's own test-time adaptation reads its first k samples, for
-  each k of `samples` (`adapt(samples=k)`).
+  each k of `samples` (`adapt(samples=k)`; k = 0: none).
 
 Strategies are typed values, and also text for flags and records
 (`parse` / `to_text`): `[name=]kind[(field=value,...)]`, a list value
@@ -117,15 +119,17 @@ class Adapt:
   adaptation samples of each evaluated client (its stored private state).
 
   Attributes:
-    samples: how many adaptation samples (>= 1) the adaptation reads.
+    samples: how many adaptation samples (>= 0) the adaptation reads; 0:
+      none, so the client is scored on its stored state with no test-time
+      adaptation at all.
   """
   samples: int = 1
   kind = 'adapt'
 
   def __post_init__(self):
     if isinstance(self.samples, bool) or not isinstance(self.samples, int) or (
-        self.samples < 1):
-      raise ValueError(f'adapt samples must be an int >= 1, got '
+        self.samples < 0):
+      raise ValueError(f'adapt samples must be an int >= 0, got '
                        f'{self.samples!r}')
 
 
@@ -139,7 +143,8 @@ class ColdStart:
   each k of `samples`, and its test split is scored.
 
   Attributes:
-    samples: the adaptation sample counts, ints >= 1 or 'all'.
+    samples: the adaptation sample counts, ints >= 0 (0: no adaptation) or
+      'all'.
     start: 'initial': the process's new-user state (FedPerC's: zero
       offsets; others: the store's documented initial state of an id past
       the population). 'dp_average': the DP average of the trained users'
@@ -164,10 +169,10 @@ class ColdStart:
     try:
       samples = tuple(s if s == 'all' else int(s) for s in samples)
     except (TypeError, ValueError) as e:
-      raise ValueError(f'cold_start samples must be ints >= 1 or "all", got '
+      raise ValueError(f'cold_start samples must be ints >= 0 or "all", got '
                        f'{self.samples}') from e
-    if not samples or any(s != 'all' and s < 1 for s in samples):
-      raise ValueError(f'cold_start samples must be ints >= 1 or "all", got '
+    if not samples or any(s != 'all' and s < 0 for s in samples):
+      raise ValueError(f'cold_start samples must be ints >= 0 or "all", got '
                        f'{self.samples}')
     object.__setattr__(self, 'samples', samples)
     if self.start not in COLD_STARTS:

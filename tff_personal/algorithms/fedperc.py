@@ -138,9 +138,10 @@ def eval_batch_spec(max_tokens: int) -> collections.OrderedDict:
 
 
 class _Repeated:
-  """One batch `steps` times, with the `reduce` a local loop reads."""
+  """One batch `steps` times (an int or a scalar tensor), with the
+  `reduce` a local loop reads."""
 
-  def __init__(self, batch, steps: int):
+  def __init__(self, batch, steps):
     self._batch, self._steps = batch, steps
 
   def reduce(self, initial_state, reduce_fn):
@@ -161,7 +162,8 @@ class FedPercEvalModel:
   (`ROLE_FINE_TUNE`) as the algorithm does at test time ('generate': the
   generators' forward passes set psi and the context embeddings; 'fine_tune':
   `fine_tune_steps` Adam steps on the adaptable variables, each on all of
-  them; 'none': nothing), then scores every utterance: its outputs are
+  them; 'none', or a batch without fine-tuning utterances: nothing), then
+  scores every utterance: its outputs are
   [n, 2] float32 rows (sum of token NLLs, number of tokens) counting the
   tokens after the first `PROMPT_TOKENS`, zero for fine-tuning utterances.
   The adapted values are local: the evaluation loads the shared weights and
@@ -198,9 +200,10 @@ class FedPercEvalModel:
                                             model.personal_offset))
       model.context_embeddings.assign(tf.where(read, table,
                                                model.context_embeddings))
-    elif self.adapt == 'fine_tune':
+    elif self.adapt == 'fine_tune':  # No utterance: no step.
+      steps = tf.where(tf.shape(tune['ids'])[0] > 0, self._steps, 0)
       fedperc_training.fine_tune(model, self._optimizer,
-                                 _Repeated(tune, self._steps))
+                                 _Repeated(tune, steps))
 
   # Plain TF (explicit while loops): not for autograph, whose conversion of
   # the fine-tuning loop called from here fails.
