@@ -235,8 +235,8 @@ def test_batched_process_equals_sharded_on_ragged_users(dp, shards_in):
 
   run = lambda proc: _two_rounds(proc, init, lambda r: _mnist_users(sizes, r))
 
-  want = run(sharded.ShardedProcess(build(), 2, config, shards_in=shards_in))
-  got = run(sharded.ShardedProcess(build(), 2, config, shards_in=shards_in,
+  want = run(sharded.ShardedProcess(build(), 2, shards_in=shards_in))
+  got = run(sharded.ShardedProcess(build(), 2, shards_in=shards_in,
                                    batched=True))
   start = build().initialize().global_model_weights.trainable
   moved = max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(

@@ -103,7 +103,7 @@ def test_shards_in_the_driver_equal_shards_in_the_executor(dp):
   if dp:
     config = dp_config(0.0, len(sizes))
     build = lambda where: sharded.ShardedProcess(
-        build_dp_global(config), 2, config, shards_in=where)
+        build_dp_global(config), 2, shards_in=where)
     init = [collections.OrderedDict(private=(),
                                     rounds_participated=np.int32(0))
             ] * len(sizes)
@@ -145,7 +145,7 @@ def test_shard_result_type_is_the_traced_computation_s(kind):
         embedding_dim=28, metrics_fn=None), 2)
   elif kind == 'dp':
     config = dp_config(1.0, 4)
-    proc = sharded.ShardedProcess(build_dp_global(config), 2, config)
+    proc = sharded.ShardedProcess(build_dp_global(config), 2)
   else:
     proc = sharded.ShardedProcess(
         build_statistics_process(kind, 'best' if kind == 'fedembed_som'
@@ -202,9 +202,22 @@ def build_dp_global(config, learning_rate=3e-3, factory=model_fn_factory):
       aggregator_factory=privacy.build_aggregator(config), seed=0)
 
 
-def test_dp_without_its_config_is_refused_with_a_clear_error():
-  with pytest.raises(ValueError, match='clip'):
-    sharded.ShardedProcess(build_dp_global(dp_config(1.0, 4)), 2)
+def test_dp_is_read_from_the_aggregator_and_an_unknown_one_is_refused():
+  """The sharded form takes DP from the process's own aggregator: a DP
+  factory not made by `privacy.build_aggregator` (its clip unknown) is
+  refused, naming it, and is never sharded automatically."""
+  config = dp_config(1.0, 4)
+  assert privacy.config_of(privacy.build_aggregator(config)) == (
+      privacy.resolve(config))
+  foreign = fedavg.build_global(
+      model_fn_factory, client_optimizer=fedavg.adam(3e-3),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0),
+      aggregator_factory=tff.aggregators.DifferentiallyPrivateFactory
+      .gaussian_fixed(noise_multiplier=1.0, clients_per_round=4.0, clip=1.0),
+      seed=0)
+  with pytest.raises(ValueError, match='build_aggregator'):
+    sharded.ShardedProcess(foreign, 2)
+  assert sharded.resolve_num_shards(foreign, sharded.AUTO) == 0
 
 
 def test_dp_sharded_clips_per_user_like_the_dp_aggregator():
@@ -218,7 +231,7 @@ def test_dp_sharded_clips_per_user_like_the_dp_aggregator():
   # are whichever an earlier test started TensorFlow with, and Adam turns
   # their rounding differences into steps of about the learning rate).
   got_state, _, _ = run_rounds(
-      sharded.ShardedProcess(build_dp_global(config), 2, config,
+      sharded.ShardedProcess(build_dp_global(config), 2,
                              shards_in=sharded.IN_EXECUTOR), 2, init, sizes)
   start = build_dp_global(config).initialize().global_model_weights
   moved = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(
@@ -236,7 +249,7 @@ def test_dp_sharded_noise_has_the_stated_scale():
   cnn = lambda dim: lambda: fedembed_mnist.build_preference_model(
       dim, input_spec=SPEC)
   proc = sharded.ShardedProcess(
-      build_dp_global(config, learning_rate=0.0, factory=cnn), 2, config)
+      build_dp_global(config, learning_rate=0.0, factory=cnn), 2)
   init = [collections.OrderedDict(private=(), rounds_participated=np.int32(0))
           ] * len(sizes)
   start = proc.initialize().global_model_weights
@@ -513,14 +526,16 @@ def test_statistics_process_dp_sharded_clips_per_user(algorithm):
   build = lambda: build_statistics_process(
       algorithm, aggregator_factory=privacy.build_aggregator(config))
   base = build()
-  assert sharded.resolve_num_shards(base, sharded.AUTO, config) > 0
+  assert sharded.resolve_num_shards(base, sharded.AUTO) > 0
   adaptive = dataclasses.replace(config, mechanism='gaussian_adaptive',
-                                 noise_multiplier=1.0)
-  assert sharded.resolve_num_shards(base, sharded.AUTO, adaptive) == 0
+                                 noise_multiplier=0.1)
+  assert sharded.resolve_num_shards(build_statistics_process(
+      algorithm, aggregator_factory=privacy.build_aggregator(adaptive)),
+                                    sharded.AUTO) == 0
   init = states(base, len(sizes), seed=11)
   want = run_rounds(base, 2, init, sizes, typed=True)
   # Both forms in the worker (as in the test without DP above).
-  got = run_rounds(sharded.ShardedProcess(build(), 2, config,
+  got = run_rounds(sharded.ShardedProcess(build(), 2,
                                           shards_in=sharded.IN_EXECUTOR),
                    2, init, sizes, typed=True)
   assert_statistics_runs_equal(got, want,
@@ -653,7 +668,7 @@ def test_packed_transport_changes_no_bit_of_a_round(dp, monkeypatch):
   sizes = [6, 9, 3, 8, 5]
   if dp:
     config = dp_config(0.0, len(sizes))
-    build = lambda: sharded.ShardedProcess(build_dp_global(config), 2, config)
+    build = lambda: sharded.ShardedProcess(build_dp_global(config), 2)
     init = [collections.OrderedDict(private=(),
                                     rounds_participated=np.int32(0))
             ] * len(sizes)

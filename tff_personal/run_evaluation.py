@@ -405,7 +405,7 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
     groups = experiment.group_members(task, config, built.stages[-1].grouping)
     run_report = run_privacy.group_privacy_report(
         config, run_dp, groups, run_privacy.earlier_stages_noised(config))
-    result = evaluate_per_group(task, proc, config, dp, groups, named)
+    result = evaluate_per_group(task, proc, config, groups, named)
     log_fn(f'eval, each client on its group\'s model: '
            f'{evaluation.format_metrics(result["eval"])}')
   else:
@@ -413,8 +413,7 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
         config, run_dp, rounds, training_loop.rounds_started(
             config.experiment_dir, required=True),
         run_privacy.earlier_stages_noised(config))
-    num_shards = sharded.resolve_num_shards(proc, config.simulation_shards,
-                                            dp)
+    num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
     state = training_loop.load_checkpoint(proc, config.experiment_dir,
                                           rounds)
     store = open_committed_store(proc, config, population,
@@ -508,7 +507,7 @@ def pooled_metrics(task, ids: list, outputs: list) -> dict:
   return task.evaluate([outputs[i] for i in order], [ids[i] for i in order])
 
 
-def evaluate_per_group(task, proc, config: experiment.ExperimentConfig, dp,
+def evaluate_per_group(task, proc, config: experiment.ExperimentConfig,
                        groups: dict[str, list[int]],
                        named: Optional[Mapping[str, Any]] = None) -> dict:
   """`{'eval': pooled metrics, 'groups': {group: its metrics}}` of a finished
@@ -518,7 +517,7 @@ def evaluate_per_group(task, proc, config: experiment.ExperimentConfig, dp,
   strategies, also `'strategies'` (`pooled_strategies`)."""
   eval_set = set(eval_client_ids(task.population, config.eval_clients,
                                  config.seed))
-  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
+  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
   ids, outputs, per_group = [], [], {}
   named = dict(named or {})
   strategy_outputs = {n: {} for n in named}

@@ -519,8 +519,7 @@ class Run(collections.abc.Mapping):
     # A fine-tuning reads the training data of the run's last round at any
     # round, as the run's own curve does (`personal_evaluator`).
     config = self._config
-    num_shards = sharded.resolve_num_shards(
-        proc, config.simulation_shards, self._resolved_dp())
+    num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
     state = training_loop.load_checkpoint(proc, directory, round_num)
     store = run_evaluation.open_committed_store(proc, config, task.population,
                                                 directory, round_num)

@@ -101,7 +101,7 @@ def train(task, config: experiment.ExperimentConfig,
                           earlier_noised, log_fn, flag_values,
                           eval_ids, named), built
   train_proc, num_shards, store, train_data_fn = _training_parts(
-      task, proc, config, dp, config.experiment_dir, log_fn)
+      task, proc, config, config.experiment_dir, log_fn)
 
   evaluate, eval_ids, eval_data_fn = run_evaluation.personal_evaluator(
       task, proc, config, store, num_shards, eval_ids)
@@ -266,7 +266,7 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
     view = task_lib.TaskSubset(task, members, name=task_lib.task_name(task))
     directory = experiment.group_directory(config, name)
     train_proc, num_shards, store, train_data_fn = _training_parts(
-        view, proc, config, dp, directory, glog)
+        view, proc, config, directory, glog)
     local_eval = [i for i, c in enumerate(members) if c in eval_set]
     local_curve = [i for i, c in enumerate(members) if c in curve_set]
     try:
@@ -353,7 +353,7 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
   return _write_summary(config, summary, report, flag_values, log_fn)
 
 
-def _training_parts(task, proc, config: experiment.ExperimentConfig, dp,
+def _training_parts(task, proc, config: experiment.ExperimentConfig,
                     directory: str, log_fn):
   """`(train_proc, num_shards, store, train_data_fn)` of one process run
   in `directory` (its client-state store under `client_states/`).
@@ -363,13 +363,13 @@ def _training_parts(task, proc, config: experiment.ExperimentConfig, dp,
   per-group stage, or a run resumed in the same Python process, trace it
   once.
   """
-  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards, dp)
+  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
   # Tasks whose examples travel in a compact form (speech: uint8) say so.
   wire = getattr(task, 'wire_format', None)
   train_proc = experiment.derived(
-      proc, ('training form', num_shards, repr(dp), repr(wire),
+      proc, ('training form', num_shards, repr(wire),
              config.simulation_batched, config.simulation_batch_users),
-      lambda: sharded.maybe_shard(proc, num_shards, dp, wire,
+      lambda: sharded.maybe_shard(proc, num_shards, wire,
                                   batched=config.simulation_batched,
                                   batch_users=(
                                       config.simulation_batch_users or None)
@@ -417,7 +417,7 @@ def _run_earlier_stages(task, staged: stages_lib.Staged,
       stage_log(f'shared stage: {shared}')
     with lock:
       train_proc, _, store, train_data_fn = _training_parts(
-          task, stage.process, stage_config, dp, directory, stage_log)
+          task, stage.process, stage_config, directory, stage_log)
       try:
         result = training_loop.run_training(
             train_proc, store=store, train_data_fn=train_data_fn,

@@ -104,6 +104,7 @@ import math
 import numbers
 from typing import Callable, Optional, Sequence, Union
 import warnings
+import weakref
 
 import dp_accounting
 from dp_accounting import pld as dp_pld
@@ -346,15 +347,51 @@ def build_aggregator(config: DPConfig) -> AggregationFactory:
     return tff.aggregators.MeanFactory()
   dp_factory = tff.aggregators.DifferentiallyPrivateFactory
   if config.mechanism == 'gaussian_fixed':
-    return dp_factory.gaussian_fixed(
+    factory = dp_factory.gaussian_fixed(
         noise_multiplier=float(config.noise_multiplier),
         clients_per_round=float(config.clients_per_round),
         clip=float(config.clip_norm))
-  return dp_factory.gaussian_adaptive(
-      noise_multiplier=float(config.noise_multiplier),
-      clients_per_round=float(config.clients_per_round),
-      initial_l2_norm_clip=float(config.clip_norm),
-      target_unclipped_quantile=float(config.target_unclipped_quantile))
+  else:
+    factory = dp_factory.gaussian_adaptive(
+        noise_multiplier=float(config.noise_multiplier),
+        clients_per_round=float(config.clients_per_round),
+        initial_l2_norm_clip=float(config.clip_norm),
+        target_unclipped_quantile=float(config.target_unclipped_quantile))
+  _BUILT_FROM[factory] = config
+  return factory
+
+
+# The resolved config each DP factory of `build_aggregator` was built from.
+_BUILT_FROM = weakref.WeakKeyDictionary()
+
+
+def config_of(factory: AggregationFactory) -> Optional[DPConfig]:
+  """The resolved `DPConfig` a DP factory of `build_aggregator` was built
+  from; None for a factory without DP (a weighted one).
+
+  DP is decided once, into the aggregator: what runs the aggregator's work
+  in another form (the sharded simulation clips each user before summing a
+  shard) reads the mechanism from the factory it is given, not from a
+  config passed beside it.
+
+  Raises:
+    ValueError: for an unweighted factory not made by `build_aggregator`
+      (its clip and noise are unknown here).
+
+  Example:
+    factory = build_aggregator(DPConfig(mechanism='gaussian_fixed', ...))
+    assert config_of(factory).clip_norm == 1.0
+  """
+  if is_weighted(factory):
+    return None
+  try:
+    return _BUILT_FROM[factory]
+  except (KeyError, TypeError):
+    raise ValueError(
+        f'the aggregator {type(factory).__name__} is unweighted (DP) but was '
+        'not made by privacy.build_aggregator, so its clip norm and noise '
+        'are unknown; build it with privacy.build_aggregator(DPConfig(...))'
+    ) from None
 
 
 class PreClippedGaussianSumQuery(tfp.GaussianSumQuery):

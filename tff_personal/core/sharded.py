@@ -39,7 +39,9 @@ places give the same round up to float rounding (two TensorFlow runtimes;
 
 Differential privacy: user-level DP clips each *user's* update before
 anything is summed; TFF's DP aggregator applied to shards would clip each
-shard's sum instead. So with a `DPConfig`, each shard clips every user's
+shard's sum instead. So when the process aggregates with a DP factory of
+`privacy.build_aggregator` (its `DPConfig` is read from the factory,
+`privacy.config_of`; nothing is passed beside it), each shard clips every user's
 update (`privacy.clip_user_update`, the clipping of `tfp.GaussianSumQuery`)
 and sends their sum, and the server aggregates with
 `privacy.build_sharded_aggregator`: the same sum, the same Gaussian noise
@@ -358,7 +360,6 @@ class ShardedProcess:
   """
 
   def __init__(self, base: process_lib.StatefulClientProcess, num_shards: int,
-               dp_config: privacy.DPConfig | None = None,
                wire: client_data.WireFormat | None = None,
                shards_in: str = IN_DRIVER, batched: bool = False,
                batch_users: int | None = None):
@@ -371,8 +372,6 @@ class ShardedProcess:
         best-scoring selection are kept: module docstring).
       num_shards: TFF clients per round (users are split evenly); about the
         number of CPU cores.
-      dp_config: the `DPConfig` that `base`'s aggregator was built from, when
-        it is a DP aggregator (required then; see the module docstring).
       wire: the task's `WireFormat` when its `ClientBatches` hold examples
         in a compact form (e.g. uint8) that the shard decodes; its decoded
         form must match the process's client data type.
@@ -402,19 +401,9 @@ class ShardedProcess:
           'this process was not composed with a per-user client step '
           '(compose_stateful_client_process(client_step=...)), so it cannot '
           'be sharded; run it with one user per client (num_shards=0)')
-    dp = (privacy.resolve(dp_config) if dp_config is not None and
-          dp_config.mechanism != 'none' else None)
-    weighted = isinstance(composition.aggregator_factory,
-                          tff.aggregators.WeightedAggregationFactory)
-    if dp is None and not weighted:
-      raise ValueError(
-          'sharded simulation of an unweighted (DP) aggregator needs the '
-          'DPConfig it was built from (dp_config=...): user-level DP clips '
-          'each user before summing, so the shards must clip per user')
-    if dp is not None and weighted:
-      raise ValueError('dp_config is given but the process aggregates with '
-                       'a weighted (non-DP) aggregator; build it with '
-                       'privacy.build_aggregator(dp_config)')
+    # User-level DP clips each user before summing, so the shards clip per
+    # user: the clip and noise are the process's own aggregator's.
+    dp = privacy.config_of(composition.aggregator_factory)
     if num_shards < 1:
       raise ValueError(f'num_shards must be >= 1, got {num_shards}')
     if not _selection_is_shardable(composition):
@@ -736,8 +725,7 @@ def _selection_is_shardable(composition: process_lib.Composition) -> bool:
       composition.selection_factory, best_scoring.BestScoringFactory)
 
 
-def resolve_num_shards(process, requested: int,
-                       dp_config: privacy.DPConfig | None = None) -> int:
+def resolve_num_shards(process, requested: int) -> int:
   """The shard count to use: `requested`, or for AUTO (-1)
   `auto_shard_count()` when the process can be sharded (it has a per-user
   client step, its selection if any is the best-scoring one, and DP if any
@@ -752,23 +740,25 @@ def resolve_num_shards(process, requested: int,
     return 0
   if not _selection_is_shardable(composition):
     return 0
-  if dp_config is not None and dp_config.mechanism not in (
-      'none', 'gaussian_fixed'):
+  try:
+    dp = privacy.config_of(composition.aggregator_factory)
+  except ValueError:  # A DP aggregator of unknown clip: refused sharded.
+    return 0
+  if dp is not None and dp.mechanism != 'gaussian_fixed':
     return 0
   return auto_shard_count()
 
 
 def maybe_shard(process, num_shards: int,
-                dp_config: privacy.DPConfig | None = None,
                 wire: client_data.WireFormat | None = None,
                 shards_in: str = IN_DRIVER, batched: bool = False,
                 batch_users: int | None = None):
-  """`ShardedProcess(process, num_shards, dp_config, wire, shards_in,
-  batched, batch_users)`, or `process` for 0 (refused with `batched`)."""
+  """`ShardedProcess(process, num_shards, wire, shards_in, batched,
+  batch_users)`, or `process` for 0 (refused with `batched`)."""
   if num_shards == 0:
     if batched:
       raise ValueError('batched training runs in shards; it needs '
                        'simulation_shards != 0')
     return process
-  return ShardedProcess(process, num_shards, dp_config, wire, shards_in,
-                        batched, batch_users)
+  return ShardedProcess(process, num_shards, wire, shards_in, batched,
+                        batch_users)

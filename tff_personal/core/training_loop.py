@@ -45,9 +45,11 @@ from tff_personal import atomic_io
 from tff_personal import fault
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import coroutines
+from tff_personal.core import privacy
 from tff_personal.core import program_state as program_state_lib
 
-SAMPLING_SCHEMES = ('fixed_size', 'poisson')
+# How cohorts are drawn: the schemes the DP accounting covers.
+SAMPLING_SCHEMES = privacy.SAMPLING_SCHEMES
 
 
 class CheckpointError(RuntimeError):
