@@ -539,9 +539,7 @@ def run(config, task_kwargs, f) -> int:
                                        f.inter_op_threads)
     mnist_io.set_verify_checksums(f.verify_data_checksums)
     task = task_registry.build_task(f.task, **task_kwargs)
-    algorithm_registry.check_compatible(config.algorithm, task,
-                                        config.algorithm_options)
-    experiment.validate(config, task.population)
+    resolved = experiment.resolve(task, config)  # Checked once, here.
   except ValueError as e:  # Data errors name the file and what is wrong.
     print(f'error: {e}', file=sys.stderr)
     return 2
@@ -552,7 +550,7 @@ def run(config, task_kwargs, f) -> int:
         workers=f.workers, intra_op_threads=f.intra_op_threads,
         inter_op_threads=f.inter_op_threads):
       summary = runs.run_experiment(
-          task, config, log_fn=lambda s: print(s, flush=True),
+          task, resolved, log_fn=lambda s: print(s, flush=True),
           flag_values=flag_values(f))
   except training_loop.NonFiniteRoundError as e:
     print(f'error: {e}', file=sys.stderr)

@@ -39,15 +39,22 @@ def _assert_states_equal(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_split_model_dp_run_reopens_from_its_directory_alone(tmp_path,
-                                                             mnist_dir):
+def test_split_model_dp_run_reopens_from_its_directory_alone(
+    tmp_path, mnist_dir, monkeypatch):
   task = task_registry.build_task('label_skew_mnist', data_dir=mnist_dir,
                                   seed=0, **_TINY_MNIST)
   config = experiment.ExperimentConfig(
       algorithm='fedrep', rounds=2, clients_per_round=3,
       root_output_dir=str(tmp_path), experiment_name='fedrep_dp', dp=_DP,
       client_learning_rate=0.05, simulation_shards=0)
+  checks = []  # The configuration is checked (and DP resolved) once a run.
+  validate = experiment.validate
+  monkeypatch.setattr(experiment, 'validate',
+                      lambda *a: checks.append(a) or validate(*a))
   trained = runs.finished_or_trained(task, config, log_fn=lambda s: None)
+  trained.client_states([0])
+  assert len(checks) == 1, checks
+  monkeypatch.undo()
   assert trained['rounds_completed'] == 2  # It reads as its summary.
   def no_training(line):
     raise AssertionError(f'a finished run trained again: {line}')

@@ -279,6 +279,51 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   return privacy.resolve(dp)
 
 
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """A run's configuration checked against its task, once (`resolve`).
+
+  What the run's parts read instead of checking the configuration again:
+  `training.train` and `runs.run_experiment` take one in place of the
+  `ExperimentConfig` (a binary resolves before it starts a runtime, so a
+  bad configuration ends there, naming the field).
+
+  Attributes:
+    config: the configuration as given.
+    population: the task's population it was checked against.
+    dp: the resolved DP config (`validate`): delta filled in, a target
+      epsilon calibrated to a noise multiplier, the rounds of every stage.
+  """
+  config: ExperimentConfig
+  population: int
+  dp: privacy.DPConfig
+
+
+def resolve(task, config: 'ExperimentConfig | Resolved') -> Resolved:
+  """Checks `config` against `task` once: the algorithm fits the task
+  (`registry.check_compatible`) and every value is usable (`validate`).
+
+  A `Resolved` of the same population is returned as it is.
+
+  Raises:
+    ValueError: naming the field (or the missing capability and how the
+      task gives it).
+
+  Example:
+    resolved = experiment.resolve(task, config)
+    run = runs.run_experiment(task, resolved)
+  """
+  if isinstance(config, Resolved):
+    if config.population != task.population:
+      raise ValueError(
+          f'the configuration was resolved for a population of '
+          f'{config.population}, but the task has {task.population} clients')
+    return config
+  registry.check_compatible(config.algorithm, task, config.algorithm_options)
+  return Resolved(config=config, population=task.population,
+                  dp=validate(config, task.population))
+
+
 def releases_unnoised(config: ExperimentConfig) -> bool:
   """Whether the run may release values DP does not cover: always without
   DP, under DP only with `release_unnoised_metrics`."""

@@ -52,7 +52,8 @@ from tff_personal.core import training_loop
 SUMMARY_FILENAME = 'summary.json'
 
 
-def run_experiment(task, config: experiment.ExperimentConfig,
+def run_experiment(task,
+                   config: experiment.ExperimentConfig | experiment.Resolved,
                    log_fn: Callable[[str], None] = print,
                    flag_values: Optional[dict[str, Any]] = None,
                    export_private_states: bool = False,
@@ -63,9 +64,9 @@ def run_experiment(task, config: experiment.ExperimentConfig,
     task: the task (`core/task.py`); one built by name
       (`tasks.registry.build_task`) is recorded so that `Run.open` rebuilds
       it.
-    config: the run's configuration; the run lives in
-      `config.experiment_dir` (with `config.resume`, an interrupted run
-      there continues).
+    config: the run's configuration, or it resolved against `task`
+      (`experiment.resolve`); the run lives in `config.experiment_dir`
+      (with `config.resume`, an interrupted run there continues).
     log_fn: progress lines.
     flag_values: a binary's grouped flags, recorded with the run.
     export_private_states: also write the evaluated clients' final private
@@ -76,8 +77,10 @@ def run_experiment(task, config: experiment.ExperimentConfig,
   Returns:
     The finished run, which reads as its summary (`run['eval']`).
   """
+  resolved = experiment.resolve(task, config)
+  config = resolved.config
   summary, built = training.train(
-      task, config, log_fn=log_fn, flag_values=flag_values,
+      task, resolved, log_fn=log_fn, flag_values=flag_values,
       export_private_states=export_private_states, eval_ids=eval_ids)
   record = run_records.read_json_record(
       os.path.join(config.experiment_dir, run_records.RUN_CONFIG_FILENAME),
@@ -87,6 +90,7 @@ def run_experiment(task, config: experiment.ExperimentConfig,
   # Reading this handle's weights or states does not trace the process
   # again; `Run.open` still builds it from the record.
   run._built_process = built  # pylint: disable=protected-access
+  run._dp = resolved.dp  # pylint: disable=protected-access
   return run
 
 
@@ -176,6 +180,7 @@ class Run(collections.abc.Mapping):
     self._summary = summary
     self._built_process = None  # Built once, when first needed.
     self._groups = None  # The same.
+    self._dp = None  # The same (`experiment.resolve`).
 
   @classmethod
   def open(cls, directory: str, task=None) -> 'Run':
@@ -468,7 +473,9 @@ class Run(collections.abc.Mapping):
 
   # Helpers.
   def _resolved_dp(self) -> privacy.DPConfig:
-    return experiment.validate(self._config, self.task.population)
+    if self._dp is None:  # Checked once per handle.
+      self._dp = experiment.resolve(self.task, self._config).dp
+    return self._dp
 
   def _built(self):
     if self._built_process is None:  # Reused if built before

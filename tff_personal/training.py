@@ -21,7 +21,6 @@ from tff_personal import run_lock
 from tff_personal import run_privacy
 from tff_personal import run_records
 from tff_personal import strategies as strategies_lib
-from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
 from tff_personal.core import privacy
@@ -31,13 +30,16 @@ from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
 
-@run_records.holding_lock(create=True)
-def train(task, config: experiment.ExperimentConfig,
+def train(task, config: experiment.ExperimentConfig | experiment.Resolved,
           log_fn: Callable[[str], None] = print,
           flag_values: Optional[dict[str, Any]] = None,
           export_private_states: bool = False,
           eval_ids: Optional[Sequence[int]] = None) -> tuple[dict, Any]:
   """Trains and evaluates; writes the summary (summary.json).
+
+  `config`: the run's configuration, or it resolved against `task`
+  (`experiment.resolve`, which this calls otherwise: the configuration is
+  checked once, before the run's directory or lock is made).
 
   Returns (the summary, the process or `stages.Staged` it trained; None
   when the run had finished already and nothing was built).
@@ -54,9 +56,21 @@ def train(task, config: experiment.ExperimentConfig,
   for analysis such as the t-SNE of user embeddings. This reads every
   client's state, which only a simulation can do; a deployment never would.
   """
-  registry.check_compatible(config.algorithm, task, config.algorithm_options)
+  resolved = experiment.resolve(task, config)
+  return _train(task, resolved.config, resolved.dp, log_fn=log_fn,
+                flag_values=flag_values,
+                export_private_states=export_private_states,
+                eval_ids=eval_ids)
+
+
+@run_records.holding_lock(create=True)
+def _train(task, config: experiment.ExperimentConfig, dp: privacy.DPConfig,
+           log_fn: Callable[[str], None] = print,
+           flag_values: Optional[dict[str, Any]] = None,
+           export_private_states: bool = False,
+           eval_ids: Optional[Sequence[int]] = None) -> tuple[dict, Any]:
+  """`train` on a resolved configuration, holding the run's lock."""
   population = task.population
-  dp = experiment.validate(config, population)
   if eval_ids is not None:
     eval_ids = run_evaluation.checked_eval_ids(eval_ids, population)
     if config.curve_eval_clients > len(eval_ids):
