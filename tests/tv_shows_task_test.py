@@ -143,6 +143,22 @@ def test_fine_tuning_adapts_inside_a_tf_function(task):
   np.testing.assert_array_equal(plain[:, 1], tuned[:, 1])
   assert not np.allclose(plain[2:, 0], tuned[2:, 0])
 
+  # Minibatches of the fine-tuning utterances (2 here): a batch size of at
+  # least 2 is every step on all of them; 1 is another sequence of steps.
+  # (The model's context embeddings start from an unseeded draw, which an
+  # evaluation replaces by the run's weights: seeded here instead.)
+  def minibatched(size):
+    tf.keras.utils.set_random_seed(5)
+    return tf.function(fedperc_alg.FedPercEvalModel(
+        model_fn(), 'fine_tune', tff.learning.optimizers.build_adam(0.1),
+        fine_tune_steps=3, fine_tune_batch_size=size).forward)(batch).numpy()
+  all_at_once = minibatched(0)
+  np.testing.assert_array_equal(minibatched(2), all_at_once)
+  np.testing.assert_array_equal(minibatched(15), all_at_once)
+  one = minibatched(1)
+  assert not np.allclose(one[2:, 0], all_at_once[2:, 0])
+  np.testing.assert_array_equal(minibatched(1), one)  # A fixed draw.
+
 
 def test_random_backbone_only_when_allowed(tmp_path):
   """A random-weight preset is refused unless the run says it only

@@ -137,16 +137,44 @@ def eval_batch_spec(max_tokens: int) -> collections.OrderedDict:
   return spec
 
 
-class _Repeated:
-  """One batch `steps` times (an int or a scalar tensor), with the
-  `reduce` a local loop reads."""
+# The seed of the fixed shuffle `_Minibatches` cuts its batches from.
+_FINE_TUNE_SHUFFLE = (0xF17E, 0)
 
-  def __init__(self, batch, steps):
-    self._batch, self._steps = batch, steps
+
+class _Minibatches:
+  """`steps` minibatches of `batch_size` rows of `batch` (an int or a
+  scalar tensor of steps), with the `reduce` a local loop reads.
+
+  The rows are shuffled once by a fixed stateless draw, and step i takes
+  the `batch_size` rows after the first i * batch_size of that order,
+  cyclically: one pass after another over the user's utterances, as
+  training batches them. `batch_size` 0, or at least the rows: every step
+  takes all of them, as they are.
+  """
+
+  def __init__(self, batch, steps, batch_size: int = 0):
+    if batch_size < 0:
+      raise ValueError(f'batch_size must be >= 0, got {batch_size}')
+    self._batch, self._steps, self._batch_size = batch, steps, batch_size
+
+  def _take(self, i):
+    if not self._batch_size:
+      return self._batch
+    n = tf.shape(self._batch['ids'])[0]
+    size = tf.minimum(self._batch_size, n)
+
+    def window():
+      order = tf.argsort(tf.random.stateless_uniform(
+          [n], seed=_FINE_TUNE_SHUFFLE))
+      return tf.gather(order, (i * size + tf.range(size)) % n)
+
+    # Every row fits: all of them, in their order (all at once, exactly).
+    rows = tf.cond(n <= self._batch_size, lambda: tf.range(n), window)
+    return {k: tf.gather(v, rows) for k, v in self._batch.items()}
 
   def reduce(self, initial_state, reduce_fn):
     def body(i, state):
-      return i + 1, reduce_fn(state, self._batch)
+      return i + 1, reduce_fn(state, self._take(i))
 
     # One step at a time (`shard_packing.PackedBatches.reduce`).
     return tf.while_loop(lambda i, _: i < self._steps, body,
@@ -161,8 +189,10 @@ class FedPercEvalModel:
   feature: `forward` first adapts the model on the fine-tuning utterances
   (`ROLE_FINE_TUNE`) as the algorithm does at test time ('generate': the
   generators' forward passes set psi and the context embeddings; 'fine_tune':
-  `fine_tune_steps` Adam steps on the adaptable variables, each on all of
-  them; 'none', or a batch without fine-tuning utterances: nothing), then
+  `fine_tune_steps` Adam steps on the adaptable variables, each on a
+  minibatch of `fine_tune_batch_size` of them, one pass after another
+  (`_Minibatches`; 0: each step on all of them); 'none', or a batch without
+  fine-tuning utterances: nothing), then
   scores every utterance: its outputs are
   [n, 2] float32 rows (sum of token NLLs, number of tokens) counting the
   tokens after the first `PROMPT_TOKENS`, zero for fine-tuning utterances.
@@ -172,7 +202,7 @@ class FedPercEvalModel:
 
   def __init__(self, model: fedperc.FedPercModel, adapt: str,
                optimizer: tff.learning.optimizers.Optimizer | None = None,
-               fine_tune_steps: int = 0):
+               fine_tune_steps: int = 0, fine_tune_batch_size: int = 0):
     if adapt not in ('fine_tune', 'generate', 'none'):
       raise ValueError(f'adapt must be fine_tune, generate or none, got '
                        f'{adapt!r}')
@@ -183,6 +213,10 @@ class FedPercEvalModel:
     self.adapt = adapt
     self._optimizer = optimizer
     self._steps = fine_tune_steps
+    if fine_tune_batch_size < 0:
+      raise ValueError('fine_tune_batch_size must be >= 0 (0: all the '
+                       f'fine-tuning utterances), got {fine_tune_batch_size}')
+    self._batch_size = fine_tune_batch_size
     self.input_spec = eval_batch_spec(model.config.max_tokens)
     self.shared_trainable_variables = model.shared_trainable_variables
     self.shared_non_trainable_variables = model.shared_non_trainable_variables
@@ -203,7 +237,7 @@ class FedPercEvalModel:
     elif self.adapt == 'fine_tune':  # No utterance: no step.
       steps = tf.where(tf.shape(tune['ids'])[0] > 0, self._steps, 0)
       fedperc_training.fine_tune(model, self._optimizer,
-                                 _Repeated(tune, steps))
+                                 _Minibatches(tune, steps, self._batch_size))
 
   # Plain TF (explicit while loops): not for autograph, whose conversion of
   # the fine-tuning loop called from here fails.
@@ -280,7 +314,8 @@ def build_step_process(model_fn: Callable[[], fedperc.FedPercModel],
                        server_optimizer: tff.learning.optimizers.Optimizer,
                        aggregator_factory=None, train_metrics: bool = True,
                        proximal_mu: float = 1.0,
-                       fine_tune_optimizer=None, fine_tune_steps: int = 0
+                       fine_tune_optimizer=None, fine_tune_steps: int = 0,
+                       fine_tune_batch_size: int = 0
                        ) -> process_lib.StatefulClientProcess:
   """FedPerC as a per-user client step process (runs sharded; any
   `tff.aggregators` factory, DP included, for the shared update).
@@ -307,7 +342,8 @@ def build_step_process(model_fn: Callable[[], fedperc.FedPercModel],
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
       eval_model_fn=lambda: FedPercEvalModel(
-          model_fn(), adapt, fine_tune_optimizer, fine_tune_steps),
+          model_fn(), adapt, fine_tune_optimizer, fine_tune_steps,
+          fine_tune_batch_size),
       initial_private=private)
   # The new-user DP average's default clip (`strategies.ColdStart`).
   proc.new_user_dp_clip = DP_CLIP_NORMS.get(model.config.variant)
@@ -320,7 +356,8 @@ def _registered(name: str):
 
   def build(model_factory, *, client_optimizer, server_optimizer,
             aggregator_factory, metrics_fn, train_metrics, seed,
-            embedding_dim, private_optimizer, proximal_mu, fine_tune_steps):
+            embedding_dim, private_optimizer, proximal_mu, fine_tune_steps,
+            fine_tune_batch_size):
     del metrics_fn  # The client step reports its own loss sums.
     if embedding_dim:
       raise ValueError(
@@ -334,13 +371,15 @@ def _registered(name: str):
         aggregator_factory=aggregator_factory, train_metrics=train_metrics,
         proximal_mu=proximal_mu,
         fine_tune_optimizer=private_optimizer or client_optimizer,
-        fine_tune_steps=fine_tune_steps)
+        fine_tune_steps=fine_tune_steps,
+        fine_tune_batch_size=fine_tune_batch_size)
 
   def builder(model_factory, *, client_optimizer, server_optimizer,
               aggregator_factory=None, metrics_fn=None,
               train_metrics: bool = True, seed: Optional[int] = None,
               embedding_dim: int = 0, private_optimizer=None,
-              proximal_mu: float = 1.0, fine_tune_steps: int = 15):
+              proximal_mu: float = 1.0, fine_tune_steps: int = 15,
+              fine_tune_batch_size: int = 15):
     return build(model_factory, client_optimizer=client_optimizer,
                  server_optimizer=server_optimizer,
                  aggregator_factory=aggregator_factory,
@@ -349,13 +388,15 @@ def _registered(name: str):
                  private_optimizer=private_optimizer,
                  proximal_mu=proximal_mu,
                  fine_tune_steps=(fine_tune_steps
-                                  if algo.adapt == 'fine_tune' else 1))
+                                  if algo.adapt == 'fine_tune' else 1),
+                 fine_tune_batch_size=(fine_tune_batch_size
+                                       if algo.adapt == 'fine_tune' else 0))
 
   if algo.adapt != 'fine_tune':  # No test-time steps: not an option.
     signature = inspect.signature(builder)
     builder.__signature__ = signature.replace(parameters=[
         p for p in signature.parameters.values()
-        if p.name != 'fine_tune_steps'])
+        if p.name not in ('fine_tune_steps', 'fine_tune_batch_size')])
   builder.__name__ = builder.__qualname__ = f'build_{name}'
   builder.__doc__ = (
       f'`{name}` on a task\'s FedPerC model (`registry`\'s uniform signature).'
@@ -363,8 +404,10 @@ def _registered(name: str):
       '((variant, seed) -> model_fn);\n  `proximal_mu` is FedProx\'s mu on '
       'the shared trainable variables'
       + ('; `fine_tune_steps`\n  the test-time Adam steps (the private '
-         'optimizer, else the client one).' if algo.adapt == 'fine_tune'
-         else '.'))
+         'optimizer, else the client one), each on\n  '
+         '`fine_tune_batch_size` of the fine-tuning utterances (the paper\'s '
+         '15, as\n  its training samples; 0: all at once).'
+         if algo.adapt == 'fine_tune' else '.'))
   return builder
 
 
