@@ -661,7 +661,8 @@ def shard_loop(make_step: process_lib.ClientStepFactory, spec,
   The batched counterpart of `core/sharded.py`'s per-user shard loop, with
   the same result: the weighted mean of the users' updates (weights: their
   example counts) and its total weight or, with `user_clip_norm`, the sum of
-  their updates each clipped to that L2 norm (as `privacy.clip_user_update`)
+  their updates each clipped to that L2 norm (as
+  `sharded_privacy.clip_user_update`)
   and the user count; the stacked new client states; the summed metrics.
 
   Args:

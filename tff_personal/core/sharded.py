@@ -41,11 +41,12 @@ Differential privacy: user-level DP clips each *user's* update before
 anything is summed; TFF's DP aggregator applied to shards would clip each
 shard's sum instead. So when the process aggregates with a DP factory of
 `privacy.build_aggregator` (its `DPConfig` is read from the factory,
-`privacy.config_of`; nothing is passed beside it), each shard clips every user's
-update (`privacy.clip_user_update`, the clipping of `tfp.GaussianSumQuery`)
-and sends their sum, and the server aggregates with
-`privacy.build_sharded_aggregator`: the same sum, the same Gaussian noise
-(std `noise_multiplier * clip_norm`, added once) and the same denominator as
+`privacy.config_of`; nothing is passed beside it), each shard clips every
+user's update (`sharded_privacy.clip_user_update`, the clipping of
+`tfp.GaussianSumQuery`) and sends their sum, and the server aggregates with
+`sharded_privacy.build_sharded_aggregator`: the same sum, the same Gaussian
+noise (std `noise_multiplier * clip_norm`, added once) and the same
+denominator as
 `privacy.build_aggregator` over the users, hence the same (epsilon, delta).
 Only fixed clipping is supported sharded. Written by hand: TFF has no form of
 its learning processes that runs several clients per computation call.
@@ -97,6 +98,7 @@ from tff_personal.core import best_scoring
 from tff_personal.core import client_data
 from tff_personal.core import flat_transport
 from tff_personal.core import privacy
+from tff_personal.core import sharded_privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.core import shard_packing
@@ -146,7 +148,8 @@ def _shard_loop(step, spec, element_spec, user_clip_norm, wire,
         user_update = out['update']
       else:
         w = tf.constant(1.0)
-        user_update = privacy.clip_user_update(out['update'], user_clip_norm)
+        user_update = sharded_privacy.clip_user_update(out['update'],
+                                                       user_clip_norm)
       update_sum = tf.nest.map_structure(
           lambda a, x: a + tf.cast(w, x.dtype) * x, update_sum, user_update)
       metric_sums = tf.nest.map_structure(tf.add, metric_sums,
@@ -445,7 +448,7 @@ class ShardedProcess:
         initial_model_weights=composition.initial_model_weights,
         client_state_type=shard_packing.stacked_type(composition.client_state_type),
         aggregator_factory=(composition.aggregator_factory if dp is None else
-                            privacy.build_sharded_aggregator(dp)),
+                            sharded_privacy.build_sharded_aggregator(dp)),
         server_optimizer=composition.server_optimizer,
         train_metrics=composition.train_metrics, model_fn=base.model_fn)
     self._shards_in = shards_in
