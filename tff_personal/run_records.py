@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any, Optional
 
+from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import run_lock
 from tff_personal.core import client_state as client_state_lib
@@ -164,11 +165,9 @@ def read_json_record(path: str, error=ValueError) -> dict:
   JSON object (e.g. it was edited by hand or cut short).
   """
   try:
-    with open(path, encoding='utf-8') as f:
-      value = json.load(f)
-  except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError.
-    raise error(f'{path} is not valid JSON ({type(e).__name__}: {e}); '
-                'restore it from a backup. Nothing was changed.') from e
+    value = atomic_io.read_json(path)
+  except ValueError as e:
+    raise error(str(e)) from e.__cause__
   if not isinstance(value, dict):
     raise error(f'{path} is not valid JSON for this file: it holds a '
                 f'{type(value).__name__}, not an object. Nothing was '
