@@ -259,8 +259,8 @@ def test_plateau_round():
 
 
 def _check_runs_share_the_fl_model_and_counts(f, root):
-  """The participation counts the costs use (from the sampling function)
-  are the client-state stores' own."""
+  """The participation counts the costs use (`Run.participations`, which
+  replays the sampling) are the client-state stores' own."""
   cfg = group._config(f)
   (directory,) = glob.glob(os.path.join(root, 'runs', 'group', 'pipeline',
                                         '*', 'seed_0'))
@@ -278,7 +278,8 @@ def _check_runs_share_the_fl_model_and_counts(f, root):
               for s in store.load(list(range(task.population)))]
   finally:
     store.close()
-  counted = group._fl_participations(task, main, cfg)
+  counted = runs.Run.open(main.experiment_dir, task).participations(
+      stage='fl')
   assert stored == [counted.get(c, 0) for c in range(task.population)]
   assert sum(stored) == cfg['rounds'] * cfg['clients_per_round']
 

@@ -141,6 +141,14 @@ def test_groupfl_and_groupperfl_equal_the_paper_driven_by_hand(tmp_path):
   for i, g in enumerate(task.group_names):
     for ids in requests[2 + 2 * i:4 + 2 * i]:
       assert set(ids) <= set(task.clients_of(g)), (g, ids)
+  # The rounds each client trained in, as the handle replays them, are
+  # those its data was asked for: FL's two rounds, then its group's.
+  counted = lambda calls: dict(sorted(collections.Counter(
+      int(c) for ids in calls for c in ids).items()))
+  groupfl = runs.Run.open(_config(tmp_path, 'groupfl', 'groupfl'
+                                  ).experiment_dir, task=task)
+  assert groupfl.participations(stage='fl') == counted(requests[:2])
+  assert groupfl.participations() == counted(requests[2:])
   # GroupPerFL and the shuffled control train no FL round: they continue
   # from the FL stage GroupFL trained (the hand-driven checks below hold
   # GroupPerFL to the paper's algorithm from that stage).

@@ -76,6 +76,8 @@ def test_split_model_dp_run_reopens_from_its_directory_alone(
   trained_clients = [c for c in range(task.population)
                      if int(states[c]['rounds_participated'])]
   assert trained_clients
+  assert run.participations() == {
+      c: int(states[c]['rounds_participated']) for c in trained_clients}
   for c in trained_clients:  # Their private heads moved.
     assert not np.allclose(states[c]['private'][0],
                            initial(c)['private'][0])

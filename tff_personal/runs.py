@@ -15,6 +15,7 @@ once the run has finished, and offers:
   evaluation settings or strategies if asked;
 * `client_outputs(ids, strategy, round=, stage=)`: each client's
   evaluation outputs under one per-client strategy, at any kept round;
+* `participations(stage=)`: the training rounds each client took part in;
 * `resume(rounds=)`: continues an interrupted run, or extends a finished one.
 
 Example:
@@ -29,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import dataclasses
 import hashlib
@@ -309,6 +311,40 @@ class Run(collections.abc.Mapping):
              group: Optional[str] = None) -> list[int]:
     """The rounds with a checkpoint (the run's, or a stage's or group's)."""
     return training_loop.checkpoint_rounds(self._directory_of(stage, group))
+
+  def participations(self, stage: Optional[str] = None) -> dict[int, int]:
+    """`{client id: training rounds it took part in}` over the rounds the
+    run completed (up to its newest checkpoint): of its last stage (run per group: each client in its
+    own group's run) or of an earlier `stage`. Clients that never trained
+    are absent.
+
+    The loop's cohorts are a pure function of the run's seed, sampling,
+    population and round (`training_loop.sample_clients`), so this replays
+    them rather than reading a record; a client's count equals the
+    `rounds_participated` of its state (`client_states`), for the
+    algorithms that keep one. Example, a client's cost in model transfers:
+    `2 * run.participations().get(c, 0) + 1`.
+    """
+    built, config = self._built(), self._config
+    if stage is not None:
+      self.process(stage)  # An unknown stage fails here.
+      s = next(s for s in built.stages if s.name == stage)
+      parts = [(experiment.stage_directory(config, stage),
+                list(range(self.task.population)),
+                s.clients_per_round or config.clients_per_round)]
+    elif self._per_group():
+      parts = [(experiment.group_directory(config, g), members,
+                config.clients_per_round)
+               for g, members in self.groups().items()]
+    else:
+      parts = [(self.directory, list(range(self.task.population)),
+                config.clients_per_round)]
+    counts = collections.Counter()
+    for directory, members, cohort in parts:
+      for r in range(1, (training_loop.completed_round(directory) or 0) + 1):
+        counts.update(members[int(i)] for i in training_loop.sample_clients(
+            len(members), cohort, r, config.seed, config.sampling))
+    return dict(sorted(counts.items()))
 
   def process(self, stage: Optional[str] = None):
     """The process the run trained (or its earlier `stage`'s), with the
