@@ -70,10 +70,8 @@ sample instead of Eq. 26's bound; ours) `_sampled_mixture_kl`, with
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
-from typing import Any
 
 from absl import flags
 import numpy as np
@@ -515,8 +513,7 @@ def _class_setting(method: str, task: str, f) -> dict:
 
 
 def _data_dir(f) -> str:
-  d = f.data_dir or os.path.join(os.path.dirname(__file__), '..', '..',
-                                 'shared', 'data')
+  d = reporting.data_dir(f)
   return d if os.path.basename(os.path.normpath(d)) == 'mnist' else (
       os.path.join(d, 'mnist'))
 
@@ -548,18 +545,6 @@ def _config(f, dim: int) -> feddva_lib.FeddvaConfig:
   return feddva_lib.FeddvaConfig(
       z_dim=dim, c_dim=dim, channels=tuple(int(c) for c in f.feddva_channels),
       hidden=f.feddva_hidden)
-
-
-def _root_of(out_dir: str) -> str:
-  root = out_dir
-  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
-    root = os.path.dirname(root)
-  return os.path.dirname(root)
-
-
-def _write_json(path: str, value: Any) -> None:
-  with atomic_io.atomic_write(path) as fh:
-    fh.write(json.dumps(value, indent=1, sort_keys=True))
 
 
 def _cohort(f, num_clients: int) -> int:
@@ -713,15 +698,14 @@ def pretrain_feddva(task, f, dim: int, seed: int, root: str) -> dict:
     with atomic_io.atomic_write(weights_path, 'wb') as fh:
       np.savez(fh, num_encoders=len(encoders), num_decoder=len(decoders[0]),
                **arrays)
-    _write_json(meta_path, {'curve': curve, 'seconds_per_round': seconds,
+    atomic_io.write_json(meta_path, {'curve': curve, 'seconds_per_round': seconds,
                             'dim': dim, 'client_names': task.client_names})
   with np.load(weights_path) as data:
     n_enc, n_dec = int(data['num_encoders']), int(data['num_decoder'])
     encoders = tuple(data[f'e{i}'] for i in range(n_enc))
     decoders = [tuple(data[f'd{k}_{i}'] for i in range(n_dec))
                 for k in range(task.num_clients)]
-  with open(meta_path) as fh:
-    meta = json.load(fh)
+  meta = atomic_io.read_json(meta_path)
   return dict(encoders=encoders, decoders=decoders, config=config, **meta)
 
 
@@ -862,7 +846,7 @@ def linear_probes(reps: dict, seed: int) -> dict:
 
 def _run_probe(cell, f, out_dir) -> dict:
   task = _task(cell.setting['task'], f, cell.seed)
-  root = _root_of(out_dir)
+  root = reporting.root_of(out_dir)
   pre = pretrain_feddva(task, f, f.feddva_probe_dim, cell.seed, root)
   config = _config(f, f.feddva_probe_dim)
   model = feddva_model(config, pre['encoders'])
@@ -974,10 +958,10 @@ def rounds_to_reach(means, target) -> int | None:
 
 def _run_classification(cell, f, out_dir) -> dict:
   task = _task(cell.setting['task'], f, cell.seed)
-  root = _root_of(out_dir)
+  root = reporting.root_of(out_dir)
   (means, stds), extra = _classification_run(cell.method, task, f,
                                              cell.seed, root, out_dir)
-  _write_json(os.path.join(out_dir, 'curve.json'), {
+  atomic_io.write_json(os.path.join(out_dir, 'curve.json'), {
       'round': list(range(1, len(means) + 1)), 'mean': means, 'std': stds,
       'client_names': task.client_names})
   fedavg_path = _curve_path(root, 'fedavg',
@@ -985,8 +969,7 @@ def _run_classification(cell, f, out_dir) -> dict:
                             cell.seed)
   target = None
   if os.path.exists(fedavg_path):
-    with open(fedavg_path) as fh:
-      target = json.load(fh)['mean'][-1]
+    target = atomic_io.read_json(fedavg_path)['mean'][-1]
   metrics = {'final_accuracy': means[-1],
              'accuracy_std_across_clients': stds[-1],
              'rounds_to_reach_fedavg_final': (
@@ -1007,7 +990,7 @@ def run_cell(cell: reporting.Cell, f, out_dir: str) -> dict:
     else:
       metrics = _run_classification(cell, f, out_dir)
   try:  # t-SNE is slow: latent figures only after the probe cell.
-    make_figures(_root_of(out_dir), f,
+    make_figures(reporting.root_of(out_dir), f,
                  latent=cell.method == 'probe', curves=cell.method != 'probe')
   except Exception as e:  # pylint: disable=broad-except
     print(f'feddva: figures not rebuilt: {e!r}')

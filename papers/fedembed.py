@@ -107,6 +107,7 @@ import numpy as np
 
 from tasks import registry as task_registry
 from tasks import speech_spectrogram
+from tff_personal import atomic_io
 from tff_personal import curve_bands
 from tff_personal import embedding_purity
 from tff_personal import experiment
@@ -612,9 +613,8 @@ def _encoder_weights(cell: reporting.Cell, flag_values) -> Optional[str]:
 def _data_dir(flag_values, task: str) -> Optional[str]:
   if getattr(flag_values, 'data_dir', None):
     return flag_values.data_dir
-  sub = 'mnist' if task == MNIST else 'speech'
-  return os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data',
-                      sub)
+  return os.path.join(reporting.DEFAULT_DATA_DIR,
+                      'mnist' if task == MNIST else 'speech')
 
 
 def dp_config(cell: reporting.Cell, flag_values, population: int
@@ -735,10 +735,10 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                  config.embedding_dim)
   # Every method's F1 curve (the figures draw them all).
   curve = [r for r in run.curves()['eval'] if 'f1' in r]
-  with open(os.path.join(out_dir, 'curve.json'), 'w') as fh:
-    json.dump({'round': [int(r['round']) for r in curve],
-               'f1': [float(r['f1']) for r in curve]}, fh)
-  root = _root_of(out_dir)
+  atomic_io.write_json(os.path.join(out_dir, 'curve.json'),
+                       {'round': [int(r['round']) for r in curve],
+                        'f1': [float(r['f1']) for r in curve]})
+  root = reporting.root_of(out_dir, required=False)
   if root:  # this cell's record is appended after run_cell returns
     write_extra_tables(root, extra_records=[{
         'paper': cell.paper, 'method': cell.method, 'setting': cell.setting,
@@ -820,7 +820,7 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
     metrics.update(
         encoder_weights=os.path.abspath(encoder_path),
         encoder_public_accuracy=(meta.get('val_accuracy') or [None])[-1])
-  root = _root_of(out_dir)
+  root = reporting.root_of(out_dir, required=False)
   if root:
     write_extra_tables(root, extra_records=[{
         'paper': cell.paper, 'method': cell.method, 'setting': cell.setting,
@@ -834,13 +834,6 @@ def _prevalence(task_name: str, population: str) -> tuple[int, ...]:
   if population == 'balanced':
     prevalence = (100 // len(prevalence),) * len(prevalence)
   return prevalence
-
-
-def _root_of(out_dir: str) -> Optional[str]:
-  root = out_dir
-  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
-    root = os.path.dirname(root)
-  return None if root == '/' else os.path.dirname(root)
 
 
 def _private_names(task, method: str,
@@ -952,7 +945,7 @@ def write_extra_tables(root_output_dir: str, extra_records=()) -> None:
   out = os.path.join(root_output_dir, reporting.TABLES_DIRNAME, PAPER)
   os.makedirs(out, exist_ok=True)
   for name, render in EXTRA_TABLES.items():
-    with open(os.path.join(out, f'{name}.md'), 'w') as f:
+    with atomic_io.atomic_write(os.path.join(out, f'{name}.md')) as f:
       f.write(render(records))
 
 

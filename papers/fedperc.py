@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import pickle
 import re
@@ -238,18 +237,13 @@ def _spec(flag_values) -> fedperc_backbone.BackboneSpec:
   return _SPECS[name]
 
 
-def _data_root(flag_values) -> str:
-  return flag_values.data_dir or os.path.join(
-      os.path.dirname(__file__), '..', '..', 'shared', 'data')
-
-
 def _users(flag_values, seed: int,
            cache_dir: str | None = None) -> dict[str, tv_shows.UserData]:
   """The task's users, tokenized; cached in memory and (optionally) on disk,
   since every `reproduce` invocation (one per table) would redo it."""
   spec = _spec(flag_values)
   seed = reporting.data_seed(flag_values, seed)  # Which utterances, users.
-  key = (flag_values.fedperc_backbone, _data_root(flag_values), seed,
+  key = (flag_values.fedperc_backbone, reporting.data_dir(flag_values), seed,
          flag_values.fedperc_max_tokens, flag_values.fedperc_max_utterances)
   if key in _USERS:
     return _USERS[key]
@@ -261,7 +255,7 @@ def _users(flag_values, seed: int,
       with open(path, 'rb') as f:
         _USERS[key] = pickle.load(f)
       return _USERS[key]
-  sentences = tv_shows.load_sentences(_data_root(flag_values))
+  sentences = tv_shows.load_sentences(reporting.data_dir(flag_values))
   _USERS[key] = tv_shows.build_users(
       sentences, spec.tokenizer(), max_tokens=flag_values.fedperc_max_tokens,
       end_id=spec.vocabulary[bpe_trainer.END_TOKEN], seed=seed,
@@ -277,13 +271,6 @@ def _config(variant: str, flag_values) -> fedperc.FedPercConfig:
       variant=variant, num_contexts=len(tv_shows.CONTEXTS),
       max_tokens=flag_values.fedperc_max_tokens,
       generator_tokens=flag_values.fedperc_generator_tokens)
-
-
-def _root(out_dir: str) -> str:
-  root = out_dir
-  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
-    root = os.path.dirname(root)
-  return os.path.dirname(root)
 
 
 # ------------------------------------------------------------ training
@@ -556,16 +543,6 @@ def write_generations(trained: dict, flag_values, seed: int,
 # ------------------------------------------------------------ cells
 
 
-def _cached_json(path: str, compute):
-  if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
-  value = compute()
-  with atomic_io.atomic_write(path) as f:
-    f.write(json.dumps(value, indent=1))
-  return value
-
-
 def trained_cache_dir(root: str, flag_values) -> str:
   """Where cells share trained models, evaluations and costs: one directory
   per configuration of the paper's flags (`reporting.run_config`), so that
@@ -576,13 +553,13 @@ def trained_cache_dir(root: str, flag_values) -> str:
 
 
 def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
-  root = _root(out_dir)
+  root = reporting.root_of(out_dir)
   cache = trained_cache_dir(root, flag_values)
   os.makedirs(cache, exist_ok=True)
   seed = cell.seed
   _users(flag_values, seed, cache)  # Loads (or makes) the disk cache.
   if 'measure' in cell.setting:
-    costs = _cached_json(os.path.join(cache, f'costs_seed{seed}.json'),
+    costs = atomic_io.cached_json(os.path.join(cache, f'costs_seed{seed}.json'),
                          lambda: measure_costs(flag_values, seed))
     metric = cell.setting['measure']
     value = costs[cell.method]
@@ -600,15 +577,14 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                 train_loss=curves['train_loss'],
                 eval_curve=curves['eval_curve'])
 
-  result = _cached_json(os.path.join(cache, f'eval_{method}_seed{seed}.json'),
+  result = atomic_io.cached_json(os.path.join(cache, f'eval_{method}_seed{seed}.json'),
                         compute)
   if cell.method == 'fedperc' and cell.setting['users'] == 'known':
     table4 = os.path.join(root, reporting.TABLES_DIRNAME, PAPER, 'table4.md')
     if not os.path.exists(table4):
       write_generations(train(algo.variant, flag_values, seed, cache),
                         flag_values, seed, table4)
-  with atomic_io.atomic_write(os.path.join(out_dir, 'eval.json')) as f:
-    f.write(json.dumps(result, indent=1))
+  atomic_io.write_json(os.path.join(out_dir, 'eval.json'), result)
   make_figures(root, flag_values)
   users = cell.setting['users']
   # A method without test-time adaptation reads none of the samples.
@@ -629,8 +605,7 @@ def _variant_runs(cache: str, key: str):
     match = _EVAL_FILE.search(os.path.basename(path))
     if not match or match['method'] not in METHODS:
       continue
-    with open(path) as f:
-      value = json.load(f).get(key)
+    value = atomic_io.read_json(path).get(key)
     if not value or (isinstance(value, dict) and not value.get('round')):
       continue
     variant = fedperc_alg.algorithm(match['method']).variant

@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
-import json
 import math
 import os
 from typing import Any
@@ -43,6 +42,7 @@ import tensorflow as tf
 
 from tasks import speaker_context
 from tasks import speaker_task
+from tff_personal import atomic_io
 from tff_personal import curve_bands
 from tff_personal import embedding_purity
 from tff_personal import experiment
@@ -147,13 +147,8 @@ def _task(data_dir: str, seed: int, min_docs: int) -> speaker_task.SpeakerTask:
   return _TASKS[key]
 
 
-def _data_dir(flag_values) -> str:
-  return flag_values.data_dir or os.path.join(
-      os.path.dirname(__file__), '..', '..', 'shared', 'data')
-
-
 def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
-  task = _task(_data_dir(flag_values),
+  task = _task(reporting.data_dir(flag_values),
                reporting.data_seed(flag_values, cell.seed),
                flag_values.furl_min_docs)
   dim = cell.setting['embedding_dim']
@@ -201,7 +196,7 @@ def _run_server(task, cell, f, out_dir, dim) -> dict:
       verbose=0, return_dict=True)
   curve = {'epoch': [e for e, _ in result.curve],
            'eval_accuracy': [a for _, a in result.curve]}
-  _write_json(os.path.join(out_dir, 'curve.json'), curve)
+  atomic_io.write_json(os.path.join(out_dir, 'curve.json'), curve)
   if dim:
     table = model.get_layer('user_embedding_table').get_weights()[0]
     np.savez(os.path.join(out_dir, 'embeddings.npz'), ids=np.arange(len(warm)),
@@ -238,7 +233,7 @@ def _run_fl(task, cell, f, out_dir, dim) -> dict:
         task, config, export_private_states=cell.method == 'personalized_fl')
   exp_dir = config.experiment_dir
   curve = _fl_curve(run.curves()['eval'], rounds_per_epoch)
-  _write_json(os.path.join(out_dir, 'curve.json'), curve)
+  atomic_io.write_json(os.path.join(out_dir, 'curve.json'), curve)
   states = os.path.join(exp_dir, 'private_states.npz')
   if os.path.exists(states):
     with np.load(states) as z:
@@ -273,11 +268,6 @@ def _fl_curve(rows: list[dict], rounds_per_epoch: int) -> dict:
   rows = [r for r in rows if 'accuracy' in r]
   return {'epoch': [int(r['round']) / rounds_per_epoch for r in rows],
           'eval_accuracy': [float(r['accuracy']) for r in rows]}
-
-
-def _write_json(path, value):
-  with open(path, 'w') as f:
-    json.dump(value, f, indent=1)
 
 
 def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
@@ -324,7 +314,7 @@ def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
                         'chance': embedding_purity.chance_purity(labels),
                         'users': len(ids)}
       panels.append((method, emb, labels))
-  _write_json(os.path.join(out, 'furl_purity.json'), purity)
+  atomic_io.write_json(os.path.join(out, 'furl_purity.json'), purity)
   if panels:
     from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5))

@@ -79,7 +79,6 @@ Readings of the paper, and choices made for the CPU budget
 
 from __future__ import annotations
 
-import collections
 import glob
 import hashlib
 import json
@@ -245,14 +244,9 @@ def cells(table: str, flag_values) -> list[reporting.Cell]:
   return TABLES[table].cells(flag_values.seeds)
 
 
-def _data_dir(flag_values) -> str:
-  return flag_values.data_dir or os.path.join(
-      os.path.dirname(__file__), '..', '..', 'shared', 'data')
-
-
 def _config(f) -> dict:
   cfg = dict(
-      data_dir=os.path.abspath(_data_dir(f)),
+      data_dir=os.path.abspath(reporting.data_dir(f)),
       vocab_size=f.group_vocab_size, seq_len=f.group_seq_len,
       embedding_dim=f.group_embedding_dim, lstm_units=f.group_lstm_units,
       lstm_layers=f.group_lstm_layers,
@@ -317,16 +311,9 @@ def _config(f) -> dict:
   return cfg
 
 
-def _root_of(out_dir: str) -> str:
-  root = os.path.dirname(out_dir)
-  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
-    root = os.path.dirname(root)
-  return os.path.dirname(root)
-
-
 def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   cfg = _config(flag_values)
-  root = _root_of(out_dir)
+  root = reporting.root_of(out_dir)
   group = cell.setting['group']
   if cell.setting.get('fl') == PLATEAU:
     return dict(_controls(cfg, cell.seed, root)[cell.method][group])
@@ -341,27 +328,12 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
 # ----------------------------------------------------------------- pipeline
 
 
-def _write_text(path, text):
-  with atomic_io.atomic_write(path) as f:
-    f.write(text)
-
-
-class _Stages:
-  """JSON results of finished analysis steps in one directory (keyed, like
-  the training runs beside them, by the configuration's digest)."""
-
-  def __init__(self, directory):
-    self.dir = directory
-    os.makedirs(directory, exist_ok=True)
-
-  def json(self, name, compute):
-    path = os.path.join(self.dir, name + '.json')
-    if os.path.exists(path):
-      with open(path) as f:
-        return json.load(f)
-    value = compute()
-    _write_text(path, json.dumps(value, indent=1, sort_keys=True))
-    return value
+def _step(directory: str, name: str, compute):
+  """An analysis step's JSON result, cached as `directory/<name>.json`
+  (keyed, like the training runs beside it, by the configuration's
+  digest)."""
+  return atomic_io.cached_json(os.path.join(directory, name + '.json'),
+                               compute)
 
 
 def _data_seed(cfg, seed) -> int:
@@ -500,30 +472,6 @@ def _train(task, config, log_fn) -> runs.Run:
           f'group {config.experiment_name}: {s}'))
 
 
-def _participations(config, members, rounds, cohort):
-  """client -> rounds it took part in: the loop's cohorts are a pure
-  function of (seed, round) (`training_loop.sample_clients`), rounds
-  numbered from 1, drawn among `members`."""
-  out = collections.Counter()
-  for r in range(1, rounds + 1):
-    out.update(members[int(i)] for i in training_loop.sample_clients(
-        len(members), cohort, r, config.seed, config.sampling))
-  return out
-
-
-def _fl_participations(task, config, cfg):
-  return _participations(config, list(range(task.num_clients)), cfg['rounds'],
-                         cfg['clients_per_round'])
-
-
-def _group_participations(task, config, grouping):
-  out = collections.Counter()
-  for members in experiment.group_members(task, config, grouping).values():
-    out.update(_participations(config, members, config.rounds,
-                               config.clients_per_round))
-  return out
-
-
 def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
   directory = _config_dir(root, cfg, seed)
   return _cached(cfg, seed, directory, 'pipeline.json', _run_pipeline,
@@ -534,36 +482,34 @@ def _pipeline(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
 
 def _cached(cfg, seed, directory, filename, run_fn, log_fn, after,
             complete=lambda result: True) -> dict:
-  """`run_fn(task, cfg, seed, directory, stages, log_fn)`'s result, cached
+  """`run_fn(task, cfg, seed, directory, log_fn)`'s result, cached
   in `directory/filename`; `after()` runs once it is written (figures). A
   cached result that is not `complete` (one written before a method was
-  added) is computed again, its finished steps read from `stages`."""
+  added) is computed again, its finished steps read from `directory`
+  (`_step`)."""
   log_fn = log_fn or (lambda s: print(s, flush=True))
   final = os.path.join(directory, filename)
   if os.path.exists(final):
-    with open(final) as f:
-      result = json.load(f)
+    result = atomic_io.read_json(final)
     if complete(result):
       return result
-  stages = _Stages(directory)
-  _write_text(os.path.join(directory, 'config.json'),
-              json.dumps(cfg, indent=1, sort_keys=True))
+  atomic_io.write_json(os.path.join(directory, 'config.json'), cfg)
   task = _task(cfg, seed)
   with runtime.local_runtime(os.path.join(directory, 'worker_binary.log')):
-    result = run_fn(task, cfg, seed, directory, stages, log_fn)
-  _write_text(final, json.dumps(result, indent=1, sort_keys=True))
+    result = run_fn(task, cfg, seed, directory, log_fn)
+  atomic_io.write_json(final, result)
   after()
   return result
 
 
-def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
+def _run_pipeline(task, cfg, seed, directory, log_fn) -> dict:
   groups = {g: task.clients_of(g) for g in task.group_names}
   # Stages 1 and 2 (FL, then one FL run per group) on the one run path.
   config = train_config(cfg, seed, directory,
                         keep_checkpoints=_pipeline_keep(cfg))
   run = _train(task, config, log_fn)
-  fl_part = _fl_participations(task, config, cfg)
-  group_part = _group_participations(task, config, 'task')
+  fl_part = run.participations(stage='fl')
+  group_part = run.participations()
   group_of = dict(enumerate(task.client_groups))
 
   eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
@@ -572,10 +518,10 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
   # from each, its lr selected on the sweep clients.
   for method, personal, stage in (('fl', 'perfl', 'fl'),
                                   ('groupfl', 'groupperfl', None)):
-    sums[method] = _evaluate_cached(stages, method, run, eval_clients,
+    sums[method] = _evaluate_cached(directory, method, run, eval_clients,
                                     stage, log_fn)
     sums[personal], sweep[personal] = _personalize(
-        cfg, stages, personal, run, stage, eval_clients, sweep_clients,
+        cfg, directory, personal, run, stage, eval_clients, sweep_clients,
         log_fn)
 
   result = {'cells': _cells(task, cfg, groups, eval_clients, sums, fl_part,
@@ -589,50 +535,50 @@ def _run_pipeline(task, cfg, seed, directory, stages, log_fn) -> dict:
             'train_speeches': {str(c): task.num_train(c)
                                for c in eval_clients}}
   lrs = {m: sweep[m]['lr'] for m in sweep}
-  stages.json('curves', lambda: _control_curves(
+  _step(directory, 'curves', lambda: _control_curves(
       task, cfg, seed, directory, eval_clients, lrs, log_fn,
       control_runs=_CONTROL_RUNS[:1], opened={'groupfl': run}))
-  stages.json('fl_curves', lambda: _global_curves(
+  _step(directory, 'fl_curves', lambda: _global_curves(
       task, cfg, run, 'fl', 1, cfg['rounds'], eval_clients, lrs['perfl'],
       log_fn))
   if cfg['clustering']:
-    result['clustering'] = stages.json(
-        'clustering', lambda: _cluster(
-            task, cfg, run.process(stage='fl').model_weights_type,
-            run.weights(stage='fl'), seed, log_fn))
+    result['clustering'] = _step(directory, 'clustering', lambda: _cluster(
+        task, cfg, run.process(stage='fl').model_weights_type,
+        run.weights(stage='fl'), seed, log_fn))
   return result
 
 
-def _evaluate_cached(stages, method, run, clients, stage, log_fn,
+def _evaluate_cached(directory, method, run, clients, stage, log_fn,
                      strategy='none', name=None) -> dict[int, dict]:
-  """`_evaluated`, cached in `stages` as `name` (default `eval_<method>`)."""
+  """`_evaluated`, cached in `directory` as `name` (default
+  `eval_<method>`, `_step`)."""
   log_fn(f'group: evaluating {name or method}')
-  return {int(c): v for c, v in stages.json(
-      name or f'eval_{method}', lambda: {
+  return {int(c): v for c, v in _step(
+      directory, name or f'eval_{method}', lambda: {
           str(c): v for c, v in _evaluated(run, clients, strategy,
                                            stage).items()}).items()}
 
 
-def _personalize(cfg, stages, method, run, stage, eval_clients,
+def _personalize(cfg, directory, method, run, stage, eval_clients,
                  sweep_clients, log_fn):
   """Local personalization (K_l epochs of SGD, `_personalization`) from
   each client's model in `run` (of `stage`; None: its group's).
 
   The learning rate is the one of `cfg['personalization_lrs']` with the
   lowest pooled perplexity on `sweep_clients`; the evaluated clients are
-  then personalized with it. Each step is cached in `stages`
+  then personalized with it. Each step is cached in `directory`
   (`sweep_<method>_lr<lr>`, `eval_<method>`). Returns `({eval client: its
   sums}, {'perplexity_by_lr', 'lr'})`.
   """
   by_lr = {}
   for lr in cfg['personalization_lrs']:
-    result = _evaluate_cached(stages, method, run, sweep_clients, stage,
+    result = _evaluate_cached(directory, method, run, sweep_clients, stage,
                               log_fn, _personalization(cfg, lr),
                               f'sweep_{method}_lr{lr:g}')
     by_lr[lr] = group_fl.perplexity(list(result.values()))
   best = min(by_lr, key=lambda lr: (by_lr[lr], lr))
   log_fn(f'group: {method} personalization lr {best} (sweep {by_lr})')
-  sums = _evaluate_cached(stages, method, run, eval_clients, stage, log_fn,
+  sums = _evaluate_cached(directory, method, run, eval_clients, stage, log_fn,
                           _personalization(cfg, best))
   return sums, {'perplexity_by_lr': {f'{k:g}': v for k, v in by_lr.items()},
                 'lr': best}
@@ -796,10 +742,10 @@ def _controls(cfg: dict, seed: int, root: str, log_fn=None) -> dict:
                  complete=lambda cells: set(CONTROL_METHODS) <= set(cells))
 
 
-def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
+def _run_controls(task, cfg, seed, directory, log_fn) -> dict:
   eval_clients, sweep_clients = _sample_clients(task, cfg, seed)
   validation = _validation_clients(task, cfg, seed)
-  plateau = stages.json('plateau', lambda: _find_plateau(
+  plateau = _step(directory, 'plateau', lambda: _find_plateau(
       task, cfg, seed, directory, validation, log_fn))
   cfg_t = dict(cfg, rounds=plateau['rounds'])
   num_groups = len(task.group_names)
@@ -815,16 +761,16 @@ def _run_controls(task, cfg, seed, directory, stages, log_fn) -> dict:
       for *_, name, personal in _CONTROL_RUNS]
   sums, sweep = {}, {}
   for method, personal, run, stage in starts:
-    sums[method] = _evaluate_cached(stages, method, run, eval_clients, stage,
+    sums[method] = _evaluate_cached(directory, method, run, eval_clients, stage,
                                     log_fn)
   for method, personal, run, stage in starts:
     sums[personal], sweep[personal] = _personalize(
-        cfg, stages, personal, run, stage, eval_clients, sweep_clients,
+        cfg, directory, personal, run, stage, eval_clients, sweep_clients,
         log_fn)
-  stages.json('curves', lambda: _control_curves(
+  _step(directory, 'curves', lambda: _control_curves(
       task, cfg_t, seed, directory, eval_clients,
       {m: s['lr'] for m, s in sweep.items()}, log_fn, opened=opened))
-  stages.json('fl_curves', lambda: _fl_curves(
+  _step(directory, 'fl_curves', lambda: _fl_curves(
       task, cfg, seed, directory, validation, eval_clients,
       sweep['perfl']['lr'], log_fn))
   return _control_cells(task, eval_clients, sums, sweep, plateau['rounds'])
@@ -1040,8 +986,7 @@ def make_figures(root_output_dir: str, pipeline_dir: str) -> None:
   changes, seeds = [], 0
   for path in sorted(glob.glob(os.path.join(
       os.path.dirname(pipeline_dir), 'seed_*', 'pipeline.json'))):
-    with open(path) as f:
-      changes += list(json.load(f)['relative_change'].values())
+    changes += list(atomic_io.read_json(path)['relative_change'].values())
     seeds += 1
   if not changes:
     return
@@ -1122,10 +1067,8 @@ def make_curves_figure(root_output_dir: str, pipeline_dir: str) -> None:
                                                  'curves.json')]
     if not all(os.path.exists(p) for p in paths):
       continue  # Made before the curves existed.
-    with open(paths[0]) as f:
-      fl_curves.append(json.load(f))
-    with open(paths[1]) as f:
-      curves.append(json.load(f))
+    fl_curves.append(atomic_io.read_json(paths[0]))
+    curves.append(atomic_io.read_json(paths[1]))
   if not curves:
     return
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -1168,8 +1111,7 @@ def make_plateau_figure(root_output_dir: str, seed_dir: str) -> None:
     name = name or os.path.basename(os.path.dirname(path))
     if os.path.basename(os.path.dirname(path)) != name:
       continue  # Another plateau rule.
-    with open(path) as f:
-      plateau = json.load(f)
+    plateau = atomic_io.read_json(path)
     points = sorted((int(r), v) for r, v in plateau['curve'].items())
     curves.append({'round': [r for r, _ in points],
                    'perplexity': [v for _, v in points]})
@@ -1212,14 +1154,11 @@ def make_control_curves_figure(root_output_dir: str,
       os.path.dirname(os.path.dirname(controls_dir)), 'seed_*', name,
       'controls.json'))):
     seed_dir = os.path.dirname(path)
-    with open(path) as f:
-      tables.append(json.load(f))
-    with open(os.path.join(seed_dir, 'curves.json')) as f:
-      curves.append(json.load(f))
+    tables.append(atomic_io.read_json(path))
+    curves.append(atomic_io.read_json(os.path.join(seed_dir, 'curves.json')))
     fl_path = os.path.join(seed_dir, 'fl_curves.json')
     if os.path.exists(fl_path):  # Absent in a run made before it existed.
-      with open(fl_path) as f:
-        fl_curves.append(json.load(f))
+      fl_curves.append(atomic_io.read_json(fl_path))
       plateau_rounds.append(tables[-1]['fl'][ALL]['fl_rounds'])
   if not curves:
     return

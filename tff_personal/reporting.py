@@ -66,6 +66,33 @@ COMMON_CONFIG_FLAGS = ('data_dir', 'rounds', 'clients_per_round', 'num_users',
                        'data_seed')
 
 _NAME_RE = re.compile(r'^[A-Za-z0-9_.-]+$')
+# The data sets beside the repository (`../shared/data`): the papers'
+# default for `--data_dir`.
+DEFAULT_DATA_DIR = os.path.normpath(os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), '..', '..', 'shared', 'data'))
+
+
+def data_dir(flag_values) -> str:
+  """`--data_dir` if given, else `DEFAULT_DATA_DIR`."""
+  return getattr(flag_values, 'data_dir', None) or DEFAULT_DATA_DIR
+
+
+def root_of(out_dir: str, required: bool = True) -> Optional[str]:
+  """The root output directory of a cell's `out_dir`
+  (`<root>/runs/<paper>/...`, as `reproduce` makes it).
+
+  Raises ValueError naming `out_dir` when it is not under a `runs`
+  directory, or returns None there with `required=False`.
+  """
+  root = os.path.abspath(out_dir)
+  while os.path.basename(root) != RUNS_DIRNAME:
+    if root == os.path.dirname(root):
+      if required:
+        raise ValueError(f'{out_dir} is not under a {RUNS_DIRNAME!r} '
+                         'directory (<root>/runs/<paper>/...)')
+      return None
+    root = os.path.dirname(root)
+  return os.path.dirname(root)
 
 
 class ConfigError(ValueError):
