@@ -137,7 +137,9 @@ def main(argv):
     for r in range(1, _ROUNDS.value + 1):
       ids = [int(i) for i in rng.choice(task.population, _CLIENTS.value,
                                         replace=False)]
-      batches = task.train_batches(ids, r)
+      # As the sharded run reads them (`training._training_parts`).
+      batches = (task.train_batches(ids, r) if hasattr(task, 'train_batches')
+                 else task.train_datasets(ids, r))
       if r == 2:
         tf.profiler.experimental.start(logdir)
       t = time.perf_counter()
