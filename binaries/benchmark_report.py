@@ -28,9 +28,11 @@ def ceiling_name(system: str) -> str:
 
 # The README's summary: these systems, every cohort, each as a fraction of
 # its model's ceiling.
-README_SYSTEMS = ('fedembed_prototype', 'global', 'pfl_fedavg', 'tff_fedavg',
+README_SYSTEMS = ('fedembed_prototype', 'fedembed_prototype_batched', 'global',
+                  'global_batched', 'pfl_fedavg', 'tff_fedavg',
                   'keras_central', ceiling_name('global'),
-                  ceiling_name('fedembed_prototype'))
+                  ceiling_name('fedembed_prototype'),
+                  ceiling_name('global') + '_batched')
 
 
 BATCHED_SUFFIX = '_batched'
@@ -237,7 +239,11 @@ def readme_markdown(run: dict) -> str:
              'arithmetic ceiling of the model the system trains: the same '
              'local training and server step in one `tf.function`, without '
              'federation (`tf_ceiling` for FedAvg\'s model, '
-             '`tf_ceiling_fedembed_prototype` for FedEmbed\'s):', '',
+             '`tf_ceiling_fedembed_prototype` for FedEmbed\'s; '
+             '`tf_ceiling_batched` trains FedAvg\'s model on each step\'s '
+             'batches of the whole cohort as one batch). `_batched`: the '
+             'shards\' users trained together (`--simulation_batched`):',
+             '',
              '| system | ' + ' | '.join(f'cohort {c}' for c in cohorts) + ' |',
              '|---|' + '---:|' * len(cohorts)]
   for name in README_SYSTEMS if systems else ():
