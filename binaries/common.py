@@ -427,7 +427,9 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
                    name in outside) else {}
     runs = (f'; runs on: {", ".join(t for t, m in missing.items() if not m)}'
             if name in outside else '')
-    lines.append(f'  {name} ({spec.family}): {spec.summary}; options: '
+    batched = '; runs batched (--simulation_batched)' if spec.batched else ''
+    lines.append(f'  {name} ({spec.family}): {spec.summary}{batched}; '
+                 'options: '
                  + options_lib.describe(algorithm_registry._option_specs(name))  # pylint: disable=protected-access
                  + runs)
   lines += ['', 'Tasks:']

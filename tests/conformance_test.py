@@ -2,7 +2,9 @@
 
 For every `registry.SPECS` entry, on tiny synthetic clients:
 * sharded equals one-user-per-client (`core/sharded.py`): the same server
-  state and client states after two rounds, with ragged users;
+  state and client states after two rounds, with ragged users; so does
+  the batched form (users trained together), which exists exactly for
+  the algorithms the registry declares `batched`;
 * a new client's state is the process's declared one (`initial_private`)
   or the run's seeded draw, and evaluation takes the state type it declares;
 * the privacy invariant on the types: client states stay at CLIENTS, and
@@ -288,6 +290,54 @@ def test_sharded_equals_one_user_per_client_new_clients_and_reruns(
   assert any(moved), f'{name}: the rounds changed nothing'
   _check_rerun_is_identical(name, base, f'{name} run twice')
   _check_rerun_is_identical(name, in_shards, f'{name} sharded, run twice')
+  _check_batched_form(name, base, init, sizes, data_fn,
+                      (want_state, want_clients, want_metrics))
+
+
+def _check_batched_form(name, base, init, sizes, data_fn, want):
+  """The batched form (users trained together) exists exactly when the
+  registry declares it, and then equals one user per client after two
+  rounds of the same ragged users: server weights, every client's state,
+  the metrics."""
+  declared = registry.spec(name).batched
+  try:
+    batched = sharded.ShardedProcess(base, 2, batched=True)
+  except ValueError as e:
+    assert 'cannot run batched' in str(e), (name, str(e))
+    assert not declared, f'{name} is declared batched, but: {e}'
+    return
+  assert declared, (f'{name} runs batched: declare it '
+                    '(AlgorithmSpec.batched) so --list says so')
+  want_state, want_clients, want_metrics = want
+  got_state, got_clients, got_metrics = _run(batched, init, sizes,
+                                             data_fn=data_fn)
+  _close(got_state.global_model_weights, want_state.global_model_weights,
+         f'{name} batched server weights')
+  for u, (got, w) in enumerate(zip(got_clients, want_clients)):
+    _close(got, w, f'{name} batched client {u}')
+  assert got_metrics['train'].keys() == want_metrics['train'].keys(), name
+  _close(got_metrics['train'], want_metrics['train'],
+         f'{name} batched metrics')
+
+
+def test_staged_algorithms_declare_which_run_batched():
+  """A staged algorithm runs batched when every stage's process does
+  (the run path shards each stage alike), and the registry says which."""
+  for name in sorted(n for n, s in registry.SPECS.items() if s.staged):
+    # The stages' processes; a group stage's groups come from the run.
+    staged = registry.build_for_task(
+        name, types.SimpleNamespace(**vars(_TASK), groups=True),
+        client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+        server_optimizer=tff.learning.optimizers.build_sgdm(1.0), seed=2,
+        **(dict(pretrain_rounds=2, dim=2, channels='2,2,2,3', hidden=5)
+           if name == 'feddva' else {}))
+    refused = []
+    for stage in staged.stages:
+      try:
+        sharded.ShardedProcess(stage.process, 2, batched=True)
+      except ValueError as e:
+        refused.append(f'{stage.name}: {e}')
+    assert registry.spec(name).batched == (not refused), (name, refused)
 
 
 @pytest.mark.parametrize('name,options', [

@@ -76,6 +76,13 @@ class AlgorithmSpec:
     stage_rounds: for a multi-stage algorithm (its builder returns a
       `core/stages.Staged`), the options that give its earlier stages'
       rounds (the last stage runs the experiment's rounds).
+    batched: its process (every stage's, when staged) has a batched form,
+      a shard's users trained together (`--simulation_batched`,
+      `core/batched.py`), on models that form covers (chains of the layers
+      `batched.BatchedModel` lists; FedEmbed's and FedPerC's own models).
+      `tests/conformance_test.py` holds the declaration to what
+      `sharded.ShardedProcess(batched=True)` accepts, and the batched form
+      to the per-user one.
   """
   name: str
   builder: Callable[..., Any]
@@ -84,6 +91,7 @@ class AlgorithmSpec:
   family: str
   summary: str
   stage_rounds: tuple[str, ...] = ()
+  batched: bool = False
 
   @property
   def staged(self) -> bool:
@@ -106,7 +114,8 @@ class AlgorithmSpec:
 
 _SPECS = (
     AlgorithmSpec('global', fedavg.build_global, 'split', (), 'fedavg',
-                  'FedAvg: one shared model, nothing private'),
+                  'FedAvg: one shared model, nothing private',
+                  batched=True),
     AlgorithmSpec('global_plus', fedavg.build_global_plus, 'split',
                   ('personal_embedding',), 'fedembed',
                   'FedAvg plus a private personal embedding per user'),
@@ -114,10 +123,12 @@ _SPECS = (
                   'furl', 'federated vs private parameters (FURL)'),
     AlgorithmSpec('fedembed_prototype', fedembed.build_fedembed_prototype,
                   'fedembed', (), 'fedembed',
-                  'sub-population heads chosen by nearest prototype'),
+                  'sub-population heads chosen by nearest prototype',
+                  batched=True),
     AlgorithmSpec('fedembed_type', fedembed.build_fedembed_type, 'fedembed',
                   (), 'fedembed',
-                  'sub-population heads chosen by the identified type'),
+                  'sub-population heads chosen by the identified type',
+                  batched=True),
     AlgorithmSpec('fedembed_personal', fedembed.build_fedembed_personal,
                   'fedembed', (), 'fedembed',
                   'a private head per user on FedEmbed\'s model'),
@@ -135,17 +146,21 @@ _SPECS = (
                   'PFedKM: heads chosen by federated k-means'),
     AlgorithmSpec('ditto', ditto.build_ditto_algorithm, 'split', (),
                   'baselines',
-                  'Ditto: personal models regularized toward the global'),
+                  'Ditto: personal models regularized toward the global',
+                  batched=True),
     AlgorithmSpec('fedavg_ft', fedavg_ft.build_fedavg_ft_algorithm, 'split',
                   (), 'baselines',
-                  'FedAvg, then local fine-tuning at evaluation'),
+                  'FedAvg, then local fine-tuning at evaluation',
+                  batched=True),
     AlgorithmSpec('fedper', fedper.build_fedper, 'split', ('named_head',),
                   'baselines',
-                  'FedPer: shared body and private head, trained jointly'),
+                  'FedPer: shared body and private head, trained jointly',
+                  batched=True),
     AlgorithmSpec('lg_fedavg', lg_fedavg.build_lg_fedavg, 'split',
                   ('named_head',), 'baselines',
                   'LG-FedAvg: private body (local representation), shared '
-                  'head'),
+                  'head',
+                  batched=True),
     AlgorithmSpec('fedbabu', fedbabu.build_fedbabu, 'split', ('named_head',),
                   'baselines',
                   'FedBABU: body trained under a fixed random head, all '
@@ -164,7 +179,8 @@ _SPECS = (
     AlgorithmSpec('knn_per', knn_per.build_knn_per, 'split', ('named_head',),
                   'baselines',
                   'kNN-Per: FedAvg, its features plus a local kNN memory at '
-                  'evaluation'),
+                  'evaluation',
+                  batched=True),
     AlgorithmSpec('feddva', feddva.build_feddva_algorithm, 'split',
                   ('digit_images',), 'feddva',
                   'dual VAE (shared encoders, private decoders), then a '
@@ -174,19 +190,23 @@ _SPECS = (
                   ('groups',), 'group',
                   'Group personalized FL: FedAvg, then one FedAvg run per '
                   'group from its model, each client on its group\'s model',
-                  stage_rounds=('fl_rounds',)),
+                  stage_rounds=('fl_rounds',),
+                  batched=True),
     AlgorithmSpec('groupperfl', group_fl.build_groupperfl_algorithm,
                   'split', ('groups',), 'group',
                   'GroupFL, then each client fine-tunes its group\'s model '
                   'locally at evaluation',
-                  stage_rounds=('fl_rounds',)),
+                  stage_rounds=('fl_rounds',),
+                  batched=True),
     AlgorithmSpec('fedperc', fedperc.build_fedperc, 'fedperc', (), 'fedperc',
                   'FedPerC: private personal embedding x shared context '
                   'embeddings as a prefix of a frozen LM, fine-tuned at test '
-                  'time'),
+                  'time',
+                  batched=True),
     AlgorithmSpec('fedperc_frozen', fedperc.build_fedperc_frozen, 'fedperc',
                   (), 'fedperc',
-                  'FedPerC without test-time fine-tuning'),
+                  'FedPerC without test-time fine-tuning',
+                  batched=True),
     AlgorithmSpec('fedperc_generated', fedperc.build_fedperc_generated,
                   'fedperc', (), 'fedperc',
                   'FedPerC (Generated): shared generators predict the '
