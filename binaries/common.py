@@ -22,6 +22,7 @@ from tff_personal import experiment
 from tff_personal import run_evaluation as run_evaluation_lib
 from tff_personal import run_lock
 from tff_personal import run_records
+from tff_personal import run_spec
 from tff_personal import runs
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
@@ -324,39 +325,41 @@ def configs_from_flags(f):
                          f.target_epsilon is not None):
     raise ValueError('--noise_multiplier/--target_epsilon given with --dp=none;'
                      ' choose --dp=gaussian_fixed or gaussian_adaptive')
-  dp = privacy.DPConfig(
-      mechanism=f.dp, noise_multiplier=f.noise_multiplier,
-      clip_norm=f.clip_norm, target_delta=f.target_delta,
-      target_epsilon=f.target_epsilon, clients_per_round=f.clients_per_round,
-      population=f.num_users, rounds=f.rounds, sampling=f.sampling)
-  config = experiment.ExperimentConfig(
-      algorithm=f.algorithm, rounds=f.rounds,
-      clients_per_round=f.clients_per_round,
-      root_output_dir=f.root_output_dir, experiment_name=f.experiment_name,
-      client_learning_rate=f.client_learning_rate,
-      client_optimizer=f.client_optimizer,
-      private_learning_rate=f.private_learning_rate,
-      server_optimizer=f.server_optimizer,
-      server_learning_rate=f.server_learning_rate,
-      server_momentum=f.server_momentum,
-      embedding_dim=f.embedding_dim,
+  # The flags are one typed run spec; its config is what the run records.
+  spec = run_spec.RunSpec(
+      task=f.task, algorithm=f.algorithm,
       algorithm_options=algorithm_registry.parse_algorithm_options(
           f.algorithm, f.algorithm_options),
-      personal_init_stddev=f.personal_init_stddev, sampling=f.sampling,
-      seed=f.seed, checkpoint_every=f.checkpoint_every,
-      keep_checkpoints=f.keep_checkpoints, eval_every=f.eval_every,
-      eval_clients=f.eval_clients,
-      curve_eval_clients=f.curve_eval_clients,
-      eval_fine_tune=f.eval_fine_tune, resume=f.resume,
-      simulation_shards=f.simulation_shards,
-      simulation_batched=f.simulation_batched,
-      simulation_batch_users=f.simulation_batch_users,
-      cold_start_epochs=f.cold_start_epochs,
-      eval_strategies=tuple(f.eval_strategies),
-      client_state_backend=f.client_state_backend,
-      train_metrics=f.train_metrics, dp=dp,
-      release_unnoised_metrics=f.release_unnoised_metrics,
-      dp_personal_heads=f.dp_personal_heads)
+      loop=run_spec.Loop(
+          rounds=f.rounds, clients_per_round=f.clients_per_round,
+          sampling=f.sampling, seed=f.seed, embedding_dim=f.embedding_dim,
+          personal_init_stddev=f.personal_init_stddev,
+          checkpoint_every=f.checkpoint_every,
+          keep_checkpoints=f.keep_checkpoints, resume=f.resume,
+          client_state_backend=f.client_state_backend,
+          train_metrics=f.train_metrics),
+      optimizers=run_spec.Optimizers(
+          client=f.client_optimizer,
+          client_learning_rate=f.client_learning_rate,
+          private_learning_rate=f.private_learning_rate,
+          server=f.server_optimizer,
+          server_learning_rate=f.server_learning_rate,
+          server_momentum=f.server_momentum),
+      privacy=run_spec.Privacy(
+          mechanism=f.dp, noise_multiplier=f.noise_multiplier,
+          target_epsilon=f.target_epsilon, clip_norm=f.clip_norm,
+          target_delta=f.target_delta, personal_heads=f.dp_personal_heads,
+          release_unnoised_metrics=f.release_unnoised_metrics),
+      evaluation=run_spec.Evaluation(
+          every=f.eval_every, clients=f.eval_clients,
+          curve_clients=f.curve_eval_clients, fine_tune=f.eval_fine_tune,
+          cold_start_epochs=f.cold_start_epochs,
+          strategies=tuple(f.eval_strategies)),
+      simulation=run_spec.Simulation(
+          shards=f.simulation_shards, batched=f.simulation_batched,
+          batch_users=f.simulation_batch_users),
+      output=run_spec.Output(f.root_output_dir, f.experiment_name))
+  config = spec.config()
   if population_from_flags:  # else validated once the task is loaded
     experiment.validate(config, f.num_users)
   task_kwargs = _task_kwargs(f)

@@ -45,11 +45,10 @@ from tasks import speaker_task
 from tff_personal import atomic_io
 from tff_personal import curve_bands
 from tff_personal import embedding_purity
-from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_spec
 from tff_personal import runs
 from tff_personal.algorithms import centralized
-from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.models import furl_text
 
@@ -157,10 +156,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                           dim if cell.method == 'personalized_server' else 0)
   else:
     metrics = _run_fl(task, cell, flag_values, out_dir, dim)
-  root = os.path.dirname(out_dir)
-  while os.path.basename(root) != reporting.RUNS_DIRNAME and root != '/':
-    root = os.path.dirname(root)
-  make_figures(os.path.dirname(root), task)
+  make_figures(reporting.root_of(out_dir), task)
   return metrics
 
 
@@ -206,27 +202,40 @@ def _run_server(task, cell, f, out_dir, dim) -> dict:
           'epochs': f.furl_server_epochs}
 
 
-def _run_fl(task, cell, f, out_dir, dim) -> dict:
-  rounds_per_epoch = math.ceil(task.population / 10)
-  dp = privacy.DPConfig()
+def fl_spec(cell: reporting.Cell, f, out_dir: str, population: int
+            ) -> run_spec.RunSpec:
+  """An FL cell's run: FedAvg (`global_fl`) or FURL (`personalized_fl`,
+  the cell's user-embedding size) on the speaker task, cohorts of 10,
+  `--furl_fl_epochs` passes over the users, one checkpoint per epoch;
+  a DP cell calibrates to `--furl_target_epsilon` at delta
+  `default_target_delta(population)`."""
+  rounds_per_epoch = math.ceil(population / 10)
+  changes = {
+      'loop.rounds': f.furl_fl_epochs * rounds_per_epoch,
+      'loop.seed': cell.seed, 'loop.checkpoint_every': rounds_per_epoch,
+      'optimizers.client_learning_rate': f.furl_client_learning_rate,
+      'optimizers.private_learning_rate': f.furl_private_learning_rate,
+      'evaluation.every': max(1, rounds_per_epoch // _evals_per_epoch(f)),
+      'output.root_output_dir': out_dir}
+  if cell.method == 'personalized_fl':
+    changes.update({'algorithm': 'furl',
+                    'loop.embedding_dim': cell.setting['embedding_dim'],
+                    'evaluation.test_fine_tune': True})
   if cell.setting['dp'] != 'none':
-    dp = privacy.DPConfig(mechanism=cell.setting['dp'],
-                          target_epsilon=f.furl_target_epsilon,
-                          clip_norm=f.furl_clip_norm,
-                          # The library's default_target_delta(population).
-                          target_delta=None)
-  config = experiment.ExperimentConfig(
-      algorithm='furl' if cell.method == 'personalized_fl' else 'global',
-      rounds=f.furl_fl_epochs * rounds_per_epoch, clients_per_round=10,
-      root_output_dir=out_dir, experiment_name='fl',
-      client_learning_rate=f.furl_client_learning_rate,
-      private_learning_rate=f.furl_private_learning_rate,
-      server_optimizer='sgd', server_learning_rate=1.0,
-      embedding_dim=dim if cell.method == 'personalized_fl' else None,
-      seed=cell.seed,
-      eval_every=max(1, rounds_per_epoch // _evals_per_epoch(f)),
-      checkpoint_every=rounds_per_epoch, resume=True, dp=dp,
-      test_fine_tune=cell.method == 'personalized_fl')
+    changes.update({'privacy.mechanism': cell.setting['dp'],
+                    'privacy.target_epsilon': f.furl_target_epsilon,
+                    'privacy.clip_norm': f.furl_clip_norm})
+  return run_spec.RunSpec(
+      task='speaker_context', algorithm='global',
+      task_options={'min_docs': f.furl_min_docs},
+      loop=run_spec.Loop(clients_per_round=10, resume=True),
+      output=run_spec.Output(experiment_name='fl')).override(changes)
+
+
+def _run_fl(task, cell, f, out_dir, dim) -> dict:
+  del dim  # The cell's, in `fl_spec`.
+  rounds_per_epoch = math.ceil(task.population / 10)
+  config = fl_spec(cell, f, out_dir, task.population).config()
   with runtime.local_runtime(
       log_path=os.path.join(out_dir, 'worker_binary.log')):
     run = runs.run_experiment(
