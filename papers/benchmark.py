@@ -29,12 +29,11 @@ import time
 from absl import flags
 
 from tasks import registry as task_registry
-from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_spec
 from tff_personal import run_evaluation
 from tff_personal import runs
 from tff_personal.algorithms import registry
-from tff_personal.core import privacy
 from tff_personal.core import runtime
 
 PAPER = 'benchmark'
@@ -126,22 +125,35 @@ def _task(name: str, flag_values, seed: int):
   return _BUILT[key]
 
 
+def cell_spec(cell: reporting.Cell, flag_values, out_dir: str,
+              population: int) -> run_spec.RunSpec:
+  """A cell's run: the method on the cell's task, the benchmark's rounds
+  and cohort, local Adam and FedAvg's server; a DP cell calibrates to
+  `--benchmark_target_epsilon` at delta `default_target_delta(population)`."""
+  dp = run_spec.Privacy()
+  if cell.setting['dp'] != 'none':
+    dp = run_spec.Privacy(
+        mechanism=cell.setting['dp'],
+        target_epsilon=flag_values.benchmark_target_epsilon,
+        clip_norm=flag_values.benchmark_clip_norm)
+  return run_spec.RunSpec(
+      task=cell.setting['task'], algorithm=cell.method,
+      task_options=TASKS[cell.setting['task']][1],
+      loop=run_spec.Loop(
+          rounds=flag_values.benchmark_rounds,
+          clients_per_round=flag_values.benchmark_clients_per_round,
+          seed=cell.seed, checkpoint_every=10, resume=True),
+      privacy=dp,
+      evaluation=run_spec.Evaluation(
+          clients=min(flag_values.benchmark_eval_clients, population)),
+      output=run_spec.Output(out_dir, 'run'))
+
+
 def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   name = cell.setting['task']
   task = _task(name, flag_values, reporting.data_seed(flag_values, cell.seed))
   metric = TASKS[name][2]
-  dp = privacy.DPConfig()
-  if cell.setting['dp'] != 'none':
-    dp = privacy.DPConfig(mechanism=cell.setting['dp'],
-                          target_epsilon=flag_values.benchmark_target_epsilon,
-                          clip_norm=flag_values.benchmark_clip_norm,
-                          target_delta=None)
-  eval_clients = min(flag_values.benchmark_eval_clients, task.population)
-  config = experiment.ExperimentConfig(
-      algorithm=cell.method, rounds=flag_values.benchmark_rounds,
-      clients_per_round=flag_values.benchmark_clients_per_round,
-      root_output_dir=out_dir, experiment_name='run', seed=cell.seed,
-      eval_clients=eval_clients, checkpoint_every=10, resume=True, dp=dp)
+  config = cell_spec(cell, flag_values, out_dir, task.population).config()
   start = time.monotonic()
   with runtime.local_runtime(
       log_path=os.path.join(out_dir, 'worker_binary.log')):

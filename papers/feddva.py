@@ -82,9 +82,9 @@ from tff_personal import curve_bands
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_spec
 from tff_personal import runs
 from tff_personal.algorithms import feddva
-from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.models import feddva as feddva_lib
@@ -570,19 +570,22 @@ def _base_config(algorithm: str, task, f, seed: int, root_output_dir: str,
   """The classification rounds of `algorithm` on the one path: Adam on the
   clients, FedAvg's server (SGD lr 1), evaluated after every round."""
   dp = _dp_setting(f)
-  return experiment.ExperimentConfig(
-      dp=privacy.DPConfig(mechanism=dp['dp'],
-                          noise_multiplier=dp['noise_multiplier'],
-                          clip_norm=dp['clip_norm']) if dp else
-      privacy.DPConfig(),
-      algorithm=algorithm, rounds=_class_rounds(f),
-      clients_per_round=_cohort(f, task.num_clients),
-      root_output_dir=root_output_dir, experiment_name=experiment_name,
-      client_optimizer='adam', client_learning_rate=f.feddva_learning_rate,
-      algorithm_options=options, seed=seed, eval_every=1,
-      checkpoint_every=max(1, int(getattr(f, 'feddva_checkpoint_every', 0)
-                                  or _class_rounds(f) + f.feddva_vae_rounds)),
-      resume=True)
+  return run_spec.RunSpec(
+      task=task.name, algorithm=algorithm, algorithm_options=options,
+      loop=run_spec.Loop(
+          rounds=_class_rounds(f),
+          clients_per_round=_cohort(f, task.num_clients), seed=seed,
+          checkpoint_every=max(1, int(
+              getattr(f, 'feddva_checkpoint_every', 0)
+              or _class_rounds(f) + f.feddva_vae_rounds)),
+          resume=True),
+      optimizers=run_spec.Optimizers(
+          client='adam', client_learning_rate=f.feddva_learning_rate),
+      privacy=run_spec.Privacy(
+          mechanism=dp['dp'], noise_multiplier=dp['noise_multiplier'],
+          clip_norm=dp['clip_norm']) if dp else run_spec.Privacy(),
+      evaluation=run_spec.Evaluation(every=1),
+      output=run_spec.Output(root_output_dir, experiment_name)).config()
 
 
 def _feddva_options(f, dim: int) -> dict:

@@ -112,12 +112,12 @@ from tff_personal import curve_bands
 from tff_personal import embedding_purity
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_spec
 from tff_personal import run_evaluation
 from tff_personal import runs
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import evaluation
-from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_speech
@@ -617,49 +617,59 @@ def _data_dir(flag_values, task: str) -> Optional[str]:
                       'mnist' if task == MNIST else 'speech')
 
 
-def dp_config(cell: reporting.Cell, flag_values, population: int
-              ) -> privacy.DPConfig:
-  """No DP, or the one DP setting every method shares (`gaussian_heads`:
-  the same, plus noised personal heads, `experiment_config`)."""
+def privacy_of(cell: reporting.Cell, flag_values) -> run_spec.Privacy:
+  """No DP, or the one DP setting every method shares, calibrated to
+  `--fedembed_target_epsilon` at delta `default_target_delta(population)`
+  (`gaussian_heads`: the same, plus noised personal heads)."""
   if cell.setting['dp'] == 'none':
-    return privacy.DPConfig()
+    return run_spec.Privacy()
   if cell.setting['dp'] not in ('gaussian_fixed', GAUSSIAN_HEADS):
     raise ValueError(f'unknown dp setting {cell.setting["dp"]!r}')
-  return privacy.DPConfig(
+  return run_spec.Privacy(
       mechanism='gaussian_fixed',
       target_epsilon=_flag(flag_values, 'fedembed_target_epsilon',
                            algorithm_defaults.TARGET_EPSILON),
       clip_norm=_flag(flag_values, 'fedembed_clip_norm',
                       algorithm_defaults.DP_SETTINGS['clip_norm']),
-      # delta: the library's default_target_delta(population).
-      target_delta=None)
+      personal_heads=('noised' if cell.setting['dp'] == GAUSSIAN_HEADS
+                      else 'exempt'))
 
 
-def experiment_config(cell: reporting.Cell, flag_values, out_dir: str,
-                      population: int) -> experiment.ExperimentConfig:
+def cell_spec(cell: reporting.Cell, flag_values, out_dir: str,
+              population: int) -> run_spec.RunSpec:
+  """A federated cell's run: the method on the cell's task under its
+  (task, method) defaults and the paper's flags (`cell_settings`)."""
   s = cell_settings(cell, flag_values)
-  return experiment.ExperimentConfig(
-      algorithm=cell.method, rounds=s['rounds'],
-      clients_per_round=s['clients_per_round'], root_output_dir=out_dir,
-      experiment_name='run', client_learning_rate=s['client_learning_rate'],
-      private_learning_rate=s.get('private_learning_rate'),
-      embedding_dim=s.get('embedding_dim'),
-      server_optimizer=s['server_optimizer'],
-      server_learning_rate=s['server_learning_rate'], seed=cell.seed,
-      eval_every=s['eval_every'], eval_clients=s['eval_clients'],
-      curve_eval_clients=min(
-          _flag(flag_values, 'fedembed_curve_eval_clients', 0),
-          s['eval_clients'] or population),
-      eval_fine_tune=s['eval_fine_tune'],
-      checkpoint_every=max(1, s['eval_every']), resume=True,
-      dp=dp_config(cell, flag_values, population),
+  return run_spec.RunSpec(
+      task=_task_name(cell.setting), algorithm=cell.method,
       # The paper's SOM (best-scoring update, no DP) hands one client's
       # embedding-derived update to the server: opted into explicitly.
       algorithm_options=({'allow_unprotected_best_client': True}
                          if cell.method == 'fedembed_som' and
                          cell.setting['dp'] == 'none' else {}),
-      dp_personal_heads=('noised' if cell.setting['dp'] == GAUSSIAN_HEADS
-                         else 'exempt'))
+      loop=run_spec.Loop(
+          rounds=s['rounds'], clients_per_round=s['clients_per_round'],
+          seed=cell.seed, embedding_dim=s.get('embedding_dim'),
+          checkpoint_every=max(1, s['eval_every']), resume=True),
+      optimizers=run_spec.Optimizers(
+          client_learning_rate=s['client_learning_rate'],
+          private_learning_rate=s.get('private_learning_rate'),
+          server=s['server_optimizer'],
+          server_learning_rate=s['server_learning_rate']),
+      privacy=privacy_of(cell, flag_values),
+      evaluation=run_spec.Evaluation(
+          every=s['eval_every'], clients=s['eval_clients'],
+          curve_clients=min(
+              _flag(flag_values, 'fedembed_curve_eval_clients', 0),
+              s['eval_clients'] or population),
+          fine_tune=s['eval_fine_tune']),
+      output=run_spec.Output(out_dir, 'run'))
+
+
+def experiment_config(cell: reporting.Cell, flag_values, out_dir: str,
+                      population: int) -> experiment.ExperimentConfig:
+  """`cell_spec`'s recorded configuration."""
+  return cell_spec(cell, flag_values, out_dir, population).config()
 
 
 def prevalence_f1(f1_per_group: dict, prevalence,

@@ -68,6 +68,7 @@ from tff_personal import curve_bands
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_spec
 from tff_personal import runs
 from tff_personal import strategies
 from tff_personal.algorithms import fedperc as fedperc_alg
@@ -314,17 +315,20 @@ def train_config(variant: str, flag_values, seed: int,
   options = {'proximal_mu': flag_values.fedperc_proximal_mu}
   if 'fine_tune_steps' in registry.algorithm_options(method):
     options['fine_tune_steps'] = flag_values.fedperc_fine_tune_steps
-  return experiment.ExperimentConfig(
-      algorithm=method, rounds=flag_values.fedperc_rounds,
-      clients_per_round=min(flag_values.fedperc_clients_per_round,
-                            len(tv_shows.training_users(withheld=True))),
-      root_output_dir=cache_dir, experiment_name=f'{variant}_seed{seed}',
-      client_optimizer='adam',
-      client_learning_rate=flag_values.fedperc_client_learning_rate,
-      server_optimizer=flag_values.fedperc_server_optimizer,
-      server_learning_rate=flag_values.fedperc_server_learning_rate,
-      algorithm_options=options, seed=seed, resume=True,
-      eval_every=eval_every(flag_values))
+  return run_spec.RunSpec(
+      task='tv_shows', algorithm=method, algorithm_options=options,
+      loop=run_spec.Loop(
+          rounds=flag_values.fedperc_rounds,
+          clients_per_round=min(flag_values.fedperc_clients_per_round,
+                                len(tv_shows.training_users(withheld=True))),
+          seed=seed, resume=True),
+      optimizers=run_spec.Optimizers(
+          client='adam',
+          client_learning_rate=flag_values.fedperc_client_learning_rate,
+          server=flag_values.fedperc_server_optimizer,
+          server_learning_rate=flag_values.fedperc_server_learning_rate),
+      evaluation=run_spec.Evaluation(every=eval_every(flag_values)),
+      output=run_spec.Output(cache_dir, f'{variant}_seed{seed}')).config()
 
 
 def trained_run(variant: str, flag_values, seed: int,

@@ -89,12 +89,12 @@ from absl import flags
 import numpy as np
 import tensorflow_federated as tff
 
-from tasks import registry as task_registry
 from tasks import shakespeare_groups
 from tff_personal import curve_bands
 from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_spec
 from tff_personal import runs
 from tff_personal import strategies
 from tff_personal.algorithms import group_fl
@@ -384,15 +384,28 @@ def _config_dir(root, cfg, seed):
                       digest, f'seed_{seed}')
 
 
+def base_spec(cfg: dict) -> run_spec.RunSpec:
+  """The paper's runs: FedAvg on `shakespeare_groups` under the paper's
+  task settings, local SGD at `client_lr`, FedAdam at `server_lr`, cohorts
+  of `clients_per_round`, resumed when killed. Each run below is this spec
+  with overrides."""
+  return run_spec.RunSpec(
+      task='shakespeare_groups', algorithm='global',
+      task_options={k: cfg[k] for k in (
+          'vocab_size', 'seq_len', 'embedding_dim', 'lstm_units',
+          'lstm_layers', 'max_clients', 'local_epochs')},
+      loop=run_spec.Loop(clients_per_round=cfg['clients_per_round'],
+                         resume=True),
+      optimizers=run_spec.Optimizers(
+          client='sgd', client_learning_rate=cfg['client_lr'],
+          server='adam', server_learning_rate=cfg['server_lr']))
+
+
 def _task(cfg, seed):
   """The registered `shakespeare_groups` task (built through the registry,
   so that runs on it record how it was built and share their FL stage)."""
-  return task_registry.build_task(
-      'shakespeare_groups', data_dir=cfg['data_dir'],
-      vocab_size=cfg['vocab_size'], seq_len=cfg['seq_len'],
-      embedding_dim=cfg['embedding_dim'], lstm_units=cfg['lstm_units'],
-      lstm_layers=cfg['lstm_layers'], seed=_data_seed(cfg, seed),
-      max_clients=cfg['max_clients'], local_epochs=cfg['local_epochs'])
+  return base_spec(cfg).build_task(data_dir=cfg['data_dir'],
+                                   seed=_data_seed(cfg, seed))
 
 
 def _sums(output) -> dict:
@@ -448,20 +461,20 @@ def train_config(cfg: dict, seed: int, directory: str,
                    if server_state != 'fresh' else {})
   if group_server_lr:
     stage_options['group_server_lr'] = group_server_lr
-  return experiment.ExperimentConfig(
-      algorithm='groupfl', rounds=cfg['group_rounds'],
-      clients_per_round=cfg['group_clients_per_round'] * (
+  return base_spec(cfg).override({
+      'algorithm': 'groupfl', 'loop.rounds': cfg['group_rounds'],
+      'loop.clients_per_round': cfg['group_clients_per_round'] * (
           num_groups if one else 1),
-      root_output_dir=directory,
-      experiment_name=('fl_more' if one else f'groupfl_{grouping}') + (
-          f'_{server_state}' if server_state != 'fresh' else '') + (
-              f'_glr{group_server_lr:g}' if group_server_lr else ''),
-      client_optimizer='sgd', client_learning_rate=cfg['client_lr'],
-      server_optimizer='adam', server_learning_rate=cfg['server_lr'],
-      algorithm_options={'fl_rounds': cfg['rounds'],
-                         'fl_clients_per_round': cfg['clients_per_round'],
-                         'grouping': grouping, **stage_options},
-      keep_checkpoints=keep_checkpoints, seed=seed, resume=True)
+      'loop.seed': seed, 'loop.keep_checkpoints': keep_checkpoints,
+      'output.root_output_dir': directory,
+      'output.experiment_name': (
+          'fl_more' if one else f'groupfl_{grouping}') + (
+              f'_{server_state}' if server_state != 'fresh' else '') + (
+                  f'_glr{group_server_lr:g}' if group_server_lr else ''),
+      **{f'algorithm_options.{k}': v for k, v in {
+          'fl_rounds': cfg['rounds'],
+          'fl_clients_per_round': cfg['clients_per_round'],
+          'grouping': grouping, **stage_options}.items()}}).config()
 
 
 def _train(task, config, log_fn) -> runs.Run:
@@ -631,15 +644,14 @@ def _fl_curve_config(cfg, seed, directory) -> experiment.ExperimentConfig:
   `eval_every` rounds; it keeps a checkpoint every `2 * eval_every` rounds
   (`_fl_curves` reads them)."""
   p = cfg['plateau']
-  return experiment.ExperimentConfig(
-      algorithm='global', rounds=p['max_rounds'],
-      clients_per_round=cfg['clients_per_round'], root_output_dir=directory,
-      experiment_name='fl_curve', client_optimizer='sgd',
-      client_learning_rate=cfg['client_lr'], server_optimizer='adam',
-      server_learning_rate=cfg['server_lr'], eval_every=p['eval_every'],
-      checkpoint_every=2 * p['eval_every'],
-      keep_checkpoints=max(3, p['max_rounds'] // (2 * p['eval_every'])),
-      seed=seed, resume=True)
+  return base_spec(cfg).override({
+      'loop.rounds': p['max_rounds'], 'loop.seed': seed,
+      'loop.checkpoint_every': 2 * p['eval_every'],
+      'loop.keep_checkpoints': max(3, p['max_rounds'] //
+                                   (2 * p['eval_every'])),
+      'evaluation.every': p['eval_every'],
+      'output.root_output_dir': directory,
+      'output.experiment_name': 'fl_curve'}).config()
 
 
 def _train_fl_curve(task, config, validation, log_fn) -> runs.Run:

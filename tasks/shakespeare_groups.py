@@ -343,7 +343,8 @@ def shakespeare_groups_task(data_dir: Optional[str] = None, *,
                             vocab_size: int = 2000, seq_len: int = 16,
                             embedding_dim: int = 32, lstm_units: int = 64,
                             lstm_layers: int = 1, batch_size: int = 8,
-                            local_epochs: int = 1, max_clients: int = 0,
+                            local_epochs: int = 1,
+                            max_clients: Optional[int] = 0,
                             seed: int = 0) -> ShakespeareGroupsTask:
   """Loads the speeches under `data_dir` and builds the task (`build_task`).
 

@@ -190,7 +190,7 @@ def test_every_method_has_the_same_budget_and_dp():
   for method in fedembed.METHODS:
     cell = reporting.Cell('fedembed', method,
                           {'population': 'balanced', 'dp': 'gaussian_fixed'}, 0)
-    configs.add(fedembed.dp_config(cell, _flags(), 9000))
+    configs.add(fedembed.experiment_config(cell, _flags(), 'out', 9000).dp)
   assert len(configs) == 1
   (dp,) = configs
   d = defaults.defaults_for('mnist_preference', 'fedembed_prototype',
