@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tasks import mnist_io
 from tasks import registry as task_registry
+from tff_personal import atomic_io
 from tff_personal import experiment
 from tff_personal import run_evaluation as run_evaluation_lib
 from tff_personal import run_lock
@@ -44,6 +45,13 @@ def define_flags():
   """Defines every flag of the experiment binaries (idempotent per process)."""
   if 'task' in flags.FLAGS:
     return
+  flags.DEFINE_string(
+      'spec', None,
+      'A run stated as a run_spec.RunSpec JSON file (RunSpec.to_dict, e.g. '
+      'runs.Run.open(directory).spec.to_dict()): it sets the task, the '
+      'algorithm, their options and every run setting, so those flags may '
+      'not be given beside it (--data_dir, --data_seed, --use_gpu, '
+      '--workers and the thread flags may).')
   # Task.
   flags.DEFINE_string('task', 'mnist_preference',
                       f'The federated task: one of {task_registry.TASKS} '
@@ -283,14 +291,69 @@ def _check_finite(f) -> None:
       options_lib.check_int_range(f'--{name}', value)
 
 
+# A run spec's settings -> the flags that give them (binaries.train's),
+# beside `run_spec.CONFIG_FIELDS` whose config fields are flags of the same
+# name where a flag exists.
+_SPEC_FLAGS = {('privacy', 'mechanism'): 'dp',
+               **{('privacy', f): f for f in (
+                   'noise_multiplier', 'target_epsilon', 'clip_norm',
+                   'target_delta')}}
+
+
+def _flags_from_spec(f) -> None:
+  """Sets the run's flags from `--spec` (a `run_spec.RunSpec` JSON file).
+
+  Raises:
+    ValueError: the file is unreadable or not a valid spec (naming it), a
+      run flag is given beside it, or the spec sets what no flag can give.
+  """
+  spec = run_spec.RunSpec.from_dict(atomic_io.read_json(f.spec))
+  values = {'task': spec.task, 'algorithm': spec.algorithm}
+  for (section, field), config_field in {
+      **run_spec.CONFIG_FIELDS, **_SPEC_FLAGS}.items():
+    value = getattr(getattr(spec, section), field)
+    if config_field in f:
+      values[config_field] = (list(value) if isinstance(value, tuple)
+                              else value)
+    elif value != getattr(run_spec.SECTIONS[section](), field):
+      raise ValueError(
+          f'--spec={f.spec}: {section}.{field}={value!r} has no flag of '
+          'binaries.train; run the spec from Python: '
+          'runs.run_experiment(task, spec.resolve(task))')
+  extra = run_spec.Privacy().target_unclipped_quantile
+  if spec.privacy.target_unclipped_quantile != extra:
+    raise ValueError(f'--spec={f.spec}: privacy.target_unclipped_quantile '
+                     'has no flag of binaries.train')
+  task_options = dict(spec.task_options)
+  for name in _TASK_FLAGS:  # The task settings that are flags of their own.
+    if name in task_options:
+      values[name] = task_options.pop(name)
+  for key, options in (('task_options', task_options),
+                       ('algorithm_options', spec.algorithm_options)):
+    for name, value in options.items():
+      if ',' in str(value):
+        raise ValueError(f'--spec={f.spec}: {key}.{name}={value!r} holds a '
+                         'comma, which a list flag cannot carry')
+    values[key] = [f'{k}={v!r}' for k, v in options.items()]
+  given = sorted(name for name in values if not f[name].using_default_value)
+  if given:
+    raise ValueError(f'--spec={f.spec} states the run; ' + ', '.join(
+        f'--{n}' for n in given) + ' given beside it: change them in the '
+        'spec, or give the run as flags alone')
+  for name, value in values.items():
+    setattr(f, name, value)
+
+
 def configs_from_flags(f):
   """Builds the experiment config and task arguments; validates early.
 
   Flags not given take the (task, algorithm) reproduction defaults of
   `tff_personal/algorithms/defaults.py` first, so that
   `--task=mnist_preference --algorithm=fedembed_prototype` alone runs the
-  paper's cell.
+  paper's cell. `--spec` sets the flags from a run spec first.
   """
+  if f['spec'].value:
+    _flags_from_spec(f)
   for flag, registry in (('algorithm', algorithm_registry),
                          ('task', task_registry)):
     try:  # An unknown name, or an outside one that does not load.

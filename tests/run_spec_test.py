@@ -3,6 +3,7 @@ the binary's flags that say the same thing are the same run (same recorded
 config, same digest), and overrides are checked by name and type."""
 
 import dataclasses
+import json
 
 from absl import flags
 from absl.testing import flagsaver
@@ -133,3 +134,38 @@ def test_override_changes_only_what_it_names():
   # A new algorithm keeps options only when they are its own.
   with pytest.raises(ValueError, match="global has no option 'lam'"):
     base.override({'algorithm_options.lam': 1.0, 'algorithm': 'global'})
+
+
+def test_the_binary_runs_a_spec_file_as_stated(tmp_path):
+  """`--spec=FILE` gives the spec's own config and task arguments; a run
+  flag beside it, or a file that is not a spec, is an error naming it."""
+  if not FLAGS.is_parsed():
+    FLAGS(['test'])
+  spec = run_spec.RunSpec(
+      task='label_skew_mnist', algorithm='ditto',
+      task_options={'alpha': 0.1, 'num_clients': 20},
+      algorithm_options={'lam': 0.5},
+      loop=run_spec.Loop(rounds=3, clients_per_round=4, seed=2),
+      privacy=run_spec.Privacy(mechanism='gaussian_fixed',
+                               noise_multiplier=0.8, clip_norm=0.3),
+      evaluation=run_spec.Evaluation(strategies=('ft=fine_tune(epochs=2)',)),
+      output=run_spec.Output(str(tmp_path), 'from_spec'))
+  path = tmp_path / 'spec.json'
+  path.write_text(json.dumps(spec.to_dict()))
+  with flagsaver.flagsaver(spec=str(path), data_dir='/data'):
+    config, task_kwargs = common.configs_from_flags(FLAGS)
+  assert config == spec.config()
+  assert task_kwargs == {'data_dir': '/data', 'seed': 2, 'alpha': 0.1,
+                         'num_clients': 20}
+  with flagsaver.flagsaver(spec=str(path), rounds=5):
+    with pytest.raises(ValueError, match='--rounds given beside it'):
+      common.configs_from_flags(FLAGS)
+  path.write_text('{"task": "label_skew_mnist", "algorithm": "ditto", '
+                  '"loop": {"roundz": 3}}')
+  with flagsaver.flagsaver(spec=str(path)):
+    with pytest.raises(ValueError, match="loop has no field 'roundz'"):
+      common.configs_from_flags(FLAGS)
+  path.write_text('{"task": ')
+  with flagsaver.flagsaver(spec=str(path)):
+    with pytest.raises(ValueError, match=f'{path} is not valid JSON'):
+      common.configs_from_flags(FLAGS)

@@ -10,6 +10,7 @@ tests/stages_test.py and tests/group_stage_test.py, on their DP runs.
 import contextlib
 import dataclasses
 import io
+import json
 import textwrap
 
 from absl import flags
@@ -23,8 +24,11 @@ from tasks import registry as task_registry
 from tasks import tv_shows_task
 from tests import fedperc_testdata
 from tff_personal import experiment
+from tff_personal import run_records
+from tff_personal import run_spec
 from tff_personal import runs
 from tff_personal.core import privacy
+from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
 FLAGS = flags.FLAGS
@@ -64,6 +68,15 @@ def test_split_model_dp_run_reopens_from_its_directory_alone(
   # A process of its own: the task is rebuilt from run_config.json.
   run = runs.Run.open(config.experiment_dir)
   assert run.finished and run.digest == trained.digest
+  # The run as a typed spec, through JSON: it resolves to this run.
+  spec = run_spec.RunSpec.from_dict(json.loads(json.dumps(
+      run.spec.to_dict())))
+  assert spec == run.spec and spec.task_options == _TINY_MNIST
+  resolved = spec.resolve(task)
+  assert runs.digest(run_records.run_record(
+      resolved.config, resolved.dp, None,
+      task_lib.build_record(task))) == run.digest
+  assert spec.override({'loop.seed': 1}).config().seed == 1
   assert run.task.population == task.population
   assert run.privacy_report()['epsilon'] == pytest.approx(
       trained['privacy']['epsilon'])

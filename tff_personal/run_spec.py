@@ -295,6 +295,37 @@ class RunSpec:
     """Checked against `task` and DP decided, once (`experiment.resolve`)."""
     return experiment.resolve(task, self.config())
 
+  def to_dict(self) -> dict[str, Any]:
+    """The spec as JSON-able values, one key per section (`from_dict`
+    reads it back)."""
+    out = {'task': self.task, 'algorithm': self.algorithm,
+           'task_options': dict(self.task_options),
+           'algorithm_options': dict(self.algorithm_options)}
+    for name in SECTIONS:
+      section = dataclasses.asdict(getattr(self, name))
+      out[name] = {k: list(v) if isinstance(v, tuple) else v
+                   for k, v in section.items()}
+    return out
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> 'RunSpec':
+    """The spec `to_dict` wrote (a JSON file's, say); sections and fields
+    left out take their defaults, unknown ones are an error naming them."""
+    unknown = set(values) - set(SECTIONS) - {
+        'task', 'algorithm', 'task_options', 'algorithm_options'}
+    if unknown:
+      raise ValueError(f'not run spec keys: {sorted(unknown)}; the keys: '
+                       'task, algorithm, task_options, algorithm_options, '
+                       + ', '.join(SECTIONS))
+    missing = {'task', 'algorithm'} - set(values)
+    if missing:
+      raise ValueError(f'a run spec needs {sorted(missing)}')
+    base = cls(task=values['task'], algorithm=values['algorithm'],
+               task_options=values.get('task_options') or {},
+               algorithm_options=values.get('algorithm_options') or {})
+    return base.override({f'{name}.{k}': v for name in SECTIONS
+                          for k, v in (values.get(name) or {}).items()})
+
   @classmethod
   def from_config(cls, config: experiment.ExperimentConfig, task: str,
                   task_options: Optional[Mapping[str, Any]] = None

@@ -43,6 +43,7 @@ from tff_personal import experiment
 from tff_personal import run_evaluation
 from tff_personal import run_privacy
 from tff_personal import run_records
+from tff_personal import run_spec
 from tff_personal import strategies as strategies_lib
 from tff_personal import training
 from tff_personal.core import privacy
@@ -244,6 +245,16 @@ class Run(collections.abc.Mapping):
   def digest(self) -> str:
     """The run's identity (`digest`)."""
     return digest(self._record)
+
+  @property
+  def spec(self) -> run_spec.RunSpec:
+    """The run as a typed spec: its recorded config (DP as resolved) on
+    its task's name and build options; `run.spec.override({...})` states a
+    variant of it. Its `resolve(task)` records this run's digest."""
+    built = self._record.get('task') or {}
+    options = {k: v for k, v in (built.get('arguments') or {}).items()
+               if k not in task_registry.RUN_ARGUMENTS}
+    return run_spec.RunSpec.from_config(self._config, self.task_name, options)
 
   @property
   def task_name(self) -> str:
