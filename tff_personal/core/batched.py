@@ -385,7 +385,8 @@ def train_steps(shard: Any, optimizer: tff.learning.optimizers.Optimizer,
                 decode: Callable[[Any], Any] | None = None,
                 accumulate: Callable[..., Any] | None = None,
                 sums: Any = (),
-                penalty: Callable[[tuple], tf.Tensor] | None = None):
+                penalty: Callable[[tuple], tf.Tensor] | None = None,
+                active_only: bool = False):
   """The masked local steps of a shard's users, trained together.
 
   The loop every batched trainer shares (`batched_local_train` and the
@@ -412,6 +413,13 @@ def train_steps(shard: Any, optimizer: tff.learning.optimizers.Optimizer,
     sums: `accumulate`'s initial sums.
     penalty: optional `weights -> [users]`, a regularizer added to each
       user's loss for its gradient (a proximal term), not to its loss sum.
+    active_only: a step where some users are done computes only the
+      others: their weights, optimizer slots and batches are gathered,
+      stepped and scattered back, so padded steps cost nothing (users of
+      1 to 15 batches in one group). Needs `user_loss`, `accumulate` and
+      `penalty` to read the users only through their arguments (their
+      leading axis is then the active users), as `batched_local_train`'s
+      do; without it every user is computed and the done ones masked.
 
   Returns:
     (final stacked weights, loss sums [users] (a batch's loss times its
@@ -430,12 +438,16 @@ def train_steps(shard: Any, optimizer: tff.learning.optimizers.Optimizer,
   opt_state = tf.nest.map_structure(
       lambda t: stack_users(t, num_users) if _rank(t) else t, opt_state)
 
-  def step(s, weights, opt_state, loss_sum, sums):
-    active = s < num_batches
-    idx = indices[:, s]
+  def users_step(s, users, weights, opt_state, sums):
+    """One step of the users `users` (None: all), on their rows of
+    `weights` and `opt_state`: (new weights, new state, loss, batch
+    sizes, sums)."""
+    pick = (lambda t: t) if users is None else (
+        lambda t: tf.gather(t, users))
+    idx = pick(indices[:, s])
     batch = decode(tf.nest.map_structure(
-        lambda t: flat(tf.gather(t, idx, batch_dims=1)), examples))
-    size = tf.where(active, sizes[:, s], 0)
+        lambda t: flat(tf.gather(pick(t), idx, batch_dims=1)), examples))
+    size = tf.where(pick(s < num_batches), pick(sizes[:, s]), 0)
     real = tf.cast(tf.range(width)[None, :] < size[:, None], tf.float32)
     with tf.GradientTape() as tape:
       tape.watch(weights)
@@ -445,16 +457,45 @@ def train_steps(shard: Any, optimizer: tff.learning.optimizers.Optimizer,
         total += tf.reduce_sum(penalty(weights))
     grads = tape.gradient(total, weights)
     new_state, new_weights = optimizer.next(opt_state, weights, grads)
+    if accumulate is not None:
+      sums = accumulate(sums, batch, aux, real)
+    return tuple(new_weights), new_state, loss, size, sums
+
+  def masked(s, weights, opt_state, loss_sum, sums):
+    active = s < num_batches
+    new_weights, new_state, loss, size, sums = users_step(
+        s, None, weights, opt_state, sums)
     # A step where every user is active (equal users, the common case)
     # skips the selects, a pass over every stacked tensor each.
     new_weights, new_state = tf.cond(
-        tf.reduce_all(active), lambda: (tuple(new_weights), new_state),
-        lambda: (mask_state(tuple(new_weights), weights, active),
+        tf.reduce_all(active), lambda: (new_weights, new_state),
+        lambda: (mask_state(new_weights, weights, active),
                  mask_state(new_state, opt_state, active)))
     loss_sum += tf.where(active, loss * tf.cast(size, tf.float32), 0.0)
-    if accumulate is not None:
-      sums = accumulate(sums, batch, aux, real)
-    return s + 1, new_weights, new_state, loss_sum, sums
+    return new_weights, new_state, loss_sum, sums
+
+  def gathered(s, weights, opt_state, loss_sum, sums):
+    users = tf.where(s < num_batches)[:, 0]
+    at = users[:, None]
+    rows = lambda t: tf.gather(t, users) if _rank(t) else t
+    new_weights, new_state, loss, size, sums = users_step(
+        s, users, tuple(rows(w) for w in weights),
+        tf.nest.map_structure(rows, opt_state), sums)
+    back = lambda old, new: (tf.tensor_scatter_nd_update(old, at, new)
+                             if _rank(old) else new)
+    return (tuple(back(o, n) for o, n in zip(weights, new_weights)),
+            tf.nest.map_structure(back, opt_state, new_state),
+            tf.tensor_scatter_nd_add(
+                loss_sum, at, loss * tf.cast(size, tf.float32)), sums)
+
+  def step(s, weights, opt_state, loss_sum, sums):
+    if active_only:
+      out = tf.cond(tf.reduce_all(s < num_batches),
+                    lambda: masked(s, weights, opt_state, loss_sum, sums),
+                    lambda: gathered(s, weights, opt_state, loss_sum, sums))
+    else:
+      out = masked(s, weights, opt_state, loss_sum, sums)
+    return (s + 1,) + tuple(out)
 
   max_steps = tf.reduce_max(tf.concat([num_batches, [0]], 0))
   # One step at a time: a step may read model variables (a frozen
@@ -518,8 +559,9 @@ def batched_local_train(batched: BatchedModel,
   weights = tuple(stacked) if stacked is not None else tuple(
       stack_users(w, num_users) for w in initial_weights)
   flat = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
-  unflat = lambda t: tf.reshape(t, tf.concat([[num_users, width],
-                                              tf.shape(t)[1:]], 0))
+  # The users of a step (all, or the active ones): the rows of `real`.
+  unflat = lambda t, real: tf.reshape(t, tf.concat(
+      [[tf.shape(real)[0], width], tf.shape(t)[1:]], 0))
 
   def per_example_loss(batch, outputs):
     return tf.vectorized_map(
@@ -529,14 +571,15 @@ def batched_local_train(batched: BatchedModel,
 
   def user_loss(weights, batch, real, step):
     del step  # The model's loss does not read it.
-    outputs = batched.apply(weights, unflat(batch['x']))
+    users = tf.shape(real)[0]
+    outputs = batched.apply(weights, unflat(batch['x'], real))
     if model.loss_terms_fn is not None:
       terms = tf.reshape(model.loss_terms_fn(batch, flat(outputs)),
-                         [num_users, -1, 2])
+                         [users, -1, 2])
       numerators, denominators = terms[..., 0], terms[..., 1]
     else:
       numerators = tf.reshape(per_example_loss(batch, flat(outputs)),
-                              [num_users, -1])
+                              [users, -1])
       denominators = tf.ones_like(numerators)
     return tf.reduce_sum(numerators * real, 1) / tf.maximum(
         tf.reduce_sum(denominators * real, 1), 1.0), outputs
@@ -544,7 +587,8 @@ def batched_local_train(batched: BatchedModel,
   def proximal_term(weights):
     lam, anchors = proximal
     return 0.5 * lam * tf.add_n([
-        tf.reduce_sum(tf.reshape(tf.square(w - a[None]), [num_users, -1]), 1)
+        tf.reduce_sum(tf.reshape(tf.square(w - a[None]),
+                                 [tf.shape(w)[0], -1]), 1)
         for w, a in zip(weights, anchors)])
 
   def predictions(batch):  # One user's, for the metrics' structure.
@@ -558,7 +602,7 @@ def batched_local_train(batched: BatchedModel,
       shard, optimizer, weights + tuple(private), user_loss, decode,
       metric_accumulator(metrics_fn, lambda o: model.predict(flat(o))),
       metric_zeros(metrics_fn, shard, decode, predictions),
-      proximal_term if proximal is not None else None)
+      proximal_term if proximal is not None else None, active_only=True)
   final, final_private = tuple(final[:num_shared]), tuple(
       final[num_shared:])
   updates = tuple(w - f for f, w in zip(final, weights))
