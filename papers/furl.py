@@ -155,7 +155,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
     metrics = _run_server(task, cell, flag_values, out_dir,
                           dim if cell.method == 'personalized_server' else 0)
   else:
-    metrics = _run_fl(task, cell, flag_values, out_dir, dim)
+    metrics = _run_fl(task, cell, flag_values, out_dir)
   make_figures(reporting.root_of(out_dir), task)
   return metrics
 
@@ -232,8 +232,7 @@ def fl_spec(cell: reporting.Cell, f, out_dir: str, population: int
       output=run_spec.Output(experiment_name='fl')).override(changes)
 
 
-def _run_fl(task, cell, f, out_dir, dim) -> dict:
-  del dim  # The cell's, in `fl_spec`.
+def _run_fl(task, cell, f, out_dir) -> dict:
   rounds_per_epoch = math.ceil(task.population / 10)
   config = fl_spec(cell, f, out_dir, task.population).config()
   with runtime.local_runtime(

@@ -112,6 +112,19 @@ def _close(a, b, what):
                                atol=5e-5, err_msg=f'{what}: leaf {i}')
 
 
+def _check_same_rounds(got, want, what):
+  """Two forms' `_run` results agree: server weights, every client's
+  state, the last round's training metrics (`_close`)."""
+  (got_state, got_clients, got_metrics), (
+      want_state, want_clients, want_metrics) = got, want
+  _close(got_state.global_model_weights, want_state.global_model_weights,
+         f'{what} server weights')
+  for u, (g, w) in enumerate(zip(got_clients, want_clients)):
+    _close(g, w, f'{what} client {u}')
+  assert got_metrics['train'].keys() == want_metrics['train'].keys(), what
+  _close(got_metrics['train'], want_metrics['train'], f'{what} metrics')
+
+
 def _check_new_clients(name, proc, tmp_path):
   """A new client's state is the declared one; evaluation takes the state
   type the process declares."""
@@ -266,15 +279,9 @@ def test_sharded_equals_one_user_per_client_new_clients_and_reruns(
   # The sharded form of the same process: it traces its own shard loop
   # over its own model, and shares no variable with `base`'s rounds.
   in_shards = sharded.ShardedProcess(base, 2)
-  got_state, got_clients, got_metrics = _run(in_shards, init, sizes,
-                                             data_fn=data_fn)
-  _close(got_state.global_model_weights, want_state.global_model_weights,
-         f'{name} server weights')
-  for u, (got, want) in enumerate(zip(got_clients, want_clients)):
-    _close(got, want, f'{name} client {u}')
-  # The last round's training metrics: shard sums, then their sum.
-  assert got_metrics['train'].keys() == want_metrics['train'].keys(), name
-  _close(got_metrics['train'], want_metrics['train'], f'{name} metrics')
+  # The last round's training metrics are shard sums, then their sum.
+  _check_same_rounds(_run(in_shards, init, sizes, data_fn=data_fn),
+                     (want_state, want_clients, want_metrics), name)
   # Each user's steps load and assign the shard's one model, so no graph
   # loop over them may run iterations at once (a read-only pass over the
   # model then overlapped the next user's assignment: PFedKM's rounds
@@ -308,16 +315,8 @@ def _check_batched_form(name, base, init, sizes, data_fn, want):
     return
   assert declared, (f'{name} runs batched: declare it '
                     '(AlgorithmSpec.batched) so --list says so')
-  want_state, want_clients, want_metrics = want
-  got_state, got_clients, got_metrics = _run(batched, init, sizes,
-                                             data_fn=data_fn)
-  _close(got_state.global_model_weights, want_state.global_model_weights,
-         f'{name} batched server weights')
-  for u, (got, w) in enumerate(zip(got_clients, want_clients)):
-    _close(got, w, f'{name} batched client {u}')
-  assert got_metrics['train'].keys() == want_metrics['train'].keys(), name
-  _close(got_metrics['train'], want_metrics['train'],
-         f'{name} batched metrics')
+  _check_same_rounds(_run(batched, init, sizes, data_fn=data_fn), want,
+                     f'{name} batched')
 
 
 def test_staged_algorithms_declare_which_run_batched():
