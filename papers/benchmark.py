@@ -26,8 +26,6 @@ from __future__ import annotations
 import os
 import time
 
-from absl import flags
-
 from tasks import registry as task_registry
 from tff_personal import reporting
 from tff_personal import run_spec
@@ -92,18 +90,15 @@ TABLES = _tables()
 
 
 def define_flags():
-  def define(kind, name, default, help_text):
-    if name not in flags.FLAGS:
-      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
-  define('integer', 'benchmark_rounds', 30, 'Benchmark: rounds per cell.')
-  define('integer', 'benchmark_clients_per_round', 10,
-         'Benchmark: clients per round.')
-  define('integer', 'benchmark_eval_clients', 100,
-         'Benchmark: clients evaluated (drawn by the seed; 0: all).')
-  define('float', 'benchmark_target_epsilon', 8.0,
-         'Benchmark: epsilon of the DP cells (delta: the library default).')
-  define('float', 'benchmark_clip_norm', 0.5,
-         'Benchmark: DP clip of a client update.')
+  reporting.define_flags(
+      ('integer', 'benchmark_rounds', 30, 'Benchmark: rounds per cell.'),
+      ('integer', 'benchmark_clients_per_round', 10, 'Benchmark: cohort size.'),
+      ('integer', 'benchmark_eval_clients', 100,
+       'Benchmark: clients evaluated (drawn by the seed; 0: all).'),
+      ('float', 'benchmark_target_epsilon', 8.0,
+       'Benchmark: epsilon of the DP cells (delta: the library default).'),
+      ('float', 'benchmark_clip_norm', 0.5,
+       'Benchmark: DP clip of a client update.'))
 
 
 def cells(table: str, flag_values) -> list[reporting.Cell]:

@@ -1,108 +1,24 @@
-"""FedEmbed (Silva et al.) Tables 2 to 5, Figures 3 and 4, on this project.
+"""FedEmbed (Silva et al.): Tables 2 to 5 and Figures 3 to 5, on this project.
 
-Tables (method rows, the paper's numbers next to ours):
-
-* `2`: MNIST preferences (`mnist_preference`), every method of the paper's
-  Table 1 x population {balanced, imbalanced} x DP {none, gaussian_fixed}:
-  mean F1 over the 10 sub-populations.
-* `4`: the imbalanced MNIST runs of Table 2 broken down by the prevalence of
-  a sub-population (25%, 15%, 10%, 5%): one table per prevalence, `4` (the
-  5% sub-populations, the paper's point) and `4_25`, `4_15`, `4_10`; the four
-  side by side are written to `tables/fedembed/4_by_prevalence.md` after
-  every cell. The cells are the same as Table 2's (a cell's identity is
-  paper, method, setting and seed), so running either table fills both.
-* `3`, `5` (and `5_20`, `5_8`): the same for the speech task
-  (`speech_preference`, 20 voices; prevalences 20%, 8%, 4%). Its cells have
-  `task` in their setting. Table 3 has an extra row `local_spectrum` (ours,
-  no federation: `_run_local`).
-* `3_public`: Table 3 with the speech encoder pre-trained on public
-  speakers and frozen (our addition, not the paper's: see
-  `tff_personal/models/speech_encoder_pretraining.py`); its cells have
-  `encoder='public'` in their setting and need
-  `--fedembed_speech_encoder=<weights .npz>` from
-  `binaries.pretrain_speech_encoder`. The paper's Table 3 numbers are shown
-  for reference. A cell is keyed by `encoder='public'`, not by the file: each
-  records the file's path and its public speaker accuracy in its metrics, and
-  a re-trained encoder needs a new `--root_output_dir` (or its cells removed
-  from results.jsonl) to be run again. FedRep is left out (see
-  `PUBLIC_ENCODER_METHODS`). Its extra row `local` (ours, no federation:
-  `_run_local`) is every user's own logistic-regression head on the frozen
-  encoder's features of its 20 training samples
-  (`tff_personal/models/local_head.py`): nothing is shared, so it costs no
-  privacy and its DP columns equal its no-DP ones; it runs without TFF.
-* `3_spectral`, `3_spectrum`: Table 3 trained from scratch on smaller
-  encoders (our variants, no public data): `encoder='spectral'` (a fixed
-  mean-loud-spectrum front end and one trained Dense layer of 64) and
-  `encoder='spectrum'` (the standardised spectrum itself, no encoder weights;
-  FedRep left out, its shared part would be empty); see
-  `models/fedembed_speech.build_spectral_encoder`. Each has the
-  `local_spectrum` row.
-* Every Table 3 form (and its `_macro` form) has the extra row
-  `pfedme_restart` (ours): pFedMe whose personal head restarts from the
-  global head every round, as its authors' code runs it (`pfedme` keeps it;
-  see `tff_personal/algorithms/pfedme.py`).
-* `2_macro`, `3_macro`, `3_public_macro`, `3_spectral_macro`,
-  `3_spectrum_macro`: the same cells, each user's F1
-  averaged over both labels (metric `f1_macro`; see `_MACRO_NOTES`); cells
-  recorded before the metric existed show as not run.
-* `fig4`: FedEmbed-Type with and without the k-way type head (balanced, no
-  DP), whose personal embeddings make Figure 4.
-* `2_heads`, `3_heads` (and `_macro`): the methods with a personal head
-  (FedRep, pFedMe, FedEmbed-Personal; `pfedme_restart` on speech) with DP as
-  we read the paper's Algorithm 1: besides the shared update, each local
-  pass's change of a personal head is clipped and noised (setting
-  `dp='gaussian_heads'`; `tff_personal/core/private_noise.py`), next to the
-  paper's Gaussian columns. The other methods have no personal head to noise
-  and are the Gaussian cells of Tables 2 and 3.
-
-A cell's setting is `{'population', 'dp'}` (MNIST) or `{'task',
-'population', 'dp'}` (speech); its metrics are `f1` (mean over
-sub-populations of the mean per-user F1 of "like"), `f1_group_<k>` for
-every sub-population k, `f1_prev_<p>` (mean of the sub-populations of
-prevalence p%), `f1_macro` and `f1_macro_prev_<p>` (the same with each
-user's F1 averaged over "like" and "dislike"), `accuracy`, `auc`, and for
-DP cells the exact `epsilon`, `delta`, `noise_multiplier` and `clip_norm`,
-plus the run's size and speed.
-
-Settings of a cell: the per-(task, algorithm) defaults of
-`tff_personal/algorithms/defaults.py`, which `binaries.train` uses too, so
-`python -m binaries.train --task=mnist_preference --algorithm=<method>` runs
-the balanced no-DP cell for seed 0; `--rounds`, `--clients_per_round`,
-`--num_users` and the `fedembed_*` flags override them for every method alike.
-
-Evaluation (our reading; the paper does not say how users are tested): on
-`eval_clients` users drawn by seed (500 of 9,000 by default), each user
-first runs one local pass over its own training data that trains its private
-variables only (shared model frozen; for FedEmbed its personal embedding, for
-personal-head methods its head), starting from its stored state, then is
-tested on its 10 test samples. With 9,000 users and a 10-minute cell most
-users never take part in training (1 - (1 - 50/9000)^40 = 20% of them do at
-40 rounds of 50), so without that step their F1 would measure the random initial embedding, not
-the method; every method gets the same step.
-
-DP (the paper does not state its parameters): user-level `gaussian_fixed`
-on the whole shared update (every head, used or not), clip
-`--fedembed_clip_norm`, noise calibrated so that the cell's rounds cost
-epsilon <= `--fedembed_target_epsilon` (10) at the library's delta,
-`privacy.default_target_delta(population)` = min(1e-5, population^-1.1),
-RDP accounting of fixed-size sampling without replacement (replace-one).
-The same setting for every method.
-
-Methods not registered in `tff_personal/algorithms/registry.py` are listed
-and skipped with a message (their rows stay empty).
+`python -m binaries.reproduce --paper=fedembed --table=2` runs a table's
+cells (method x setting x seed) and writes it next to the paper's numbers
+(`TABLES`). Every federated cell is one run of a registered algorithm under
+its (task, method) defaults (`tff_personal/algorithms/defaults.py`, which
+`binaries.train` uses too) and the paper's flags; the `local` rows are
+every user's own logistic regression (`_run_local`). docs/papers/fedembed.md
+says what each table, setting and metric is, how users are evaluated and
+which DP is run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import logging
 import os
 import time
 from typing import Any, Optional
 
-from absl import flags
 import numpy as np
 
 from tasks import registry as task_registry
@@ -111,6 +27,7 @@ from tff_personal import atomic_io
 from tff_personal import curve_bands
 from tff_personal import embedding_purity
 from tff_personal import experiment
+from tff_personal import figures
 from tff_personal import reporting
 from tff_personal import run_spec
 from tff_personal import run_evaluation
@@ -459,34 +376,26 @@ OPERATIONAL_FLAGS = ('fedembed_eval_every', 'fedembed_curve_points',
 
 
 def define_flags():
-  def define(kind, name, default, help_text):
-    if name not in flags.FLAGS:
-      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
-  define('float', 'fedembed_target_epsilon', algorithm_defaults.TARGET_EPSILON,
-         'FedEmbed: epsilon of the DP cells (delta = min(1e-5, '
-         'population^-1.1)).')
-  define('float', 'fedembed_clip_norm', None,
-         'FedEmbed: L2 clip of a client\'s whole shared update (DP cells; '
-         'None: tff_personal/algorithms/defaults.py).')
-  define('integer', 'fedembed_local_epochs', None,
-         'FedEmbed: local epochs (None: the per-algorithm default).')
-  define('integer', 'fedembed_eval_clients', None,
-         'FedEmbed: users evaluated (None: the per-algorithm default).')
-  define('string', 'fedembed_speech_encoder', None,
-         'FedEmbed: the pre-trained speech encoder (.npz of '
-         'binaries.pretrain_speech_encoder) of the `encoder=public` cells '
-         '(table 3_public).')
-  define('integer', 'fedembed_eval_every', None,
-         'FedEmbed: rounds between evaluations for the learning curves '
-         '(None: --fedembed_curve_points).')
-  define('integer', 'fedembed_curve_eval_clients', None,
-         'FedEmbed: users tested at the learning curves\' evaluations before '
-         'the last round (a seeded subset of the evaluated users; None: '
-         'all). The last evaluation, the table\'s, tests all.')
-  define('integer', 'fedembed_curve_points', 10,
-         'FedEmbed: evaluations per run for the learning curves when '
-         '--fedembed_eval_every is not set (every rounds // N rounds; 0: '
-         'the per-algorithm default).')
+  reporting.define_flags(
+      ('float', 'fedembed_target_epsilon', algorithm_defaults.TARGET_EPSILON,
+       'FedEmbed: epsilon of the DP cells (delta: min(1e-5, n^-1.1)).'),
+      ('float', 'fedembed_clip_norm', None,
+       "FedEmbed: L2 clip of a client's shared update (None: the default)."),
+      ('integer', 'fedembed_local_epochs', None,
+       'FedEmbed: local epochs (None: the per-algorithm default).'),
+      ('integer', 'fedembed_eval_clients', None,
+       'FedEmbed: users evaluated (None: the per-algorithm default).'),
+      ('string', 'fedembed_speech_encoder', None,
+       'FedEmbed: the pre-trained speech encoder (.npz of '
+       'binaries.pretrain_speech_encoder) of the encoder=public cells.'),
+      ('integer', 'fedembed_eval_every', None,
+       'FedEmbed: rounds between evaluations (None: --fedembed_curve_points).'),
+      ('integer', 'fedembed_curve_eval_clients', None,
+       'FedEmbed: users tested at the evaluations before the last (a seeded '
+       'subset; None: all).'),
+      ('integer', 'fedembed_curve_points', 10,
+       'FedEmbed: evaluations per run when --fedembed_eval_every is unset '
+       '(0: the per-algorithm default).'))
 
 
 def _flag(flag_values, name, default=None):
@@ -749,10 +658,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                        {'round': [int(r['round']) for r in curve],
                         'f1': [float(r['f1']) for r in curve]})
   root = reporting.root_of(out_dir, required=False)
-  if root:  # this cell's record is appended after run_cell returns
-    write_extra_tables(root, extra_records=[{
-        'paper': cell.paper, 'method': cell.method, 'setting': cell.setting,
-        'seed': cell.seed, 'metrics': metrics}])
+  if root:
     make_figures(root)
   return metrics
 
@@ -830,11 +736,6 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
     metrics.update(
         encoder_weights=os.path.abspath(encoder_path),
         encoder_public_accuracy=(meta.get('val_accuracy') or [None])[-1])
-  root = reporting.root_of(out_dir, required=False)
-  if root:
-    write_extra_tables(root, extra_records=[{
-        'paper': cell.paper, 'method': cell.method, 'setting': cell.setting,
-        'seed': cell.seed, 'metrics': metrics}])
   return metrics
 
 
@@ -896,8 +797,7 @@ def _save_analysis(task, cell, exp_dir: str, out_dir: str,
 def render_by_prevalence(results: reporting.Results, prefix: str) -> str:
   """Table 4 (or 5) with every prevalence side by side: ours (paper)."""
   task, prevalences = _BY_PREVALENCE[prefix]
-  records = (list(results.latest().values())
-             if isinstance(results, reporting.ResultsFile) else list(results))
+  records = reporting.latest_records(results)
   columns = _imbalanced_columns(None if task == MNIST else task)
   header = ['method'] + [f'{_DP_NAMES[c.setting["dp"]]} {p}%'
                          for c in columns for p in prevalences]
@@ -919,274 +819,120 @@ def render_by_prevalence(results: reporting.Results, prefix: str) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def render_epsilons(records) -> str:
-  """The exact epsilon of every DP cell."""
-  lines = ['| method | setting | seed | epsilon | delta | noise multiplier '
-           '| clip |', '|---|---|---:|---:|---:|---:|---:|']
-  for r in sorted(records, key=lambda r: (r['method'], json.dumps(
-      r['setting'], sort_keys=True), r['seed'])):
-    m = r['metrics']
-    if r['paper'] == PAPER and 'epsilon' in m:
-      lines.append(f'| {r["method"]} | {reporting.setting_label(r["setting"])}'
-                   f' | {r["seed"]} | {m["epsilon"]:.3f} | {m["delta"]:.3g} | '
-                   f'{m["noise_multiplier"]:.4f} | {m["clip_norm"]:g} |')
-  return '\n'.join(lines) + '\n'
-
-
-# Tables in this paper's own layout, by name: records -> Markdown (written
-# next to the TABLES by `write_extra_tables`; `tools/paper_tables.py`
-# renders them into the report too).
+# This paper's own layouts (`reporting.write_extra_tables` writes them after
+# every cell; `tools/paper_tables.py` renders them into the report).
 EXTRA_TABLES = {
     **{f'{prefix}_by_prevalence':
        (lambda records, prefix=prefix: render_by_prevalence(records, prefix))
        for prefix in _BY_PREVALENCE},
-    'epsilon': render_epsilons,
+    'epsilon': lambda records: reporting.render_epsilons(records, PAPER),
 }
-
-
-def write_extra_tables(root_output_dir: str, extra_records=()) -> None:
-  """`EXTRA_TABLES` (tables 4 and 5 by prevalence, the epsilons) from the
-  results."""
-  results = reporting.ResultsFile(
-      os.path.join(root_output_dir, reporting.RESULTS_FILENAME))
-  records = {reporting.Cell.from_record(r).key(): r
-             for r in list(results.latest().values()) + list(extra_records)}
-  records = list(records.values())
-  out = os.path.join(root_output_dir, reporting.TABLES_DIRNAME, PAPER)
-  os.makedirs(out, exist_ok=True)
-  for name, render in EXTRA_TABLES.items():
-    with atomic_io.atomic_write(os.path.join(out, f'{name}.md')) as f:
-      f.write(render(records))
 
 
 # ----------------------------------------------------------------- figures
 
 
-def confusion(truth: np.ndarray, assigned: np.ndarray, k: int) -> np.ndarray:
-  """Row-normalised confusion matrix: ground truth (rows) x assigned (cols)."""
-  counts = np.zeros((k, k), np.float64)
-  np.add.at(counts, (truth, assigned), 1.0)
-  rows = counts.sum(axis=1, keepdims=True)
-  return np.divide(counts, rows, out=np.zeros_like(counts), where=rows > 0)
-
-
-def _run_dirs(root, method, pattern='population=balanced*'):
-  return sorted(glob.glob(os.path.join(
-      root, reporting.RUNS_DIRNAME, PAPER, method, pattern, 'seed_0')))
-
-
-# Run-directory pattern and label of each task's cells (MNIST cells carry no
-# task key; speech cells have `task=speech_preference` in their setting).
+# Run-directory pattern and label of each task's cells (speech cells have
+# `task=speech_preference` in their setting).
 _FIGURE_TASKS = (('', 'MNIST preferences', 'digit'),
                  (f'_task={SPEECH}', 'speaker preferences', 'voice'))
+_DP_STYLES = (('none', '-'), ('gaussian_fixed', '--'))
 
 
 def make_figures(root_output_dir: str) -> list[str]:
-  """Figures 3, 4 and 5 and F1-vs-round curves from the saved runs (PNG).
-
-  Per task with runs under `root_output_dir`: MNIST figures keep their names
-  (`fedembed_*.png`), speech figures end in `_speech` (Figure 5 is the
-  speech confusion figure, `fedembed_confusion_speech.png`).
-  """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
+  """Figures 3, 4 and 5 and F1-vs-round curves from the saved runs (PNG);
+  speech figures end in `_speech` (Figure 5 is
+  `fedembed_confusion_speech.png`)."""
   out = os.path.join(root_output_dir, reporting.TABLES_DIRNAME, PAPER)
-  os.makedirs(out, exist_ok=True)
   written = []
   for task_key, label, group_noun in _FIGURE_TASKS:
     suffix = '_speech' if task_key else ''
-    written += _curve_figure(root_output_dir, out, task_key, label, suffix)
-    written += _confusion_figure(root_output_dir, out, task_key, label,
-                                 group_noun, suffix)
-    if not task_key:
-      written += _tsne_figure(root_output_dir, out)
-  return written
+    written += [_curve_figure(root_output_dir, out, task_key, label, suffix),
+                _confusion_figure(root_output_dir, out, task_key, label,
+                                  group_noun, suffix)]
+  written.append(_tsne_figure(root_output_dir, out))
+  return [path for path in written if path]
 
 
-def _seed_curves(root, method, pattern) -> list[dict]:
-  """The `curve.json` of every seed of the cells matching `pattern`."""
-  return curve_bands.seed_curves(os.path.join(
-      root, reporting.RUNS_DIRNAME, PAPER, method, pattern))
+def _cells_dir(root, method, pattern) -> str:
+  return os.path.join(root, reporting.RUNS_DIRNAME, PAPER, method, pattern)
 
 
-def _curve_figure(root, out, task_key, label, suffix) -> list[str]:
-  """F1 vs round, balanced and imbalanced, with and without DP: per method
-  the mean over its seeds, with a band of one standard deviation.
-
-  One legend outside the panels: a colour per method, a line style per DP
-  setting (a legend per panel covered the curves).
-  """
-  from matplotlib import lines  # pylint: disable=g-import-not-at-top
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-  plotted_methods, plotted_dp, seeds = set(), set(), set()
-  styles = (('none', '-'), ('gaussian_fixed', '--'))
-  for ax, pop in zip(axes, ('balanced', 'imbalanced')):
-    for method in METHODS:
-      for dp, style in styles:
-        curves = _seed_curves(root, method,
-                              f'dp={dp}_population={pop}{task_key}-*')
-        if not curves:
-          continue
-        # One colour per method (tab10 has 10), the line style for DP.
-        if curve_bands.plot_seed_band(ax, curves, 'round', 'f1',
-                                    color=f'C{METHODS.index(method)}',
-                                    linestyle=style):
-          plotted_methods.add(method)
-          plotted_dp.add(dp)
-          seeds.add(len(curves))
-    ax.set_title(f'{label}, {pop}')
-    ax.set_xlabel('round')
-    ax.set_ylabel('mean F1 (eval users)')
-  if seeds:
-    n = (f'{min(seeds)}' if len(seeds) == 1
-         else f'{min(seeds)} to {max(seeds)}')
-    fig.suptitle(f'mean over {n} seed(s), band: ± 1 std', fontsize=9)
-  written = []
-  if plotted_methods:
-    handles = [lines.Line2D([], [], color=f'C{METHODS.index(m)}', marker='.',
-                            label=m)
-               for m in METHODS if m in plotted_methods]
-    handles += [lines.Line2D([], [], color='gray', linestyle=style,
-                             label=f'DP: {_DP_NAMES[dp]}')
-                for dp, style in styles if dp in plotted_dp]
-    fig.tight_layout()
-    fig.legend(handles=handles, loc='center left', bbox_to_anchor=(1.0, 0.5),
-               fontsize=8, frameon=False)
-    path = os.path.join(out, f'fedembed_f1_curves{suffix}.png')
-    fig.savefig(path, dpi=110, bbox_inches='tight')
-    written.append(path)
-  plt.close(fig)
-  return written
+def _curve_figure(root, out, task_key, label, suffix) -> Optional[str]:
+  """F1 vs round per population: per method (a colour) and DP setting (a
+  line style) the mean over seeds, a band of one std; one legend."""
+  panels, shown, all_curves = [], set(), []
+  for pop in ('balanced', 'imbalanced'):
+    lines = []
+    for i, method in enumerate(METHODS):
+      for dp, style in _DP_STYLES:
+        curves = curve_bands.seed_curves(_cells_dir(
+            root, method, f'dp={dp}_population={pop}{task_key}-*'))
+        if curve_bands.seed_band(curves, 'round', 'f1')[0]:
+          lines.append(dict(curves=curves, y='f1', color=f'C{i}',
+                            linestyle=style))
+          shown.update((method, dp))
+          all_curves.append(curves)
+    panels.append(dict(title=f'{label}, {pop}', lines=lines))
+  handles = ([dict(color=f'C{i}', marker='.', label=m)
+              for i, m in enumerate(METHODS) if m in shown]
+             + [dict(color='gray', linestyle=style, label=f'DP: {_DP_NAMES[dp]}')
+                for dp, style in _DP_STYLES if dp in shown])
+  return figures.band_figure(
+      os.path.join(out, f'fedembed_f1_curves{suffix}.png'), panels,
+      ylabel='mean F1 (eval users)', suptitle=figures.seed_spread(all_curves),
+      legend='figure', handles=handles, panel_size=(6, 4.5), sharey=True)
 
 
-def embedding_assignment(embeddings: np.ndarray, k: int,
-                         seed: int = 0) -> np.ndarray:
-  """Users' clusters from their personal embeddings (k-means, k clusters).
-
-  For methods without a head assignment (FedEmbed-Personal, FedEmbed-Type),
-  the paper's Figure 5 shows preferences "predicted using personal
-  embeddings" without saying how; we read it as clustering the embeddings
-  into as many clusters as sub-populations (scikit-learn's k-means) and
-  then matching clusters to sub-populations one to one (Hungarian).
-  """
-  from sklearn.cluster import KMeans  # pylint: disable=g-import-not-at-top
-  return KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(
-      embeddings).astype(np.int64)
-
-
-def som_alone(embeddings: np.ndarray, initial_nodes: np.ndarray, *,
-              rounds: int, cohort_size: int, config, seed: int = 0,
-              cohorts=None) -> np.ndarray:
-  """FedEmbed-SOM's map learned on fixed embeddings: the SOM alone.
-
-  Replays the map update of `algorithms/fedembed_som.py` with the
-  arithmetic of `models/som.py`, the embeddings held fixed (no model, no
-  heads), so that the map can be judged apart from the embeddings it is
-  trained with. Round r (r = 0, 1, ...) draws a cohort, takes each cohort
-  embedding's Kohonen update at sigma `decayed(sigma, final_sigma, r)`
-  and moves every node by `decayed(learning_rate, final_learning_rate, r)`
-  times the update of the best-scoring embedding (`config.update` 'best',
-  best by `config.winner`, the first one on ties) or the cohort's mean
-  update ('mean', every embedding weighted alike).
-
-  Args:
-    embeddings: float [N, D] personal embeddings.
-    initial_nodes: float [K, D] the map's start.
-    rounds: map updates.
-    cohort_size: embeddings drawn per round (without replacement).
-    config: a resolved `fedembed_som.SomConfig` (`update` set).
-    seed: seed of the cohort draws.
-    cohorts: optional explicit cohorts, one sequence of row indices per
-      round (then `cohort_size` and `seed` are unused).
-
-  Returns:
-    float32 [K, D] the map after `rounds` updates.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tff_personal.models import som  # pylint: disable=g-import-not-at-top
-  if config.update not in ('best', 'mean'):
-    raise ValueError(f"config.update must be 'best' or 'mean' (a resolved "
-                     f'SomConfig), got {config.update!r}')
-  embeddings = np.asarray(embeddings, np.float32)
-  nodes = tf.constant(np.asarray(initial_nodes, np.float32))
-  rng = np.random.default_rng(seed)
-  sign = -1.0 if config.winner == 'least_similar' else 1.0
-  for r in range(rounds):
-    cohort = (cohorts[r] if cohorts is not None else rng.choice(
-        len(embeddings), min(cohort_size, len(embeddings)), replace=False))
-    sigma = som.decayed(config.sigma, config.final_sigma, r,
-                        config.decay_rounds)
-    rate = som.decayed(config.learning_rate, config.final_learning_rate, r,
-                       config.decay_rounds)
-    updates = [som.kohonen_update(nodes, tf.constant(embeddings[i]), sigma)
-               for i in cohort]
-    if config.update == 'best':
-      scores = [sign * float(similarity) for _, similarity, _ in updates]
-      delta = updates[int(np.argmax(scores))][0]
-    else:
-      delta = tf.add_n([d for d, _, _ in updates]) / float(len(updates))
-    nodes = nodes + rate * delta
-  return nodes.numpy()
-
-
-def node_assignment(nodes: np.ndarray, embeddings: np.ndarray) -> np.ndarray:
-  """int64 [N] each embedding's best-matching unit among `nodes` [K, D]."""
-  d = np.sum((np.asarray(embeddings)[:, None, :] - nodes[None]) ** 2, -1)
-  return np.argmin(d, axis=-1).astype(np.int64)
-
-
-def _matched(truth: np.ndarray, assigned: np.ndarray, k: int) -> np.ndarray:
-  """`assigned` relabelled by the best one-to-one map onto `truth`."""
-  from scipy import optimize  # pylint: disable=g-import-not-at-top
-  cm = np.zeros((k, k), np.int64)
-  np.add.at(cm, (truth, assigned), 1)
-  rows, cols = optimize.linear_sum_assignment(-cm)
-  relabel = np.arange(k)
-  relabel[cols] = rows
-  return relabel[assigned]
+def _analyses(root, method, pattern):
+  """The `analysis.npz` of seed 0 of each cell matching `pattern` in which
+  some users trained."""
+  for d in sorted(glob.glob(os.path.join(_cells_dir(root, method, pattern),
+                                         'seed_0'))):
+    path = os.path.join(d, 'analysis.npz')
+    if os.path.exists(path):
+      with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+      if 'trained' in arrays and arrays['trained'].any():
+        yield arrays
 
 
 def _confusion_figure(root, out, task_key, label, group_noun,
-                      suffix) -> list[str]:
-  """Figure 3 (MNIST) / Figure 5 (speech): truth vs assigned group."""
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+                      suffix) -> Optional[str]:
+  """Figure 3 (MNIST) / Figure 5 (speech): each user's group against its
+  head (SOM, Prototype) or its embedding's k-means cluster."""
   panels = []
-  for method in ('fedembed_som', 'fedembed_personal', 'fedembed_type',
-                 'fedembed_prototype'):
-    if not task_key and method in ('fedembed_personal', 'fedembed_type'):
-      continue  # MNIST's Figure 3 shows the learned head assignments only.
-    for d in _run_dirs(root, method,
+  for method in (('fedembed_som', 'fedembed_prototype') if not task_key else
+                 ('fedembed_som', 'fedembed_personal', 'fedembed_type',
+                  'fedembed_prototype')):
+    for z in _analyses(root, method,
                        f'dp=none_population=balanced{task_key}-*'):
-      path = os.path.join(d, 'analysis.npz')
-      if not os.path.exists(path):
-        continue
-      with np.load(path) as z:
-        if 'trained' not in z or not z['trained'].any():
-          continue
-        t = z['trained']
-        truth = z['subpopulation'][t]
-        if 'head' in z and method in ('fedembed_som', 'fedembed_prototype'):
-          panels.append((method, 'head at the last training participation',
-                         truth, z['head'][t], method == 'fedembed_som'))
-        elif 'embedding' in z:
-          k = int(truth.max()) + 1
-          panels.append((method, 'k-means of personal embeddings', truth,
-                         embedding_assignment(z['embedding'][t], k), True))
+      t = z['trained']
+      truth = z['subpopulation'][t]
+      if 'head' in z and method in ('fedembed_som', 'fedembed_prototype'):
+        panels.append((method, 'head at the last training participation',
+                       truth, z['head'][t], method == 'fedembed_som'))
+      elif 'embedding' in z:
+        k = int(truth.max()) + 1
+        panels.append((method, 'k-means of personal embeddings', truth,
+                       embedding_purity.embedding_assignment(
+                           z['embedding'][t], k), True))
   if not panels:
-    return []
-  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.8))
-  axes = np.atleast_1d(axes)
-  for ax, (method, how, truth, assigned, relabel) in zip(axes, panels):
+    return None
+  fig, axes = figures.pyplot().subplots(
+      1, len(panels), figsize=(5 * len(panels), 4.8), squeeze=False)
+  for ax, (method, how, truth, assigned, relabel) in zip(axes[0], panels):
     k = int(max(truth.max(), assigned.max())) + 1
-    shown = _matched(truth, assigned, k) if relabel else assigned
-    ax.imshow(confusion(truth, shown, k), cmap='Blues', vmin=0, vmax=1)
+    shown = (embedding_purity.matched(truth, assigned, k) if relabel
+             else assigned)
+    ax.imshow(figures.confusion(truth, shown, k), cmap='Blues', vmin=0,
+              vmax=1)
     own = '' if method == 'fedembed_personal' or 'k-means' in how else (
         f'own group {np.mean(truth == assigned):.2f}, ')
     ax.set_title(f'{method}: {how}{" (matched)" if relabel else ""}\n'
                  f'({own}best one-to-one relabelling '
-                 f'{assignment_accuracy(truth, assigned, k):.2f}; '
-                 f'{len(truth)} users who trained)', fontsize=8)
+                 f'{embedding_purity.assignment_accuracy(truth, assigned, k):.2f}'
+                 f'; {len(truth)} users who trained)', fontsize=8)
     ax.set_xlabel(f'assigned {group_noun} group')
     ax.set_ylabel(f'ground-truth {group_noun} group')
     ax.set_xticks(range(k))
@@ -1194,58 +940,28 @@ def _confusion_figure(root, out, task_key, label, group_noun,
     ax.tick_params(labelsize=6 if k > 10 else 8)
   fig.suptitle(f'FedEmbed, {label}, balanced, no DP', fontsize=9)
   fig.tight_layout()
-  path = os.path.join(out, f'fedembed_confusion{suffix}.png')
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return [path]
+  return figures.save(fig, os.path.join(out, f'fedembed_confusion{suffix}.png'))
 
 
-def _tsne_figure(root, out) -> list[str]:
-  """Figure 4: t-SNE of personal embeddings, with and without the k-way head."""
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  panels = []
-  for title, pattern in (
-      ('with k-way head', 'dp=none_population=balanced-*'),
-      ('without k-way head', 'dp=none_population=balanced_type_head=False-*')):
-    for d in _run_dirs(root, 'fedembed_type', pattern):
-      path = os.path.join(d, 'analysis.npz')
-      if os.path.exists(path):
-        with np.load(path) as z:
-          if 'embedding' in z and 'trained' in z:
-            t = z['trained']
-            panels.append((title, z['embedding'][t], z['subpopulation'][t]))
+def _tsne_figure(root, out) -> Optional[str]:
+  """Figure 4: t-SNE of personal embeddings, with and without the k-way
+  head (balanced MNIST, no DP)."""
+  panels = [(title, z['embedding'][z['trained']][:2000],
+             z['subpopulation'][z['trained']][:2000])
+            for title, pattern in (
+                ('with k-way head', 'dp=none_population=balanced-*'),
+                ('without k-way head',
+                 'dp=none_population=balanced_type_head=False-*'))
+            for z in _analyses(root, 'fedembed_type', pattern)
+            if 'embedding' in z]
   if len(panels) != 2:
-    return []
-  from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    return None
+  fig, axes = figures.pyplot().subplots(1, 2, figsize=(11, 5))
   for ax, (title, emb, labels) in zip(axes, panels):
-    emb, labels = emb[:2000], labels[:2000]
-    xy = TSNE(n_components=2, perplexity=min(30, len(emb) - 1),
-              random_state=0, init='pca').fit_transform(emb)
+    xy = figures.map_2d(emb)
     sc = ax.scatter(xy[:, 0], xy[:, 1], c=labels, cmap='tab10', s=5)
     ax.set_title(f'FedEmbed-Type {title}\n(5-NN purity '
-                 f'{embedding_purity.knn_purity(emb, labels):.2f}, {len(emb)} users)')
+                 f'{embedding_purity.knn_purity(emb, labels):.2f}, '
+                 f'{len(emb)} users)')
   fig.colorbar(sc, ax=axes, label='sub-population (digit)')
-  path = os.path.join(out, 'fedembed_embeddings_tsne.png')
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return [path]
-
-
-def assignment_accuracy(truth: np.ndarray, assigned: np.ndarray,
-                        k: int) -> float:
-  """Fraction of users on their group's head under the best one-to-one map.
-
-  Prototype heads are tied to sub-populations by the triplet loss, so for
-  them the identity map is the meaningful one (`np.mean(truth == assigned)`);
-  this score allows any relabelling (for unsupervised assignment such as
-  SOM) but, being one-to-one (Hungarian matching, scipy), it does not reward
-  sending every group to one head.
-  """
-  if len(truth) == 0:
-    return 0.0
-  from scipy import optimize  # pylint: disable=g-import-not-at-top
-  cm = np.zeros((k, k), np.int64)
-  np.add.at(cm, (truth, assigned), 1)
-  rows, cols = optimize.linear_sum_assignment(-cm)
-  return float(cm[rows, cols].sum() / len(truth))
+  return figures.save(fig, os.path.join(out, 'fedembed_embeddings_tsne.png'))

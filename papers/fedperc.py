@@ -1,49 +1,12 @@
-"""FedPerC (Silva, Tambwekar & Gombolay) Tables 1-4 on the `tv_shows` task.
+"""FedPerC (Silva, Tambwekar & Gombolay): Tables 1-4 on the `tv_shows` task.
 
-Tables (each row a `--algorithm` value):
-
-* `table1` (known users) and `table2` (withheld users): perplexity on unseen
-  utterances, the first three tokens given as a prompt, after adapting on 1,
-  5, 15 or all of the user's fine-tuning utterances. One record per
-  (method, users, samples, seed) with `metrics.perplexity`: the pooled token
-  perplexity exp(sum NLL / tokens) over the evaluated users' test tokens.
-* `table3_train`, `table3_test`: ms per on-device train pass (one local step
-  on a batch of 15: forward, backward, Adam) and test pass (the forward pass
-  that scores a batch of 15; for the generated variant it includes the
-  generators' forward pass). All methods are timed in one process,
-  interleaved round-robin (so load on a shared machine hits all alike),
-  once per seed; records `train_ms` / `test_ms` (mean, with `_std`).
-* `memory`: `bytes_per_user` (and `parameters_per_user`): what a user holds
-  on device beyond the frozen backbone (`FedPercModel.per_user_parameters`).
-* Table 4 (not a results.jsonl metric): top-k samples after "We must" and
-  "I think" for Chandler (Friends) and Arya (Game of Thrones), each in its
-  own show's context and moved to the other's, from the trained `fedperc`
-  model; written to `<root>/tables/fedperc/table4.md`.
-
-Training (section 4, Appendix B) runs on the one run path: one
-`run_experiment` of the variant's registered algorithm on the `tv_shows`
-task (`train_config`): 10 local steps of 15 sampled utterances per client
-per round, local Adam lr 1e-3, FedProx mu = 1, server update = the averaged
-delta (Algorithm 1; `--fedperc_server_optimizer=adam` for Appendix B's Adam
-lr 1). One training per (variant, seed) serves both tables:
-it runs on the users that are not withheld (`tasks/tv_shows.py`), so the
-known-user table is over the 15 trained users and the withheld-user table
-over the 4 withheld ones (the paper trains twice; this halves the CPU cost).
-`fedperc` and `fedperc_frozen` share one training. The run (checkpoints,
-client-state store, metrics) lives under
-`<root>/runs/fedperc/_trained/<digest of the paper's flags>/<variant>_seed<n>/`.
-
-Test time is the library's evaluator (`strategies_of`, `Run.evaluate`):
-known users by `adapt(samples=k)`, the algorithm's own test-time adaptation
-on their first k fine-tuning utterances (`fine_tune` methods:
-`--fedperc_fine_tune_steps` Adam steps, each on those k; `fedperc_generated`:
-its generators once over them; all: the run's own evaluation), withheld
-users by `cold_start` from the DP average of the trained users' private
-states (`core/new_users.build_dp_mean`, section 3.2) for both FedPerC
-variants, from the pre-trained output layer (a zero head delta) for
-Split-Learning (the paper only describes the embeddings' initialisation).
-`fedperc_frozen` is the `fedperc` run scored with no adaptation
-(`adapt(samples=0)`; `cold_start` at 0 samples for withheld users).
+`python -m binaries.reproduce --paper=fedperc --table=table1
+--fedperc_backbone=<preset>` runs a table's cells. One run of a variant's
+registered algorithm per (variant, seed) (`train_config`) serves Tables 1
+and 2, scored by the library's evaluator under named strategies
+(`strategies_of`); Table 3 and the memory table time every model in one
+process (`models/fedperc_costs.py`); Table 4 samples the trained model.
+docs/papers/fedperc.md says what each table and cell is.
 """
 
 from __future__ import annotations
@@ -54,19 +17,16 @@ import os
 import pickle
 import re
 import sys
-import time
 
-from absl import flags
 import numpy as np
 import tensorflow as tf
-import tensorflow_federated as tff
 
 from tasks import context_task
 from tasks import tv_shows
 from tasks import tv_shows_task
-from tff_personal import curve_bands
 from tff_personal import atomic_io
 from tff_personal import experiment
+from tff_personal import figures
 from tff_personal import reporting
 from tff_personal import run_spec
 from tff_personal import runs
@@ -78,6 +38,7 @@ from tff_personal.core import runtime
 from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc
 from tff_personal.models import fedperc_backbone
+from tff_personal.models import fedperc_costs
 from tff_personal.models import fedperc_training
 
 PAPER = 'fedperc'
@@ -162,43 +123,38 @@ TABLES = {
 
 
 def define_flags():
-  def define(kind, name, default, help_text):
-    if name not in flags.FLAGS:
-      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
-  define('string', 'fedperc_backbone', None,
-         'FedPerC: keras-nlp GPT-2 preset name or preset directory '
-         '(python -m binaries.pretrain_backbone makes one).')
-  define('integer', 'fedperc_rounds', 10, 'FedPerC: training rounds.')
-  define('integer', 'fedperc_clients_per_round', 5,
-         'FedPerC: clients per round.')
-  define('integer', 'fedperc_local_steps', 10, 'FedPerC: local steps.')
-  define('integer', 'fedperc_batch_size', 15, 'FedPerC: utterances per step.')
-  define('integer', 'fedperc_max_utterances', 200,
-         'FedPerC: utterances kept per user (0: all).')
-  define('integer', 'fedperc_max_tokens', 24,
-         'FedPerC: tokens per utterance (end token included).')
-  define('integer', 'fedperc_fine_tune_steps', 15,
-         'FedPerC: test-time local steps.')
-  define('float', 'fedperc_client_learning_rate', 1e-3,
-         'FedPerC: local Adam lr.')
-  define('float', 'fedperc_proximal_mu', 1.0, 'FedPerC: FedProx mu.')
-  define('string', 'fedperc_server_optimizer', 'sgd',
-         'FedPerC: sgd (Algorithm 1: add the mean delta) or adam.')
-  define('float', 'fedperc_server_learning_rate', 1.0, 'FedPerC: server lr.')
-  define('float', 'fedperc_dp_noise_multiplier', 1.0,
-         'FedPerC: noise multiplier of the new-user DP average.')
-  define('float', 'fedperc_dp_clip', None,
-         'FedPerC: L2 clip of a known user\'s private state in the new-user '
-         'DP average; default: the variant\'s scale, '
-         'algorithms/fedperc.DP_CLIP_NORMS (embedding 1.0, generated 16.0).')
-  define('integer', 'fedperc_generator_tokens', 12,
-         'FedPerC: tokens of each utterance the generators read (0: all).')
-  define('integer', 'fedperc_timing_repeats', 20,
-         'FedPerC: timed passes per method.')
-  define('integer', 'fedperc_curve_points', 10,
-         'FedPerC: held-out evaluations of the known users in each training '
-         'run, for the learning curves (every rounds // N rounds; 0: after '
-         'the last round only). Training is the same either way.')
+  reporting.define_flags(
+      ('string', 'fedperc_backbone', None,
+       'FedPerC: keras-nlp GPT-2 preset name or preset directory '
+       '(binaries.pretrain_backbone makes one).'),
+      ('integer', 'fedperc_rounds', 10, 'FedPerC: training rounds.'),
+      ('integer', 'fedperc_clients_per_round', 5, 'FedPerC: cohort size.'),
+      ('integer', 'fedperc_local_steps', 10, 'FedPerC: local steps.'),
+      ('integer', 'fedperc_batch_size', 15, 'FedPerC: utterances per step.'),
+      ('integer', 'fedperc_max_utterances', 200,
+       'FedPerC: utterances kept per user (0: all).'),
+      ('integer', 'fedperc_max_tokens', 24,
+       'FedPerC: tokens per utterance (end token included).'),
+      ('integer', 'fedperc_fine_tune_steps', 15,
+       'FedPerC: test-time local steps.'),
+      ('float', 'fedperc_client_learning_rate', 1e-3,
+       'FedPerC: local Adam lr.'),
+      ('float', 'fedperc_proximal_mu', 1.0, 'FedPerC: FedProx mu.'),
+      ('string', 'fedperc_server_optimizer', 'sgd',
+       'FedPerC: sgd (Algorithm 1: add the mean delta) or adam.'),
+      ('float', 'fedperc_server_learning_rate', 1.0, 'FedPerC: server lr.'),
+      ('float', 'fedperc_dp_noise_multiplier', 1.0,
+       'FedPerC: noise multiplier of the new-user DP average.'),
+      ('float', 'fedperc_dp_clip', None,
+       "FedPerC: L2 clip of a user's private state in the new-user DP "
+       "average (None: the variant's, algorithms/fedperc.DP_CLIP_NORMS)."),
+      ('integer', 'fedperc_generator_tokens', 12,
+       'FedPerC: tokens of each utterance the generators read (0: all).'),
+      ('integer', 'fedperc_timing_repeats', 20,
+       'FedPerC: timed passes per method.'),
+      ('integer', 'fedperc_curve_points', 10,
+       "FedPerC: held-out evaluations per training run (every rounds // N "
+       "rounds; 0: after the last round only)."))
 
 
 # Flags that change how a run is carried out, not what it computes
@@ -344,31 +300,6 @@ def trained_run(variant: str, flag_values, seed: int,
         f'fedperc {variant} seed {seed}: {s}', flush=True))
 
 
-def train(variant: str, flag_values, seed: int, cache_dir: str) -> dict:
-  """The trained model of `variant` (`trained_run`) as numpy values.
-
-  Returns dict(weights=ModelWeights (numpy), states={user: private tuple},
-  **`_curves` of the run).
-  """
-  run = trained_run(variant, flag_values, seed, cache_dir)
-  task = run.task
-  with runtime.local_runtime():
-    trained = run.weights()
-    initial = run.process().get_model_weights(run.process().initialize())
-    loaded = run.client_states(range(task.population))
-  for a, b in zip(trained.non_trainable, initial.non_trainable, strict=True):
-    if not np.array_equal(np.asarray(a), np.asarray(b)):
-      raise AssertionError('the frozen backbone changed during training')
-  states = {name: tuple(np.asarray(p) for p in s[
-      process_lib.CLIENT_STATE_PRIVATE])
-            for name, s in zip(task.client_names, loaded)}
-  return dict(
-      weights=tff.learning.models.ModelWeights(
-          trainable=tuple(np.asarray(w) for w in trained.trainable),
-          non_trainable=tuple(np.asarray(w) for w in trained.non_trainable)),
-      states=states, **_curves(run))
-
-
 def _curves(run: runs.Run) -> dict:
   """dict(seconds=the rounds' wall time, train_loss=[per round],
   eval_curve=dict(round=[...], perplexity=[...]): the run's held-out
@@ -440,80 +371,30 @@ def evaluate(run: runs.Run, flag_values) -> dict:
 
 
 def measure_costs(flag_values, seed: int) -> dict:
-  """Train / test pass ms and per-user memory of every method, one process."""
-  spec = _spec(flag_values)
+  """Train / test pass ms and per-user memory of every method, one process
+  (`fedperc_costs.pass_costs` on a batch of the first user's test set)."""
   users = _users(flag_values, seed)
-  batch_arrays = users[tv_shows.USERS[0]].splits['test']
   batch = {k: tf.constant(v[:flag_values.fedperc_batch_size])
-           for k, v in batch_arrays.items()}
-  optimizer = tff.learning.optimizers.build_adam(1e-3)
-  passes = {}
-  memory = {}
-  for name in METHODS:
-    algo = fedperc_alg.algorithm(name)
-    model = fedperc.FedPercModel(spec, _config(algo.variant, flag_values), seed)
-    model.backbone.set_weights(spec.weights)
-    if algo.variant == fedperc.GENERATED:
-      variables = list(model.shared_trainable_variables)
-      loss_fn = lambda m=model: fedperc_training.generated_step_loss(m, batch)[0]
-    else:
-      if algo.variant == fedperc.EMBEDDING:
-        variables = [model.personal_offset, model.context_embeddings]
-      elif algo.variant == fedperc.SPLIT:
-        variables = [model.personal_head, model.context_heads]
-      else:
-        variables = [model.head]
-      loss_fn = lambda m=model: m.loss(batch)
-    specs = tuple(tf.TensorSpec(v.shape, v.dtype) for v in variables)
-    opt_state = optimizer.initialize(specs)
-
-    def train_pass(variables=variables, loss_fn=loss_fn, opt_state=opt_state):
-      with tf.GradientTape() as tape:
-        loss = loss_fn()
-      grads = tape.gradient(loss, variables)
-      _, updated = optimizer.next(opt_state, tuple(variables), tuple(grads))
-      for v, u in zip(variables, updated):
-        v.assign(u)
-      return loss
-
-    if algo.variant == fedperc.GENERATED:
-      def test_pass(m=model):
-        fedperc_training.generate_embeddings(m, batch)
-        return m.nll(batch, PROMPT_TOKENS)[0]
-    else:
-      test_pass = lambda m=model: m.nll(batch, PROMPT_TOKENS)[0]
-    passes[name] = (tf.function(train_pass), tf.function(test_pass))
-    parameters = model.per_user_parameters()
-    memory[name] = dict(parameters_per_user=parameters,
-                        bytes_per_user=4 * parameters)
-  times = {name: {'train': [], 'test': []} for name in METHODS}
-  for _ in range(3):  # Warm-up (tracing).
-    for name in METHODS:
-      for fn in passes[name]:
-        fn().numpy()
-  for _ in range(flag_values.fedperc_timing_repeats):
-    for name in METHODS:  # Round-robin: machine load hits all methods alike.
-      for kind, fn in zip(('train', 'test'), passes[name]):
-        start = time.perf_counter()
-        fn().numpy()
-        times[name][kind].append(1000 * (time.perf_counter() - start))
-  out = {}
-  for name in METHODS:
-    out[name] = dict(
-        train_ms=float(np.mean(times[name]['train'])),
-        train_ms_std=float(np.std(times[name]['train'])),
-        test_ms=float(np.mean(times[name]['test'])),
-        test_ms_std=float(np.std(times[name]['test'])),
-        **memory[name])
-  return out
+           for k, v in users[tv_shows.USERS[0]].splits['test'].items()}
+  return fedperc_costs.pass_costs(
+      _spec(flag_values),
+      {name: _config(fedperc_alg.algorithm(name).variant, flag_values)
+       for name in METHODS},
+      batch, repeats=flag_values.fedperc_timing_repeats, seed=seed,
+      prompt_tokens=PROMPT_TOKENS)
 
 
 # ------------------------------------------------------------ Table 4
 
 
-def write_generations(trained: dict, flag_values, seed: int,
+def write_generations(run: runs.Run, flag_values, seed: int,
                       path: str) -> str:
-  """Table 4: continuations for Chandler and Arya in both shows' contexts."""
+  """Table 4: continuations for Chandler and Arya in both shows' contexts,
+  from the trained `fedperc` run."""
+  with runtime.local_runtime():
+    weights = run.weights()
+    states = dict(zip(run.task.client_names,
+                      run.client_states(range(run.task.population))))
   spec = _spec(flag_values)
   model = fedperc.FedPercModel(spec, _config(fedperc.EMBEDDING, flag_values),
                                seed)
@@ -522,8 +403,8 @@ def write_generations(trained: dict, flag_values, seed: int,
   lines = ['| character | context | "We must" | "I think" |',
            '|---|---|---|---|']
   for user in ('friends/CHANDLER', 'got/ARYA'):
-    fedperc_training.assign_weights(model, trained['weights'],
-                                    trained['states'][user])
+    fedperc_training.assign_weights(
+        model, weights, states[user][process_lib.CLIENT_STATE_PRIVATE])
     for context in range(len(tv_shows.CONTEXTS)):
       cells = []
       for prompt in ('We must', 'I think'):
@@ -586,7 +467,7 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   if cell.method == 'fedperc' and cell.setting['users'] == 'known':
     table4 = os.path.join(root, reporting.TABLES_DIRNAME, PAPER, 'table4.md')
     if not os.path.exists(table4):
-      write_generations(train(algo.variant, flag_values, seed, cache),
+      write_generations(trained_run(algo.variant, flag_values, seed, cache),
                         flag_values, seed, table4)
   atomic_io.write_json(os.path.join(out_dir, 'eval.json'), result)
   make_figures(root, flag_values)
@@ -620,60 +501,33 @@ def _variant_runs(cache: str, key: str):
 
 
 def make_figures(root: str, flag_values) -> list[str]:
-  """The learning curves of every trained variant, each the mean over its
-  training seeds with a band of one standard deviation, from the
-  evaluations cached under the flags' `trained_cache_dir`:
-
-  - `fedperc_train_loss.png`: training loss per round (the round's cohort);
-  - `fedperc_eval_curves.png`: the known users' held-out perplexity at the
-    training run's evaluations (`train_config`; no test-time adaptation).
-
-  Returns the paths written (none when nothing is cached).
-  """
+  """The learning curves of every trained variant (mean over its training
+  seeds, a band of one std) from the evaluations cached under the flags'
+  `trained_cache_dir`: `fedperc_train_loss.png` (training loss per round,
+  the round's cohort) and `fedperc_eval_curves.png` (the known users'
+  held-out perplexity at the training run's evaluations). Returns the
+  paths written (none when nothing is cached)."""
   cache = trained_cache_dir(root, flag_values)
-  losses, loss_methods = _variant_runs(cache, 'train_loss')
-  evals, eval_methods = _variant_runs(cache, 'eval_curve')
-  loss_curves = {v: [{'round': list(range(1, len(x) + 1)), 'value': x}
-                     for _, x in sorted(runs.items())]
-                 for v, runs in losses.items()}
-  eval_curves = {v: [{'round': c['round'], 'value': c['perplexity']}
-                     for _, c in sorted(runs.items())]
-                 for v, runs in evals.items()}
   out = os.path.join(root, reporting.TABLES_DIRNAME, PAPER)
   paths = []
-  for name, curves, methods, ylabel, log in (
-      ('fedperc_train_loss.png', loss_curves, loss_methods,
-       'training loss (round cohort)', False),
-      ('fedperc_eval_curves.png', eval_curves, eval_methods,
-       'perplexity, known users\' held-out utterances', True)):
-    if curves:
-      paths.append(_plot_variants(os.path.join(out, name), curves, methods,
-                                  ylabel, log))
+  for name, key, ylabel, yscale, curve_of in (
+      ('fedperc_train_loss.png', 'train_loss',
+       'training loss (round cohort)', 'linear',
+       lambda x: {'round': list(range(1, len(x) + 1)), 'value': x}),
+      ('fedperc_eval_curves.png', 'eval_curve',
+       "perplexity, known users' held-out utterances", 'log',
+       lambda c: {'round': c['round'], 'value': c['perplexity']})):
+    values, methods = _variant_runs(cache, key)
+    curves = {v: [curve_of(x) for _, x in sorted(by_seed.items())]
+              for v, by_seed in values.items()}
+    lines = [dict(curves=curves[v], y='value', label=f'{v} (' + ', '.join(
+        m for m in METHODS if m in methods[v]) + ')') for v in sorted(curves)]
+    seeds = ', '.join(map(str, sorted({len(c) for c in curves.values()})))
+    path = figures.band_figure(
+        os.path.join(out, name), [dict(
+            title=f'FedPerC variants: mean ± 1 std over {seeds} seed(s)',
+            lines=lines)],
+        ylabel=ylabel, yscale=yscale, panel_size=(6.5, 4))
+    if path:
+      paths.append(path)
   return paths
-
-
-def _plot_variants(path: str, curves: dict, methods: dict, ylabel: str,
-                   log: bool) -> str:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6.5, 4))
-  seeds = set()
-  for variant in sorted(curves):
-    seeds.add(len(curves[variant]))
-    label = (f'{variant} ('
-             + ', '.join(m for m in METHODS if m in methods[variant]) + ')')
-    curve_bands.plot_seed_band(ax, curves[variant], 'round', 'value',
-                             label=label)
-  if log:
-    ax.set_yscale('log')
-  ax.set_xlabel('round')
-  ax.set_ylabel(ylabel)
-  ax.set_title('FedPerC variants: mean ± 1 std over '
-               f'{", ".join(map(str, sorted(seeds)))} seed(s)', fontsize=9)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path

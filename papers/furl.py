@@ -1,50 +1,29 @@
-"""FURL (Bui et al. 2019) Table 2 on the `speaker_context` task.
+"""FURL (Bui et al. 2019): Table 2 on the `speaker_context` task.
 
-The four configurations of FURL's Table 2, on the same users and splits:
-
-* `global_server`, `personalized_server`: centralized Keras training of the
-  document model on all training users' pooled documents, without and with a
-  user-embedding table (`algorithms/centralized.py`).
-* `global_fl`: FedAvg of the same model without a user embedding
-  (`--algorithm=global`).
-* `personalized_fl`: FURL (`--algorithm=furl`): the user embedding is private
-  client state.
-
-FL uses 10 users per round and 1 local epoch, as the paper; an FL "epoch" is
-ceil(training users / 10) rounds (every training document used once in
-expectation). Users held out of training (`--cold_fraction`) are evaluated
-with cold start and reported separately. The paper trained 40 epochs on
-Subreddit; the epochs here are flags sized for a 2-core CPU (README states
-what was run).
-
-Tables: `table2` (methods x {no DP, DP}); `table2_fine_tuned` (the same
-FL runs, tested after one local pass of the private embedding, not in the
-paper); `sweep` (personalized methods over
-user-embedding sizes 4, 8, 16, 32). Figures, rebuilt after every cell from
-what the runs saved: `furl_learning_curves.png` (eval accuracy vs epoch, FL
-and server on one plot, as FURL Figure 5) and `furl_embeddings_tsne.png`
-(t-SNE of user embeddings coloured by community, as Figure 7), plus
-`furl_purity.json` (5-nearest-neighbour community purity of the embeddings).
+`python -m binaries.reproduce --paper=furl --table=table2` runs the four
+configurations of FURL's Table 2 on the same users and splits: centralized
+training without and with a user-embedding table (`global_server`,
+`personalized_server`: `algorithms/centralized.py`), FedAvg (`global_fl`)
+and FURL, whose user embedding is private client state (`personalized_fl`).
+docs/papers/furl.md says what each table, cell and figure is.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import glob
 import math
 import os
 from typing import Any
 
-from absl import flags
 import numpy as np
-import tensorflow as tf
 
 from tasks import speaker_context
 from tasks import speaker_task
 from tff_personal import atomic_io
 from tff_personal import curve_bands
 from tff_personal import embedding_purity
+from tff_personal import figures
 from tff_personal import reporting
 from tff_personal import run_spec
 from tff_personal import runs
@@ -109,23 +88,20 @@ OPERATIONAL_FLAGS = ('furl_evals_per_epoch',)
 
 
 def define_flags():
-  def define(kind, name, default, help_text):
-    if name not in flags.FLAGS:
-      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
-  define('integer', 'furl_fl_epochs', 5, 'FURL: FL epochs.')
-  define('integer', 'furl_server_epochs', 5, 'FURL: server-training epochs.')
-  define('integer', 'furl_evals_per_epoch', 2,
-         'FURL: evaluations per epoch for the learning curves (FL and '
-         'server; they do not change training).')
-  define('float', 'furl_client_learning_rate', 3e-3, 'FURL: local Adam lr.')
-  define('float', 'furl_private_learning_rate', 0.05,
-         'FURL: local Adam lr of the private user embedding.')
-  define('float', 'furl_server_learning_rate', 3e-3,
-         'FURL: centralized Adam lr.')
-  define('float', 'furl_target_epsilon', 10.0, 'FURL: epsilon of DP cells.')
-  define('float', 'furl_clip_norm', 0.5, 'FURL: DP clip of a client update.')
-  define('integer', 'furl_min_docs', speaker_context.DEFAULT_MIN_DOCS,
-         'FURL: users need at least this many documents.')
+  reporting.define_flags(
+      ('integer', 'furl_fl_epochs', 5, 'FURL: FL epochs.'),
+      ('integer', 'furl_server_epochs', 5, 'FURL: server-training epochs.'),
+      ('integer', 'furl_evals_per_epoch', 2,
+       'FURL: evaluations per epoch for the learning curves.'),
+      ('float', 'furl_client_learning_rate', 3e-3, 'FURL: local Adam lr.'),
+      ('float', 'furl_private_learning_rate', 0.05,
+       'FURL: local Adam lr of the private user embedding.'),
+      ('float', 'furl_server_learning_rate', 3e-3,
+       'FURL: centralized Adam lr.'),
+      ('float', 'furl_target_epsilon', 10.0, 'FURL: epsilon of DP cells.'),
+      ('float', 'furl_clip_norm', 0.5, 'FURL: DP clip of a client update.'),
+      ('integer', 'furl_min_docs', speaker_context.DEFAULT_MIN_DOCS,
+       'FURL: users need at least this many documents.'))
 
 
 def cells(table: str, flag_values) -> list[reporting.Cell]:
@@ -160,34 +136,17 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   return metrics
 
 
-def _pooled(task: speaker_task.SpeakerTask, client_ids, split: str,
-            batch_size: int, shuffle_seed=None) -> tf.data.Dataset:
-  """Documents of the given clients pooled, with a `user` (client id) field."""
-  xs, ys, users = [], [], []
-  for cid in client_ids:
-    x, y = task.data.arrays(task.user_of(cid), split)
-    xs.append(x)
-    ys.append(y)
-    users.append(np.full(len(y), cid, np.int32))
-  ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-      x=np.concatenate(xs), y=np.concatenate(ys).astype(np.int32),
-      user=np.concatenate(users)))
-  if shuffle_seed is not None:
-    ds = ds.shuffle(sum(len(y) for y in ys), seed=shuffle_seed)
-  return ds.batch(batch_size)
-
-
 def _run_server(task, cell, f, out_dir, dim) -> dict:
   warm = list(range(task.population))
   config = dataclasses.replace(task.model_config, user_embedding_dim=dim)
   model = furl_text.build_centralized_model(config, task.population)
   result = centralized.train_centralized(
-      model, _pooled(task, warm, 'train', 32, shuffle_seed=cell.seed),
-      _pooled(task, warm, 'eval', 256), epochs=f.furl_server_epochs,
+      model, task.pooled(warm, 'train', 32, shuffle_seed=cell.seed),
+      task.pooled(warm, 'eval', 256), epochs=f.furl_server_epochs,
       learning_rate=f.furl_server_learning_rate, optimizer='adam',
       seed=cell.seed, evals_per_epoch=_evals_per_epoch(f))
   test = model.evaluate(
-      _pooled(task, warm, 'test', 256).map(
+      task.pooled(warm, 'test', 256).map(
           lambda d: ({'x': d['x'], 'user': d['user']}, d['y'])),
       verbose=0, return_dict=True)
   curve = {'epoch': [e for e, _ in result.curve],
@@ -279,41 +238,28 @@ def _fl_curve(rows: list[dict], rounds_per_epoch: int) -> dict:
 
 
 def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
-  """Learning curves, embedding t-SNE and purity from the saved runs."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  runs = os.path.join(root_output_dir, reporting.RUNS_DIRNAME, PAPER)
-  out = os.path.join(root_output_dir, 'tables', PAPER)
-  os.makedirs(out, exist_ok=True)
-  fig, ax = plt.subplots(figsize=(6.5, 4))
-  seeds = set()
-  # A colour per method, a line style per DP setting (server methods have
-  # no DP cell).
-  for i, method in enumerate(_METHODS):
+  """Learning curves (FURL Figure 5), the t-SNE of the user embeddings
+  (Figure 7) and their 5-NN community purity, from the saved runs."""
+  runs_dir = os.path.join(root_output_dir, reporting.RUNS_DIRNAME, PAPER)
+  out = os.path.join(root_output_dir, reporting.TABLES_DIRNAME, PAPER)
+  lines = []
+  for i, method in enumerate(_METHODS):  # A colour per method, a style per DP.
     for dp, style in (('none', '-'), ('gaussian_fixed', '--')):
-      curves = curve_bands.seed_curves(os.path.join(
-          runs, method, f'dp={dp}_embedding_dim={_DIM}-*'), x='epoch')
-      label = method + (', DP' if dp != 'none' else '')
-      if curve_bands.plot_seed_band(ax, curves, 'epoch', 'eval_accuracy',
-                                  color=f'C{i}', linestyle=style,
-                                  label=label):
-        seeds.add(len(curves))
-  ax.set_xlabel('epoch')
-  ax.set_ylabel('eval accuracy')
-  ax.set_title('speaker_context: FL vs server (FURL Fig. 5)\n'
-               f'mean ± 1 std over {", ".join(map(str, sorted(seeds)))} '
-               'seed(s)', fontsize=9)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out, 'furl_learning_curves.png'), dpi=120)
-  plt.close(fig)
-
-  purity = {}
-  panels = []
+      lines.append(dict(
+          curves=curve_bands.seed_curves(os.path.join(
+              runs_dir, method, f'dp={dp}_embedding_dim={_DIM}-*'),
+                                         x='epoch'),
+          y='eval_accuracy', color=f'C{i}', linestyle=style,
+          label=method + (', DP' if dp != 'none' else '')))
+  figures.band_figure(
+      os.path.join(out, 'furl_learning_curves.png'),
+      [dict(title='speaker_context: FL vs server (FURL Fig. 5)\n' +
+            figures.seed_spread([l['curves'] for l in lines]), lines=lines)],
+      x='epoch', xlabel='epoch', ylabel='eval accuracy', panel_size=(6.5, 4))
+  purity, panels = {}, []
   for method in ('personalized_server', 'personalized_fl'):
     for path in sorted(glob.glob(os.path.join(
-        runs, method, f'*dp=none*embedding_dim={_DIM}*', 'seed_0',
+        runs_dir, method, f'*dp=none*embedding_dim={_DIM}*', 'seed_0',
         'embeddings.npz'))):
       with np.load(path) as z:
         ids, emb = z['ids'], z['embeddings']
@@ -323,24 +269,22 @@ def make_figures(root_output_dir: str, task: speaker_task.SpeakerTask) -> None:
                         'users': len(ids)}
       panels.append((method, emb, labels))
   atomic_io.write_json(os.path.join(out, 'furl_purity.json'), purity)
-  if panels:
-    from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5))
-    axes = np.atleast_1d(axes)
-    for ax, (method, emb, labels) in zip(axes, panels):
-      xy = TSNE(n_components=2, perplexity=min(30, len(emb) - 1),
-                random_state=0, init='pca').fit_transform(emb)
-      shows = labels < 2  # friends, game_of_thrones; the rest are plays
-      ax.scatter(xy[~shows, 0], xy[~shows, 1], c=labels[~shows], cmap='tab20',
-                 s=8, label='Shakespeare plays (colour = play)')
-      for lab, colour, name in ((0, 'black', 'Friends'),
-                                (1, 'red', 'Game of Thrones')):
-        sel = labels == lab
-        ax.scatter(xy[sel, 0], xy[sel, 1], c=colour, s=10, marker='x',
-                   label=name)
-      ax.set_title(f'{method}: user embeddings (5-NN purity '
-                   f'{purity[method]["knn5_purity"]:.2f})')
-      ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, 'furl_embeddings_tsne.png'), dpi=110)
-    plt.close(fig)
+  if not panels:
+    return
+  fig, axes = figures.pyplot().subplots(
+      1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
+  for ax, (method, emb, labels) in zip(axes[0], panels):
+    xy = figures.map_2d(emb)
+    shows = labels < 2  # friends, game_of_thrones; the rest are plays
+    ax.scatter(xy[~shows, 0], xy[~shows, 1], c=labels[~shows], cmap='tab20',
+               s=8, label='Shakespeare plays (colour = play)')
+    for lab, colour, name in ((0, 'black', 'Friends'),
+                              (1, 'red', 'Game of Thrones')):
+      sel = labels == lab
+      ax.scatter(xy[sel, 0], xy[sel, 1], c=colour, s=10, marker='x',
+                 label=name)
+    ax.set_title(f'{method}: user embeddings (5-NN purity '
+                 f'{purity[method]["knn5_purity"]:.2f})')
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  figures.save(fig, os.path.join(out, 'furl_embeddings_tsne.png'))

@@ -110,6 +110,24 @@ class SpeakerTask:
              for cid in client_ids]
     return train, self.test_datasets(client_ids)
 
+  def pooled(self, client_ids: Sequence[int], split: str, batch_size: int,
+             shuffle_seed: int | None = None) -> tf.data.Dataset:
+    """The clients' documents pooled for centralized training: batches of
+    `x`, `y` and `user` (the client id), shuffled when `shuffle_seed` is
+    given."""
+    xs, ys, users = [], [], []
+    for cid in client_ids:
+      x, y = self.data.arrays(self.user_of(cid), split)
+      xs.append(x)
+      ys.append(y)
+      users.append(np.full(len(y), cid, np.int32))
+    ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=np.concatenate(xs), y=np.concatenate(ys).astype(np.int32),
+        user=np.concatenate(users)))
+    if shuffle_seed is not None:
+      ds = ds.shuffle(sum(len(y) for y in ys), seed=shuffle_seed)
+    return ds.batch(batch_size)
+
   def communities(self, client_ids: Sequence[int]) -> np.ndarray:
     return np.asarray(self.data.user_community)[self._users[list(client_ids)]]
 

@@ -1,11 +1,10 @@
-"""The FedDVA paper module: cells, records' settings, probes, speed metric."""
+"""The FedDVA paper module: cells, records' settings, runs, speed metric."""
 
 import csv
 import json
 import os
 import types
 
-import numpy as np
 import pytest
 
 from binaries import reproduce
@@ -13,7 +12,6 @@ from papers import feddva as paper
 from tff_personal import curve_bands
 from tff_personal import reporting
 from tff_personal.algorithms import registry
-from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses as losses
 from tff_personal.models import feddva_recipes as recipes
 
@@ -61,167 +59,6 @@ def test_rounds_to_reach():
   assert paper.rounds_to_reach([0.1, 0.5, 0.7, 0.6], 0.6) == 3
   assert paper.rounds_to_reach([0.1, 0.2], 0.6) is None
   assert paper.rounds_to_reach([0.9], 0.6) == 1
-
-
-def test_linear_probes_find_what_is_there_and_not_what_is_not():
-  rng = np.random.default_rng(0)
-  n, clients = 800, 4
-  client = rng.integers(0, clients, n)
-  digit = rng.integers(0, 10, n)
-  centers_c = rng.normal(scale=4.0, size=(clients, 3))
-  centers_z = rng.normal(scale=4.0, size=(10, 6))
-  reps = {'client': client, 'digit': digit,
-          'c': centers_c[client] + rng.normal(size=(n, 3)) * 0.3,
-          'z': centers_z[digit] + rng.normal(size=(n, 6)) * 0.3}
-  out = paper.linear_probes(reps, seed=0)
-  assert out['client_from_c'] > 0.95 and out['digit_from_z'] > 0.95
-  assert out['client_from_z'] < out['chance_client'] + 0.1
-  assert out['digit_from_c'] < 0.25
-  assert 0.2 < out['chance_client'] < 0.35
-  assert out['digit_from_z_within_client'] > 0.9
-
-
-def test_linear_probes_without_c_leave_the_c_probes_out():
-  rng = np.random.default_rng(1)
-  n = 400
-  digit = rng.integers(0, 10, n)
-  reps = {'client': rng.integers(0, 4, n), 'digit': digit,
-          'z': rng.normal(scale=4.0, size=(10, 5))[digit]
-               + rng.normal(size=(n, 5)) * 0.3}
-  with_c = paper.linear_probes({**reps, 'c': reps['z']}, seed=0)
-  out = paper.linear_probes(reps, seed=0)
-  assert not any(k.endswith('_from_c') for k in out)
-  assert {k for k in with_c if not k.endswith('_from_c')} == set(out)
-  # The z probes do not depend on whether c is there.
-  assert all(out[k] == with_c[k] for k in out)
-  assert out['digit_from_z'] > 0.95
-
-
-def test_within_client_probe_reads_client_specific_digit_codes():
-  """z holds the digit, but each client places the digits differently (as
-  private decoders may): one linear map for all clients fails, a map fitted
-  per client does not."""
-  rng = np.random.default_rng(1)
-  n, clients = 1600, 4
-  client = rng.integers(0, clients, n)
-  digit = rng.integers(0, 10, n)
-  centers = rng.normal(scale=4.0, size=(10, 6))
-  perms = [rng.permutation(10) for _ in range(clients)]
-  z = np.stack([centers[perms[k][d]] for k, d in zip(client, digit)])
-  reps = {'client': client, 'digit': digit,
-          'c': rng.normal(size=(n, 3)),
-          'z': z + rng.normal(size=(n, 6)) * 0.3}
-  out = paper.linear_probes(reps, seed=0)
-  assert out['digit_from_z'] < 0.6
-  assert out['digit_from_z_within_client'] > 0.9
-
-
-def test_mark_probe_reads_the_mark_angle_where_it_is_and_not_elsewhere():
-  """c holds each image's mark angle (on a circle, scaled per client), z
-  does not: mark_from_c near 1, mark_from_z near 0; a client without marks
-  (NaN) is left out, and with no varying marks the probe is None."""
-  rng = np.random.default_rng(2)
-  n, clients = 1200, 4
-  client = rng.integers(0, clients, n)
-  angle = rng.uniform(0, 2 * np.pi, n)
-  angle[client == 3] = np.nan  # Plain digits.
-  circle = np.stack([np.cos(angle), np.sin(angle)], -1)
-  circle[client == 3] = 0.0
-  scale = rng.uniform(1, 3, size=(clients, 1, 1))[client, 0]
-  c = np.concatenate([circle * scale, rng.normal(size=(n, 2))], axis=1)
-  reps = {'client': client, 'digit': rng.integers(0, 10, n),
-          'mark': angle, 'c': c + rng.normal(size=c.shape) * 0.05,
-          'z': rng.normal(size=(n, 6))}
-  out = paper.linear_probes(reps, seed=0)
-  assert out['mark_from_c'] > 0.95
-  assert out['mark_from_z'] < 0.05
-  # Fixed marks: every angle 0 (or NaN), nothing to read.
-  fixed = dict(reps, mark=np.where(client == 3, np.nan, 0.0))
-  out = paper.linear_probes(fixed, seed=0)
-  assert out['mark_from_c'] is None and out['mark_from_z'] is None
-  # Representations of tasks without marks leave the probe out as well.
-  out = paper.linear_probes({k: v for k, v in reps.items() if k != 'mark'},
-                            seed=0)
-  assert out['mark_from_c'] is None
-
-
-def test_mark_r2_is_one_for_an_exact_map_and_negative_when_worse():
-  rng = np.random.default_rng(3)
-  angle = rng.uniform(0, 2 * np.pi, 200)
-  exact = np.stack([np.cos(angle), np.sin(angle)], -1) @ [[2.0, 1.0],
-                                                         [0.0, 3.0]]
-  fit, score = np.arange(100), np.arange(100, 200)
-  assert paper.mark_r2(exact, angle, fit, score) == pytest.approx(1.0)
-  noise = rng.normal(size=(200, 8))
-  assert paper.mark_r2(noise, angle, fit, score) < 0.1
-  # Too few images to fit 8 weights and an intercept.
-  assert paper.mark_r2(noise, angle, fit[:9], score) is None
-
-
-def test_decoder_effects_swap_each_code_with_another_image_of_the_client():
-  """The pairing is a permutation with no fixed point, and each effect is
-  the mean absolute change of the decoded pixels under that swap."""
-  rng = np.random.default_rng(4)
-  z, c = rng.normal(size=(37, 3)), rng.normal(size=(37, 2))
-  a, b = rng.normal(size=(3, 5)), rng.normal(size=(2, 5))
-  calls = []
-
-  def decode(zz, cc):
-    calls.append((np.array(zz), np.array(cc)))
-    return np.tanh(zz @ a) + np.tanh(cc @ b)
-
-  out = paper.decoder_effects(decode, z, c, seed=0)
-  (z0, c0), (z1, c1), (z2, c2) = calls
-  np.testing.assert_allclose(z0, z)
-  np.testing.assert_allclose(c0, c)
-  # The swapped codes: each row another image's, every image used once.
-  partner_c = [int(np.argmin(np.abs(c - row).sum(1))) for row in c1]
-  partner_z = [int(np.argmin(np.abs(z - row).sum(1))) for row in z2]
-  assert partner_c == partner_z
-  assert sorted(partner_c) == list(range(37))
-  assert all(p != i for i, p in enumerate(partner_c))
-  np.testing.assert_allclose(z1, z, rtol=1e-6)
-  np.testing.assert_allclose(c2, c, rtol=1e-6)
-  base = np.tanh(z @ a) + np.tanh(c @ b)
-  expect_c = np.mean(np.abs(np.tanh(z @ a) + np.tanh(c[partner_c] @ b)
-                            - base))
-  expect_z = np.mean(np.abs(np.tanh(z[partner_z] @ a) + np.tanh(c @ b)
-                            - base))
-  assert out['c'] == pytest.approx(expect_c, rel=1e-5)
-  assert out['z'] == pytest.approx(expect_z, rel=1e-5)
-  assert out['images'] == 37
-  # Only the first max_images rows are used.
-  assert paper.decoder_effects(decode, z, c, seed=0, max_images=5)[
-      'images'] == 5
-
-
-def test_decoder_effects_are_zero_for_a_code_the_decoder_cannot_read():
-  """FedDVA's own decoder with the weights that read c (then z) zeroed."""
-  config = feddva_lib.FeddvaConfig(z_dim=3, c_dim=2, channels=(4, 4, 4, 4),
-                                   hidden=16)
-  rng = np.random.default_rng(5)
-  z = rng.normal(size=(20, 3)).astype(np.float32)
-  c = rng.normal(size=(20, 2)).astype(np.float32)
-  for blind, rows in (('c', slice(3, 5)), ('z', slice(0, 3))):
-    model = feddva_lib.FeddvaModel(config)
-    kernel = model.decoder.get_layer('g_fc1').kernel
-    value = kernel.numpy()
-    value[rows] = 0.0
-    kernel.assign(value)
-    out = paper.decoder_effects(model.decode_mean, z, c, seed=1)
-    seen = 'z' if blind == 'c' else 'c'
-    assert out[blind] == 0.0, blind
-    assert out[seen] > 1e-4, seen
-
-
-def test_decoder_effects_name_bad_input():
-  decode = lambda zz, cc: zz
-  with pytest.raises(ValueError, match='same n'):
-    paper.decoder_effects(decode, np.zeros((4, 2)), np.zeros((3, 2)), 0)
-  with pytest.raises(ValueError, match='shape'):
-    paper.decoder_effects(decode, np.zeros(4), np.zeros((4, 2)), 0)
-  with pytest.raises(ValueError, match='at least 2'):
-    paper.decoder_effects(decode, np.zeros((1, 2)), np.zeros((1, 2)), 0)
 
 
 def test_varied_marks_mark_every_marked_mnist_cell_and_have_columns():
@@ -385,7 +222,8 @@ def test_accuracy_curves_band_every_seed_of_a_method(tmp_path, monkeypatch):
   setting = {**paper.task_setting('marked_mnist', 'fixed'),
              'rounds': paper.DEFAULT_CLASS_ROUNDS}
   for seed, accuracy in ((0, 0.5), (1, 0.7)):
-    path = paper._curve_path(str(tmp_path), 'fedavg', setting, seed)
+    path = os.path.join(paper._cell_dir(str(tmp_path), 'fedavg', setting,
+                                        seed), 'curve.json')
     os.makedirs(os.path.dirname(path))
     with open(path, 'w') as fh:
       json.dump({'round': [1, 2], 'mean': [accuracy, accuracy + 0.1],

@@ -142,7 +142,7 @@ def test_tables_render_from_a_results_file(tmp_path):
   v25 = [m['f1_prev_25'] for m in values[('global', 'imbalanced None')]]
   assert cells[1] == (f'{np.mean(v25):.2f} ± {np.std(v25, ddof=1):.2f} (3) '
                       '(0.82 ± 0.10)')
-  eps = fedembed.render_epsilons(list(results.latest().values()))
+  eps = fedembed.EXTRA_TABLES['epsilon'](list(results.latest().values()))
   assert eps.count('| fedembed_prototype |') == 2 * 3  # DP cells only
   assert '9.700' in eps
 
@@ -264,34 +264,6 @@ def test_heads_tables_noise_the_heads_at_the_gaussian_cells_dp(tmp_path):
   assert heads.dp_personal_heads == 'noised'
   assert base.dp_personal_heads == 'exempt'
   assert dataclasses.replace(heads, dp_personal_heads='exempt') == base
-
-
-def test_confusion_and_assignment_accuracy():
-  truth = np.array([0, 0, 1, 1, 2, 2])
-  assigned = np.array([0, 0, 1, 2, 2, 2])
-  cm = fedembed.confusion(truth, assigned, 3)
-  np.testing.assert_allclose(cm, [[1, 0, 0], [0, .5, .5], [0, 0, 1]])
-  assert fedembed.assignment_accuracy(truth, assigned, 3) == pytest.approx(
-      5 / 6)
-  # Unsupervised heads: a relabelling scores like the identity.
-  assert fedembed.assignment_accuracy(truth, (truth + 1) % 3, 3) == 1.0
-  # Every group on one head is not a good assignment (one-to-one matching).
-  assert fedembed.assignment_accuracy(truth, np.zeros(6, int), 3) == (
-      pytest.approx(1 / 3))
-
-
-def test_embedding_clusters_are_matched_to_groups_one_to_one():
-  rng = np.random.default_rng(0)
-  truth = np.repeat(np.arange(4), 25)
-  centres = rng.normal(0, 10, (4, 6))
-  embeddings = centres[truth] + rng.normal(0, 0.1, (100, 6))
-  clusters = fedembed.embedding_assignment(embeddings, 4)
-  assert fedembed.assignment_accuracy(truth, clusters, 4) == 1.0
-  np.testing.assert_array_equal(fedembed._matched(truth, clusters, 4), truth)
-  # Embeddings that carry no group information cluster no better than
-  # chance after matching.
-  noise = fedembed.embedding_assignment(rng.normal(size=(100, 6)), 4)
-  assert fedembed.assignment_accuracy(truth, noise, 4) < 0.6
 
 
 def _fake_analysis(root, method, setting_dir, truth, head=None,

@@ -10,7 +10,6 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from papers import fedembed as fedembed_paper
 from tests import fedembed_testdata
 from tff_personal.algorithms import fedembed_som
 from tff_personal.algorithms import registry
@@ -170,7 +169,7 @@ def test_som_separates_a_known_clustering(clustered, update):
                                            ('best', 'most_similar'),
                                            ('mean', 'least_similar')])
 def test_som_alone_replays_the_algorithms_map(update, winner):
-  """`papers/fedembed.som_alone` on fixed embeddings moves the map as the
+  """`fedembed_som.som_alone` on fixed embeddings moves the map as the
   process does when nothing else trains (every client in every round, past
   the end of the decay)."""
   rng = np.random.default_rng(5)
@@ -191,14 +190,14 @@ def test_som_alone_replays_the_algorithms_map(update, winner):
     state, states, _ = proc.next(state, states, datasets([1] * 6, seed=r))
   ours = dict(zip(names, state.global_model_weights.non_trainable))[
       'som/nodes:0']
-  alone = fedembed_paper.som_alone(
+  alone = fedembed_som.som_alone(
       embeddings, start, rounds=rounds, cohort_size=6,
       config=cfg.resolve(tff.aggregators.MeanFactory()),
       cohorts=[range(6)] * rounds)
   assert not np.allclose(alone, start)
   np.testing.assert_allclose(alone, ours, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(
-      fedembed_paper.node_assignment(alone, embeddings),
+      fedembed_som.node_assignment(alone, embeddings),
       [int(np.argmin(((ours - e) ** 2).sum(-1))) for e in embeddings])
 
 def test_dp_refuses_best_scoring_and_covers_the_som_statistics():

@@ -13,6 +13,7 @@ from tasks import tv_shows_task
 from tests import fedperc_testdata
 from tff_personal import curve_bands
 from tff_personal import experiment
+from tff_personal.core import runtime
 from tff_personal.models import fedperc
 
 
@@ -49,9 +50,20 @@ def _tiny_flags(rounds=2, clients=15):
                 fedperc_server_learning_rate=1.0)
 
 
+def _train(flags, root):
+  """The trained run's weights, {user: private state} and `_curves`."""
+  run = paper.trained_run(fedperc.EMBEDDING, flags, 0, root)
+  with runtime.local_runtime():
+    weights = run.weights()
+    states = run.client_states(range(run.task.population))
+  return dict(weights=weights, states={
+      name: s['private'] for name, s in zip(run.task.client_names, states)},
+              **paper._curves(run))
+
+
 def test_training_is_the_registered_algorithm_on_the_one_path(
     tmp_path, monkeypatch):
-  """`train` is one run of the registered algorithm on the tv_shows task:
+  """`trained_run` is one run of the registered algorithm on the tv_shows task:
   its weights, private states and losses are those of the same process
   driven by hand over the task's rounds (full cohorts), read back from the
   run's checkpoint, store and metrics."""
@@ -61,8 +73,8 @@ def test_training_is_the_registered_algorithm_on_the_one_path(
       generator_tokens=4, seed=0)
   monkeypatch.setattr(paper, 'task_of', lambda flag_values, seed: task)
   flags = _tiny_flags()
-  trained = paper.train(fedperc.EMBEDDING, flags, 0, str(tmp_path))
-  again = paper.train(fedperc.EMBEDDING, flags, 0, str(tmp_path))  # Read back.
+  trained = _train(flags, str(tmp_path))
+  again = _train(flags, str(tmp_path))  # Read back.
   config = paper.train_config(fedperc.EMBEDDING, flags, 0, str(tmp_path))
   assert config.algorithm == 'fedperc'
   assert config.algorithm_options == {'proximal_mu': 1.0,
@@ -78,9 +90,13 @@ def test_training_is_the_registered_algorithm_on_the_one_path(
         state, states, task.train_datasets(range(task.population), r))
     losses.append(float(metrics['train']['loss']))
   want = process.get_model_weights(state)
+  initial = process.get_model_weights(process.initialize())
   for got in (trained, again):
     for x, y in zip(got['weights'].trainable, want.trainable, strict=True):
       np.testing.assert_allclose(x, np.asarray(y), rtol=1e-5, atol=1e-6)
+    for x, y in zip(got['weights'].non_trainable, initial.non_trainable,
+                    strict=True):  # The backbone stays frozen.
+      np.testing.assert_array_equal(x, y)
     for name, s in zip(task.client_names, states, strict=True):
       for x, y in zip(got['states'][name], s['private'], strict=True):
         np.testing.assert_allclose(x, np.asarray(y), rtol=1e-5, atol=1e-6)
@@ -91,10 +107,8 @@ def test_training_is_the_registered_algorithm_on_the_one_path(
   # Without curve points the run evaluates after its last round only; with
   # them it evaluates more often and trains exactly the same.
   assert trained['eval_curve']['round'] == [2]
-  curved = paper.train(fedperc.EMBEDDING,
-                       types.SimpleNamespace(**vars(flags),
-                                             fedperc_curve_points=2),
-                       0, str(tmp_path / 'curve'))
+  curved = _train(types.SimpleNamespace(**vars(flags), fedperc_curve_points=2),
+                  str(tmp_path / 'curve'))
   assert curved['eval_curve']['round'] == [1, 2]
   assert curved['eval_curve']['perplexity'][-1] == (
       trained['eval_curve']['perplexity'][0])

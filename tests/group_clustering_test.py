@@ -65,3 +65,24 @@ def test_bad_input():
     uc.cluster_updates(np.eye(3), 2, method='dbscan')
   with pytest.raises(ValueError, match='sketch dim'):
     uc.CountSketch(0)
+
+
+def test_sketched_updates_chunk_the_clients_and_sketch_each_update():
+  rng = np.random.default_rng(1)
+  updates_of = {c: [rng.normal(size=(4, 3)), rng.normal(size=5)]
+                for c in range(5)}
+  calls = []
+
+  def client_updates(weights, datasets):
+    calls.append(list(datasets))
+    return [[u * weights for u in updates_of[d]] for d in datasets]
+
+  sketch = uc.CountSketch(dim=64, seed=2)
+  built = []
+  dataset_fn = lambda c: built.append(c) or c  # Each client's "data".
+  vectors = uc.sketched_updates(client_updates, 2.0, [3, 0, 4, 1, 2],
+                                dataset_fn, sketch, chunk_size=2)
+  assert calls == [[3, 0], [4, 1], [2]] and built == [3, 0, 4, 1, 2]
+  assert vectors.shape == (5, 64)
+  for row, c in zip(vectors, [3, 0, 4, 1, 2]):
+    np.testing.assert_allclose(row, sketch([2.0 * u for u in updates_of[c]]))

@@ -193,3 +193,13 @@ def test_costs():
   assert group_fl.communication_cost(20) == 41
   assert group_fl.computation_cost(20, 1, 5) == 25
   assert group_fl.computation_cost(3, 2) == 6
+
+
+def test_token_sums_pool_a_clients_rows_into_perplexity():
+  # Two speeches: (NLL sum, tokens) = (6, 3) and (2, 1).
+  sums = group_fl.token_sums({'outputs': np.array([[6.0, 3.0], [2.0, 1.0]],
+                                                  np.float32)})
+  assert sums == {'token_nll_sum': 8.0, 'tokens': 4.0}
+  assert group_fl.token_sums({'outputs': [6.0, 3.0]})['tokens'] == 3.0
+  assert group_fl.perplexity([sums, {'token_nll_sum': 0.0, 'tokens': 4.0}]
+                             ) == pytest.approx(math.exp(1.0))

@@ -14,6 +14,7 @@ from tests import conftest
 from tff_personal import curve_bands
 from tff_personal import experiment
 from tff_personal import reporting
+from tff_personal import run_analysis
 from tff_personal import runs
 from tff_personal.core import client_state as client_state_lib
 
@@ -115,7 +116,7 @@ def _check_controls(f, root, records):
     plateau = json.load(fh)
   curve = {int(r): v for r, v in plateau['curve'].items()}
   assert sorted(curve) == [2, 4, 6]  # Every eval_every rounds, to the end.
-  expected = group.plateau_round(curve, 2, 0.01) or 6
+  expected = run_analysis.plateau_round(curve, 2, 0.01) or 6
   assert plateau['rounds'] == expected
   for (method, g), m in cells.items():
     assert m['fl_rounds'] == expected and m['perplexity'] == m['perplexity']
@@ -218,12 +219,13 @@ def test_validation_clients_are_disjoint_from_evaluated_and_sweep(
     registered):
   cfg = group._config(_flags())
   task = group._task(cfg, 0)
-  eval_clients, sweep = group._sample_clients(task, cfg, 0)
-  validation = group._validation_clients(task, cfg, 0)
+  eval_clients, sweep = group._samples(task, cfg, 0)
+  validation = group._samples(task, cfg, 0, validation=True)
   assert validation and not set(validation) & (set(eval_clients) | set(sweep))
   assert all(task.num_eval(c) > 0 for c in validation)
   with pytest.raises(ValueError, match='no client left for validation'):
-    group._validation_clients(task, dict(cfg, eval_clients_per_group=0), 0)
+    group._samples(task, dict(cfg, eval_clients_per_group=0), 0,
+                   validation=True)
 
 
 def test_data_seed_fixes_the_samples_and_leaves_old_digests(registered):
@@ -232,30 +234,12 @@ def test_data_seed_fixes_the_samples_and_leaves_old_digests(registered):
   fixed = group._config(_flags(data_seed=0))
   assert fixed['data_seed'] == 0
   task = group._task(fixed, 0)
-  samples = [group._sample_clients(task, fixed, seed) for seed in (0, 1)]
+  samples = [group._samples(task, fixed, seed) for seed in (0, 1)]
   assert samples[0] == samples[1]
-  assert (group._validation_clients(task, fixed, 1)
-          == group._validation_clients(task, cfg, 0))
+  assert (group._samples(task, fixed, 1, validation=True)
+          == group._samples(task, cfg, 0, validation=True))
   # Without it, another seed samples other clients.
-  assert group._sample_clients(group._task(cfg, 1), cfg, 1) != samples[0]
-
-
-def test_plateau_round():
-  curve = {10: 200.0, 20: 150.0, 30: 149.0, 40: 149.5, 50: 140.0}
-  # 149 is within 1% of 150 over (20, 40]; at 30 the window (30, 50] holds
-  # 140, more than 1% below.
-  assert group.plateau_round(curve, 20, 0.01) == 20
-  # With no tolerance 149.0 beats 150.0; later windows hold 140.
-  assert group.plateau_round(curve, 20, 0.0) is None
-  # A window of 30 from round 20 reaches 140.
-  assert group.plateau_round(curve, 30, 0.01) is None
-  # Still falling by more than the tolerance everywhere: no plateau.
-  falling = {r: 100.0 * 0.9 ** (r // 10) for r in range(10, 110, 10)}
-  assert group.plateau_round(falling, 20, 0.05) is None
-  # Only rounds whose whole window the curve covers can be T.
-  assert group.plateau_round({10: 100.0, 20: 100.0}, 20, 0.01) is None
-  assert group.plateau_round({10: 100.0, 20: 100.0, 30: 100.0}, 20,
-                             0.01) == 10
+  assert group._samples(group._task(cfg, 1), cfg, 1) != samples[0]
 
 
 def _check_runs_share_the_fl_model_and_counts(f, root):
@@ -284,28 +268,43 @@ def _check_runs_share_the_fl_model_and_counts(f, root):
   assert sum(stored) == cfg['rounds'] * cfg['clients_per_round']
 
 
+class _FakeRun:
+  """The part of `runs.Run` the training figure reads: its released
+  training rows per stage and group."""
+
+  def __init__(self, fl_losses, group_losses):
+    rows = lambda losses: [{'round': r, 'train/loss': l}
+                           for r, l in enumerate(losses, 1)]
+    self._fl, self._groups = rows(fl_losses), {
+        g: rows(l) for g, l in group_losses.items()}
+
+  def groups(self):
+    return {g: [] for g in self._groups}
+
+  def curves(self, stage=None, group=None):
+    assert (stage == 'fl') != (group is not None)
+    return {'train': self._fl if stage else self._groups[group], 'eval': []}
+
+
 def test_training_figure_offsets_group_rounds_after_fl(tmp_path, monkeypatch):
-  def write(path, losses):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, 'w') as f:
-      f.write('round,train/loss\n' + ''.join(
-          f'{r},{l}\n' for r, l in enumerate(losses, 1)))
+  fakes = {}
   for seed, shift in ((0, 0.0), (1, 0.5)):
-    task = tmp_path / 'pipe' / f'seed_{seed}' / 'groupfl_task'
-    write(str(task / 'stages' / 'fl' / 'train_metrics.csv'),
-          [3.0 + shift, 2.0 + shift])
-    write(str(task / 'groups' / 'comedy' / 'train_metrics.csv'), [1.0])
+    fakes[seed] = _FakeRun([3.0 + shift, 2.0 + shift], {'comedy': [1.0]})
+  # A seed killed before its first round: no rows, its groups not started.
+  fakes[2] = _FakeRun([], {'comedy': []})
+  for seed in fakes:
+    os.makedirs(tmp_path / 'pipe' / f'seed_{seed}' / 'groupfl_task')
+  monkeypatch.setattr(runs.Run, 'open', staticmethod(
+      lambda d: fakes[int(os.path.basename(os.path.dirname(d))[5:])]))
   drawn = {}
   real = curve_bands.plot_seed_band
   monkeypatch.setattr(curve_bands, 'plot_seed_band',
                       lambda ax, curves, *a, **k: drawn.update(
                           {k['label']: curves}) or real(ax, curves, *a, **k))
-  # A seed killed before its first round: a header and no rows.
-  write(str(tmp_path / 'pipe' / 'seed_2' / 'groupfl_task' / 'stages' / 'fl' /
-            'train_metrics.csv'), [])
   group.make_training_figure(str(tmp_path), str(tmp_path / 'pipe' / 'seed_0'))
   fl = drawn['fl: every client']
   assert [c['round'] for c in fl] == [[1, 2], [1, 2]]
   np.testing.assert_allclose(fl[1]['perplexity'], np.exp([3.5, 2.5]))
+  # After the FL rounds, and without the killed seed's empty curve.
   assert [c['round'] for c in drawn['groupfl: comedy']] == [[3], [3]]
   assert (tmp_path / 'figures' / 'group_training_curves.png').exists()

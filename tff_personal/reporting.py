@@ -325,6 +325,45 @@ def write_tables(results: Results, tables: Union[Mapping[str, Table],
   return paths
 
 
+def write_extra_tables(results: Results, module: Any,
+                       out_dir: str) -> list[str]:
+  """Writes a paper's `EXTRA_TABLES` (its own layouts) as <name>.md.
+
+  Args:
+    results: the results (a `ResultsFile` or records).
+    module: the paper module; `EXTRA_TABLES` maps a name to a function of
+      the latest records that returns Markdown (absent: nothing written).
+    out_dir: the paper's tables directory.
+
+  Returns:
+    The paths written.
+  """
+  extra = getattr(module, 'EXTRA_TABLES', None) or {}
+  records = latest_records(results) if extra else []
+  paths = []
+  for name, render in extra.items():
+    path = os.path.join(out_dir, f'{name}.md')
+    _write_atomic(path, render(records))
+    paths.append(path)
+  return paths
+
+
+def render_epsilons(records: Iterable[Mapping[str, Any]], paper: str) -> str:
+  """A Markdown table of the exact (epsilon, delta) of every DP cell of
+  `paper` (the records whose metrics have an `epsilon`), with its noise
+  multiplier and clip."""
+  lines = ['| method | setting | seed | epsilon | delta | noise multiplier '
+           '| clip |', '|---|---|---:|---:|---:|---:|---:|']
+  for r in sorted(records, key=lambda r: (r['method'], json.dumps(
+      r['setting'], sort_keys=True), r['seed'])):
+    m = r['metrics']
+    if r['paper'] == paper and 'epsilon' in m:
+      lines.append(f'| {r["method"]} | {setting_label(r["setting"])}'
+                   f' | {r["seed"]} | {m["epsilon"]:.3f} | {m["delta"]:.3g} | '
+                   f'{m["noise_multiplier"]:.4f} | {m["clip_norm"]:g} |')
+  return '\n'.join(lines) + '\n'
+
+
 # ------------------------------------------------------------------ registry
 
 
@@ -371,6 +410,30 @@ def get_paper(name: str) -> Any:
 
 
 # ------------------------------------------------------- run configuration
+
+
+def define_flags(*definitions: tuple) -> None:
+  """Defines a paper's absl flags, each once (several papers share a binary).
+
+  Args:
+    *definitions: `(kind, name, default, help)`, kind an absl `DEFINE_<kind>`
+      suffix ('integer', 'float', 'string', 'bool', 'list'), or
+      `('enum', name, default, help, values)`.
+
+  Example:
+    reporting.define_flags(
+        ('integer', 'mypaper_rounds', 10, 'MyPaper: rounds.'),
+        ('enum', 'mypaper_mode', 'a', 'MyPaper: mode.', ('a', 'b')))
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  for kind, name, default, help_text, *values in definitions:
+    if name in flags.FLAGS:
+      continue
+    if kind == 'enum':
+      flags.DEFINE_enum(name, default, list(values[0]), help_text)
+    else:
+      getattr(flags, f'DEFINE_{kind}')(name, default, help_text)
+
 
 
 def _flag_names(flag_values: Any) -> list[str]:
@@ -656,9 +719,11 @@ def reproduce(p: Plan, flag_values: Any, root_output_dir: str,
         'finished_at': datetime.datetime.now(
             datetime.timezone.utc).isoformat(timespec='seconds')})
     write_tables(p.results, [p.table], p.tables_dir)
+    write_extra_tables(p.results, p.module, p.tables_dir)
     log_fn(f'[{i}/{len(p.pending)}] {_cell_label(cell, p.table)} -> '
            f'{_fmt_metrics(metrics)} ({seconds:.1f} s)')
   write_tables(p.results, p.module.TABLES, p.tables_dir)
+  write_extra_tables(p.results, p.module, p.tables_dir)
   markdown = render_markdown(p.results, p.table)
   log_fn(markdown)
   return markdown

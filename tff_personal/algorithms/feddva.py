@@ -35,7 +35,8 @@ FedAvg of the two encoders and a classification head on [mu_z; mu_c]
 `build_feddva_algorithm` is the registered algorithm `feddva`: both stages
 in order (`core/stages.py`), run by the one loop on any task of MNIST-shaped
 digit images (`binaries.train --task=marked_mnist --algorithm=feddva`).
-`papers/feddva.py` also drives the processes directly for its probes.
+`pretrained_model` reads the dual VAE a run of it pre-trained;
+`save_pretrained` / `load_pretrained` keep it beside the run.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal import atomic_io
 from tff_personal.core import process as process_lib
 from tff_personal.core import stages
 from tff_personal.models import feddva as feddva_lib
@@ -195,6 +198,105 @@ def split_shared_weights(config: feddva_lib.FeddvaConfig, trainable):
   num_encoders = len(feddva_lib.FeddvaModel(config).shared_variables)
   trainable = tuple(trainable)
   return trainable[:num_encoders], trainable[num_encoders:]
+
+
+# The pre-trained model of a `feddva` run, kept in the run's directory.
+PRETRAINED_WEIGHTS = 'pretrained.npz'
+PRETRAINED_META = 'pretrained.json'
+
+
+def pretrained_model(run, config: feddva_lib.FeddvaConfig,
+                     decoder: str = 'private'):
+  """The model a run of the registered `feddva` pre-trained.
+
+  Reads its 'pretrain' stage's last checkpoint and, for private decoders,
+  every client's committed state. Call inside a TFF runtime.
+
+  Args:
+    run: a `runs.Run` of `feddva` (its task given or rebuildable).
+    config: the run's model sizes (its `dim`, `channels`, `hidden`).
+    decoder: the run's decoder mode (`DECODERS`).
+
+  Returns:
+    (encoders, decoders): tuples of arrays, and one decoder per client of
+    the run's task (the one shared decoder repeated for 'shared').
+
+  Example:
+    encoders, decoders = pretrained_model(run, config)
+  """
+  population = run.task.population
+  encoders, shared_decoder = split_shared_weights(
+      config, [np.asarray(w) for w in run.weights(stage='pretrain').trainable])
+  if decoder == 'private':
+    decoders = [tuple(np.asarray(w) for w in s[
+        process_lib.CLIENT_STATE_PRIVATE])
+                for s in run.client_states(range(population),
+                                           stage='pretrain')]
+  else:  # One decoder for every client.
+    decoders = [shared_decoder] * population
+  return encoders, decoders
+
+
+def save_pretrained(run, config: feddva_lib.FeddvaConfig,
+                    decoder: str = 'private', **meta) -> None:
+  """Keeps `pretrained_model` of `run` beside it, for reads without TFF.
+
+  Writes `PRETRAINED_WEIGHTS` (the arrays) and `PRETRAINED_META` (`curve`:
+  the 'pretrain' stage's per-round training metrics, without their
+  'train/' prefix; `seconds_per_round`: its mean round time; and `meta`) in
+  the run's directory. Call inside a TFF runtime.
+
+  Args:
+    run, config, decoder: as for `pretrained_model`.
+    **meta: JSON-able values kept with it (e.g. the clients' names).
+
+  Example:
+    save_pretrained(run, config, 'private', dim=8)
+    pre = load_pretrained(run.directory, num_clients=4)
+  """
+  encoders, decoders = pretrained_model(run, config, decoder)
+  rows = run.curves(stage='pretrain')['train']
+  curve = [{k[len('train/'):]: float(v) for k, v in row.items()
+            if k.startswith('train/')} for row in rows]
+  seconds = float(np.mean([float(r['round_seconds']) for r in rows]))
+  arrays = {f'e{i}': w for i, w in enumerate(encoders)}
+  for k, dec in enumerate(decoders):
+    arrays.update({f'd{k}_{i}': w for i, w in enumerate(dec)})
+  with atomic_io.atomic_write(
+      os.path.join(run.directory, PRETRAINED_WEIGHTS), 'wb') as fh:
+    np.savez(fh, num_encoders=len(encoders), num_decoder=len(decoders[0]),
+             **arrays)
+  atomic_io.write_json(os.path.join(run.directory, PRETRAINED_META),
+                       {'curve': curve, 'seconds_per_round': seconds, **meta})
+
+
+def load_pretrained(directory: str, num_clients: int) -> Optional[dict]:
+  """What `save_pretrained` kept in a run's `directory`, or None.
+
+  Args:
+    directory: the run's directory.
+    num_clients: how many clients' decoders to read.
+
+  Returns:
+    {'encoders': tuple of arrays, 'decoders': [a tuple per client, the
+    first `num_clients`], 'curve', 'seconds_per_round' and the saved
+    `meta`}; None when nothing was saved.
+
+  Example:
+    pre = load_pretrained(run.directory, num_clients=4)
+    model = feddva_probes.feddva_model(config, pre['encoders'],
+                                       pre['decoders'][0])
+  """
+  meta_path = os.path.join(directory, PRETRAINED_META)
+  if not os.path.exists(meta_path):
+    return None
+  with np.load(os.path.join(directory, PRETRAINED_WEIGHTS)) as data:
+    n_enc, n_dec = int(data['num_encoders']), int(data['num_decoder'])
+    encoders = tuple(data[f'e{i}'] for i in range(n_enc))
+    decoders = [tuple(data[f'd{k}_{i}'] for i in range(n_dec))
+                for k in range(num_clients)]
+  return dict(encoders=encoders, decoders=decoders,
+              **atomic_io.read_json(meta_path))
 
 
 def build_feddva_classifier_process(

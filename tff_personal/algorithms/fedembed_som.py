@@ -298,3 +298,62 @@ def build_fedembed_som(model_factory, *,
       server_optimizer=server_optimizer, server_step=server_step,
       selection_factory=best_scoring.BestScoringFactory() if best else None,
       train_metrics=train_metrics, model_fn=model_fn, client_step=make_step)
+
+
+def som_alone(embeddings: np.ndarray, initial_nodes: np.ndarray, *,
+              rounds: int, cohort_size: int, config, seed: int = 0,
+              cohorts=None) -> np.ndarray:
+  """FedEmbed-SOM's map learned on fixed embeddings: the SOM alone.
+
+  Replays this algorithm's map update with the arithmetic of
+  `models/som.py`, the embeddings held fixed (no model, no
+  heads), so that the map can be judged apart from the embeddings it is
+  trained with. Round r (r = 0, 1, ...) draws a cohort, takes each cohort
+  embedding's Kohonen update at sigma `decayed(sigma, final_sigma, r)`
+  and moves every node by `decayed(learning_rate, final_learning_rate, r)`
+  times the update of the best-scoring embedding (`config.update` 'best',
+  best by `config.winner`, the first one on ties) or the cohort's mean
+  update ('mean', every embedding weighted alike).
+
+  Args:
+    embeddings: float [N, D] personal embeddings.
+    initial_nodes: float [K, D] the map's start.
+    rounds: map updates.
+    cohort_size: embeddings drawn per round (without replacement).
+    config: a resolved `fedembed_som.SomConfig` (`update` set).
+    seed: seed of the cohort draws.
+    cohorts: optional explicit cohorts, one sequence of row indices per
+      round (then `cohort_size` and `seed` are unused).
+
+  Returns:
+    float32 [K, D] the map after `rounds` updates.
+  """
+  if config.update not in ('best', 'mean'):
+    raise ValueError(f"config.update must be 'best' or 'mean' (a resolved "
+                     f'SomConfig), got {config.update!r}')
+  embeddings = np.asarray(embeddings, np.float32)
+  nodes = tf.constant(np.asarray(initial_nodes, np.float32))
+  rng = np.random.default_rng(seed)
+  sign = -1.0 if config.winner == 'least_similar' else 1.0
+  for r in range(rounds):
+    cohort = (cohorts[r] if cohorts is not None else rng.choice(
+        len(embeddings), min(cohort_size, len(embeddings)), replace=False))
+    sigma = som.decayed(config.sigma, config.final_sigma, r,
+                        config.decay_rounds)
+    rate = som.decayed(config.learning_rate, config.final_learning_rate, r,
+                       config.decay_rounds)
+    updates = [som.kohonen_update(nodes, tf.constant(embeddings[i]), sigma)
+               for i in cohort]
+    if config.update == 'best':
+      scores = [sign * float(similarity) for _, similarity, _ in updates]
+      delta = updates[int(np.argmax(scores))][0]
+    else:
+      delta = tf.add_n([d for d, _, _ in updates]) / float(len(updates))
+    nodes = nodes + rate * delta
+  return nodes.numpy()
+
+
+def node_assignment(nodes: np.ndarray, embeddings: np.ndarray) -> np.ndarray:
+  """int64 [N] each embedding's best-matching unit among `nodes` [K, D]."""
+  d = np.sum((np.asarray(embeddings)[:, None, :] - nodes[None]) ** 2, -1)
+  return np.argmin(d, axis=-1).astype(np.int64)

@@ -225,6 +225,26 @@ def _chunks(items, size):
     yield items[i:i + size]
 
 
+def token_sums(output: Mapping[str, object]) -> dict[str, float]:
+  """A client's evaluation outputs as the token sums `perplexity` pools.
+
+  Args:
+    output: a client's outputs (`runs.Run.client_outputs`), whose
+      `outputs` are a word LM's per-example (sum of token NLLs, number of
+      tokens) rows (`models.word_lm.per_example_nll`).
+
+  Returns:
+    `{'token_nll_sum': ..., 'tokens': ...}` over the client's examples.
+
+  Example:
+    sums = [token_sums(o) for o in run.client_outputs(ids)]
+    perplexity(sums)
+  """
+  rows = np.asarray(output['outputs'], np.float64).reshape(-1, 2)
+  return {'token_nll_sum': float(rows[:, 0].sum()),
+          'tokens': float(rows[:, 1].sum())}
+
+
 def perplexity(sums: Sequence[Mapping[str, float]],
                nll_key: str = 'token_nll_sum', count_key: str = 'tokens'
                ) -> float:

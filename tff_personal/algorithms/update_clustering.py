@@ -26,7 +26,7 @@ similarity of their updates. Here:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from sklearn import cluster as sk_cluster
@@ -58,6 +58,38 @@ class CountSketch:
       buckets, signs = self._hash(i, flat.size)
       out += np.bincount(buckets, weights=signs * flat, minlength=self.dim)
     return out
+
+
+def sketched_updates(client_updates: Callable[[Any, list], Sequence],
+                     weights: Any, clients: Sequence[int],
+                     dataset_fn: Callable[[int], Any], sketch: CountSketch,
+                     chunk_size: int = 64) -> np.ndarray:
+  """The count sketches of clients' updates from one model, [N, dim].
+
+  Args:
+    client_updates: `(weights, [dataset]) -> [update]`, each update a list
+      of arrays (`algorithms.group_fl.build_client_updates`).
+    weights: the model every update starts from.
+    clients: the clients, in order.
+    dataset_fn: a client's training data; built `chunk_size` clients at a
+      time, so only one chunk's are held.
+    sketch: the sketch applied to each update.
+    chunk_size: clients per call of `client_updates`.
+
+  Returns:
+    One row per client of `clients`.
+
+  Example:
+    updates = group_fl.build_client_updates(model_fn, sgd, weights_type)
+    vectors = sketched_updates(updates, weights, ids, task.train_dataset,
+                               CountSketch(dim=4096, seed=0))
+  """
+  vectors = []
+  for i in range(0, len(clients), chunk_size):
+    chunk = clients[i:i + chunk_size]
+    results = client_updates(weights, [dataset_fn(c) for c in chunk])
+    vectors += [sketch(u) for u in results]
+  return np.stack(vectors)
 
 
 def cosine_similarity(vectors: np.ndarray) -> np.ndarray:
