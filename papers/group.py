@@ -118,7 +118,7 @@ TABLES = {t.name: t for t in (
     _table('control_rounds', 'fl_rounds', ('fl',),
            'T: FL rounds to the validation plateau',
            columns=[_CONTROL_COLUMNS[-1]], digits=0,
-           notes='The rule: papers/group.py, plateau_round.'))}
+           notes='The rule: tff_personal/run_analysis.py, plateau_round.'))}
 
 
 def define_flags():
