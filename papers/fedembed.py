@@ -112,92 +112,78 @@ def _paper(rows: dict[str, tuple[str, ...]], columns) -> dict:
 
 
 # FedEmbed Table 2 (MNIST): balanced None, Gaussian; imbalanced None, Gaussian.
-_TABLE2 = {
-    'fedrep': ('0.78 ± 0.02', '0.51 ± 0.02', '0.78 ± 0.02', '0.53 ± 0.01'),
-    'pfedme': ('0.76 ± 0.04', '0.50 ± 0.02', '0.76 ± 0.05', '0.50 ± 0.04'),
-    'pfedkm': ('0.48 ± 0.00', '0.49 ± 0.00', '0.55 ± 0.02', '0.48 ± 0.03'),
-    'global': ('0.40 ± 0.02', '0.38 ± 0.06', '0.55 ± 0.06', '0.38 ± 0.06'),
-    'global_plus': ('0.39 ± 0.06', '0.36 ± 0.04', '0.54 ± 0.08',
-                    '0.34 ± 0.00'),
-    'fedembed_personal': ('0.76 ± 0.01', '0.52 ± 0.01', '0.73 ± 0.02',
-                          '0.52 ± 0.02'),
-    'fedembed_som': ('0.60 ± 0.05', '0.47 ± 0.07', '0.69 ± 0.02',
-                     '0.53 ± 0.02'),
-    'fedembed_prototype': ('0.88 ± 0.02', '0.69 ± 0.04', '0.87 ± 0.02',
-                           '0.69 ± 0.05'),
-    'fedembed_type': ('0.88 ± 0.01', '0.72 ± 0.05', '0.88 ± 0.03',
-                      '0.77 ± 0.05'),
-}
+_TABLE2 = reporting.paper_rows('''
+    fedrep             | 0.78 ± 0.02 | 0.51 ± 0.02 | 0.78 ± 0.02 | 0.53 ± 0.01
+    pfedme             | 0.76 ± 0.04 | 0.50 ± 0.02 | 0.76 ± 0.05 | 0.50 ± 0.04
+    pfedkm             | 0.48 ± 0.00 | 0.49 ± 0.00 | 0.55 ± 0.02 | 0.48 ± 0.03
+    global             | 0.40 ± 0.02 | 0.38 ± 0.06 | 0.55 ± 0.06 | 0.38 ± 0.06
+    global_plus        | 0.39 ± 0.06 | 0.36 ± 0.04 | 0.54 ± 0.08 | 0.34 ± 0.00
+    fedembed_personal  | 0.76 ± 0.01 | 0.52 ± 0.01 | 0.73 ± 0.02 | 0.52 ± 0.02
+    fedembed_som       | 0.60 ± 0.05 | 0.47 ± 0.07 | 0.69 ± 0.02 | 0.53 ± 0.02
+    fedembed_prototype | 0.88 ± 0.02 | 0.69 ± 0.04 | 0.87 ± 0.02 | 0.69 ± 0.05
+    fedembed_type      | 0.88 ± 0.01 | 0.72 ± 0.05 | 0.88 ± 0.03 | 0.77 ± 0.05
+''')
 # FedEmbed Table 3 (speech), same layout.
-_TABLE3 = {
-    'fedrep': ('0.52 ± 0.09', '0.49 ± 0.00', '0.65 ± 0.10', '0.49 ± 0.00'),
-    'pfedme': ('0.57 ± 0.05', '0.49 ± 0.01', '0.57 ± 0.05', '0.49 ± 0.03'),
-    'pfedkm': ('0.49 ± 0.02', '0.49 ± 0.01', '0.49 ± 0.01', '0.49 ± 0.00'),
-    'global': ('0.34 ± 0.01', '0.38 ± 0.06', '0.44 ± 0.05', '0.34 ± 0.02'),
-    'global_plus': ('0.35 ± 0.01', '0.33 ± 0.00', '0.42 ± 0.12',
-                    '0.33 ± 0.00'),
-    'fedembed_personal': ('0.63 ± 0.02', '0.44 ± 0.05', '0.68 ± 0.01',
-                          '0.49 ± 0.00'),
-    'fedembed_som': ('0.51 ± 0.02', '0.47 ± 0.07', '0.54 ± 0.03',
-                     '0.47 ± 0.02'),
-    'fedembed_prototype': ('0.78 ± 0.01', '0.61 ± 0.06', '0.63 ± 0.07',
-                           '0.53 ± 0.06'),
-    'fedembed_type': ('0.78 ± 0.05', '0.60 ± 0.08', '0.76 ± 0.00',
-                      '0.56 ± 0.08'),
-}
+_TABLE3 = reporting.paper_rows('''
+    fedrep             | 0.52 ± 0.09 | 0.49 ± 0.00 | 0.65 ± 0.10 | 0.49 ± 0.00
+    pfedme             | 0.57 ± 0.05 | 0.49 ± 0.01 | 0.57 ± 0.05 | 0.49 ± 0.03
+    pfedkm             | 0.49 ± 0.02 | 0.49 ± 0.01 | 0.49 ± 0.01 | 0.49 ± 0.00
+    global             | 0.34 ± 0.01 | 0.38 ± 0.06 | 0.44 ± 0.05 | 0.34 ± 0.02
+    global_plus        | 0.35 ± 0.01 | 0.33 ± 0.00 | 0.42 ± 0.12 | 0.33 ± 0.00
+    fedembed_personal  | 0.63 ± 0.02 | 0.44 ± 0.05 | 0.68 ± 0.01 | 0.49 ± 0.00
+    fedembed_som       | 0.51 ± 0.02 | 0.47 ± 0.07 | 0.54 ± 0.03 | 0.47 ± 0.02
+    fedembed_prototype | 0.78 ± 0.01 | 0.61 ± 0.06 | 0.63 ± 0.07 | 0.53 ± 0.06
+    fedembed_type      | 0.78 ± 0.05 | 0.60 ± 0.08 | 0.76 ± 0.00 | 0.56 ± 0.08
+''')
 # FedEmbed Table 4 (imbalanced MNIST), by prevalence 25, 15, 10, 5 (%), for
 # no privacy then Gaussian privacy.
-_TABLE4 = {
-    'pfedme': (('0.77 ± 0.19', '0.79 ± 0.17', '0.74 ± 0.14', '0.76 ± 0.15'),
-               ('0.49 ± 0.06', '0.50 ± 0.07', '0.49 ± 0.05', '0.48 ± 0.05')),
-    'pfedkm': (('0.66 ± 0.04', '0.57 ± 0.04', '0.49 ± 0.03', '0.43 ± 0.03'),
-               ('0.49 ± 0.02', '0.47 ± 0.03', '0.48 ± 0.02', '0.48 ± 0.02')),
-    'fedrep': (('0.80 ± 0.18', '0.79 ± 0.15', '0.75 ± 0.14', '0.77 ± 0.15'),
-               ('0.55 ± 0.05', '0.49 ± 0.05', '0.51 ± 0.03', '0.50 ± 0.03')),
-    'global': (('0.82 ± 0.10', '0.43 ± 0.09', '0.38 ± 0.03', '0.36 ± 0.02'),
-               ('0.39 ± 0.10', '0.37 ± 0.10', '0.38 ± 0.09', '0.37 ± 0.08')),
-    'global_plus': (('0.83 ± 0.10', '0.40 ± 0.16', '0.41 ± 0.08',
-                     '0.36 ± 0.10'),
-                    ('0.33 ± 0.10', '0.34 ± 0.08', '0.34 ± 0.07',
-                     '0.34 ± 0.07')),
-    'fedembed_personal': (('0.72 ± 0.16', '0.75 ± 0.13', '0.74 ± 0.12',
-                           '0.74 ± 0.15'),
-                          ('0.51 ± 0.06', '0.49 ± 0.05', '0.50 ± 0.03',
-                           '0.50 ± 0.04')),
-    'fedembed_som': (('0.91 ± 0.14', '0.69 ± 0.08', '0.61 ± 0.13',
-                      '0.45 ± 0.14'),
-                     ('0.65 ± 0.13', '0.49 ± 0.13', '0.49 ± 0.08',
-                      '0.45 ± 0.07')),
-    'fedembed_prototype': (('0.82 ± 0.16', '0.86 ± 0.06', '0.85 ± 0.07',
-                            '0.89 ± 0.05'),
-                           ('0.85 ± 0.13', '0.59 ± 0.14', '0.69 ± 0.18',
-                            '0.69 ± 0.16')),
-    'fedembed_type': (('0.92 ± 0.27', '0.91 ± 0.26', '0.84 ± 0.23',
-                       '0.83 ± 0.24'),
-                      ('0.79 ± 0.20', '0.90 ± 0.22', '0.72 ± 0.19',
-                       '0.67 ± 0.19')),
-}
+_TABLE4 = (
+    reporting.paper_rows('''
+    pfedme             | 0.77 ± 0.19 | 0.79 ± 0.17 | 0.74 ± 0.14 | 0.76 ± 0.15
+    pfedkm             | 0.66 ± 0.04 | 0.57 ± 0.04 | 0.49 ± 0.03 | 0.43 ± 0.03
+    fedrep             | 0.80 ± 0.18 | 0.79 ± 0.15 | 0.75 ± 0.14 | 0.77 ± 0.15
+    global             | 0.82 ± 0.10 | 0.43 ± 0.09 | 0.38 ± 0.03 | 0.36 ± 0.02
+    global_plus        | 0.83 ± 0.10 | 0.40 ± 0.16 | 0.41 ± 0.08 | 0.36 ± 0.10
+    fedembed_personal  | 0.72 ± 0.16 | 0.75 ± 0.13 | 0.74 ± 0.12 | 0.74 ± 0.15
+    fedembed_som       | 0.91 ± 0.14 | 0.69 ± 0.08 | 0.61 ± 0.13 | 0.45 ± 0.14
+    fedembed_prototype | 0.82 ± 0.16 | 0.86 ± 0.06 | 0.85 ± 0.07 | 0.89 ± 0.05
+    fedembed_type      | 0.92 ± 0.27 | 0.91 ± 0.26 | 0.84 ± 0.23 | 0.83 ± 0.24
+'''),
+    reporting.paper_rows('''
+    pfedme             | 0.49 ± 0.06 | 0.50 ± 0.07 | 0.49 ± 0.05 | 0.48 ± 0.05
+    pfedkm             | 0.49 ± 0.02 | 0.47 ± 0.03 | 0.48 ± 0.02 | 0.48 ± 0.02
+    fedrep             | 0.55 ± 0.05 | 0.49 ± 0.05 | 0.51 ± 0.03 | 0.50 ± 0.03
+    global             | 0.39 ± 0.10 | 0.37 ± 0.10 | 0.38 ± 0.09 | 0.37 ± 0.08
+    global_plus        | 0.33 ± 0.10 | 0.34 ± 0.08 | 0.34 ± 0.07 | 0.34 ± 0.07
+    fedembed_personal  | 0.51 ± 0.06 | 0.49 ± 0.05 | 0.50 ± 0.03 | 0.50 ± 0.04
+    fedembed_som       | 0.65 ± 0.13 | 0.49 ± 0.13 | 0.49 ± 0.08 | 0.45 ± 0.07
+    fedembed_prototype | 0.85 ± 0.13 | 0.59 ± 0.14 | 0.69 ± 0.18 | 0.69 ± 0.16
+    fedembed_type      | 0.79 ± 0.20 | 0.90 ± 0.22 | 0.72 ± 0.19 | 0.67 ± 0.19
+'''))
 # FedEmbed Table 5 (imbalanced speech), by prevalence 20, 8, 4 (%).
-_TABLE5 = {
-    'pfedme': (('0.66 ± 0.11', '0.62 ± 0.10', '0.54 ± 0.06'),
-               ('0.49 ± 0.01', '0.49 ± 0.02', '0.49 ± 0.01')),
-    'pfedkm': (('0.49 ± 0.01', '0.49 ± 0.02', '0.48 ± 0.02'),
-               ('0.50 ± 0.02', '0.50 ± 0.02', '0.48 ± 0.02')),
-    'fedrep': (('0.65 ± 0.15', '0.52 ± 0.08', '0.55 ± 0.09'),
-               ('0.47 ± 0.03', '0.50 ± 0.01', '0.49 ± 0.01')),
-    'global': (('0.57 ± 0.24', '0.49 ± 0.16', '0.38 ± 0.11'),
-               ('0.34 ± 0.01', '0.34 ± 0.01', '0.35 ± 0.03')),
-    'global_plus': (('0.51 ± 0.22', '0.53 ± 0.20', '0.38 ± 0.12'),
-                    ('0.33 ± 0.00', '0.33 ± 0.00', '0.33 ± 0.00')),
-    'fedembed_personal': (('0.78 ± 0.01', '0.68 ± 0.08', '0.65 ± 0.07'),
-                          ('0.49 ± 0.01', '0.50 ± 0.02', '0.49 ± 0.01')),
-    'fedembed_som': (('0.65 ± 0.13', '0.60 ± 0.09', '0.50 ± 0.08'),
-                     ('0.50 ± 0.07', '0.49 ± 0.05', '0.45 ± 0.05')),
-    'fedembed_prototype': (('0.79 ± 0.09', '0.71 ± 0.20', '0.54 ± 0.18'),
-                           ('0.52 ± 0.21', '0.55 ± 0.27', '0.48 ± 0.13')),
-    'fedembed_type': (('0.73 ± 0.05', '0.92 ± 0.04', '0.73 ± 0.13'),
-                      ('0.54 ± 0.20', '0.60 ± 0.14', '0.48 ± 0.18')),
-}
+_TABLE5 = (
+    reporting.paper_rows('''
+    pfedme             | 0.66 ± 0.11 | 0.62 ± 0.10 | 0.54 ± 0.06
+    pfedkm             | 0.49 ± 0.01 | 0.49 ± 0.02 | 0.48 ± 0.02
+    fedrep             | 0.65 ± 0.15 | 0.52 ± 0.08 | 0.55 ± 0.09
+    global             | 0.57 ± 0.24 | 0.49 ± 0.16 | 0.38 ± 0.11
+    global_plus        | 0.51 ± 0.22 | 0.53 ± 0.20 | 0.38 ± 0.12
+    fedembed_personal  | 0.78 ± 0.01 | 0.68 ± 0.08 | 0.65 ± 0.07
+    fedembed_som       | 0.65 ± 0.13 | 0.60 ± 0.09 | 0.50 ± 0.08
+    fedembed_prototype | 0.79 ± 0.09 | 0.71 ± 0.20 | 0.54 ± 0.18
+    fedembed_type      | 0.73 ± 0.05 | 0.92 ± 0.04 | 0.73 ± 0.13
+'''),
+    reporting.paper_rows('''
+    pfedme             | 0.49 ± 0.01 | 0.49 ± 0.02 | 0.49 ± 0.01
+    pfedkm             | 0.50 ± 0.02 | 0.50 ± 0.02 | 0.48 ± 0.02
+    fedrep             | 0.47 ± 0.03 | 0.50 ± 0.01 | 0.49 ± 0.01
+    global             | 0.34 ± 0.01 | 0.34 ± 0.01 | 0.35 ± 0.03
+    global_plus        | 0.33 ± 0.00 | 0.33 ± 0.00 | 0.33 ± 0.00
+    fedembed_personal  | 0.49 ± 0.01 | 0.50 ± 0.02 | 0.49 ± 0.01
+    fedembed_som       | 0.50 ± 0.07 | 0.49 ± 0.05 | 0.45 ± 0.05
+    fedembed_prototype | 0.52 ± 0.21 | 0.55 ± 0.27 | 0.48 ± 0.13
+    fedembed_type      | 0.54 ± 0.20 | 0.60 ± 0.14 | 0.48 ± 0.18
+'''))
 
 _NOTES = ('F1: mean over sub-populations of the mean per-user F1, on '
           '`eval_clients` users after one local pass of their private state '
@@ -223,9 +209,10 @@ def _prevalence_tables(prefix: str, task: Optional[str], prevalences,
     name = prefix if p == main else f'{prefix}_{p}'
     columns = _imbalanced_columns(task)
     values = {}
-    for m, (none, gauss) in paper_rows.items():
-      values[(m, columns[0].name)] = none[i]
-      values[(m, columns[1].name)] = gauss[i]
+    none, gauss = paper_rows
+    for m in none:
+      values[(m, columns[0].name)] = none[m][i]
+      values[(m, columns[1].name)] = gauss[m][i]
     tables[name] = reporting.Table(
         name=name, paper=PAPER, metric=f'f1_prev_{p}', methods=METHODS,
         columns=columns, paper_values=values,
@@ -876,7 +863,8 @@ def _curve_figure(root, out, task_key, label, suffix) -> Optional[str]:
     panels.append(dict(title=f'{label}, {pop}', lines=lines))
   handles = ([dict(color=f'C{i}', marker='.', label=m)
               for i, m in enumerate(METHODS) if m in shown]
-             + [dict(color='gray', linestyle=style, label=f'DP: {_DP_NAMES[dp]}')
+             + [dict(color='gray', linestyle=style,
+                     label=f'DP: {_DP_NAMES[dp]}')
                 for dp, style in _DP_STYLES if dp in shown])
   return figures.band_figure(
       os.path.join(out, f'fedembed_f1_curves{suffix}.png'), panels,
@@ -929,10 +917,10 @@ def _confusion_figure(root, out, task_key, label, group_noun,
               vmax=1)
     own = '' if method == 'fedembed_personal' or 'k-means' in how else (
         f'own group {np.mean(truth == assigned):.2f}, ')
+    score = embedding_purity.assignment_accuracy(truth, assigned, k)
     ax.set_title(f'{method}: {how}{" (matched)" if relabel else ""}\n'
-                 f'({own}best one-to-one relabelling '
-                 f'{embedding_purity.assignment_accuracy(truth, assigned, k):.2f}'
-                 f'; {len(truth)} users who trained)', fontsize=8)
+                 f'({own}best one-to-one relabelling {score:.2f}; '
+                 f'{len(truth)} users who trained)', fontsize=8)
     ax.set_xlabel(f'assigned {group_noun} group')
     ax.set_ylabel(f'ground-truth {group_noun} group')
     ax.set_xticks(range(k))

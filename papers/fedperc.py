@@ -48,35 +48,30 @@ SAMPLES = (1, 5, 15, 'all')
 PROMPT_TOKENS = 3
 
 # FedPerC Tables 1-3, TV Shows rows.
-_PAPER_T1 = {
-    'fedperc': ('57.2 ± 3.6', '51.5 ± 1.5', '48.8 ± 1.7', '46.7 ± 1.7'),
-    'fedperc_frozen': ('50.3 ± 1.6', '50.7 ± 2.1', '51.0 ± 2.1', '51.2 ± 2.0'),
-    'fedperc_generated': ('51.6 ± 1.3', '51.7 ± 2.0', '51.7 ± 2.0',
-                          '52.1 ± 2.6'),
-    'split_learning': ('359.4 ± 28.2', '244.5 ± 15.1', '167.7 ± 8.6',
-                       '82.1 ± 3.3'),
-    'meta_learning': ('111.7 ± 4.6', '110.0 ± 6.5', '111.9 ± 6.1',
-                      '113.0 ± 4.7'),
-}
-_PAPER_T2 = {
-    'fedperc': ('205.1 ± 292.2', '68.6 ± 5.6', '62.1 ± 5.0', '52.3 ± 3.3'),
-    'fedperc_frozen': ('96.4 ± 10.4', '90.1 ± 4.9', '97.6 ± 6.8',
-                       '98.2 ± 9.5'),
-    'fedperc_generated': ('68.7 ± 5.9', '66.7 ± 6.3', '66.1 ± 5.5',
-                          '68.6 ± 5.1'),
-    'split_learning': ('283.6 ± 30.9', '220.7 ± 29.2', '158.1 ± 20.0',
-                       '96.7 ± 14.5'),
-    'meta_learning': ('113.5 ± 13.1', '111.4 ± 13.3', '117.3 ± 10.5',
-                      '114.2 ± 17.0'),
-}
-_PAPER_TRAIN_MS = {'fedperc': '88.18 ± 24.104', 'fedperc_frozen': '43.57 ± 11.99',
-                   'fedperc_generated': '55.96 ± 12.41',
-                   'split_learning': '222.08 ± 37.55',
-                   'meta_learning': '111.81 ± 22.33'}
-_PAPER_TEST_MS = {'fedperc': '40.37 ± 11.76', 'fedperc_frozen': '40.25 ± 12.10',
-                  'fedperc_generated': '47.02 ± 12.63',
-                  'split_learning': '65.42 ± 16.49',
-                  'meta_learning': '36.77 ± 8.95'}
+_PAPER_T1 = reporting.paper_rows('''
+    fedperc           | 57.2 ± 3.6 | 51.5 ± 1.5 | 48.8 ± 1.7 | 46.7 ± 1.7
+    fedperc_frozen    | 50.3 ± 1.6 | 50.7 ± 2.1 | 51.0 ± 2.1 | 51.2 ± 2.0
+    fedperc_generated | 51.6 ± 1.3 | 51.7 ± 2.0 | 51.7 ± 2.0 | 52.1 ± 2.6
+    split_learning    | 359.4 ± 28.2 | 244.5 ± 15.1 | 167.7 ± 8.6 | 82.1 ± 3.3
+    meta_learning     | 111.7 ± 4.6 | 110.0 ± 6.5 | 111.9 ± 6.1 | 113.0 ± 4.7
+''')
+_PAPER_T2 = reporting.paper_rows('''
+  fedperc           | 205.1 ± 292.2 | 68.6 ± 5.6 | 62.1 ± 5.0 | 52.3 ± 3.3
+  fedperc_frozen    | 96.4 ± 10.4 | 90.1 ± 4.9 | 97.6 ± 6.8 | 98.2 ± 9.5
+  fedperc_generated | 68.7 ± 5.9 | 66.7 ± 6.3 | 66.1 ± 5.5 | 68.6 ± 5.1
+  split_learning    | 283.6 ± 30.9 | 220.7 ± 29.2 | 158.1 ± 20.0 | 96.7 ± 14.5
+  meta_learning     | 113.5 ± 13.1 | 111.4 ± 13.3 | 117.3 ± 10.5 | 114.2 ± 17.0
+''')
+# Table 3: train pass, test pass (ms).
+_PAPER_MS = reporting.paper_rows('''
+    fedperc           | 88.18 ± 24.104 | 40.37 ± 11.76
+    fedperc_frozen    | 43.57 ± 11.99 | 40.25 ± 12.10
+    fedperc_generated | 55.96 ± 12.41 | 47.02 ± 12.63
+    split_learning    | 222.08 ± 37.55 | 65.42 ± 16.49
+    meta_learning     | 111.81 ± 22.33 | 36.77 ± 8.95
+''')
+_PAPER_TRAIN_MS = {m: v[0] for m, v in _PAPER_MS.items()}
+_PAPER_TEST_MS = {m: v[1] for m, v in _PAPER_MS.items()}
 
 
 def _samples_name(n) -> str:
@@ -444,8 +439,9 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
   seed = cell.seed
   _users(flag_values, seed, cache)  # Loads (or makes) the disk cache.
   if 'measure' in cell.setting:
-    costs = atomic_io.cached_json(os.path.join(cache, f'costs_seed{seed}.json'),
-                         lambda: measure_costs(flag_values, seed))
+    costs = atomic_io.cached_json(
+        os.path.join(cache, f'costs_seed{seed}.json'),
+        lambda: measure_costs(flag_values, seed))
     metric = cell.setting['measure']
     value = costs[cell.method]
     if metric == 'bytes_per_user':
@@ -462,8 +458,8 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                 train_loss=curves['train_loss'],
                 eval_curve=curves['eval_curve'])
 
-  result = atomic_io.cached_json(os.path.join(cache, f'eval_{method}_seed{seed}.json'),
-                        compute)
+  result = atomic_io.cached_json(
+      os.path.join(cache, f'eval_{method}_seed{seed}.json'), compute)
   if cell.method == 'fedperc' and cell.setting['users'] == 'known':
     table4 = os.path.join(root, reporting.TABLES_DIRNAME, PAPER, 'table4.md')
     if not os.path.exists(table4):

@@ -252,6 +252,28 @@ def _fmt(s: Optional[Summary], digits: int) -> str:
           f'{_number(s.std, digits, scientific)} ({s.n})')
 
 
+def paper_rows(text: str) -> dict[str, tuple[str, ...]]:
+  """A paper's table as printed: `{method: (value, ...)}`, one row a line.
+
+  Args:
+    text: lines of `method | value | value ...`; blank lines are skipped.
+
+  Returns:
+    Each row's values as texts, in order.
+
+  Example:
+    paper_rows('''
+        fedrep | 0.78 ± 0.02 | 0.51 ± 0.02
+        global | 0.40 ± 0.02 | 0.38 ± 0.06''')['global'][1]  # '0.38 ± 0.06'
+  """
+  rows = {}
+  for line in text.strip().splitlines():
+    if line.strip():
+      method, *values = [v.strip() for v in line.split('|')]
+      rows[method] = tuple(values)
+  return rows
+
+
 def render_markdown(results: Results, table: Table) -> str:
   """A markdown table: per column, our 'mean ± std (n)' and the paper's
   (only ours when the table has no paper values, e.g. a control)."""
