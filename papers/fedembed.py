@@ -34,7 +34,6 @@ from tff_personal import run_evaluation
 from tff_personal import runs
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
-from tff_personal.core import evaluation
 from tff_personal.core import runtime
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_speech
@@ -696,27 +695,19 @@ def _run_local(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
     features = speech_spectrogram.mean_loud_spectrum
   ids = run_evaluation.eval_client_ids(task.population, s['eval_clients'],
                                        data_seed)
-  data = task.data
-  train, test = [], []
-  for n, user in enumerate(ids):
-    for split, out in (('train', train), ('test', test)):
-      q, y, _ = data.user_spectrograms(user, split)
-      out.append((features(q), y))
-    if (n + 1) % 300 == 0 or n + 1 == len(ids):
-      print(f'  {cell.method}: features of {n + 1}/{len(ids)} users',
-            flush=True)
-  groups = [int(data.subpopulation[u]) for u in ids]
-  prevalence = _prevalence(task_name, cell.setting['population'])
-  def evaluate(c):
-    return evaluation.preference_metrics(
-        local_head.local_outputs(train, test, c=c, seed=cell.seed), groups)
-  metrics = cell_metrics({'eval': evaluate(local_head.DEFAULT_C),
-                          'rounds_completed': 0, 'seconds_per_round': 0.0,
-                          'population': task.population}, prevalence)
+  train, test = local_head.user_features(
+      lambda user, split: task.data.user_spectrograms(user, split)[:2], ids,
+      features, log_fn=lambda s: print(f'  {cell.method}: {s}', flush=True))
+  by_c = local_head.evaluate(
+      train, test, [int(task.data.subpopulation[u]) for u in ids],
+      (local_head.DEFAULT_C,) + LOCAL_C_SWEEP, seed=cell.seed)
+  metrics = cell_metrics(
+      {'eval': by_c[local_head.DEFAULT_C], 'rounds_completed': 0,
+       'seconds_per_round': 0.0, 'population': task.population},
+      _prevalence(task_name, cell.setting['population']))
   for c in LOCAL_C_SWEEP:
-    ev = evaluate(c)
-    metrics[f'f1_c_{c:g}'] = ev['f1']
-    metrics[f'accuracy_c_{c:g}'] = ev['accuracy']
+    metrics[f'f1_c_{c:g}'] = by_c[c]['f1']
+    metrics[f'accuracy_c_{c:g}'] = by_c[c]['accuracy']
   metrics.update(c=local_head.DEFAULT_C, shared_parameters=0,
                  seconds=time.perf_counter() - start)
   if encoder_path:

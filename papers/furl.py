@@ -144,11 +144,8 @@ def _run_server(task, cell, f, out_dir, dim) -> dict:
       model, task.pooled(warm, 'train', 32, shuffle_seed=cell.seed),
       task.pooled(warm, 'eval', 256), epochs=f.furl_server_epochs,
       learning_rate=f.furl_server_learning_rate, optimizer='adam',
-      seed=cell.seed, evals_per_epoch=_evals_per_epoch(f))
-  test = model.evaluate(
-      task.pooled(warm, 'test', 256).map(
-          lambda d: ({'x': d['x'], 'user': d['user']}, d['y'])),
-      verbose=0, return_dict=True)
+      seed=cell.seed, evals_per_epoch=_evals_per_epoch(f),
+      test_data=task.pooled(warm, 'test', 256))
   curve = {'epoch': [e for e, _ in result.curve],
            'eval_accuracy': [a for _, a in result.curve]}
   atomic_io.write_json(os.path.join(out_dir, 'curve.json'), curve)
@@ -156,7 +153,7 @@ def _run_server(task, cell, f, out_dir, dim) -> dict:
     table = model.get_layer('user_embedding_table').get_weights()[0]
     np.savez(os.path.join(out_dir, 'embeddings.npz'), ids=np.arange(len(warm)),
              embeddings=table)
-  return {'accuracy': float(test['accuracy']),
+  return {'accuracy': result.test_accuracy,
           'seconds_per_epoch': result.seconds_per_epoch,
           'epochs': f.furl_server_epochs}
 

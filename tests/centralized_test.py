@@ -26,7 +26,8 @@ def _train(evals_per_epoch):
   result = centralized.train_centralized(
       model, _data().batch(6), _data(seed=1).batch(20), epochs=2,
       learning_rate=0.05, optimizer='adam', seed=3,
-      log_fn=lambda line: None, evals_per_epoch=evals_per_epoch)
+      log_fn=lambda line: None, evals_per_epoch=evals_per_epoch,
+      test_data=_data(seed=2).batch(20))
   return result
 
 
@@ -51,6 +52,10 @@ def test_within_epoch_accuracy_is_keras_accuracy():
   assert centralized._accuracy(result.model, evaluation) == pytest.approx(
       result.model.evaluate(evaluation, verbose=0, return_dict=True)[
           'accuracy'])
+  # The test accuracy is the trained model's on the test data.
+  test = _data(seed=2).batch(20).map(lambda d: ({'x': d['x']}, d['y']))
+  assert result.test_accuracy == pytest.approx(
+      centralized._accuracy(result.model, test))
 
 
 def test_bad_evals_per_epoch_is_refused():

@@ -19,12 +19,14 @@ import tensorflow as tf
 @dataclasses.dataclass
 class CentralizedResult:
   """A trained model, its eval accuracy after each epoch, seconds per
-  epoch, and the learning curve: `(epoch, eval accuracy)` at every
-  evaluation, fractional epochs included (`evals_per_epoch`)."""
+  epoch, the learning curve: `(epoch, eval accuracy)` at every
+  evaluation, fractional epochs included (`evals_per_epoch`), and the
+  trained model's test accuracy (None without test data)."""
   model: tf.keras.Model
   eval_accuracy_per_epoch: list[float]
   seconds_per_epoch: float
   curve: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+  test_accuracy: Optional[float] = None
 
 
 def _accuracy(model: tf.keras.Model, evaluation: tf.data.Dataset) -> float:
@@ -73,7 +75,8 @@ def train_centralized(model: tf.keras.Model,
                       optimizer: str = 'sgd',
                       seed: int = 0,
                       log_fn: Callable[[str], None] = print,
-                      evals_per_epoch: int = 1
+                      evals_per_epoch: int = 1,
+                      test_data: Optional[tf.data.Dataset] = None
                       ) -> CentralizedResult:
   """Trains with Keras; evaluates accuracy on `eval_data` after every epoch.
 
@@ -90,10 +93,12 @@ def train_centralized(model: tf.keras.Model,
     evals_per_epoch: evaluations per epoch for the learning curve (the last
       at the epoch's end); the others, at evenly spaced batches, do not
       change training. Needs `train_data` of known cardinality when > 1.
+    test_data: batched test elements, scored once after training (or None).
 
   Returns:
     The trained model, the eval accuracy after each epoch, seconds of
-    training per epoch (evaluations left out) and the curve.
+    training per epoch (evaluations left out), the curve and the test
+    accuracy.
 
   Example:
     result = train_centralized(model, train, evaluation, epochs=5,
@@ -137,6 +142,10 @@ def train_centralized(model: tf.keras.Model,
     log_fn(f'epoch {epoch}/{epochs} | train loss '
            f'{history.history["loss"][-1]:.4f} | eval accuracy {acc:.4f} | '
            f'{times[-1]:.1f} s')
+  test_accuracy = None
+  if test_data is not None:
+    test_accuracy = float(model.evaluate(
+        test_data.map(split), verbose=0, return_dict=True)['accuracy'])
   return CentralizedResult(model=model, eval_accuracy_per_epoch=curve,
                            seconds_per_epoch=float(np.mean(times)),
-                           curve=points)
+                           curve=points, test_accuracy=test_accuracy)

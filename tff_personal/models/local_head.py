@@ -19,10 +19,12 @@ preference_metrics` takes; scikit-learn does the fitting.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from tff_personal.core import evaluation
 
 DEFAULT_C = 1.0
 
@@ -106,3 +108,45 @@ def local_outputs(train: Sequence[tuple[np.ndarray, np.ndarray]],
   return [{'outputs': fit_predict(xf, y, tf_, c=c, seed=seed),
            'labels': np.asarray(ty)}
           for (xf, y), (tf_, ty) in zip(train, test)]
+
+
+def user_features(load: Callable[[int, str], tuple[np.ndarray, np.ndarray]],
+                  users: Sequence[int],
+                  features: Callable[[np.ndarray], np.ndarray],
+                  log_fn: Optional[Callable[[str], None]] = None
+                  ) -> tuple[list, list]:
+  """Each user's (features, labels) of its training and of its test split.
+
+  Args:
+    load: `(user, split) -> (inputs, labels)`, split 'train' or 'test'.
+    users: the users, in order.
+    features: inputs -> [n, d] fixed features.
+    log_fn: receives a progress line every 300 users and at the end.
+
+  Returns:
+    `(train, test)`: per user `(features, labels)`, what `local_outputs`
+    takes.
+  """
+  train, test = [], []
+  for n, user in enumerate(users):
+    for split, out in (('train', train), ('test', test)):
+      x, y = load(user, split)
+      out.append((features(x), y))
+    if log_fn and ((n + 1) % 300 == 0 or n + 1 == len(users)):
+      log_fn(f'features of {n + 1}/{len(users)} users')
+  return train, test
+
+
+def evaluate(train: Sequence[tuple[np.ndarray, np.ndarray]],
+             test: Sequence[tuple[np.ndarray, np.ndarray]],
+             groups: Sequence[int], c_values: Sequence[float] = (DEFAULT_C,),
+             seed: int = 0) -> dict[float, dict]:
+  """Local heads' preference metrics (`core.evaluation.preference_metrics`
+  over the users' `groups`) at each inverse strength in `c_values`.
+
+  Example:
+    train, test = user_features(load, users, features)
+    f1 = evaluate(train, test, groups)[DEFAULT_C]['f1']
+  """
+  return {c: evaluation.preference_metrics(
+      local_outputs(train, test, c=c, seed=seed), groups) for c in c_values}
