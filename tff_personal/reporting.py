@@ -13,9 +13,12 @@ A *paper module* (registered with `register_paper`) has:
   cells(table: str, flags) -> list[Cell]    # TABLES[table].cells(flags.seeds)
   run_cell(cell: Cell, flags, out_dir: str) -> dict[str, float]   # metrics
   define_flags() -> None                    # optional: its own absl flags
+  EXTRA_TABLES: dict[str, records -> str]   # optional: its own layouts
 
 `flags` is the binary's absl FLAGS (any object with attributes in tests).
 `out_dir` is stable per cell, so a `run_cell` may resume a killed run there.
+After every cell, `reproduce` rewrites the table and each `EXTRA_TABLES`
+entry (`<root>/tables/<paper>/<name>.md`, from the latest records).
 
 A paper's flags are named `<paper>_*`. Those, and the common knobs
 (`COMMON_CONFIG_FLAGS`), shape results without being part of a cell's
