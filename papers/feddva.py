@@ -150,10 +150,12 @@ EXTRA_TABLES = {f'{name}_authors_recipe': functools.partial(
 
 def define_flags():
   reporting.define_flags(
-      ('integer', 'feddva_vae_rounds', DEFAULT_VAE_ROUNDS, 'Dual-VAE rounds.'),
+      ('integer', 'feddva_vae_rounds', DEFAULT_VAE_ROUNDS,
+       'FedDVA: rounds of dual-VAE pre-training.'),
       ('integer', 'feddva_local_epochs', 1, 'FedDVA: local epochs.'),
       ('integer', 'feddva_batch_size', 64, 'FedDVA: batch size (paper 256).'),
-      ('list', 'feddva_channels', ['16', '16', '32', '32'], 'CNN channels.'),
+      ('list', 'feddva_channels', ['16', '16', '32', '32'],
+       'FedDVA: channels of the 4-layer CNN backbones.'),
       ('integer', 'feddva_hidden', 128, 'FedDVA: FC width.'),
       ('integer', 'feddva_probe_dim', 4, 'FedDVA: dim of z and c to probe.'),
       ('integer', 'feddva_class_dim', 8, 'FedDVA: dim of z and c to classify.'),
@@ -172,8 +174,11 @@ def define_flags():
       ('enum', 'feddva_recipe', 'paper', 'FedDVA: recipe (feddva_recipes).',
        feddva_recipes.RECIPES),
       ('list', 'feddva_ablate', [], "FedDVA: authors' elements undone."),
-      ('integer', 'feddva_checkpoint_every', 10, 'FedDVA: checkpoint period.'),
-      ('float', 'feddva_dp_noise_multiplier', None, 'FedDVA: DP noise.'),
+      ('integer', 'feddva_checkpoint_every', 10,
+       'FedDVA: rounds between checkpoints (0: never).'),
+      ('float', 'feddva_dp_noise_multiplier', None,
+       'FedDVA: user-level DP noise multiplier of every shared update '
+       '(None: no DP).'),
       ('float', 'feddva_dp_clip', 1.0, "FedDVA: DP clip of an update."),
       ('integer', 'feddva_clients_per_round', 0, 'FedDVA: cohort (0: all).'),
       ('enum', 'feddva_marks', 'varied', 'marked_mnist: per image, per '
