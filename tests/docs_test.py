@@ -324,7 +324,7 @@ def test_readme_builder_block_runs(tmp_path, mnist_dir):
   # The block builds `process` and then runs a round on `client_states`:
   # run it unchanged in two parts, with the clients' initial states (zeros
   # of the process's client state type) set in between.
-  head, sep, tail = block.partition('with runtime.local_runtime():')
+  head, sep, tail = block.partition('with tp.local_runtime():')
   assert sep, block
   _exec_block(head, tmp_path / 'readme_builder_head.py', namespace)
   specs = tff.types.type_to_tf_tensor_specs(

@@ -29,6 +29,7 @@ from tff_personal import strategies as strategies_lib
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import moved
 from tff_personal.core import options as options_lib
 from tff_personal.core import private_noise
 from tff_personal.core import privacy
@@ -602,3 +603,7 @@ def group_members(task, config: ExperimentConfig,
 def stage_directory(config: ExperimentConfig, name: str) -> str:
   """Where an earlier stage of a multi-stage algorithm runs."""
   return os.path.join(config.experiment_dir, 'stages', name)
+
+
+# Names that moved away raise an error naming their new place.
+__getattr__ = moved.module_getattr(__name__)

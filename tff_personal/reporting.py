@@ -50,6 +50,7 @@ from typing import (Any, Callable, Iterable, Mapping, Optional, Protocol,
                     Sequence, Union)
 
 from tff_personal import atomic_io
+from tff_personal.core import moved
 from tff_personal.paper_results import canonical_json  # pylint: disable=unused-import
 from tff_personal.paper_results import Cell
 from tff_personal.paper_results import jsonable
@@ -752,3 +753,7 @@ def reproduce(p: Plan, flag_values: Any, root_output_dir: str,
   markdown = render_markdown(p.results, p.table)
   log_fn(markdown)
   return markdown
+
+
+# Names that moved away raise an error naming their new place.
+__getattr__ = moved.module_getattr(__name__)

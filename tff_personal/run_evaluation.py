@@ -22,6 +22,7 @@ from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
+from tff_personal.core import moved
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
@@ -761,3 +762,7 @@ def write_private_states(store, ids, directory) -> None:
     arrays['rounds_participated'] = np.asarray(
         [s['rounds_participated'] for s in states], np.int64)
   np.savez(os.path.join(directory, 'private_states.npz'), **arrays)
+
+
+# Names that moved away raise an error naming their new place.
+__getattr__ = moved.module_getattr(__name__)

@@ -342,3 +342,9 @@ class RunSpec:
                algorithm_options=dict(config.algorithm_options),
                **{name: SECTIONS[name](**values)
                   for name, values in sections.items()})
+
+
+# The sections, also as `RunSpec.Loop` etc. (`tff_personal.RunSpec.Loop`).
+for _section in SECTIONS.values():
+  setattr(RunSpec, _section.__name__, _section)
+del _section

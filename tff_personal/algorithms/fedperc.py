@@ -52,6 +52,7 @@ import tensorflow_federated as tff
 
 from tff_personal.core import batched as batched_lib
 from tff_personal.core import evaluation
+from tff_personal.core import moved
 from tff_personal.core import process as process_lib
 from tff_personal.models import fedperc
 from tff_personal.models import fedperc_backbone
@@ -446,3 +447,7 @@ def dp_clip_norm(variant: str, clip_norm: Optional[float] = None) -> float:
 def new_user_private_state(dp_mean) -> collections.OrderedDict:
   """A new user's client state: the released DP mean, nothing else."""
   return initial_client_state(tuple(np.asarray(v) for v in dp_mean))
+
+
+# Names that moved away raise an error naming their new place.
+__getattr__ = moved.module_getattr(__name__)

@@ -115,6 +115,8 @@ import tensorflow_federated as tff
 # adaptive-clip count (not exported under `tff.aggregators`).
 from tensorflow_federated.python.aggregators import differential_privacy as _tff_dp
 
+from tff_personal.core import moved
+
 MECHANISMS = ('none', 'gaussian_fixed', 'gaussian_adaptive')
 SAMPLING_SCHEMES = ('fixed_size', 'poisson')
 
@@ -765,3 +767,7 @@ def privacy_report(config: DPConfig, rounds_completed: int) -> Optional[dict]:
   report = compute_epsilon(config, rounds_completed)
   report['rounds_planned'] = config.rounds
   return report
+
+
+# Names that moved away raise an error naming their new place.
+__getattr__ = moved.module_getattr(__name__)

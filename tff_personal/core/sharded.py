@@ -97,6 +97,7 @@ from tff_personal.core import batched as batched_lib
 from tff_personal.core import best_scoring
 from tff_personal.core import client_data
 from tff_personal.core import flat_transport
+from tff_personal.core import moved
 from tff_personal.core import privacy
 from tff_personal.core import sharded_privacy
 from tff_personal.core import process as process_lib
@@ -765,3 +766,7 @@ def maybe_shard(process, num_shards: int,
     return process
   return ShardedProcess(process, num_shards, wire, shards_in, batched,
                         batch_users)
+
+
+# Names that moved away raise an error naming their new place.
+__getattr__ = moved.module_getattr(__name__)

@@ -24,6 +24,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from tff_personal.core import moved
 from tff_personal.models import split_model as split_model_lib
 
 PAD_ID = 0
@@ -122,3 +123,7 @@ def build_word_lm(config: WordLMConfig) -> split_model_lib.SplitModel:
 
 def model_fn_for(config: WordLMConfig) -> split_model_lib.SplitModelFn:
   return lambda: build_word_lm(config)
+
+
+# Names that moved away raise an error naming their new place.
+__getattr__ = moved.module_getattr(__name__)
