@@ -1,18 +1,35 @@
-r"""Exports a finished run for devices, as TF SavedModels.
+r"""Exports a run for devices, as TF SavedModels, from the run's own record.
 
-  python -m binaries.export <the run's binaries.train flags> \
-    --export_dir=/tmp/export [--export_clients=0,1,2]
+  python -m binaries.export --run_dir=<root_output_dir>/<experiment_name> \
+    --export_dir=/tmp/export [--export_clients=0,1,2] [--allow_unfinished]
 
-Reads <root_output_dir>/<experiment_name>/ (the server checkpoint of the
-last round and the clients' private states committed with it) and writes
-to --export_dir: `device/` (the device's part of a round:
-`local_update(...)`), `personalized/<client id>/` (each client's
-personalized model: `predict(x)`) and `export.json`
-(tff_personal/export.py; docs/production.md). Loading them needs
-TensorFlow only. Exit codes as binaries.evaluate's: 2 for flags, 3 for a
-missing or unreadable checkpoint or client state.
+Reads the run directory (run_config.json: the run's task and every
+training setting; the server checkpoint of the last round and the clients'
+private states committed with it; the record of rounds started, for
+epsilon) and writes to --export_dir: `device/` (the device's part of a
+round: `local_update(...)`), `personalized/<client id>/` (each client's
+personalized model: `predict(x)`) and `export.json` (the run's digest,
+rounds and privacy: tff_personal/export.py; docs/production.md). Loading
+them needs TensorFlow only.
+
+The run may instead be named by --root_output_dir and --experiment_name.
+A training flag (the task's, the algorithm's, the rounds, cohort,
+sampling, seed, store and privacy flags) may be given only with the run's
+own value, which is checked; any other flag of binaries.train cannot change
+an export and is refused as unknown. --data_dir and
+--noverify_data_checksums say where and how to read the run's data.
+
+An unfinished run (killed, or resumed and not yet done) is refused unless
+--allow_unfinished, which exports its newest checkpoint and is recorded in
+export.json.
+
+Exit codes: 2 for flags (unknown, or disagreeing with the run) or a run that
+has not finished; 3 for a missing or unreadable checkpoint, client state or
+record of rounds started (its two places disagreeing included), or a run
+directory in use.
 """
 
+import os
 import sys
 
 from absl import app
@@ -23,9 +40,10 @@ import tensorflow as tf
 from binaries import common
 from tasks import mnist_io
 from tasks import registry as task_registry
-from tff_personal import experiment
 from tff_personal import export
 from tff_personal import run_lock
+from tff_personal import run_records
+from tff_personal import runs
 from tff_personal.core import runtime
 
 FLAGS = flags.FLAGS
@@ -33,28 +51,129 @@ common.define_flags()
 flags.DEFINE_string('export_dir', None, 'Where to write (must not exist).')
 flags.DEFINE_list('export_clients', ['0', '1', '2'],
                   'Client ids whose personalized models to export.')
+flags.DEFINE_bool('allow_unfinished', False,
+                  'Export an unfinished run\'s newest checkpoint (recorded '
+                  'in export.json) instead of refusing it.')
+if 'run_dir' not in FLAGS:  # binaries.evaluate defines it too.
+  flags.DEFINE_string('run_dir', None,
+                      'A run\'s directory: export it from its own record.',
+                      allow_override=True)
+
+# Where the run is, and how to read its data: free.
+_LOCATION_FLAGS = ('root_output_dir', 'experiment_name', 'data_dir',
+                   'verify_data_checksums', 'use_gpu')
+# The run's training settings: given, each must be the run's.
+_TRAINING = ('rounds', 'clients_per_round', 'sampling', 'seed',
+             'client_state_backend', 'train_metrics')
 
 
-def _export(config, task_kwargs) -> int:
+def training_flags() -> tuple[str, ...]:
+  """The training flags an export checks against the run's record."""
+  groups = common.FLAG_GROUPS
+  return tuple(name for name in (groups['task'] + groups['algorithm'] +
+                                 groups['privacy'] + list(_TRAINING))
+               if name not in _LOCATION_FLAGS)
+
+
+def unknown_flags() -> tuple[str, ...]:
+  """The flags of binaries.train that cannot change an export."""
+  known = set(training_flags()) | set(_LOCATION_FLAGS)
+  return tuple(name for names in common.FLAG_GROUPS.values()
+               for name in names if name not in known) + ('spec',)
+
+
+def _given(name: str) -> bool:
+  return name in FLAGS and not FLAGS[name].using_default_value
+
+
+def _recorded(run: runs.Run, name: str):
+  """What the run recorded for training flag `name` (KeyError: nothing)."""
+  if name == 'rounds':  # Resuming may extend a run: the rounds it ran.
+    return (run.summary or {}).get('rounds_completed', run.config.rounds)
+  recorded = run.record.get('flags') or {}
+  if name in recorded:
+    return recorded[name]
+  built = run.record.get('task') or {}
+  dp = dict(run.record.get('config', {}).get('dp') or {}, dp=(
+      run.record.get('config', {}).get('dp') or {}).get('mechanism'))
+  for source in ({'task': built.get('name')}, built.get('arguments') or {},
+                 run.record.get('config', {}), dp):
+    if name in source:
+      return source[name]
+  raise KeyError(name)
+
+
+def check_flags(run: runs.Run) -> None:
+  """Refuses a training flag whose value is not the run's (ValueError
+  naming each, with the run's value)."""
+  wrong = []
+  for name in training_flags():
+    if not _given(name):
+      continue
+    try:
+      want = _recorded(run, name)
+    except KeyError:
+      wrong.append(f'--{name} (the run\'s record holds no value to check it '
+                   'against)')
+      continue
+    got = FLAGS[name].value
+    if run_records.as_json(got) != run_records.as_json(want):
+      wrong.append(f'--{name}={got!r}, the run\'s is {want!r}')
+  if wrong:
+    raise ValueError(
+        f'{os.path.join(run.directory, run_records.RUN_CONFIG_FILENAME)}: '
+        + '; '.join(wrong) + '. An export takes every training setting from '
+        'the run; drop the flag or give the run\'s value')
+
+
+def _open_run() -> tuple[runs.Run, object]:
+  """The run the flags name and its task (ValueError for bad flags)."""
+  unknown = [name for name in unknown_flags() if _given(name)]
+  if unknown:
+    raise ValueError(
+        ', '.join(f'--{n}' for n in unknown) + ': unknown to binaries.export '
+        '(it cannot change an export, which reads the run\'s record); drop '
+        'it')
+  if not FLAGS.export_dir:
+    raise ValueError('--export_dir is required')
+  if FLAGS.run_dir and (_given('root_output_dir') or
+                        _given('experiment_name')):
+    raise ValueError('give --run_dir, or --root_output_dir and '
+                     '--experiment_name, not both')
+  run_dir = FLAGS.run_dir or os.path.join(FLAGS.root_output_dir,
+                                          FLAGS.experiment_name)
+  run = runs.Run.open(run_dir)
+  check_flags(run)
+  built = run.record.get('task')
+  if not built:
+    raise ValueError(f'{run_dir}: the run\'s task was not built by name, so '
+                     'binaries.export cannot rebuild it; export it from '
+                     'Python with export.export_run(task, run.config, ...)')
+  arguments = dict(built['arguments'])
+  if _given('data_dir'):
+    arguments['data_dir'] = FLAGS.data_dir
+  mnist_io.set_verify_checksums(FLAGS.verify_data_checksums)
+  return run, task_registry.build_task(built['name'], **arguments)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if not FLAGS.use_gpu:
     tf.config.set_visible_devices([], 'GPU')
   if not FLAGS['verbosity'].present:  # SavedModel writes log every file.
     logging.set_verbosity(logging.WARNING)
   try:
-    if not FLAGS.export_dir:
-      raise ValueError('--export_dir is required')
+    run, task = _open_run()
     clients = [int(c) for c in FLAGS.export_clients]
-    mnist_io.set_verify_checksums(FLAGS.verify_data_checksums)
-    task = task_registry.build_task(FLAGS.task, **task_kwargs)
-    experiment.validate(config, task.population)
-  except ValueError as e:
+  except ValueError as e:  # Flags, the run's record, or the task's data.
     print(f'error: {e}', file=sys.stderr)
     return 2
   try:
-    with run_lock.hold(config.experiment_dir, create=False), (
+    with run_lock.hold(run.directory, create=False), (
         runtime.local_runtime()):
-      export.export_run(task, config, FLAGS.export_dir, clients,
-                        getattr(task, 'batch_size', None) or FLAGS.batch_size)
+      export.export_run(task, run.config, FLAGS.export_dir, clients,
+                        allow_unfinished=FLAGS.allow_unfinished)
   except common.STATE_ERRORS as e:
     if not common.state_failure(e):
       raise
@@ -66,9 +185,14 @@ def _export(config, task_kwargs) -> int:
   return 0
 
 
-def main(argv):
-  return common.main(argv, FLAGS, _export)
+def _parse_flags(argv):
+  """absl's parsing, but an unknown flag is one `error:` line, exit 2."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

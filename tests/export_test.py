@@ -1,6 +1,9 @@
 """binaries.export on a FedEmbed-Prototype run on real MNIST: the SavedModels
 load in a fresh process that imports only TensorFlow and NumPy, and give the
-library's predictions for three users and the library's local update."""
+library's predictions for three users and the library's local update; the
+export takes the run's settings from its record, refusing flags that differ.
+A DP run's export (epsilon, an unfinished run): tests/privacy_record_test.py.
+"""
 
 import collections
 import json
@@ -11,13 +14,13 @@ import sys
 from absl import flags
 from absl.testing import flagsaver
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from binaries import common
 from binaries import export as export_binary
 from binaries import train
-from tasks import registry as task_registry
 from tff_personal import export
+from tff_personal import runs
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
 from tff_personal.core import production
@@ -29,6 +32,7 @@ CLIENTS = (0, 7, 13)
 _FRESH = r"""
 import json, sys
 import numpy as np
+import pytest
 import tensorflow as tf
 export_dir, inputs, out = sys.argv[1:]
 data = np.load(inputs, allow_pickle=False)
@@ -54,29 +58,79 @@ np.savez(out, **results)
 """
 
 
-def _flag_values(tmp_path, mnist_dir):
+def _flag_values(root, mnist_dir):
   return dict(task='mnist_preference', algorithm='fedembed_prototype',
               data_dir=mnist_dir, num_users=20, rounds=2, clients_per_round=5,
-              eval_clients=5, root_output_dir=str(tmp_path / 'runs'),
+              eval_clients=5, root_output_dir=str(root),
               experiment_name='fp', seed=1)
 
 
-def test_exported_models_predict_and_update_as_the_library(tmp_path,
-                                                           mnist_dir):
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, mnist_dir):
+  """The finished run's directory."""
   if not FLAGS.is_parsed():
     FLAGS(['train'])
-  values = _flag_values(tmp_path, mnist_dir)
-  export_dir = str(tmp_path / 'export')
-  with flagsaver.flagsaver(**values):
+  root = tmp_path_factory.mktemp('runs')
+  with flagsaver.flagsaver(**_flag_values(root, mnist_dir)):
     assert train.main(['train']) == 0
-  with flagsaver.flagsaver(**values, export_dir=export_dir,
-                           export_clients=[str(c) for c in CLIENTS]):
-    assert export_binary.main(['export']) == 0
-    config, task_kwargs = common.configs_from_flags(FLAGS)
+  return str(root / 'fp')
+
+
+def _export(capsys, **values):
+  capsys.readouterr()
+  with flagsaver.flagsaver(**values):
+    code = export_binary.main(['export'])
+  return code, capsys.readouterr().err
+
+
+def test_export_refuses_training_flags_other_than_the_runs(trained, tmp_path,
+                                                         capsys):
+  """A training flag must be the run's own (it was trained at the
+  algorithm's default learning rate), and a flag that cannot change an
+  export is unknown to it: exit 2, one line naming the flag, nothing
+  written."""
+  with open(os.path.join(trained, 'run_config.json')) as f:
+    recorded = json.load(f)['flags']['client_learning_rate']
+  assert recorded != 0.5
+  out = str(tmp_path / 'export')
+  code, err = _export(capsys, run_dir=trained, export_dir=out,
+                      client_learning_rate=0.5)
+  assert code == 2, err
+  assert err.startswith('error: ') and len(err.strip().splitlines()) == 1
+  assert (f"--client_learning_rate=0.5, the run's is {recorded!r}" in err and
+          'run_config.json' in err), err
+  code, err = _export(capsys, run_dir=trained, export_dir=out,
+                      eval_clients=5, simulation_shards=2)
+  assert code == 2, err
+  assert ('--eval_clients, --simulation_shards: unknown to binaries.export'
+          in err), err
+  code, err = _export(capsys, run_dir=trained, export_dir=out,
+                      root_output_dir=str(tmp_path))
+  assert code == 2 and 'not both' in err, err
+  assert not os.path.exists(out)
+
+
+def test_exported_models_predict_and_update_as_the_library(trained, tmp_path,
+                                                           mnist_dir, capsys):
+  export_dir = str(tmp_path / 'export')
+  # The run named by its root and name, with training flags of its own.
+  code, err = _export(capsys, root_output_dir=os.path.dirname(trained),
+                      experiment_name='fp', export_dir=export_dir,
+                      export_clients=[str(c) for c in CLIENTS],
+                      data_dir=mnist_dir, algorithm='fedembed_prototype',
+                      num_users=20, rounds=2, seed=1)
+  assert code == 0, err
+  run = runs.Run.open(trained)
+  config = run.config
   with open(os.path.join(export_dir, 'export.json')) as f:
-    assert json.load(f)['clients'] == list(CLIENTS)
+    record = json.load(f)
+  assert record['clients'] == list(CLIENTS)
+  assert record['digest'] == run.digest and record['round'] == 2
+  assert record['finished'] is True and record['allow_unfinished'] is False
+  assert record['privacy']['mechanism'] == 'none'
+  assert record['privacy']['epsilon'] is None
+  task = run.task
   # The library: the run's final weights and states, its evaluation.
-  task = task_registry.build_task('mnist_preference', **task_kwargs)
   proc, _, weights, states = export.final_weights_and_states(
       task, config, CLIENTS)
   eval_states = process_lib.eval_client_states(proc, weights, states)
