@@ -1,0 +1,568 @@
+"""Every algorithm's round held to its paper's update equations.
+
+The reference is the papers' equations written in NumPy (float64), not
+another implementation: two rounds of each algorithm on a tiny linear
+network (x in R^4 -> body Dense(3) -> head Dense(2), mean softmax
+cross-entropy), three clients of 3, 2 and 4 examples in batches of 2 (a
+ragged last batch), SGD on the clients, SGD with step 0.7 at the server,
+DP off. The library's server weights and every client's state must equal
+the reference to 1e-5.
+
+Each algorithm also has a mutation check: the reference with one equation
+changed (a step size, a sign, which parameters are private, a
+regularization weight) must differ from the unchanged reference by more
+than the tolerance, so the comparison would fail on a library that made
+that change.
+
+Conventions shared by the papers below, in their notation: a client k with
+n_k examples and batches b runs SGD steps theta <- theta - eta * grad
+l_b(theta) (l_b: the batch's mean loss); the server averages the clients'
+updates weighted by n_k (FedAvg, McMahan et al. 2017, Algorithm 1) and
+applies its own SGD step, w <- w - eta_s * sum_k (n_k / n) (w - w_k)
+(FedOpt with SGD, Reddi et al. 2021, Algorithm 1).
+"""
+
+import collections
+import dataclasses
+import types
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_personal.algorithms import registry
+from tff_personal.core import process as process_lib
+from tff_personal.models import split_model
+
+TOL = 1e-5
+ETA = 0.1      # client SGD step
+ETA_S = 0.7    # server SGD step
+SIZES = (3, 2, 4)
+BATCH = 2
+ROUNDS = 2
+SHAPES = {'W1': (4, 3), 'b1': (3,), 'W2': (3, 2), 'b2': (2,)}
+BODY = ('W1', 'b1')
+HEAD = ('W2', 'b2')
+ALL = BODY + HEAD
+
+Params = dict[str, np.ndarray]
+
+
+# ------------------------------------------------------------ the model
+
+
+def _keras_model():
+  return tf.keras.Sequential([
+      tf.keras.layers.Input(shape=(4,)),
+      tf.keras.layers.Dense(3, name='body'),
+      tf.keras.layers.Dense(2, name='head')])
+
+
+def _loss(batch, logits):
+  return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+      batch['y'], logits, from_logits=True))
+
+
+def _model_fn_factory(embedding_dim):
+  assert not embedding_dim
+  spec = collections.OrderedDict(x=tf.TensorSpec([None, 4], tf.float32),
+                                 y=tf.TensorSpec([None], tf.int32))
+  return lambda: split_model.SplitModel(
+      model=_keras_model(), private_variables=[], loss_fn=_loss,
+      input_spec=spec)
+
+
+_TASK = types.SimpleNamespace(
+    name='equations', model_fn_factory=_model_fn_factory,
+    supports_personal_embedding=False, has_named_head=True)
+
+
+def _grads(p: Params, x: np.ndarray, y: np.ndarray) -> Params:
+  """Gradients of the mean softmax cross-entropy of the batch (float64)."""
+  h = x @ p['W1'] + p['b1']
+  logits = h @ p['W2'] + p['b2']
+  z = np.exp(logits - logits.max(axis=1, keepdims=True))
+  g = z / z.sum(axis=1, keepdims=True)
+  g[np.arange(len(y)), y] -= 1.0
+  g /= len(y)
+  dh = g @ p['W2'].T
+  return {'W2': h.T @ g, 'b2': g.sum(0), 'W1': x.T @ dh, 'b1': dh.sum(0)}
+
+
+# ------------------------------------------------------------ data
+
+
+def _client_arrays(round_num: int):
+  rng = np.random.default_rng([7, round_num])
+  out = []
+  for n in SIZES:
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = rng.integers(0, 2, n).astype(np.int32)
+    out.append((x, y))
+  return out
+
+
+def _datasets(round_num: int):
+  return [tf.data.Dataset.from_tensor_slices(
+      collections.OrderedDict(x=x, y=y)).batch(BATCH)
+          for x, y in _client_arrays(round_num)]
+
+
+def _batches(x, y):
+  return [(x[i:i + BATCH].astype(np.float64), y[i:i + BATCH])
+          for i in range(0, len(y), BATCH)]
+
+
+# ------------------------------------------------------------ shared steps
+
+
+def sgd_pass(p: Params, batches, eta: float, keys: Sequence[str],
+             extra: Callable[[Params], Params] | None = None) -> Params:
+  """One pass of SGD steps on `keys` (the others held); `extra(p)` adds to
+  the gradient (a proximal term)."""
+  p = dict(p)
+  for x, y in batches:
+    g = _grads(p, x, y)
+    if extra is not None:
+      for k, v in extra(p).items():
+        g[k] = g[k] + v
+    for k in keys:
+      p[k] = p[k] - eta * g[k]
+  return p
+
+
+def server_step(w: Params, client_ws: Sequence[Params], weights,
+                keys: Sequence[str], eta_s: float = ETA_S) -> Params:
+  """w <- w - eta_s * sum_k (n_k / n) (w - w_k) on `keys` (FedOpt, SGD)."""
+  weights = np.asarray(weights, np.float64)
+  weights = weights / weights.sum()
+  out = dict(w)
+  for k in keys:
+    delta = sum(a * (w[k] - c[k]) for a, c in zip(weights, client_ws))
+    out[k] = w[k] - eta_s * delta
+  return out
+
+
+# ------------------------------------------------------------ library side
+
+
+def _by_shape(values) -> Params:
+  """Library tensors named by their (distinct) shapes; a scalar is APFL's
+  alpha."""
+  names = {v: k for k, v in SHAPES.items()}
+  names[()] = 'alpha'
+  return {names[tuple(np.shape(v))]: np.asarray(v, np.float64)
+          for v in values}
+
+
+def _client_state(private: Params, keys: Sequence[str]):
+  """A client state holding `private[keys]`, in the model's order."""
+  return collections.OrderedDict([
+      (process_lib.CLIENT_STATE_PRIVATE,
+       tuple(np.asarray(private[k], np.float32) for k in keys)),
+      (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))])
+
+
+@dataclasses.dataclass
+class Outcome:
+  server: Params                 # the shared trainable weights
+  server_fixed: Params           # the shared non-trainable weights
+  clients: list[Params]          # each client's private state
+
+
+def run_library(name: str, private_keys: Sequence[str], init_private,
+                **options) -> tuple[Outcome, Params]:
+  """Two rounds of the registered algorithm; (outcome, initial server)."""
+  proc = registry.build_for_task(
+      name, _TASK, client_optimizer=tff.learning.optimizers.build_sgdm(ETA),
+      server_optimizer=tff.learning.optimizers.build_sgdm(ETA_S), seed=3,
+      **options)
+  state = proc.initialize()
+  weights = proc.get_model_weights(state)
+  initial = {**_by_shape(weights.trainable), **_by_shape(
+      weights.non_trainable)}
+  states = [_client_state(init_private(k), private_keys)
+            for k in range(len(SIZES))]
+  for r in range(ROUNDS):
+    state, states, _ = proc.next(state, states, _datasets(r))
+  weights = proc.get_model_weights(state)
+  return Outcome(
+      server=_by_shape(weights.trainable),
+      server_fixed=_by_shape(weights.non_trainable),
+      clients=[_by_shape(s[process_lib.CLIENT_STATE_PRIVATE])
+               for s in states]), initial
+
+
+def _initial_private(seed: int):
+  """Each client's own private starting values (any will do: the
+  equations start from them)."""
+  def init(k):
+    rng = np.random.default_rng([seed, k])
+    values = {n: rng.normal(scale=0.5, size=s) for n, s in SHAPES.items()}
+    values['alpha'] = np.float64(0.3 + 0.2 * k)
+    # float32 as the client state holds them, then float64 for the algebra.
+    return {n: np.float64(np.float32(v)) if np.ndim(v) == 0 else
+            v.astype(np.float32).astype(np.float64)
+            for n, v in values.items()}
+  return init
+
+
+def _assert_close(got: Outcome, want: Outcome, what: str):
+  for part in ('server', 'server_fixed'):
+    g, w = getattr(got, part), getattr(want, part)
+    assert g.keys() == w.keys(), (what, part, g.keys(), w.keys())
+    for k in g:
+      np.testing.assert_allclose(g[k], w[k], rtol=0, atol=TOL,
+                                 err_msg=f'{what}: {part} {k}')
+  assert len(got.clients) == len(want.clients)
+  for i, (g, w) in enumerate(zip(got.clients, want.clients)):
+    assert g.keys() == w.keys(), (what, i, g.keys(), w.keys())
+    for k in g:
+      np.testing.assert_allclose(g[k], w[k], rtol=0, atol=TOL,
+                                 err_msg=f'{what}: client {i} {k}')
+
+
+def _differs(a: Outcome, b: Outcome) -> bool:
+  """Whether two outcomes differ by more than the tolerance anywhere (or
+  in which values they hold)."""
+  for part in ('server', 'server_fixed'):
+    x, y = getattr(a, part), getattr(b, part)
+    if x.keys() != y.keys() or any(
+        np.max(np.abs(x[k] - y[k])) > TOL for k in x):
+      return True
+  for x, y in zip(a.clients, b.clients):
+    if x.keys() != y.keys() or any(
+        np.max(np.abs(x[k] - y[k])) > TOL for k in x):
+      return True
+  return False
+
+
+# ------------------------------------------------------------ references
+#
+# Each reference takes the initial server weights, each client's initial
+# private values and `eq`, the equations' constants (a mutation changes
+# one), and returns the Outcome after ROUNDS rounds.
+
+
+def fedavg_reference(w0: Params, private0, eq: Mapping) -> Outcome:
+  """FedAvg (McMahan et al. 2017, Algorithm 1, ClientUpdate: w <- w -
+  eta grad l(w; b)), with the server's SGD step (Reddi et al. 2021, Alg. 1).
+  Nothing is private."""
+  w = dict(w0)
+  for r in range(ROUNDS):
+    locals_ = [sgd_pass(w, _batches(x, y), eq['eta'], ALL)
+               for x, y in _client_arrays(r)]
+    w = server_step(w, locals_, eq['weights'], ALL, eq['eta_s'])
+  return Outcome(server=w, server_fixed={}, clients=[{}] * len(SIZES))
+
+
+def ditto_reference(w0: Params, private0, eq: Mapping) -> Outcome:
+  """Ditto (Li et al. 2021, Algorithm 1): the global model as FedAvg; the
+  personal model v_k takes the same number of steps
+  v_k <- v_k - eta (grad F_k(v_k) + lambda (v_k - w^t)) (line 7), toward
+  the broadcast w^t."""
+  w = dict(w0)
+  v = [{n: private0(k)[n] for n in ALL} for k in range(len(SIZES))]
+  for r in range(ROUNDS):
+    data = _client_arrays(r)
+    locals_ = [sgd_pass(w, _batches(x, y), eq['eta'], ALL) for x, y in data]
+    for k, (x, y) in enumerate(data):
+      wt = dict(w)
+      v[k] = sgd_pass(v[k], _batches(x, y), eq['eta'], ALL,
+                      extra=lambda p, wt=wt: {
+                          n: eq['lam'] * (p[n] - wt[n]) for n in ALL})
+    w = server_step(w, locals_, eq['weights'], ALL, eq['eta_s'])
+  return Outcome(server=w, server_fixed={}, clients=v)
+
+
+def split_joint_reference(shared: Sequence[str]):
+  """FedPer (Arivazhagan et al. 2019, Sec. 3: base layers federated,
+  personalization layers kept on the device, both trained jointly by
+  local SGD) and LG-FedAvg (Liang et al. 2020, Algorithm 1: local
+  representations theta_k private, the global head federated, trained
+  jointly): one pass on every parameter, the `shared` ones averaged."""
+  def reference(w0: Params, private0, eq: Mapping) -> Outcome:
+    shared_keys = eq.get('shared', shared)
+    private_keys = tuple(k for k in ALL if k not in shared_keys)
+    # (A mutation that shares a private key starts it from client 0's.)
+    w = {k: w0[k] if k in w0 else private0(0)[k] for k in shared_keys}
+    mine = [{k: (private0(c) | w0)[k] for k in private_keys}
+            for c in range(len(SIZES))]
+    for r in range(ROUNDS):
+      locals_ = []
+      for c, (x, y) in enumerate(_client_arrays(r)):
+        p = sgd_pass({**w, **mine[c]}, _batches(x, y), eq['eta'], ALL)
+        locals_.append(p)
+        mine[c] = {k: p[k] for k in private_keys}
+      w = server_step(w, locals_, eq['weights'], shared_keys, eq['eta_s'])
+    return Outcome(server=w, server_fixed={}, clients=mine)
+  return reference
+
+
+def fedbabu_reference(w0: Params, private0, eq: Mapping) -> Outcome:
+  """FedBABU (Oh et al. 2022, Algorithm 1): the head is fixed at its
+  initialization (no update, theta_head^t = theta_head^0) and only the
+  body is trained by local SGD and averaged. Nothing is private."""
+  del private0
+  trained = eq.get('trained', BODY)
+  w = dict(w0)
+  for r in range(ROUNDS):
+    locals_ = [sgd_pass(w, _batches(x, y), eq['eta'], trained)
+               for x, y in _client_arrays(r)]
+    w = server_step(w, locals_, eq['weights'], trained, eq['eta_s'])
+  fixed = tuple(k for k in ALL if k not in BODY)
+  return Outcome(server={k: w[k] for k in BODY},
+                 server_fixed={k: w[k] for k in fixed},
+                 clients=[{}] * len(SIZES))
+
+
+def fedrep_reference(w0: Params, private0, eq: Mapping) -> Outcome:
+  """FedRep (Collins et al. 2021, Algorithm 1): each client first takes
+  tau_h passes of h_k <- h_k - eta grad_h f_k(phi, h_k) with the
+  representation phi fixed (line 6), then one pass of
+  phi <- phi - eta grad_phi f_k(phi, h_k) with its new head fixed (line 7);
+  the server averages phi (line 10)."""
+  phi = {k: w0[k] for k in BODY}
+  heads = [{k: private0(c)[k] for k in HEAD} for c in range(len(SIZES))]
+  for r in range(ROUNDS):
+    locals_ = []
+    for c, (x, y) in enumerate(_client_arrays(r)):
+      p = {**phi, **heads[c]}
+      for _ in range(eq['head_epochs']):
+        p = sgd_pass(p, _batches(x, y), eq['eta'], eq['head_keys'])
+      heads[c] = {k: p[k] for k in HEAD}
+      p = sgd_pass(p, _batches(x, y), eq['eta'], eq['body_keys'])
+      locals_.append(p)
+    phi = server_step(phi, locals_, eq['weights'], BODY, eq['eta_s'])
+  return Outcome(server=phi, server_fixed={}, clients=heads)
+
+
+def _halves(x, y):
+  """Per-FedAvg's split of a batch into (D, D'): the first and second
+  halves; a batch of one example is both."""
+  n = len(y)
+  h = max(n // 2, 1)
+  return (x[:h], y[:h]), (x[min(h, n - 1):], y[min(h, n - 1):])
+
+
+def _hessian_vector(p: Params, x, y, vector: Params) -> Params:
+  """H f(p; x, y) @ vector by central differences of the exact gradient
+  (float64: accurate to ~1e-9 at this scale)."""
+  e = 1e-5
+  plus = _grads({k: p[k] + e * vector[k] for k in ALL}, x, y)
+  minus = _grads({k: p[k] - e * vector[k] for k in ALL}, x, y)
+  return {k: (plus[k] - minus[k]) / (2 * e) for k in ALL}
+
+
+def per_fedavg_reference(w0: Params, private0, eq: Mapping) -> Outcome:
+  """Per-FedAvg (Fallah et al. 2020, Algorithm 1, lines 6-9): per batch,
+  the inner step w~ = w - alpha grad f(w; D), then
+  w <- w - beta (I - alpha H f(w; D)) grad f(w~; D') (the Hessian-free
+  variant; the first-order one drops the Hessian term, Sec. 5). The client
+  is weighted by its D' examples."""
+  del private0
+  w = dict(w0)
+  alpha = eq['inner_lr']
+  for r in range(ROUNDS):
+    locals_, weights = [], []
+    for x, y in _client_arrays(r):
+      p, count = dict(w), 0
+      for bx, by in _batches(x, y):
+        (dx, dy), (ex, ey) = _halves(bx, by)
+        g = _grads(p, dx, dy)
+        adapted = {k: p[k] - alpha * g[k] for k in ALL}
+        meta = _grads(adapted, ex, ey)
+        if eq['hessian_free']:
+          hv = _hessian_vector(p, dx, dy, meta)
+          meta = {k: meta[k] - alpha * hv[k] for k in ALL}
+        p = {k: p[k] - eq['eta'] * meta[k] for k in ALL}
+        count += len(ey)
+      locals_.append(p)
+      weights.append(count)
+    if not eq['weighted_by_d_prime']:
+      weights = eq['weights']
+    w = server_step(w, locals_, weights, ALL, eq['eta_s'])
+  return Outcome(server=w, server_fixed={}, clients=[{}] * len(SIZES))
+
+
+def apfl_reference(w0: Params, private0, eq: Mapping) -> Outcome:
+  """APFL (Deng et al. 2020, Algorithm 1): per batch, with the mixture
+  v_bar = alpha v + (1 - alpha) w of the values before the step,
+  w <- w - eta grad f(w) (line 5), v <- v - eta alpha grad f(v_bar)
+  (line 6, grad_v f(v_bar)), and the adaptive alpha <- alpha - eta_alpha
+  <grad f(v_bar), v - w> (Sec. 4, the gradient in alpha), kept in [0, 1]."""
+  w = dict(w0)
+  mine = [dict(private0(c)) for c in range(len(SIZES))]
+  for r in range(ROUNDS):
+    locals_ = []
+    for c, (x, y) in enumerate(_client_arrays(r)):
+      g_, v, a = dict(w), {k: mine[c][k] for k in ALL}, mine[c]['alpha']
+      for bx, by in _batches(x, y):
+        gg = _grads(g_, bx, by)
+        mixed = {k: a * v[k] + (1 - a) * g_[k] for k in ALL}
+        gm = _grads(mixed, bx, by)
+        new_g = {k: g_[k] - eq['eta'] * gg[k] for k in ALL}
+        new_v = {k: v[k] - eq['eta'] * eq['v_scale'](a) * gm[k] for k in ALL}
+        a = float(np.clip(a - eq['alpha_lr'] * sum(
+            np.sum(gm[k] * (v[k] - g_[k])) for k in ALL), 0.0, 1.0))
+        g_, v = new_g, new_v
+      locals_.append(g_)
+      mine[c] = {**v, 'alpha': a}
+    w = server_step(w, locals_, eq['weights'], ALL, eq['eta_s'])
+  return Outcome(server=w, server_fixed={}, clients=mine)
+
+
+def pfedme_reference(w0: Params, private0, eq: Mapping) -> Outcome:
+  """pFedMe (Dinh et al. 2020, Algorithm 1) on the head: per batch, K inner
+  steps theta <- theta - eta_p (grad f(theta) + lambda (theta - w)) solve
+  Eq. (7) for the personal head theta, then the local model takes the
+  Moreau envelope's step w <- w - eta lambda (w - theta) (Eq. (8) and
+  line 8) on the global head, and the encoder its gradient through the
+  personal head. theta starts from the broadcast head at a client's first
+  round (every round when restarted, as the authors' code does) and is
+  kept after it."""
+  del private0
+  w = dict(w0)
+  thetas = [None] * len(SIZES)
+  for r in range(ROUNDS):
+    locals_ = []
+    for c, (x, y) in enumerate(_client_arrays(r)):
+      p = dict(w)
+      theta = ({k: w[k] for k in HEAD} if r == 0 or eq['restart'] else
+               thetas[c])
+      for bx, by in _batches(x, y):
+        for _ in range(eq['inner_steps']):
+          g = _grads({**p, **theta}, bx, by)
+          theta = {k: theta[k] - eq['inner_lr'] * (
+              g[k] + eq['lam'] * (theta[k] - p[k])) for k in HEAD}
+        g = _grads({**p, **theta}, bx, by)
+        p = {**{k: p[k] - eq['eta'] * g[k] for k in BODY},
+             **{k: p[k] - eq['eta'] * eq['lam'] * (p[k] - theta[k])
+                for k in HEAD}}
+      thetas[c] = theta
+      locals_.append(p)
+    w = server_step(w, locals_, eq['weights'], ALL, eq['eta_s'])
+  return Outcome(server=w, server_fixed={}, clients=thetas)
+
+
+# ------------------------------------------------------------ the cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One algorithm: its options, its private parameters (in the client
+  state's order), its reference and the mutations that must be caught."""
+  name: str
+  reference: Callable[[Params, Callable, Mapping], Outcome]
+  private: tuple[str, ...] = ()
+  options: Mapping = dataclasses.field(default_factory=dict)
+  constants: Mapping = dataclasses.field(default_factory=dict)
+  mutations: Mapping[str, Mapping] = dataclasses.field(default_factory=dict)
+  algorithm: str = ''  # the registered name, when a variant names the case
+
+  @property
+  def registered(self) -> str:
+    return self.algorithm or self.name
+
+
+_COMMON_MUTATIONS = {
+    'client step doubled': {'eta': 2 * ETA},
+    'server step 1': {'eta_s': 1.0},
+    'clients weighted equally': {'weights': (1, 1, 1)},
+}
+
+CASES = [
+    Case('global', fedavg_reference, mutations=_COMMON_MUTATIONS),
+    Case('fedavg_ft', fedavg_reference,
+         mutations={'client step doubled': {'eta': 2 * ETA}}),
+    Case('ditto', ditto_reference, private=ALL, options={'lam': 0.5},
+         constants={'lam': 0.5},
+         mutations={**_COMMON_MUTATIONS,
+                    'proximal sign flipped': {'lam': -0.5},
+                    'no proximal term': {'lam': 0.0}}),
+    Case('fedper', split_joint_reference(BODY), private=HEAD,
+         mutations={**_COMMON_MUTATIONS,
+                    'head shared too': {'shared': ALL}}),
+    Case('lg_fedavg', split_joint_reference(HEAD), private=BODY,
+         mutations={**_COMMON_MUTATIONS,
+                    'body shared, head private': {'shared': BODY}}),
+    Case('fedbabu', fedbabu_reference,
+         mutations={**_COMMON_MUTATIONS,
+                    'head trained too': {'trained': ALL}}),
+    Case('fedrep', fedrep_reference, private=HEAD,
+         options={'head_epochs': 2},
+         constants={'head_epochs': 2, 'head_keys': HEAD, 'body_keys': BODY},
+         mutations={**_COMMON_MUTATIONS,
+                    'one head pass': {'head_epochs': 1},
+                    'joint passes': {'head_keys': ALL, 'body_keys': ALL}}),
+    Case('per_fedavg', per_fedavg_reference,
+         options={'inner_lr': 0.3},
+         constants={'inner_lr': 0.3, 'hessian_free': False,
+                    'weighted_by_d_prime': True},
+         mutations={'client step doubled': {'eta': 2 * ETA},
+                    'server step 1': {'eta_s': 1.0},
+                    'weighted by all examples': {
+                        'weighted_by_d_prime': False},
+                    'no inner step': {'inner_lr': 0.0},
+                    'Hessian term added': {'hessian_free': True}}),
+    Case('per_fedavg_hf', per_fedavg_reference, algorithm='per_fedavg',
+         options={'inner_lr': 0.3, 'hessian_free': True},
+         constants={'inner_lr': 0.3, 'hessian_free': True,
+                    'weighted_by_d_prime': True},
+         mutations={'Hessian term dropped': {'hessian_free': False},
+                    'inner step doubled': {'inner_lr': 0.6}}),
+    Case('apfl', apfl_reference, private=ALL + ('alpha',),
+         options={'alpha_lr': 0.2},
+         constants={'alpha_lr': 0.2, 'v_scale': lambda a: a},
+         mutations={**_COMMON_MUTATIONS,
+                    'alpha fixed': {'alpha_lr': 0.0},
+                    'v stepped on the full mixture gradient': {
+                        'v_scale': lambda a: 1.0}}),
+    Case('pfedme', pfedme_reference, private=HEAD,
+         options={'lam': 2.0, 'inner_steps': 3, 'inner_learning_rate': 0.2},
+         constants={'lam': 2.0, 'inner_steps': 3, 'inner_lr': 0.2,
+                    'restart': False},
+         mutations={**_COMMON_MUTATIONS,
+                    'lambda halved': {'lam': 1.0},
+                    'one inner step': {'inner_steps': 1},
+                    'theta restarted every round': {'restart': True}}),
+    Case('pfedme_restart', pfedme_reference, private=HEAD,
+         options={'lam': 2.0, 'inner_steps': 3, 'inner_learning_rate': 0.2},
+         constants={'lam': 2.0, 'inner_steps': 3, 'inner_lr': 0.2,
+                    'restart': True},
+         mutations={'theta kept': {'restart': False},
+                    'inner step doubled': {'inner_lr': 0.4}}),
+]
+
+
+def _constants(case: Case, **changes) -> dict:
+  return {'eta': ETA, 'eta_s': ETA_S, 'weights': SIZES,
+          **case.constants, **changes}
+
+
+@pytest.mark.parametrize('case', CASES, ids=lambda c: c.name)
+def test_round_follows_the_papers_equations(case):
+  init = _initial_private(seed=11)
+  got, w0 = run_library(case.registered, case.private, init,
+                        **case.options)
+  want = case.reference(w0, init, _constants(case))
+  _assert_close(got, want, case.name)
+  # The mutation check: each changed equation moves the result by more
+  # than the tolerance, so the comparison above would fail on it.
+  assert case.mutations, case.name
+  for what, change in case.mutations.items():
+    mutated = case.reference(w0, init, _constants(case, **change))
+    assert _differs(mutated, want), f'{case.name}: {what} is not detected'
+
+
+def test_every_split_baseline_has_an_equations_case():
+  covered = {c.registered for c in CASES}
+  # The split-model personalization baselines whose update is plain SGD
+  # algebra; the others are held to their equations in their own tests.
+  want = {'global', 'fedavg_ft', 'ditto', 'fedper', 'lg_fedavg', 'fedbabu',
+          'fedrep', 'per_fedavg', 'apfl', 'pfedme', 'pfedme_restart'}
+  assert want <= covered, sorted(want - covered)
+  assert covered <= set(registry.ALGORITHMS), sorted(
+      covered - set(registry.ALGORITHMS))
