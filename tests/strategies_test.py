@@ -20,6 +20,7 @@ from tff_personal import experiment
 from tff_personal import run_evaluation
 from tff_personal import runs
 from tff_personal import strategies
+from tff_personal.core import client_data as client_data_lib
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
 
@@ -168,8 +169,54 @@ def test_fine_tune_of_fedavg_is_fedavg_ft_and_client_outputs_pool_to_it(
       results['global']['eval']['loss'], rel=1e-4)
 
 
+def test_fine_tune_steps_equal_the_passes_they_count(run):
+  # 12 training examples a client in batches of 4: a pass is 3 steps.
+  got = run.evaluate(strategies=[
+      'ft=fine_tune', 'ft2=fine_tune(epochs=2)', 's3=fine_tune(steps=3)',
+      's6=fine_tune(steps=6)', 's1=fine_tune(steps=1)',
+      'whole=fine_tune(batch_size=12)',
+      'one=fine_tune(steps=1,batch_size=12)',
+      'two=fine_tune(steps=2,batch_size=12)'])['strategies']
+  loss = {name: r['eval']['loss'] for name, r in got.items()}
+  assert loss['s3'] == pytest.approx(loss['ft'], rel=1e-6)
+  assert loss['s6'] == pytest.approx(loss['ft2'], rel=1e-6)
+  assert loss['one'] == pytest.approx(loss['whole'], rel=1e-6)
+  for a, b in (('s1', 'ft'), ('one', 's1'), ('two', 'one')):
+    assert abs(loss[a] - loss[b]) > 1e-5, (a, b)
+  assert got['one']['strategy'] == 'fine_tune(steps=1,batch_size=12)'
+
+
+def test_fine_tune_data_cuts_batches_and_steps_alike_in_both_forms():
+  examples = collections.OrderedDict(
+      x=np.arange(5, dtype=np.float32)[:, None], y=np.arange(5, dtype=np.int32))
+  spec = collections.OrderedDict(x=tf.TensorSpec([None, 1], tf.float32),
+                                 y=tf.TensorSpec([None], tf.int32))
+  order = np.array([3, 0, 4, 1, 2])
+  batches = client_data_lib.ClientBatches.from_arrays(examples, 2, [order],
+                                                      spec)
+  dataset = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=examples['x'][order], y=examples['y'][order])).batch(2)
+  for tune, want in (
+      (strategies.FineTune(), [[3, 0], [4, 1], [2]]),
+      (strategies.FineTune(epochs=2), [[3, 0], [4, 1], [2]] * 2),
+      (strategies.FineTune(steps=4), [[3, 0], [4, 1], [2], [3, 0]]),
+      (strategies.FineTune(steps=3, batch_size=3), [[3, 0, 4], [1, 2],
+                                                    [3, 0, 4]]),
+      (strategies.FineTune(batch_size=5), [[3, 0, 4, 1, 2]])):
+    cut, = run_evaluation.fine_tune_data([batches], tune)
+    assert [list(b) for b in cut.index_batches] == want, tune
+    from_dataset, = run_evaluation.fine_tune_data([dataset], tune)
+    assert [list(b['y'].numpy()) for b in from_dataset] == want, tune
+  empty = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=np.zeros([0, 1], np.float32), y=np.zeros([0], np.int32))).batch(2)
+  cut, = run_evaluation.fine_tune_data([empty], strategies.FineTune(steps=3))
+  assert not list(cut)
+
+
 def test_strategy_texts_round_trip_and_bad_ones_are_named():
   for text in ('none', 'fine_tune(epochs=3,learning_rate=0.01,optimizer=sgd)',
+               'fine_tune(learning_rate=0.01,optimizer=sgd,steps=1,'
+               'batch_size=10)',
                'adapt(samples=5)',
                'cold_start(samples=1/5/all,start=dp_average,clip_norm=2.0)'):
     name, strategy = strategies.parse(text)
@@ -179,6 +226,9 @@ def test_strategy_texts_round_trip_and_bad_ones_are_named():
   for text, named in (('fine_tun', 'unknown kind'),
                       ('fine_tune(epoch=3)', 'epoch=3'),
                       ('fine_tune(epochs=0)', 'epochs'),
+                      ('fine_tune(steps=0)', 'steps'),
+                      ('fine_tune(batch_size=0)', 'batch_size'),
+                      ('fine_tune(epochs=2,steps=1)', 'not both'),
                       ('fine_tune(optimizer=sgd)', 'learning_rate'),
                       ('cold_start(start=zero)', 'start'),
                       ('cold_start(samples=-1/all)', 'samples'),

@@ -147,8 +147,8 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
         outputs.extend(plain(weights, states, datasets_fn(chunk)))
       else:  # The same fixed local pass at every evaluation.
         outputs.extend(tuned(
-            weights, states, repeated(fine_tune_train_fn(
-                chunk, config.rounds), tune.epochs), datasets_fn(chunk)))
+            weights, states, fine_tune_data(fine_tune_train_fn(
+                chunk, config.rounds), tune), datasets_fn(chunk)))
     return outputs
 
   def evaluate(state, datasets_fn, ids=eval_ids,
@@ -168,14 +168,39 @@ def _has_private(proc) -> bool:
   return len(private) > 0  # pylint: disable=g-explicit-length-test
 
 
-def repeated(data: Sequence[Any], epochs: int) -> list:
-  """Each client's data (`tf.data.Dataset`s or `ClientBatches`) visited
-  `epochs` times in a row."""
-  if epochs == 1:
+def fine_tune_data(data: Sequence[Any],
+                   tune: strategies_lib.FineTune) -> list:
+  """Each client's fine-tuning steps: its data (`tf.data.Dataset`s or
+  `ClientBatches` of one pass) cut into `tune.batch_size` batches, visited
+  `tune.epochs` times, or its first `tune.steps` batches, the passes
+  repeated (`strategies.FineTune`)."""
+  if tune.batch_size is None and tune.steps is None and tune.epochs == 1:
     return list(data)
-  return [dataclasses.replace(d, index_batches=d.index_batches * epochs)
-          if isinstance(d, client_data_lib.ClientBatches) else d.repeat(epochs)
-          for d in data]
+  return [_client_steps(d, tune) for d in data]
+
+
+def _client_steps(data, tune: strategies_lib.FineTune):
+  """One client's fine-tuning steps (`fine_tune_data`)."""
+  if isinstance(data, client_data_lib.ClientBatches):
+    batches = list(data.index_batches)
+    if tune.batch_size is not None:
+      order = (np.concatenate(batches) if batches else
+               np.zeros([0], np.int64))
+      batches = [order[i:i + tune.batch_size]
+                 for i in range(0, len(order), tune.batch_size)]
+    if tune.steps is None:
+      batches = batches * tune.epochs
+    elif batches:
+      passes = -(-tune.steps // len(batches))
+      batches = (batches * passes)[:tune.steps]
+    return dataclasses.replace(data, index_batches=tuple(batches))
+  if tune.batch_size is not None:
+    data = data.unbatch().batch(tune.batch_size)
+  if tune.steps is None:
+    return data.repeat(tune.epochs) if tune.epochs > 1 else data
+  # An empty pass repeated is empty (tf.data ends a repeat whose epoch
+  # gave nothing).
+  return data.repeat().take(tune.steps)
 
 
 NEVER_TRAINED = 'never_trained_clients'

@@ -10,11 +10,13 @@ each client's own private state, as trained.
 * `AsTrained()` (`none`): each client's stored private state with the final
   shared model, without the run's `eval_fine_tune` pass (an algorithm whose
   evaluation always fine-tunes, such as FedAvg+FT, still does).
-* `FineTune(epochs, learning_rate, optimizer)` (`fine_tune`): first
-  `epochs` local passes over the client's own training data that update
-  only its private variables; nothing leaves the client. A process whose
-  clients hold no private variables (FedAvg's) tunes a copy of the whole
-  global model, as FedAvg+FT does.
+* `FineTune(epochs | steps, batch_size, learning_rate, optimizer)`
+  (`fine_tune`): first `epochs` local passes (or exactly `steps` steps)
+  over the client's own training data that update only its private
+  variables; nothing leaves the client. A process whose clients hold no
+  private variables (FedAvg's) tunes a copy of the whole global model, as
+  FedAvg+FT does. `fine_tune(steps=1,batch_size=10)` is one SGD step on
+  one batch of 10, Per-FedAvg's test-time step.
 * `Adapt(samples=k)` (`adapt`): each client's stored private state, and
   the algorithm's own test-time adaptation (FedPerC's fine-tuning or
   generation) reads only the first k of the client's adaptation samples
@@ -34,6 +36,7 @@ separated by `/`:
 
   none
   ft3=fine_tune(epochs=3,learning_rate=0.01,optimizer=sgd)
+  step=fine_tune(steps=1,batch_size=10,learning_rate=0.01,optimizer=sgd)
   a5=adapt(samples=5)
   cold=cold_start(start=dp_average,samples=1/5/all)
 
@@ -72,25 +75,36 @@ class FineTune:
 
   Attributes:
     epochs: passes over the client's training data of the run's last
-      round, each batched on its own (a client with fewer examples than a
-      batch takes one step per pass); each updates only the client's
-      private variables.
+      round (a client with fewer examples than a batch takes one step per
+      pass); each step updates only the client's private variables.
     learning_rate: the fine-tuning learning rate; None: the algorithm's own
       fine-tuning optimizer if it declares one, else the run's
       `private_learning_rate` (Adam), else its client optimizer.
     optimizer: 'sgd' or 'adam' with `learning_rate`; None: Adam when a
       learning rate is given.
+    steps: exactly this many steps instead of whole passes: the first
+      `steps` batches of the passes repeated (a client without training
+      examples takes none). Given with `epochs` left at 1.
+    batch_size: the examples of one step, the pass cut anew in its order
+      (the last batch of a pass may be smaller); None: the task's batches.
   """
   epochs: int = 1
   learning_rate: Optional[float] = None
   optimizer: Optional[str] = None
+  steps: Optional[int] = None
+  batch_size: Optional[int] = None
   kind = 'fine_tune'
 
   def __post_init__(self):
-    if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or (
-        self.epochs < 1):
-      raise ValueError(f'fine_tune epochs must be an int >= 1, got '
-                       f'{self.epochs!r}')
+    for name in ('epochs', 'steps', 'batch_size'):
+      value = getattr(self, name)
+      if (value is not None or name == 'epochs') and (
+          isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f'fine_tune {name} must be an int >= 1, got '
+                         f'{value!r}')
+    if self.steps is not None and self.epochs != 1:
+      raise ValueError(f'fine_tune takes epochs or steps, not both; got '
+                       f'epochs={self.epochs}, steps={self.steps}')
     if self.learning_rate is not None and not self.learning_rate > 0:
       raise ValueError(f'fine_tune learning_rate must be > 0, got '
                        f'{self.learning_rate}')
@@ -206,7 +220,7 @@ def _value(field: dataclasses.Field, text: str) -> Any:
     return tuple(s.strip() for s in text.split('/') if s.strip())
   if text in ('None', 'none', ''):
     return None
-  if field.name == 'epochs':
+  if field.name in ('epochs', 'steps', 'batch_size'):
     return int(text)
   if field.name in ('learning_rate', 'noise_multiplier', 'clip_norm',
                     'delta'):
