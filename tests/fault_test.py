@@ -197,6 +197,8 @@ def _evidence(point, backend, run_dir):
   if point == 'mid_round':
     assert rounds == [0, 1]
     assert training_loop.rounds_started(run_dir) == 2
+    # Both places of the record counted round 2 before it was killed.
+    assert client_state_lib.read_rounds_started(store_dir)[0] == 2
   elif point == 'mid_checkpoint':
     assert rounds == [0, 1]
     assert any('program_state_2_temp' in n for n in names), names
@@ -330,8 +332,11 @@ def _damage(run_dir, backend, damage):
   if damage == 'rounds record behind the checkpoints':
     with open(record, 'w') as f:
       json.dump({'rounds_started': 0}, f)
+    # The store's record (2) disagrees first: the privacy record is
+    # inconsistent either way.
     return (training_loop.CheckpointError,
-            'counts 0 rounds started, but .* round 1')
+            'rounds_started.json counts 0 rounds started, but .*privacy '
+            'record is inconsistent')
   if damage == 'copied checkpoint':  # Its name says 99; it holds round 1.
     ckpt = os.path.join(run_dir, 'checkpoints')
     shutil.copytree(os.path.join(ckpt, 'program_state_1'),

@@ -436,8 +436,8 @@ def evaluate_experiment(task, config: experiment.ExperimentConfig,
            f'{evaluation.format_metrics(result["eval"])}')
   else:
     run_report = run_privacy.run_privacy_report(
-        config, run_dp, rounds, training_loop.rounds_started(
-            config.experiment_dir, required=True),
+        config, run_dp, rounds,
+        run_privacy.rounds_noised(config.experiment_dir),
         run_privacy.earlier_stages_noised(config))
     num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
     state = training_loop.load_checkpoint(proc, config.experiment_dir,

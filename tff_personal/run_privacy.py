@@ -45,18 +45,45 @@ def per_group_privacy(config: experiment.ExperimentConfig, dp, groups, noised,
                 '(groups).').strip()}
 
 
+def rounds_noised(directory: str) -> int:
+  """The rounds one run directory (a run's, an earlier stage's or a
+  group's) noised: its record of rounds started, replays included, checked
+  as a resume checks it (`training_loop.check_records`: both places of the
+  record agree, and it counts at least the rounds the run's checkpoints
+  and released metrics show). 0 for a directory where no round started.
+
+  Raises:
+    training_loop.CheckpointError: the record is missing, unreadable or
+      inconsistent (naming the files).
+  """
+  started = training_loop.check_records(directory)
+  if started is None:  # No checkpoint: no round can have completed.
+    started = training_loop.rounds_started(directory) or 0
+  return started
+
+
 def earlier_stages_noised(config: experiment.ExperimentConfig) -> int:
   """The rounds a finished run's earlier stages noised (0 for a
-  single-stage algorithm), read from their directories."""
+  single-stage algorithm), read from their directories (`rounds_noised`)."""
   stages_dir = os.path.join(config.experiment_dir, 'stages')
-  total = 0
-  for name in (sorted(os.listdir(stages_dir)) if os.path.isdir(stages_dir)
-               else ()):
-    directory = os.path.join(stages_dir, name)
-    completed = training_loop.completed_round(directory)
-    total += max(completed or 0, training_loop.rounds_started(
-        directory, required=completed is not None) or 0)
-  return total
+  return sum(rounds_noised(os.path.join(stages_dir, name)) for name in (
+      sorted(os.listdir(stages_dir)) if os.path.isdir(stages_dir) else ()))
+
+
+def recorded_privacy_report(config: experiment.ExperimentConfig,
+                            dp: privacy.DPConfig,
+                            groups: Optional[dict[str, list[int]]] = None
+                            ) -> Optional[dict]:
+  """The privacy report of the run in `config.experiment_dir` as its
+  directories record it (None without DP): for an interrupted run, what it
+  has spent so far. `groups`: a per-group run's groups
+  (`group_privacy_report`)."""
+  earlier = earlier_stages_noised(config)
+  if groups is not None:
+    return group_privacy_report(config, dp, groups, earlier)
+  completed = training_loop.completed_round(config.experiment_dir) or 0
+  return run_privacy_report(config, dp, completed,
+                            rounds_noised(config.experiment_dir), earlier)
 
 
 def run_privacy_report(config: experiment.ExperimentConfig,
@@ -198,12 +225,8 @@ def group_privacy_report(config: experiment.ExperimentConfig,
                          earlier_noised: int) -> Optional[dict]:
   """The privacy report of a per-group run, from the rounds each group's
   directory records as started (None without DP)."""
-  noised = {}
-  for name in groups:
-    directory = experiment.group_directory(config, name)
-    completed = training_loop.completed_round(directory) or 0
-    noised[name] = max(completed, training_loop.rounds_started(
-        directory, required=bool(completed)) or 0)
+  noised = {name: rounds_noised(experiment.group_directory(config, name))
+            for name in groups}
   report = run_privacy_report(config, dp, config.rounds,
                               max(noised.values()), earlier_noised)
   if report is not None:

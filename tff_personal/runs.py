@@ -292,21 +292,21 @@ class Run(collections.abc.Mapping):
   def privacy_report(self) -> Optional[dict]:
     """The run's privacy report (None without DP), recomputed from its
     recorded DP configuration and the rounds its directories record as
-    started, replays included: for an interrupted run, what it has spent
-    so far."""
+    started, replays included (`run_privacy.recorded_privacy_report`): for
+    an interrupted run, what it has spent so far.
+
+    Raises:
+      training_loop.CheckpointError: a record of rounds started is missing,
+        unreadable, or inconsistent (its two places disagree, or it counts
+        fewer rounds than the run's checkpoints or released metrics show).
+    """
     if self._config.dp.mechanism == 'none':
       return None
     config, dp = self._config, self._resolved_dp()
-    earlier = run_privacy.earlier_stages_noised(config)
-    if self._per_group():
-      groups = experiment.group_members(
-          self.task, config, self._built().stages[-1].grouping)
-      return run_privacy.group_privacy_report(config, dp, groups, earlier)
-    completed = training_loop.completed_round(self.directory) or 0
-    started = training_loop.rounds_started(self.directory,
-                                           required=bool(completed))
-    return run_privacy.run_privacy_report(config, dp, completed, started,
-                                          earlier)
+    groups = experiment.group_members(
+        self.task, config, self._built().stages[-1].grouping) if (
+            self._per_group()) else None
+    return run_privacy.recorded_privacy_report(config, dp, groups)
 
   def curves(self, stage: Optional[str] = None,
              group: Optional[str] = None) -> dict[str, list[dict]]:

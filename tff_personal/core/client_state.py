@@ -56,6 +56,17 @@ must resume from the newest version both have (the store keeps at least the
 last two snapshots and `snapshot_rounds()` lists them for exactly this). It never
 silently starts fresh.
 
+Record of rounds started
+------------------------
+A store also keeps the count of noised rounds started in its directory
+(`record_rounds_started`, `rounds_started`): a monotone counter the
+training loop advances before a round's aggregate exists, beside the run
+directory's own record (`training_loop.rounds_started` compares the two).
+The SQLite store keeps it in its `meta` table (`rounds_started`), the
+memory store in `rounds_started.json` beside its snapshots; rollbacks and
+restores leave it as it is, and lowering it raises.
+`read_rounds_started(directory)` reads it without opening the store.
+
 Rules enforced by every store: `save` with a round <= `committed_round()`
 raises (that would rewrite a checkpoint); `commit(r)` and `rollback(r)` need
 r >= `committed_round()` (older versions are gone; the in-memory store instead
@@ -198,6 +209,41 @@ class ClientStateStore(abc.ABC):
           f'round >= {committed}.')
     self._rollback(round_num)
 
+  def rounds_started(self) -> Optional[int]:
+    """The store's count of rounds started, or None if it has none."""
+    self._check_open()
+    return self._read_rounds_started()
+
+  def record_rounds_started(self, count: int) -> None:
+    """Durably records that `count` rounds have started.
+
+    The count never decreases: a lower `count` than the recorded one raises
+    `ClientStateStoreError`; an equal one writes nothing.
+    """
+    self._check_open()
+    count = int(count)
+    if count < 0:
+      raise ValueError(f'record_rounds_started: count {count} < 0')
+    current = self._read_rounds_started()
+    if current is not None and count < current:
+      raise ClientStateStoreError(
+          f'{self.rounds_started_location()} counts {current} rounds '
+          f'started; it cannot be lowered to {count}.')
+    if current != count:
+      self._write_rounds_started(count)
+
+  @abc.abstractmethod
+  def rounds_started_location(self) -> str:
+    """Where the store keeps its count of rounds started (for messages)."""
+
+  @abc.abstractmethod
+  def _read_rounds_started(self) -> Optional[int]:
+    """The recorded count, or None."""
+
+  @abc.abstractmethod
+  def _write_rounds_started(self, count: int) -> None:
+    """Records `count` durably (checked not to lower it)."""
+
   @abc.abstractmethod
   def committed_round(self) -> Optional[int]:
     """Round of the last `commit`, or None."""
@@ -287,6 +333,25 @@ class InMemoryClientStateStore(ClientStateStore):
     # False until this instance saved, committed or restored: a fresh store
     # over a checkpoint directory must reload a snapshot on rollback.
     self._live = False
+    # Without a checkpoint directory the count of rounds started lives here.
+    self._rounds_started: Optional[int] = None
+
+  def rounds_started_location(self) -> str:
+    if self._checkpoint_dir is None:
+      return 'the in-memory client-state store'
+    return os.path.join(self._checkpoint_dir, ROUNDS_STARTED_FILENAME)
+
+  def _read_rounds_started(self) -> Optional[int]:
+    if self._checkpoint_dir is None:
+      return self._rounds_started
+    return _read_counter_file(self.rounds_started_location())
+
+  def _write_rounds_started(self, count: int) -> None:
+    if self._checkpoint_dir is None:
+      self._rounds_started = count
+      return
+    with atomic_io.atomic_write(self.rounds_started_location()) as f:
+      json.dump({'rounds_started': count}, f)
 
   def committed_round(self) -> Optional[int]:
     return self._committed
@@ -542,6 +607,7 @@ class SqliteClientStateStore(ClientStateStore):
               f'{meta["format_version"]}, expected {_FORMAT_VERSION}.')
         committed = meta.get('committed_round')
         self._committed = None if committed is None else int(committed)
+        self._rounds_started = _counter(meta.get(_ROUNDS_STARTED_KEY), path)
     except sqlite3.OperationalError as e:
       self._close_conn()
       raise ClientStateStoreError(
@@ -557,6 +623,18 @@ class SqliteClientStateStore(ClientStateStore):
   @property
   def path(self) -> str:
     return self._path
+
+  def rounds_started_location(self) -> str:
+    return f'{self._path} (meta {_ROUNDS_STARTED_KEY})'
+
+  def _read_rounds_started(self) -> Optional[int]:
+    return self._rounds_started
+
+  def _write_rounds_started(self, count: int) -> None:
+    with self._db_errors(), self._transaction():
+      self._conn.execute('INSERT OR REPLACE INTO meta (key, value) '
+                         'VALUES (?, ?)', (_ROUNDS_STARTED_KEY, str(count)))
+    self._rounds_started = count
 
   def committed_round(self) -> Optional[int]:
     return self._committed
@@ -695,6 +773,72 @@ def _chunks(items: Sequence[int], size: int) -> Iterable[Sequence[int]]:
 
 _BACKENDS = ('auto', 'memory', 'sqlite')
 SQLITE_FILENAME = 'client_states.sqlite'
+# The memory store's count of rounds started, beside its snapshots.
+ROUNDS_STARTED_FILENAME = 'rounds_started.json'
+_ROUNDS_STARTED_KEY = 'rounds_started'
+
+
+def _counter(value, where: str) -> Optional[int]:
+  """A recorded count of rounds started (None: not recorded)."""
+  if value is None:
+    return None
+  try:
+    count = int(value)
+  except (TypeError, ValueError):
+    count = -1
+  if isinstance(value, bool) or count < 0 or str(count) != str(value):
+    raise CorruptStateError(
+        f'{where} holds {value!r} as its count of rounds started, not a '
+        'count')
+  return count
+
+
+def _read_counter_file(path: str) -> Optional[int]:
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      value = json.load(f)['rounds_started']
+  except OSError as e:
+    raise ClientStateStoreError(
+        f'{path} cannot be read ({type(e).__name__}: {e})') from e
+  except (ValueError, KeyError, TypeError) as e:
+    raise CorruptStateError(
+        f'{path} is damaged ({type(e).__name__}: {e})') from e
+  return _counter(value, path)
+
+
+def read_rounds_started(directory: str) -> tuple[Optional[int], str]:
+  """`(count, where)`: the count of rounds started that the store in
+  `directory` records, read without opening the store (nothing is
+  written), and where it is kept; count None when the store records none
+  (no store, or one written before stores kept the count).
+
+  Raises:
+    CorruptStateError: the record cannot be read (names the file).
+  """
+  database = os.path.join(directory, SQLITE_FILENAME)
+  if os.path.exists(database) and os.path.getsize(database):
+    where = f'{database} (meta {_ROUNDS_STARTED_KEY})'
+    try:
+      conn = sqlite3.connect(f'file:{database}?mode=ro', uri=True)
+      try:
+        tables = {row[0] for row in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        row = conn.execute(
+            'SELECT value FROM meta WHERE key = ?',
+            (_ROUNDS_STARTED_KEY,)).fetchone() if 'meta' in tables else None
+      finally:
+        conn.close()
+    except sqlite3.OperationalError as e:  # E.g. no permission.
+      raise ClientStateStoreError(
+          f'Cannot read client-state database {database}: {e}') from e
+    except sqlite3.DatabaseError as e:  # E.g. "file is not a database".
+      raise CorruptStateError(
+          f'Cannot read client-state database {database}: {e}') from e
+    return _counter(row and row[0], where), where
+  path = os.path.join(directory, ROUNDS_STARTED_FILENAME)
+  return _read_counter_file(path), path
 
 
 def resolve_backend(backend: str, population: int,

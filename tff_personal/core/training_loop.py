@@ -7,11 +7,13 @@ lost or duplicated):
    `tff.program.FileProgramStateManager` (an atomic directory rename), then the
    client-state store commits round 0.
 2. Round r: the cohort is sampled from `(seed, r)` alone; its states are loaded
-   from the store; the count of rounds started (`rounds_started.json`, which
-   the privacy accounting reads: a replayed round is noised again) is
-   incremented durably; `process.next` runs; the returned states are saved tagged
-   with round r; metrics are released (CSV rows with key >= r are replaced, so
-   a replayed round overwrites, never duplicates).
+   from the store; the count of rounds started, which the privacy accounting
+   reads (a replayed round is noised again), is incremented durably in two
+   places, the client-state store's record first, then the run directory's
+   `rounds_started.json` (`rounds_started`); `process.next` runs; the
+   returned states are saved tagged with round r; metrics are released (CSV
+   rows with key >= r are replaced, so a replayed round overwrites, never
+   duplicates).
 3. Every `checkpoint_every` rounds and at the last round: the server state is
    saved as version r, then the store commits r.
 4. `--resume`: the latest server-state version v is loaded (a corrupt one is
@@ -223,44 +225,19 @@ def _restore(manager, ckpt_dir, versions, store, initial_state):
 
 
 ROUNDS_STARTED_FILENAME = 'rounds_started.json'
+# Where a run directory keeps its client-state store.
+STORE_DIRNAME = 'client_states'
 
 
-def rounds_started(experiment_dir: str,
-                   required: bool = False) -> Optional[int]:
-  """How many rounds `run_training` started in `experiment_dir`, or None.
-
-  Counted over every process that ran the experiment, rounds replayed after
-  a kill included: the loop records round r as started (durably) before it
-  runs `process.next` for it, and records 0 before its first checkpoint.
-  It is the only record of replayed rounds, which the privacy accounting
-  counts, so a directory with checkpoints must have it.
-
-  Args:
-    experiment_dir: the directory `run_training` ran in.
-    required: raise instead of returning None when the record is missing.
-
-  Returns:
-    The count, or None when the directory has no record (and not
-    `required`).
-
-  Raises:
-    CheckpointError: the record exists but cannot be read, or is missing
-      and `required` (names the file).
-  """
-  path = os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME)
+def _read_run_record(path: str) -> Optional[int]:
+  """The count in the run directory's record, or None if it is missing."""
   if not os.path.exists(path):
-    if required:
-      raise CheckpointError(
-          f'{path} is missing: it is the only record of the rounds this run '
-          'started, replays after a kill included, and epsilon accounts every '
-          'one of them; without it the privacy report could under-count. '
-          'Restore the file from a backup, or start a new --experiment_name. '
-          'Nothing was changed.')
     return None
   try:
     with open(path, encoding='utf-8') as f:
       started = json.load(f)['rounds_started']
-    if not isinstance(started, int) or started < 0:
+    if (not isinstance(started, int) or isinstance(started, bool)
+        or started < 0):
       raise ValueError(f'rounds_started is {started!r}')
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise CheckpointError(
@@ -270,19 +247,99 @@ def rounds_started(experiment_dir: str,
   return started
 
 
+def _store_record(experiment_dir: str, store=None
+                  ) -> tuple[Optional[int], str]:
+  """The store's count of rounds started and where it is kept: `store`'s,
+  else that of the store in `experiment_dir/client_states`, read without
+  opening it."""
+  if store is not None:
+    return store.rounds_started(), store.rounds_started_location()
+  return client_state_lib.read_rounds_started(
+      os.path.join(experiment_dir, STORE_DIRNAME))
+
+
+def rounds_started(experiment_dir: str, required: bool = False,
+                   store: Optional[client_state_lib.ClientStateStore] = None
+                   ) -> Optional[int]:
+  """How many rounds `run_training` started in `experiment_dir`, or None.
+
+  Counted over every process that ran the experiment, rounds replayed after
+  a kill included. The count is kept in two places, which the loop
+  advances before it runs `process.next` for a round: first the
+  client-state store's record (`ClientStateStore.record_rounds_started`),
+  then the run directory's `rounds_started.json`. So a kill between the two
+  writes leaves the store one round ahead, and nothing else can make them
+  differ. This returns the larger when they agree or the store leads by
+  one, and refuses any other difference: then one of them was lowered or
+  replaced (a file restored from elsewhere), and epsilon, which accounts
+  every round started, could under-count. A store that keeps no count (no
+  store there, or one written before stores kept it) leaves the run
+  directory's record alone.
+
+  Args:
+    experiment_dir: the directory `run_training` ran in.
+    required: raise instead of returning None when the run directory's
+      record is missing.
+    store: the run's open store (default: read the one in
+      `experiment_dir/client_states` without opening it).
+
+  Returns:
+    The count, or None when neither place records one (and not
+    `required`).
+
+  Raises:
+    CheckpointError: a record cannot be read, the two disagree (naming both
+      places and both counts), or the run directory's is missing and
+      `required` (names the file).
+  """
+  path = os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME)
+  started = _read_run_record(path)
+  try:
+    stored, where = _store_record(experiment_dir, store)
+  except client_state_lib.ClientStateStoreError as e:
+    raise CheckpointError(
+        'the client-state store\'s record of rounds started cannot be read '
+        f'({e}); epsilon accounts it with {path}. Nothing was '
+        'changed.') from e
+  if started is None:
+    if required:
+      raise CheckpointError(
+          f'{path} is missing: it records the rounds this run started, '
+          'replays after a kill included, and epsilon accounts every one of '
+          'them; without it the privacy report could under-count. Start a '
+          'new --experiment_name. Nothing was changed.')
+    return stored
+  if stored is None or stored == started:
+    return started
+  if stored == started + 1:  # Killed between the store's write and ours.
+    return stored
+  raise CheckpointError(
+      f'{path} counts {started} rounds started, but {where} counts '
+      f'{stored}: the run\'s privacy record is inconsistent (the store '
+      'records a round before the run directory does, so it can lead by one '
+      'round after a kill, never otherwise), and epsilon, which accounts '
+      'every round started, cannot be trusted from either. Start a new '
+      '--experiment_name. Nothing was changed.')
+
+
 def check_records(experiment_dir: str,
-                  versions: Optional[Sequence[int]] = None) -> Optional[int]:
-  """Checks what a resume of `experiment_dir` relies on; reads only.
+                  versions: Optional[Sequence[int]] = None,
+                  store: Optional[client_state_lib.ClientStateStore] = None
+                  ) -> Optional[int]:
+  """Checks what a resume, an evaluation or an export of `experiment_dir`
+  relies on; reads only.
 
   The newest checkpoint must hold the round its name says (`held_round`),
-  and the rounds-started record, which epsilon accounts, must be there,
-  readable, and count at least the rounds the run is known to have started:
-  its newest checkpoint's round and its newest released training round. A
-  record that counted fewer would under-count the rounds noised.
+  and the record of rounds started, which epsilon accounts, must be there,
+  readable, consistent between its two places (`rounds_started`) and count
+  at least the rounds the run is known to have started: its newest
+  checkpoint's round and its newest released training round. A record that
+  counted fewer would under-count the rounds noised.
 
   Args:
     experiment_dir: the directory `run_training` ran in.
     versions: its checkpoint rounds (default: read them).
+    store: the run's open store (default: read the one in the directory).
 
   Returns:
     The rounds started, or None when the directory has no checkpoint.
@@ -295,7 +352,7 @@ def check_records(experiment_dir: str,
   if not versions:
     return None
   held_round(experiment_dir, versions[-1])
-  started = rounds_started(experiment_dir, required=True)
+  started = rounds_started(experiment_dir, required=True, store=store)
   metrics = os.path.join(experiment_dir, 'train_metrics.csv')
   try:
     released = _released_rounds(metrics)
@@ -309,15 +366,24 @@ def check_records(experiment_dir: str,
     raise CheckpointError(
         f'{os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME)} counts '
         f'{started} rounds started, but the run has a checkpoint or released '
-        f'metrics of round {known}: the record is inconsistent, and epsilon '
-        'would under-count the rounds noised. Restore the file from a '
-        'backup, or start a new --experiment_name. Nothing was changed.')
+        f'metrics of round {known}: the run\'s privacy record is '
+        'inconsistent, and epsilon would under-count the rounds noised. '
+        'Start a new --experiment_name. Nothing was changed.')
   return started
 
 
 def _record_rounds_started(experiment_dir: str, started: int) -> None:
   write_summary(os.path.join(experiment_dir, ROUNDS_STARTED_FILENAME),
                 {'rounds_started': started})
+
+
+def _record_started(experiment_dir: str, store, started: int) -> None:
+  """Records `started` rounds started where a record is behind: the
+  store's first, then the run directory's (`rounds_started`)."""
+  store.record_rounds_started(started)
+  if _read_run_record(os.path.join(experiment_dir,
+                                   ROUNDS_STARTED_FILENAME)) != started:
+    _record_rounds_started(experiment_dir, started)
 
 
 def _store_name(store) -> str:
@@ -525,7 +591,7 @@ def run_training(
           f'{ckpt_dir} already holds checkpoints (rounds {versions}); pass '
           '--resume to continue that run, or choose a new --experiment_name. '
           'Nothing was changed.')
-    check_records(config.experiment_dir, versions)
+    check_records(config.experiment_dir, versions, store=store)
     latest, program_state = _restore(
         manager, ckpt_dir, versions, store, initial_state)
     state = program_state['server_state']
@@ -538,8 +604,8 @@ def run_training(
       store.rollback(0)
     # The record exists before any checkpoint does: a directory with
     # checkpoints and no record has lost it (`check_records`).
-    if rounds_started(config.experiment_dir) is None:
-      _record_rounds_started(config.experiment_dir, 0)
+    _record_started(config.experiment_dir, store, rounds_started(
+        config.experiment_dir, store=store) or 0)
     coroutines.run_sync(manager.save(
         {'server_state': _to_numpy_state(state), 'round_num': 0}, 0))
     store.commit(0)
@@ -558,7 +624,9 @@ def run_training(
            'released before the run stopped)')
     eval_metrics = _evaluate_and_release(
         eval_fn, state, resumed_from, lambda v, r: release(v, r, eval_release))
-  started = rounds_started(config.experiment_dir, required=True)
+  started = rounds_started(config.experiment_dir, required=True, store=store)
+  # A kill between the two records' writes left the store's ahead.
+  _record_started(config.experiment_dir, store, started)
   round_times = []
   train_metrics: dict = {}
   first_round_seconds = None
@@ -567,7 +635,9 @@ def run_training(
     cohort = sample_clients(config.population, config.clients_per_round,
                             round_num, config.seed, config.sampling)
     cohort_ids = [int(c) for c in cohort]
-    started += 1  # Recorded before the round's aggregate exists.
+    started += 1  # Recorded before the round's aggregate exists: in the
+    # store first, then in the run directory (`rounds_started`).
+    store.record_rounds_started(started)
     _record_rounds_started(config.experiment_dir, started)
     if cohort_ids:
       client_states = store.load(cohort_ids)
