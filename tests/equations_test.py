@@ -65,30 +65,72 @@ def _loss(batch, logits):
       batch['y'], logits, from_logits=True))
 
 
+EMBEDDING = 5  # a personal embedding's size (Global+, FURL)
+
+
+class _Embedding(tf.keras.layers.Layer):
+  """A personal embedding e, appended to every example: [x, e]."""
+
+  def build(self, input_shape):
+    self.e = self.add_weight(name='e', shape=(EMBEDDING,),
+                             initializer='zeros', trainable=True)
+
+  def call(self, x):
+    return tf.concat([x, tf.tile(self.e[None], [tf.shape(x)[0], 1])], 1)
+
+
 def _model_fn_factory(embedding_dim):
-  assert not embedding_dim
+  assert embedding_dim in (0, EMBEDDING), embedding_dim
   spec = collections.OrderedDict(x=tf.TensorSpec([None, 4], tf.float32),
                                  y=tf.TensorSpec([None], tf.int32))
-  return lambda: split_model.SplitModel(
-      model=_keras_model(), private_variables=[], loss_fn=_loss,
-      input_spec=spec)
+
+  def model_fn():
+    if not embedding_dim:
+      return split_model.SplitModel(
+          model=_keras_model(), private_variables=[], loss_fn=_loss,
+          input_spec=spec)
+    embed = _Embedding()
+    model = tf.keras.Sequential([
+        tf.keras.layers.Input(shape=(4,)), embed,
+        tf.keras.layers.Dense(3, name='body'),
+        tf.keras.layers.Dense(2, name='head')])
+    return split_model.SplitModel(
+        model=model, private_variables=[embed.e], loss_fn=_loss,
+        input_spec=spec, embedding_variables=[embed.e])
+
+  return model_fn
 
 
 _TASK = types.SimpleNamespace(
     name='equations', model_fn_factory=_model_fn_factory,
-    supports_personal_embedding=False, has_named_head=True)
+    supports_personal_embedding=True, has_named_head=True)
 
 
 def _grads(p: Params, x: np.ndarray, y: np.ndarray) -> Params:
-  """Gradients of the mean softmax cross-entropy of the batch (float64)."""
-  h = x @ p['W1'] + p['b1']
+  """Gradients of the mean softmax cross-entropy of the batch (float64);
+  with a personal embedding E, of the model on [x, E]."""
+  e = p.get('E')
+  xa = x if e is None else np.concatenate(
+      [x, np.tile(e[None], (len(y), 1))], 1)
+  h = xa @ p['W1'] + p['b1']
   logits = h @ p['W2'] + p['b2']
   z = np.exp(logits - logits.max(axis=1, keepdims=True))
   g = z / z.sum(axis=1, keepdims=True)
   g[np.arange(len(y)), y] -= 1.0
   g /= len(y)
   dh = g @ p['W2'].T
-  return {'W2': h.T @ g, 'b2': g.sum(0), 'W1': x.T @ dh, 'b1': dh.sum(0)}
+  out = {'W2': h.T @ g, 'b2': g.sum(0), 'W1': xa.T @ dh, 'b1': dh.sum(0)}
+  if e is not None:
+    out['E'] = (dh @ p['W1'][x.shape[1]:].T).sum(0)
+  return out
+
+
+def _total_loss(p: Params, x: np.ndarray, y: np.ndarray) -> float:
+  """The summed cross-entropy of the examples (HypCluster's choice)."""
+  logits = (x @ p['W1'] + p['b1']) @ p['W2'] + p['b2']
+  m = logits.max(axis=1, keepdims=True)
+  log_z = (m + np.log(np.exp(logits - m).sum(1, keepdims=True)))[:, 0]
+  return float(np.sum(log_z - logits[np.arange(len(y)), y]))
 
 
 # ------------------------------------------------------------ data
@@ -133,6 +175,10 @@ def sgd_pass(p: Params, batches, eta: float, keys: Sequence[str],
   return p
 
 
+def embedded(keys: Sequence[str]) -> tuple[str, ...]:
+  return tuple(keys) + ('E',)
+
+
 def server_step(w: Params, client_ws: Sequence[Params], weights,
                 keys: Sequence[str], eta_s: float = ETA_S) -> Params:
   """w <- w - eta_s * sum_k (n_k / n) (w - w_k) on `keys` (FedOpt, SGD)."""
@@ -149,10 +195,11 @@ def server_step(w: Params, client_ws: Sequence[Params], weights,
 
 
 def _by_shape(values) -> Params:
-  """Library tensors named by their (distinct) shapes; a scalar is APFL's
-  alpha."""
+  """Library tensors named by their (distinct) shapes: the model's, the
+  embedding model's W1 and E, a scalar (APFL's alpha or HypCluster's
+  choice)."""
   names = {v: k for k, v in SHAPES.items()}
-  names[()] = 'alpha'
+  names.update({(4 + EMBEDDING, 3): 'W1', (EMBEDDING,): 'E', (): 'alpha'})
   return {names[tuple(np.shape(v))]: np.asarray(v, np.float64)
           for v in values}
 
@@ -161,7 +208,8 @@ def _client_state(private: Params, keys: Sequence[str]):
   """A client state holding `private[keys]`, in the model's order."""
   return collections.OrderedDict([
       (process_lib.CLIENT_STATE_PRIVATE,
-       tuple(np.asarray(private[k], np.float32) for k in keys)),
+       tuple(np.asarray(private[k], np.int32 if k == 'choice' else
+                        np.float32) for k in keys)),
       (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))])
 
 
@@ -173,15 +221,17 @@ class Outcome:
 
 
 def run_library(name: str, private_keys: Sequence[str], init_private,
-                **options) -> tuple[Outcome, Params]:
-  """Two rounds of the registered algorithm; (outcome, initial server)."""
+                names: Callable = _by_shape, **options
+                ) -> tuple[Outcome, Params]:
+  """Two rounds of the registered algorithm; (outcome, initial server).
+  `names` names the server's weights (default: by their shapes)."""
   proc = registry.build_for_task(
       name, _TASK, client_optimizer=tff.learning.optimizers.build_sgdm(ETA),
       server_optimizer=tff.learning.optimizers.build_sgdm(ETA_S), seed=3,
       **options)
   state = proc.initialize()
   weights = proc.get_model_weights(state)
-  initial = {**_by_shape(weights.trainable), **_by_shape(
+  initial = {**names(weights.trainable), **_by_shape(
       weights.non_trainable)}
   states = [_client_state(init_private(k), private_keys)
             for k in range(len(SIZES))]
@@ -189,9 +239,11 @@ def run_library(name: str, private_keys: Sequence[str], init_private,
     state, states, _ = proc.next(state, states, _datasets(r))
   weights = proc.get_model_weights(state)
   return Outcome(
-      server=_by_shape(weights.trainable),
+      server=names(weights.trainable),
       server_fixed=_by_shape(weights.non_trainable),
-      clients=[_by_shape(s[process_lib.CLIENT_STATE_PRIVATE])
+      clients=[dict(zip(private_keys, (
+          np.asarray(v, np.float64)
+          for v in s[process_lib.CLIENT_STATE_PRIVATE])))
                for s in states]), initial
 
 
@@ -202,6 +254,8 @@ def _initial_private(seed: int):
     rng = np.random.default_rng([seed, k])
     values = {n: rng.normal(scale=0.5, size=s) for n, s in SHAPES.items()}
     values['alpha'] = np.float64(0.3 + 0.2 * k)
+    values['E'] = rng.normal(scale=0.5, size=EMBEDDING)
+    values['choice'] = np.float64(0)
     # float32 as the client state holds them, then float64 for the algebra.
     return {n: np.float64(np.float32(v)) if np.ndim(v) == 0 else
             v.astype(np.float32).astype(np.float64)
@@ -285,7 +339,8 @@ def split_joint_reference(shared: Sequence[str]):
   jointly): one pass on every parameter, the `shared` ones averaged."""
   def reference(w0: Params, private0, eq: Mapping) -> Outcome:
     shared_keys = eq.get('shared', shared)
-    private_keys = tuple(k for k in ALL if k not in shared_keys)
+    every = ALL + (('E',) if eq.get('embedding') else ())
+    private_keys = tuple(k for k in every if k not in shared_keys)
     # (A mutation that shares a private key starts it from client 0's.)
     w = {k: w0[k] if k in w0 else private0(0)[k] for k in shared_keys}
     mine = [{k: (private0(c) | w0)[k] for k in private_keys}
@@ -293,7 +348,8 @@ def split_joint_reference(shared: Sequence[str]):
     for r in range(ROUNDS):
       locals_ = []
       for c, (x, y) in enumerate(_client_arrays(r)):
-        p = sgd_pass({**w, **mine[c]}, _batches(x, y), eq['eta'], ALL)
+        p = sgd_pass({**w, **mine[c]}, _batches(x, y), eq['eta'],
+                     eq.get('trained', every))
         locals_.append(p)
         mine[c] = {k: p[k] for k in private_keys}
       w = server_step(w, locals_, eq['weights'], shared_keys, eq['eta_s'])
@@ -447,6 +503,58 @@ def pfedme_reference(w0: Params, private0, eq: Mapping) -> Outcome:
   return Outcome(server=w, server_fixed={}, clients=thetas)
 
 
+HYPCLUSTER_K = 2
+
+
+def hypcluster_names(values) -> Params:
+  """HypCluster's server weights: each member's, and the cluster shares."""
+  from tff_personal.algorithms import hypcluster  # pylint: disable=g-import-not-at-top
+  layout = hypcluster.owners(hypcluster.cluster_model_fn(
+      _model_fn_factory(0), HYPCLUSTER_K))
+  named = {}
+  for (kind, j), v in zip(layout, values):
+    name = 'share' if kind == 'share' else _by_shape([v]).popitem()[0]
+    named[f'{name}/{j}'] = np.asarray(v, np.float64)
+  return named
+
+
+def hypcluster_reference(w0: Params, private0, eq: Mapping) -> Outcome:
+  """HypCluster (Mansour et al. 2020, Algorithm 2): each client takes the
+  model of least loss on its own data, h_k = argmin_j L_k(w_j), trains it
+  by local SGD, and each model is averaged over the clients that chose it,
+  w_j <- w_j - eta_s sum_{k: h_k = j} (n_k / n_j) (w_j - w_k); the shares
+  are only normalizers and stay 0."""
+  del private0
+  models = [{n: w0[f'{n}/{j}'] for n in ALL} for j in range(HYPCLUSTER_K)]
+  choices = [0] * len(SIZES)
+  for r in range(ROUNDS):
+    chosen = [[] for _ in models]
+    for c, (x, y) in enumerate(_client_arrays(r)):
+      losses = [_total_loss(m, x.astype(np.float64), y) for m in models]
+      j = eq['choose'](losses)
+      choices[c] = j
+      chosen[j].append((c, sgd_pass(models[j], _batches(x, y), eq['eta'],
+                                    ALL)))
+    for j, members in enumerate(chosen):
+      if not members:
+        continue
+      weights = [eq['weights'][c] for c, _ in members]
+      if not eq['per_cluster']:  # normalized by the whole cohort instead
+        weights = weights + [0] * (len(SIZES) - len(members))
+        members = members + [(None, models[j])] * (len(SIZES) - len(members))
+        weights = np.asarray(weights) / np.sum(eq['weights'])
+        models[j] = {k: models[j][k] - eq['eta_s'] * sum(
+            a * (models[j][k] - m[k]) for a, (_, m) in zip(weights, members))
+                     for k in ALL}
+        continue
+      models[j] = server_step(models[j], [m for _, m in members], weights,
+                              ALL, eq['eta_s'])
+  server = {f'{n}/{j}': m[n] for j, m in enumerate(models) for n in ALL}
+  server.update({f'share/{j}': np.float64(0) for j in range(HYPCLUSTER_K)})
+  return Outcome(server=server, server_fixed={},
+                 clients=[{'choice': np.float64(c)} for c in choices])
+
+
 # ------------------------------------------------------------ the cases
 
 
@@ -461,6 +569,7 @@ class Case:
   constants: Mapping = dataclasses.field(default_factory=dict)
   mutations: Mapping[str, Mapping] = dataclasses.field(default_factory=dict)
   algorithm: str = ''  # the registered name, when a variant names the case
+  names: Callable = _by_shape  # the library's server weights, named
 
   @property
   def registered(self) -> str:
@@ -534,6 +643,27 @@ CASES = [
                     'restart': True},
          mutations={'theta kept': {'restart': False},
                     'inner step doubled': {'inner_lr': 0.4}}),
+    Case('knn_per', fedavg_reference, mutations=_COMMON_MUTATIONS),
+    Case('hypcluster', hypcluster_reference, private=('choice',),
+         names=hypcluster_names,
+         options={'num_clusters': HYPCLUSTER_K},
+         constants={'choose': lambda losses: int(np.argmin(losses)),
+                    'per_cluster': True},
+         mutations={**_COMMON_MUTATIONS,
+                    'the worst model chosen': {
+                        'choose': lambda losses: int(np.argmax(losses))},
+                    'averaged over the whole cohort': {
+                        'per_cluster': False}}),
+    Case('global_plus', split_joint_reference(ALL), private=('E',),
+         options={'embedding_dim': EMBEDDING},
+         constants={'embedding': True},
+         mutations={**_COMMON_MUTATIONS,
+                    'embedding not trained': {'trained': ALL}}),
+    Case('furl', split_joint_reference(ALL), private=('E',),
+         options={'embedding_dim': EMBEDDING},
+         constants={'embedding': True},
+         mutations={**_COMMON_MUTATIONS,
+                    'embedding federated': {'shared': ALL + ('E',)}}),
 ]
 
 
@@ -546,7 +676,7 @@ def _constants(case: Case, **changes) -> dict:
 def test_round_follows_the_papers_equations(case):
   init = _initial_private(seed=11)
   got, w0 = run_library(case.registered, case.private, init,
-                        **case.options)
+                        names=case.names, **case.options)
   want = case.reference(w0, init, _constants(case))
   _assert_close(got, want, case.name)
   # The mutation check: each changed equation moves the result by more
@@ -562,7 +692,8 @@ def test_every_split_baseline_has_an_equations_case():
   # The split-model personalization baselines whose update is plain SGD
   # algebra; the others are held to their equations in their own tests.
   want = {'global', 'fedavg_ft', 'ditto', 'fedper', 'lg_fedavg', 'fedbabu',
-          'fedrep', 'per_fedavg', 'apfl', 'pfedme', 'pfedme_restart'}
+          'fedrep', 'per_fedavg', 'apfl', 'pfedme', 'pfedme_restart',
+          'knn_per', 'hypcluster', 'global_plus', 'furl'}
   assert want <= covered, sorted(want - covered)
   assert covered <= set(registry.ALGORITHMS), sorted(
       covered - set(registry.ALGORITHMS))
