@@ -12,8 +12,10 @@ personalized model: `predict(x)`) and `export.json` (the run's digest,
 rounds and privacy: tff_personal/export.py; docs/production.md). Loading
 them needs TensorFlow only.
 
-The run may instead be named by --root_output_dir and --experiment_name.
-A training flag (the task's, the algorithm's, the rounds, cohort,
+The run may instead be named by --root_output_dir and --experiment_name,
+or stated by --spec (a run_spec.RunSpec JSON file, e.g. the run's own
+`runs.Run.open(directory).spec.to_dict()`), whose training settings must be
+the run's. A training flag (the task's, the algorithm's, the rounds, cohort,
 sampling, seed, store and privacy flags) may be given only with the run's
 own value, which is checked; any other flag of binaries.train cannot change
 an export and is refused as unknown. --data_dir and
@@ -40,9 +42,11 @@ import tensorflow as tf
 from binaries import common
 from tasks import mnist_io
 from tasks import registry as task_registry
+from tff_personal import atomic_io
 from tff_personal import export
 from tff_personal import run_lock
 from tff_personal import run_records
+from tff_personal import run_spec
 from tff_personal import runs
 from tff_personal.core import runtime
 
@@ -79,7 +83,7 @@ def unknown_flags() -> tuple[str, ...]:
   """The flags of binaries.train that cannot change an export."""
   known = set(training_flags()) | set(_LOCATION_FLAGS)
   return tuple(name for names in common.FLAG_GROUPS.values()
-               for name in names if name not in known) + ('spec',)
+               for name in names if name not in known)
 
 
 def _given(name: str) -> bool:
@@ -126,6 +130,29 @@ def check_flags(run: runs.Run) -> None:
         'the run; drop the flag or give the run\'s value')
 
 
+def _spec_run() -> runs.Run:
+  """The run --spec states, refused (ValueError) when a training setting
+  of the spec is not the run's, or a training flag is given beside it."""
+  beside = [name for name in training_flags() if _given(name)]
+  if beside:
+    raise ValueError(f'--spec={FLAGS.spec} states the run; ' + ', '.join(
+        f'--{n}' for n in beside) + ' given beside it')
+  spec = run_spec.RunSpec.from_dict(atomic_io.read_json(FLAGS.spec))
+  run = runs.Run.open(spec.config().experiment_dir)
+  stated, recorded = spec.to_dict(), run.spec.to_dict()
+  for values in (stated, recorded):  # Not training settings.
+    for section in ('evaluation', 'simulation', 'output'):
+      values.pop(section, None)
+  lines = run_records.differences(recorded, stated,
+                                  ignore=run_records.RESUMABLE_FIELDS)
+  if lines:
+    raise ValueError(
+        f'--spec={FLAGS.spec} is not the run in {run.directory}: ' +
+        '; '.join(lines) + '. An export takes every training setting from '
+        'the run (its own spec: runs.Run.open(directory).spec.to_dict())')
+  return run
+
+
 def _open_run() -> tuple[runs.Run, object]:
   """The run the flags name and its task (ValueError for bad flags)."""
   unknown = [name for name in unknown_flags() if _given(name)]
@@ -136,14 +163,17 @@ def _open_run() -> tuple[runs.Run, object]:
         'it')
   if not FLAGS.export_dir:
     raise ValueError('--export_dir is required')
-  if FLAGS.run_dir and (_given('root_output_dir') or
-                        _given('experiment_name')):
-    raise ValueError('give --run_dir, or --root_output_dir and '
-                     '--experiment_name, not both')
-  run_dir = FLAGS.run_dir or os.path.join(FLAGS.root_output_dir,
-                                          FLAGS.experiment_name)
-  run = runs.Run.open(run_dir)
-  check_flags(run)
+  if (bool(FLAGS.run_dir) + _given('spec') +
+      (_given('root_output_dir') or _given('experiment_name'))) > 1:
+    raise ValueError('give --run_dir, --spec, or --root_output_dir and '
+                     '--experiment_name, not two of them')
+  if _given('spec'):
+    run = _spec_run()
+  else:
+    run = runs.Run.open(FLAGS.run_dir or os.path.join(
+        FLAGS.root_output_dir, FLAGS.experiment_name))
+    check_flags(run)
+  run_dir = run.directory
   built = run.record.get('task')
   if not built:
     raise ValueError(f'{run_dir}: the run\'s task was not built by name, so '

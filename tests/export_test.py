@@ -106,7 +106,30 @@ def test_export_refuses_training_flags_other_than_the_runs(trained, tmp_path,
           in err), err
   code, err = _export(capsys, run_dir=trained, export_dir=out,
                       root_output_dir=str(tmp_path))
-  assert code == 2 and 'not both' in err, err
+  assert code == 2 and 'not two of them' in err, err
+  assert not os.path.exists(out)
+
+
+def test_a_spec_names_the_run_and_must_be_the_runs(trained, tmp_path,
+                                                  capsys):
+  """--spec states the run: the run's own spec is accepted; one with
+  another learning rate, or a training flag beside it, is refused."""
+  spec = runs.Run.open(trained).spec
+  path = str(tmp_path / 'spec.json')
+  out = str(tmp_path / 'export')
+  with open(path, 'w') as f:
+    json.dump(spec.to_dict(), f)
+  with flagsaver.flagsaver(spec=path, export_dir=out):
+    assert export_binary._spec_run().directory == trained  # pylint: disable=protected-access
+  code, err = _export(capsys, spec=path, export_dir=out, seed=2)
+  assert code == 2 and '--seed given beside it' in err, err
+  with open(path, 'w') as f:
+    json.dump(spec.override(
+        {'optimizers.client_learning_rate': 0.5}).to_dict(), f)
+  code, err = _export(capsys, spec=path, export_dir=out)
+  assert code == 2, err
+  assert f'is not the run in {trained}' in err and (
+      'client_learning_rate' in err and '0.5 now' in err), err
   assert not os.path.exists(out)
 
 
