@@ -277,7 +277,9 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
       sampling=config.sampling)
   if dp.mechanism == 'none':
     return dp
-  return privacy.resolve(dp)
+  dp = privacy.resolve(dp)
+  privacy.check_accountable(dp)  # Refused now, not at the first report.
+  return dp
 
 
 @dataclasses.dataclass(frozen=True)

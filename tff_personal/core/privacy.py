@@ -323,6 +323,43 @@ def _resolve_cached(config: DPConfig) -> DPConfig:
   return config
 
 
+def check_accountable(config: DPConfig) -> None:
+  """Refuses a configuration whose epsilon the accountant cannot give.
+
+  `compute_epsilon` of the planned `config.rounds` is computed once per
+  configuration (memoized), before any round runs: a noise multiplier so
+  large or so small that dp_accounting's arithmetic overflows, or a round
+  count whose composition it cannot hold, would otherwise fail only when
+  the run reports its epsilon.
+
+  Raises:
+    ValueError: naming the noise multiplier, the rounds and what failed.
+  """
+  config = resolve(config)
+  if not config.is_private:
+    return
+  failure = _accounting_failure(config)
+  if failure:
+    raise ValueError(
+        f'noise_multiplier={config.noise_multiplier!r} over rounds='
+        f'{config.rounds} cannot be accounted ({failure}): dp_accounting '
+        'gives no epsilon for it; choose another noise multiplier or fewer '
+        'rounds')
+
+
+@functools.lru_cache(maxsize=64)
+def _accounting_failure(config: DPConfig) -> Optional[str]:
+  """What `compute_epsilon(config, config.rounds)` raises, as a line (None
+  when it gives an epsilon)."""
+  try:
+    with warnings.catch_warnings():  # Overflowing logs warn, then raise.
+      warnings.simplefilter('ignore', RuntimeWarning)
+      compute_epsilon(config, config.rounds)
+  except (ArithmeticError, ValueError, MemoryError) as e:
+    return f'{type(e).__name__}: {" ".join(str(e).split())[:200]}'
+  return None
+
+
 def build_aggregator(config: DPConfig) -> AggregationFactory:
   """Builds the TFF aggregation factory for the client model updates.
 
