@@ -53,6 +53,9 @@ from tasks import preference_task
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.models import fedembed
 from tff_personal.models import split_model
+# Imported for its effect: this process's TensorFlow thread defaults, set
+# before a task's data start TensorFlow (`set_process_defaults`).
+from tff_personal.core import worker_threads  # pylint: disable=unused-import
 
 # (embedding_dim, input_spec) -> SplitModel.
 ModelBuilder = Callable[[int, Any], split_model.SplitModel]

@@ -33,6 +33,9 @@ from tff_personal.algorithms import registry as algorithms
 from tff_personal.core import imported
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
+# Imported for its effect: this process's TensorFlow thread defaults, set
+# before a task's data start TensorFlow (`set_process_defaults`).
+from tff_personal.core import worker_threads  # pylint: disable=unused-import
 
 
 @dataclasses.dataclass(frozen=True)

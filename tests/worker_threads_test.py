@@ -1,6 +1,8 @@
 """The worker_binary's TensorFlow thread pools follow the runtime's settings."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import tensorflow_federated as tff
 from tff_personal.core import runtime
 from tff_personal.core import worker_threads
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MATRIX = tff.TensorType(np.float32, [32, 32])
 
 
@@ -70,3 +73,25 @@ def test_the_worker_creates_the_thread_pools_it_is_given():
   assert few_env[b'TF_NUM_INTRAOP_THREADS'] == b'1'
   assert many_env[b'TF_NUM_INTEROP_THREADS'] == b'5'
   assert many - few >= 6, (few, many)
+
+
+_SHOW = ('import os; from tff_personal.core import worker_threads as w; '
+         'print(os.environ.get(w.INTRA_VAR), os.environ.get(w.INTER_VAR), '
+         'w.worker_env(-1, -1).get(w.INTRA_VAR))')
+
+
+@pytest.mark.parametrize('given,printed', [
+    ({}, f'1 {len(os.sched_getaffinity(0))} None'),
+    ({worker_threads.INTRA_VAR: '3'}, f'3 {len(os.sched_getaffinity(0))} 3'),
+])
+def test_the_import_gives_this_process_the_default_pools(given, printed):
+  """Importing the module sets this process's thread variables to the
+  project's defaults unless they are set (so that TensorFlow, started
+  later by a program's own work, computes as the binaries do); -1 still
+  gives a worker the program's own environment."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in (worker_threads.INTRA_VAR, worker_threads.INTER_VAR)}
+  out = subprocess.run([sys.executable, '-c', _SHOW], capture_output=True,
+                       text=True, env=dict(env, PYTHONPATH=_REPO, **given),
+                       cwd=_REPO, check=True).stdout
+  assert out.split() == printed.split()

@@ -19,6 +19,7 @@ from tff_personal import experiment
 from tff_personal import run_lock
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
+from tff_personal.core import runtime
 from tff_personal.core import training_loop
 
 
@@ -193,11 +194,14 @@ def run_record(config: experiment.ExperimentConfig, dp: privacy.DPConfig,
                flag_values: Optional[dict[str, Any]],
                task_record: Optional[dict] = None) -> dict:
   """run_config.json's content: the config with DP as resolved, the flags,
-  and how the task was built (`task.build_record`) where known."""
+  the TensorFlow thread pools it computes with (`runtime.thread_settings`;
+  not part of its identity) and how the task was built
+  (`task.build_record`) where known."""
   record = dataclasses.asdict(config)
   record['dp'] = {k: v for k, v in dataclasses.asdict(dp).items()
                   if k != 'rounds'}
-  out = {'config': record, 'flags': flat_flags(flag_values)}
+  out = {'config': record, 'flags': flat_flags(flag_values),
+         'threads': runtime.thread_settings()}
   if task_record is not None:
     out['task'] = task_record
   return as_json(out)

@@ -142,6 +142,39 @@ def _release_tff_import_time_context() -> None:
 
 _RUNTIMES = []
 atexit.register(_release_tff_import_time_context)
+# The context `import tensorflow_federated` installed (the stack's default
+# when this module is imported): a computation run on it starts a worker
+# this program does not own, which can hang and outlive it.
+_TFF_IMPORT_TIME_CONTEXT = _context_stack_impl.context_stack._stack[0]  # pylint: disable=protected-access
+
+
+def installed() -> bool:
+  """Whether TFF's current context was installed on purpose: one of this
+  module's runtimes, or any other context a program set; False for TFF's
+  import-time context (and for the error context it is replaced by at
+  exit), on which computations must not run (`ensure_runtime`)."""
+  from tensorflow_federated.python.core.impl.context_stack import runtime_error_context  # pylint: disable=g-import-not-at-top
+  current = _context_stack_impl.context_stack.current
+  return not (current is _TFF_IMPORT_TIME_CONTEXT or isinstance(
+      current, runtime_error_context.RuntimeErrorContext))
+
+
+@contextlib.contextmanager
+def ensure_runtime() -> Iterator[None]:
+  """The block runs in a runtime: the installed one, else a
+  `local_runtime()` of the default settings started for the block (its
+  worker stopped at the end, and with this process on any exit).
+
+  For library calls that execute TFF computations (`runs.Run.evaluate`,
+  `runs.run_experiment`, ...): called outside `local_runtime()`, they
+  would otherwise run on TFF's import-time context, whose worker this
+  program does not own.
+  """
+  if installed():
+    yield
+    return
+  with local_runtime():
+    yield
 
 
 # How many compiled computations a context keeps by identity
@@ -654,23 +687,29 @@ def configure_driver_threads(intra_op_threads: Optional[int],
   A local sharded run computes its shards in this process
   (`sharded.DriverShardWork`), so the data-parallel setting of the worker
   (`worker_threads`: one thread per op, concurrency from the concurrent
-  shards) applies here too. TensorFlow fixes its pools when its context
-  starts; if it has started with other pools, this logs a warning and
-  changes nothing (the run is correct, its float reductions may be ordered
-  differently and its shards slower). Returns whether the pools match.
+  shards) applies here too; importing the library gives it by default
+  (`worker_threads.set_process_defaults`). TensorFlow fixes its pools when
+  its context starts; if it has started with other pools, this logs a
+  warning saying how to set them and changes nothing (the run is correct,
+  its float reductions may be ordered differently and its shards slower).
+  Returns whether the pools match.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   threading_config = tf.config.threading
   ok = True
-  for value, name, get, set_ in (
-      (intra_op_threads, 'intra_op_threads',
+  for value, name, var, get, set_ in (
+      (intra_op_threads, 'intra_op_threads', worker_threads.INTRA_VAR,
        threading_config.get_intra_op_parallelism_threads,
        threading_config.set_intra_op_parallelism_threads),
-      (inter_op_threads, 'inter_op_threads',
+      (inter_op_threads, 'inter_op_threads', worker_threads.INTER_VAR,
        threading_config.get_inter_op_parallelism_threads,
        threading_config.set_inter_op_parallelism_threads)):
     n = worker_threads.resolve(value, f'--{name}')
-    if n is None or get() == n:
+    if n is None:  # TensorFlow's default (or the caller's variable).
+      worker_threads.restore_environment(var)
+      continue
+    current = get() or worker_threads.from_environment(var)
+    if current == n:
       continue
     try:
       set_(n)
@@ -678,9 +717,39 @@ def configure_driver_threads(intra_op_threads: Optional[int],
       ok = False
       logging.warning(
           'TensorFlow started in this process before the runtime, with '
-          '%s=%d, not %d: shards computed here use those pools.', name,
-          get(), n)
+          '%s=%s, not %d: shards computed here use those pools, so results '
+          'may differ from a binary\'s in the last digits. Give it the '
+          'pools before its first op: call runtime.configure_driver_threads'
+          '(...) first, or import tasks.registry or tff_personal.runs first '
+          '(they set %s to the default) and leave %s unset.',
+          name, current or 'its default', n, var, var)
   return ok
+
+
+def thread_settings() -> dict[str, dict[str, Optional[int]]]:
+  """The TensorFlow pools a run computes with, as a run records them
+  (run_config.json's `threads`): `driver`, this process's as configured;
+  `worker`, the installed local runtime's worker's (None for remote
+  workers or another context). A count of None is TensorFlow's default."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  threading_config = tf.config.threading
+  driver = {
+      'intra_op_threads': (
+          threading_config.get_intra_op_parallelism_threads() or
+          worker_threads.from_environment(worker_threads.INTRA_VAR)),
+      'inter_op_threads': (
+          threading_config.get_inter_op_parallelism_threads() or
+          worker_threads.from_environment(worker_threads.INTER_VAR))}
+  current = _context_stack_impl.context_stack.current
+  worker = None
+  for rt in _RUNTIMES:
+    if rt.context is current:
+      env = rt._worker_env  # pylint: disable=protected-access
+      worker = {name: int(env[var]) if env.get(var) else None
+                for name, var in (
+                    ('intra_op_threads', worker_threads.INTRA_VAR),
+                    ('inter_op_threads', worker_threads.INTER_VAR))}
+  return {'driver': driver, 'worker': worker}
 
 
 @contextlib.contextmanager

@@ -14,9 +14,11 @@ What the settings change in throughput: docs/performance.md.
 
 The worker reads the standard TensorFlow variables `TF_NUM_INTRAOP_THREADS`
 and `TF_NUM_INTEROP_THREADS` when it creates its thread pools, so this module
-only builds the child's environment; it imports nothing heavy (the worker
-launcher `binaries/worker.py` uses it without importing TensorFlow). Written
-by hand because TFF's context factories expose no thread settings.
+builds the child's environment, and sets this process's defaults the same
+way when it is imported (`set_process_defaults`); it imports nothing heavy
+(the worker launcher `binaries/worker.py` uses it without importing
+TensorFlow). Written by hand because TFF's context factories expose no
+thread settings.
 """
 
 from __future__ import annotations
@@ -79,4 +81,53 @@ def worker_env(intra_op_threads: Optional[int] = DEFAULT_INTRA_OP_THREADS,
     n = resolve(value, name)
     if n is not None:
       env[var] = str(n)
+    elif base is None:  # The caller's own environment, not our default.
+      restore_environment(var, env)
   return env
+
+
+# This process's thread variables before `set_process_defaults`.
+_ORIGINAL = {var: os.environ.get(var) for var in (INTRA_VAR, INTER_VAR)}
+
+
+def restore_environment(var: str, env=None) -> None:
+  """Sets `var` in `env` (default: `os.environ`) back to what the program
+  was started with (unset if it was), undoing `set_process_defaults`: a
+  count of -1 means TensorFlow's own default, or the caller's variable."""
+  env = os.environ if env is None else env
+  if _ORIGINAL[var] is None:
+    env.pop(var, None)
+  else:
+    env[var] = _ORIGINAL[var]
+
+
+def set_process_defaults() -> None:
+  """Gives this process's TensorFlow the project's thread pools (one thread
+  per op, one inter-op thread per CPU) through `TF_NUM_INTRAOP_THREADS` /
+  `TF_NUM_INTEROP_THREADS`, unless the environment sets them already.
+
+  TensorFlow reads them when its context starts, at its first op. Run at
+  the import of this module, which the library's entry points import
+  (`core/runtime.py`, `tasks/registry.py`), so that a program that builds
+  its task in Python and then enters `runtime.local_runtime()` computes
+  with the pools a binary sets before it loads data: the same settings give
+  the same weights on both paths.
+  """
+  os.environ.setdefault(INTRA_VAR, str(resolve(DEFAULT_INTRA_OP_THREADS,
+                                               INTRA_VAR)))
+  os.environ.setdefault(INTER_VAR, str(resolve(DEFAULT_INTER_OP_THREADS,
+                                               INTER_VAR)))
+
+
+def from_environment(var: str) -> Optional[int]:
+  """The thread count `var` sets in this process's environment (None when
+  unset or not a positive number): what TensorFlow takes for a pool left
+  at 0 in its configuration."""
+  try:
+    n = int(os.environ.get(var, ''))
+  except ValueError:
+    return None
+  return n if n > 0 else None
+
+
+set_process_defaults()
