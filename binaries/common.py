@@ -307,7 +307,11 @@ def _flags_from_spec(f) -> None:
     ValueError: the file is unreadable or not a valid spec (naming it), a
       run flag is given beside it, or the spec sets what no flag can give.
   """
-  spec = run_spec.RunSpec.from_dict(atomic_io.read_json(f.spec))
+  values = atomic_io.read_json(f.spec)  # Names the file when unreadable.
+  try:
+    spec = run_spec.RunSpec.from_dict(values)
+  except ValueError as e:
+    raise ValueError(f'--spec={f.spec}: {e}') from e
   values = {'task': spec.task, 'algorithm': spec.algorithm}
   for (section, field), config_field in {
       **run_spec.CONFIG_FIELDS, **_SPEC_FLAGS}.items():
@@ -341,7 +345,11 @@ def _flags_from_spec(f) -> None:
         f'--{n}' for n in given) + ' given beside it: change them in the '
         'spec, or give the run as flags alone')
   for name, value in values.items():
-    setattr(f, name, value)
+    try:
+      setattr(f, name, value)
+    except flags.Error as e:  # An enum flag's value, say.
+      raise ValueError(f'--spec={f.spec}: {name}={value!r}: '
+                       f'{" ".join(str(e).split())}') from e
 
 
 def configs_from_flags(f):
@@ -359,7 +367,11 @@ def configs_from_flags(f):
     try:  # An unknown name, or an outside one that does not load.
       registry.spec(f[flag].value)
     except ValueError as e:
-      raise ValueError(f'--{flag}={f[flag].value!r}: {e}') from e
+      message = str(e)  # Named once: by its flag.
+      named = f'{flag} {f[flag].value!r}: '
+      if message.startswith(named):
+        message = message[len(named):]
+      raise ValueError(f'--{flag}={f[flag].value!r}: {message}') from e
   missing = algorithm_registry.missing_for(
       f.algorithm, task_registry.spec(f.task).capabilities,
       algorithm_registry.parse_algorithm_options(f.algorithm,

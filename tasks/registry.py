@@ -124,6 +124,7 @@ RUN_ARGUMENTS = ('data_dir', 'seed')
 def spec(name: str) -> TaskSpec:
   """The named task's spec: a registered name, or `package.module:factory`
   for a task defined outside the repository (`outside_spec`)."""
+  imported.check_name(name, 'task')
   if imported.is_import_path(name):
     return outside_spec(name)
   if name not in SPECS:
@@ -150,8 +151,16 @@ def outside_spec(name: str) -> TaskSpec:
     make.capabilities = ('split_model', 'batches')
   """
   target = imported.load(name, 'task')
+  with imported.reported('task', name, 'reading its declaration'):
+    return _outside_spec(name, target)
+
+
+def _outside_spec(name: str, target) -> TaskSpec:
+  """`outside_spec` of the loaded `target`."""
   if isinstance(target, TaskSpec):
-    return dataclasses.replace(target, name=name)
+    target = dataclasses.replace(target, name=name)
+    return dataclasses.replace(
+        target, builder=imported.guarded(target.builder, 'task', name))
   if not callable(target):
     raise ValueError(f'task {name!r} is a {type(target).__name__}, not a '
                      'task builder or a tasks.registry.TaskSpec')
@@ -163,8 +172,14 @@ def outside_spec(name: str) -> TaskSpec:
         f'what its tasks provide (from {sorted(task_lib.CAPABILITIES)}), or '
         'export a tasks.registry.TaskSpec; the algorithm x task matrix is '
         'read from them without loading data')
-  summary = (inspect.getdoc(target) or name).splitlines()[0].rstrip('.')
-  return TaskSpec(name, target, tuple(capabilities), summary,
+  if not isinstance(capabilities, (list, tuple)) or not all(
+      isinstance(c, str) for c in capabilities):
+    raise ValueError(f'task {name!r}: its capabilities must be a sequence '
+                     f'of names, got {capabilities!r}')
+  summary = ((inspect.getdoc(target) or name).splitlines() or [name])[0]
+  inspect.signature(target)  # One that has none fails here, named.
+  return TaskSpec(name, imported.guarded(target, 'task', name),
+                  tuple(capabilities), summary.rstrip('.'),
                   flags=tuple(getattr(target, 'flags', ())))
 
 
@@ -211,6 +226,11 @@ def build_task(name: str, **kwargs):
   if data_dir is not None:
     data_dir = os.path.abspath(data_dir)
   task = task_spec.builder(data_dir, **kwargs)
+  if imported.is_import_path(name):  # Its own code: checked here, named.
+    try:
+      task_lib.check_task(task)
+    except TypeError as e:
+      raise ValueError(f'task {name!r}: its factory returned {e}') from e
   task_lib.set_build_record(task, name, dict(kwargs, data_dir=data_dir))
   return task
 

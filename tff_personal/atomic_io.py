@@ -72,7 +72,9 @@ def read_json(path: str) -> Any:
   try:
     with open(path, encoding='utf-8') as f:
       return json.load(f)
-  except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError.
+  except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError,
+    # UnicodeDecodeError; RecursionError: arrays or objects nested deeper
+    # than Python's stack.
     raise ValueError(f'{path} is not valid JSON ({type(e).__name__}: {e}); '
                      'nothing was changed: restore it, or remove it if it '
                      'is a cache to compute again') from e

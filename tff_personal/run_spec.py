@@ -186,12 +186,31 @@ def _typed(section: str, value):
         continue
     if kind is float and type(v) is int:
       changes[name] = float(v)
-    elif kind is tuple and isinstance(v, list):
+    elif kind is tuple and isinstance(v, (list, tuple)):
+      if not all(isinstance(item, str) for item in v):
+        raise ValueError(f'{section}.{name}={v!r} must be a list of '
+                         'strings')
       changes[name] = tuple(v)
     elif type(v) is not kind:
       raise ValueError(f'{section}.{name}={v!r} must be of type '
                        f'{kind.__name__}, got {type(v).__name__}')
   return dataclasses.replace(value, **changes) if changes else value
+
+
+def _shown(value) -> str:
+  """`value`'s repr, cut to a line."""
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + '...'
+
+
+def _check_mapping(name: str, value) -> None:
+  """Raises ValueError unless `value` maps names (strings) to values."""
+  if not isinstance(value, Mapping):
+    raise ValueError(f'{name} must be an object of names and values, got '
+                     f'{_shown(value)} ({type(value).__name__})')
+  bad = [k for k in value if not isinstance(k, str)]
+  if bad:
+    raise ValueError(f'{name}: names must be strings, got {_shown(bad)}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +241,9 @@ class RunSpec:
 
   def __post_init__(self):
     task_registry.spec(self.task)  # An unknown task fails here, by name.
+    algorithm_registry.spec(self.algorithm)  # The same.
+    for name in ('task_options', 'algorithm_options'):
+      _check_mapping(name, getattr(self, name))
     object.__setattr__(self, 'task_options', dict(
         task_registry.check_task_options(self.task, self.task_options)))
     object.__setattr__(self, 'algorithm_options', dict(
@@ -311,15 +333,27 @@ class RunSpec:
   def from_dict(cls, values: Mapping[str, Any]) -> 'RunSpec':
     """The spec `to_dict` wrote (a JSON file's, say); sections and fields
     left out take their defaults, unknown ones are an error naming them."""
+    keys = ('task, algorithm, task_options, algorithm_options, '
+            + ', '.join(SECTIONS))
+    if not isinstance(values, Mapping):
+      raise ValueError(f'a run spec is an object of {keys}; got '
+                       f'{_shown(values)} ({type(values).__name__})')
     unknown = set(values) - set(SECTIONS) - {
         'task', 'algorithm', 'task_options', 'algorithm_options'}
     if unknown:
-      raise ValueError(f'not run spec keys: {sorted(unknown)}; the keys: '
-                       'task, algorithm, task_options, algorithm_options, '
-                       + ', '.join(SECTIONS))
+      raise ValueError(f'not run spec keys: {sorted(unknown, key=repr)}; '
+                       f'the keys: {keys}')
     missing = {'task', 'algorithm'} - set(values)
     if missing:
       raise ValueError(f'a run spec needs {sorted(missing)}')
+    for name in ('task', 'algorithm'):
+      if not isinstance(values[name], str):
+        raise ValueError(f'{name} must be a string (a registered name or '
+                         f'package.module:attribute), got '
+                         f'{_shown(values[name])}')
+    for name in ('task_options', 'algorithm_options', *SECTIONS):
+      if values.get(name) is not None:
+        _check_mapping(name, values[name])
     base = cls(task=values['task'], algorithm=values['algorithm'],
                task_options=values.get('task_options') or {},
                algorithm_options=values.get('algorithm_options') or {})

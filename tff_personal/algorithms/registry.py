@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 from tff_personal.algorithms import apfl
@@ -241,6 +242,7 @@ def spec(name: str) -> AlgorithmSpec:
   uniform signature, its model kind and needs), listed and checked like
   the registered ones.
   """
+  imported.check_name(name, 'algorithm')
   if imported.is_import_path(name):
     target = imported.load(name, 'algorithm')
     if not isinstance(target, AlgorithmSpec):
@@ -248,7 +250,11 @@ def spec(name: str) -> AlgorithmSpec:
           f'algorithm {name!r} is a {type(target).__name__}, not an '
           'AlgorithmSpec (tff_personal/algorithms/registry.py): declare '
           'its builder, model kind and needs with one')
-    return dataclasses.replace(target, name=name)
+    with imported.reported('algorithm', name, 'reading its builder'):
+      inspect.signature(target.builder)
+    # Whatever its builder raises is a ValueError naming it.
+    return dataclasses.replace(target, name=name, builder=imported.guarded(
+        target.builder, 'algorithm', name))
   if name not in SPECS:
     raise ValueError(f'unknown algorithm {name!r}; known: {sorted(SPECS)}, '
                      'or package.module:attribute for your own')
