@@ -746,6 +746,9 @@ def evaluate_run_dir(run_dir: str, f, eval_name: str,
     mnist_io.set_verify_checksums(f.verify_data_checksums)
     run = runs.Run.open(run_dir)
     run.task  # pylint: disable=pointless-statement  # Built here: exit 2.
+  except runs.DamagedRunError as e:  # The run's record: exit 3.
+    print(f'error: {e}', file=sys.stderr)
+    return 3
   except ValueError as e:  # RunError, or the task's data.
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -136,8 +136,9 @@ class PreferenceTask:
                                          self.groups(client_ids))
 
 
-def mnist_preference_task(data_dir: str | None, *, num_users: int,
-                          population: str, seed: int, batch_size: int = 10,
+def mnist_preference_task(data_dir: str | None, *, num_users: int = 9000,
+                          population: str = 'balanced', seed: int = 0,
+                          batch_size: int = 10,
                           local_epochs: int = 1,
                           activation: str = 'relu') -> PreferenceTask:
   """FedEmbed section 4.2: users who each prefer one MNIST digit."""

@@ -7,10 +7,12 @@ The FedDVA (staged) and group (per-group) families are reopened in
 tests/stages_test.py and tests/group_stage_test.py, on their DP runs.
 """
 
+import collections
 import contextlib
 import dataclasses
 import io
 import json
+import os
 import textwrap
 
 from absl import flags
@@ -18,8 +20,12 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
+from tensorflow_federated.python.core.impl.context_stack import context_stack_impl
 
+from binaries import common
 from binaries import train
+from tasks import client_data_task
 from tasks import registry as task_registry
 from tasks import tv_shows_task
 from tests import fedperc_testdata
@@ -28,6 +34,7 @@ from tff_personal import run_records
 from tff_personal import run_spec
 from tff_personal import runs
 from tff_personal.core import privacy
+from tff_personal.core import runtime
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
@@ -179,6 +186,9 @@ def test_outside_task_is_listed_trained_and_reopened(tmp_path, mnist_dir,
     assert train.main(['train']) == 0
   run = runs.Run.open(str(tmp_path / 'outside'))
   assert run.task.population == 5
+  # Built by name, it is recorded: its spec names it and its options.
+  assert run.spec.task == 'mypkg.mytask:make'
+  assert run.spec.task_options == {'users': 5}
   assert run.evaluate()['eval'] == run['eval']
   with flagsaver.flagsaver(**dict(values, task='mypkg.nosuch:make',
                                   experiment_name='x')):
@@ -220,3 +230,117 @@ def test_a_process_is_built_once_for_what_it_depends_on(mnist_dir,
   large = dataclasses.replace(config, seed=7)
   assert experiment.build_process(task(), large) is not (
       experiment.build_process(task(), large))
+
+
+def test_every_registered_task_gives_its_spec_back(tmp_path):
+  """`Run.spec` of a run of each registered task, as `binaries.train`
+  records it (its flags' task arguments), names the task and its build
+  options, and reads back through JSON; the record is made without the
+  task's data."""
+  if not FLAGS.is_parsed():
+    FLAGS(['train'])
+  for name in task_registry.TASKS:
+    algorithm = next(r['algorithm'] for r in task_registry.matrix()
+                     if r['task'] == name and r['runs'])
+    with flagsaver.flagsaver(task=name, algorithm=algorithm, rounds=2,
+                             clients_per_round=2, num_users=30,
+                             root_output_dir=str(tmp_path),
+                             experiment_name=name):
+      config, kwargs = common.configs_from_flags(FLAGS)
+    arguments = dict(kwargs)
+    os.makedirs(config.experiment_dir)
+    training_loop.write_summary(
+        os.path.join(config.experiment_dir, run_records.RUN_CONFIG_FILENAME),
+        run_records.run_record(config, config.dp, None,
+                               {'name': name, 'arguments': arguments}))
+    spec = runs.Run.open(config.experiment_dir).spec
+    assert spec.task == name and spec.algorithm == algorithm
+    assert spec.task_options == {
+        k: v for k, v in arguments.items()
+        if k not in task_registry.RUN_ARGUMENTS}, name
+    assert spec.config() == dataclasses.replace(config, resume=False), name
+    assert run_spec.RunSpec.from_dict(json.loads(json.dumps(
+        spec.to_dict()))) == spec
+
+
+def _zeros(n):
+  return lambda cid: tf.data.Dataset.from_tensor_slices(
+      collections.OrderedDict(x=np.zeros((n, 2), np.float32),
+                              y=np.zeros(n, np.int32)))
+
+
+@pytest.fixture(scope='module')
+def python_run(tmp_path_factory):
+  """A run of a ClientData task built in Python (no build record)."""
+  data = tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
+      ['a', 'b', 'c'], _zeros(4))
+  task = client_data_task.ClientDataTask(
+      'mine', data, data, client_data_task.keras_classifier(
+          lambda: tf.keras.Sequential([tf.keras.Input((2,)),
+                                       tf.keras.layers.Dense(2)])),
+      batch_size=2)
+  config = experiment.ExperimentConfig(
+      algorithm='global', rounds=1, clients_per_round=2,
+      root_output_dir=str(tmp_path_factory.mktemp('runs')),
+      experiment_name='mine', simulation_shards=0)
+  runs.run_experiment(task, config, log_fn=lambda s: None)
+  return runs.Run.open(config.experiment_dir, task=task)
+
+
+def test_a_task_built_in_python_says_how_to_make_its_spec(python_run):
+  with pytest.raises(runs.RunError) as e:
+    python_run.spec  # pylint: disable=pointless-statement
+  message = str(e.value)
+  assert "task (mine) was built in Python" in message and '\n' not in message
+  assert 'tasks.registry.build_task(name, ...)' in message
+
+
+def test_requests_of_the_wrong_type_are_refused_by_name(python_run):
+  with pytest.raises(runs.RunError, match=r"client ids must be ints, got "
+                     r"\['a'\]"):
+    python_run.client_states(['a'])
+  with pytest.raises(runs.RunError, match='ids must be a sequence'):
+    python_run.client_states(3)
+  with pytest.raises(runs.RunError, match=r"round must be a round number "
+                     r"\(an int\) or None, got '1' \(str\)"):
+    python_run.weights(round='1')
+  with pytest.raises(runs.RunError, match='got 1.0 '):
+    python_run.weights(round=1.0)
+  assert len(python_run.client_states(np.arange(3))) == 3
+
+
+class _Stop(Exception):
+  pass
+
+
+def test_work_outside_the_runtime_starts_its_own(python_run, monkeypatch):
+  """Called outside `local_runtime()` (on TFF's import-time context, where
+  such calls hung), a run's method runs in a runtime of its own and stops
+  its worker; the context is TFF's again after."""
+  inside = python_run.weights()
+  stack = context_stack_impl.context_stack
+  session = stack._stack[0]  # pylint: disable=protected-access
+  stack.set_default_context(runtime._TFF_IMPORT_TIME_CONTEXT)  # pylint: disable=protected-access
+  try:
+    assert not runtime.installed()
+    # Where the computation would run: in a runtime (checked before it
+    # runs, so that a call on TFF's context fails here rather than hangs).
+    seen = []
+    def where(*args, **kwargs):
+      del args, kwargs
+      seen.append(runtime.installed())
+      raise _Stop()
+    with monkeypatch.context() as m:
+      m.setattr(training_loop, 'load_checkpoint', where)
+      with pytest.raises(_Stop):
+        python_run.weights()
+    assert seen == [True] and not runtime.installed()
+    before = len(runtime._RUNTIMES)  # pylint: disable=protected-access
+    outside = python_run.weights()
+    started = runtime._RUNTIMES[before:]  # pylint: disable=protected-access
+    assert started and all(rt.worker_pid is None for rt in started)
+    assert stack._stack[0] is runtime._TFF_IMPORT_TIME_CONTEXT  # pylint: disable=protected-access
+  finally:
+    stack.set_default_context(session)
+  assert runtime.installed()
+  _assert_states_equal(outside, inside)

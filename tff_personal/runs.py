@@ -18,6 +18,12 @@ once the run has finished, and offers:
 * `participations(stage=)`: the training rounds each client took part in;
 * `resume(rounds=)`: continues an interrupted run, or extends a finished one.
 
+What runs TFF computations (`run_experiment`, `weights`, `client_states`,
+`evaluate`, ...) runs in the installed runtime, or, called outside
+`runtime.local_runtime()`, in one of its own for the call. A record that
+cannot be used (unreadable, or edited after the run started) is a
+`DamagedRunError`.
+
 Example:
 
   run = runs.run_experiment(task, config)     # trains; a Run
@@ -33,10 +39,13 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 from tasks import registry as task_registry
 from tff_personal import experiment
@@ -46,7 +55,9 @@ from tff_personal import run_records
 from tff_personal import run_spec
 from tff_personal import strategies as strategies_lib
 from tff_personal import training
+from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import privacy
+from tff_personal.core import runtime
 from tff_personal.core import sharded
 from tff_personal.core import stages as stages_lib
 from tff_personal.core import task as task_lib
@@ -55,6 +66,17 @@ from tff_personal.core import training_loop
 SUMMARY_FILENAME = 'summary.json'
 
 
+def _in_runtime(fn):
+  """`fn`, run in the installed runtime or, called outside one, in a
+  `runtime.local_runtime()` of its own (`runtime.ensure_runtime`)."""
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    with runtime.ensure_runtime():
+      return fn(*args, **kwargs)
+  return call
+
+
+@_in_runtime
 def run_experiment(task,
                    config: experiment.ExperimentConfig | experiment.Resolved,
                    log_fn: Callable[[str], None] = print,
@@ -131,6 +153,11 @@ class RunError(ValueError):
   the message names the file or the argument."""
 
 
+class DamagedRunError(RunError):
+  """A run's record cannot be used: unreadable, not a run record, or
+  changed after the run started; the message names the file."""
+
+
 def digest(record: dict) -> str:
   """A run's identity: a digest of its recorded configuration (its DP as
   resolved, its task's build), leaving out what a resumed run may change
@@ -152,19 +179,40 @@ def config_from_record(record: dict, directory: str
   """The `ExperimentConfig` run_config.json records, living in `directory`
   (its DP as the run resolved it: a target epsilon is its noise
   multiplier)."""
+  directory = os.path.abspath(directory)
+  path = os.path.join(directory, run_records.RUN_CONFIG_FILENAME)
   fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)}
-  values = {k: v for k, v in record.get('config', {}).items() if k in fields}
+  config = record.get('config') if isinstance(record, dict) else None
+  if not isinstance(config, dict) or not isinstance(
+      config.get('dp') or {}, dict):
+    raise DamagedRunError(f'{path} does not hold a run record (an object '
+                          'with its `config` and `config.dp`)')
+  values = {k: v for k, v in config.items() if k in fields}
   dp_fields = {f.name for f in dataclasses.fields(privacy.DPConfig)}
   values['dp'] = privacy.DPConfig(**{
       k: v for k, v in (values.get('dp') or {}).items() if k in dp_fields})
-  directory = os.path.abspath(directory)
   values.update(root_output_dir=os.path.dirname(directory),
                 experiment_name=os.path.basename(directory), resume=False)
   try:
     return experiment.ExperimentConfig(**values)
-  except TypeError as e:
-    raise RunError(f'{directory}/{run_records.RUN_CONFIG_FILENAME} does not '
-                   f'hold a run configuration: {e}') from e
+  except (TypeError, ValueError) as e:
+    raise DamagedRunError(f'{path} does not hold a run configuration: '
+                          f'{e}') from e
+
+
+def _client_ids(ids) -> list[int]:
+  """`ids` as a list of ints; RunError for anything else (strings, floats,
+  a single id)."""
+  if isinstance(ids, (str, bytes)) or not isinstance(
+      ids, collections.abc.Iterable):
+    raise RunError(f'ids must be a sequence of client ids (ints), got '
+                   f'{ids!r}')
+  ids = list(ids)
+  bad = [c for c in ids if isinstance(c, bool) or
+         not isinstance(c, (int, np.integer))]
+  if bad:
+    raise RunError(f'client ids must be ints, got {bad[:5]!r}')
+  return [int(c) for c in ids]
 
 
 class Run(collections.abc.Mapping):
@@ -196,14 +244,43 @@ class Run(collections.abc.Mapping):
         from the record when first needed).
 
     Raises:
-      RunError: the directory holds no run record, or it is unreadable.
+      RunError: the directory holds no run record.
+      DamagedRunError: the record is unreadable, or it names an algorithm
+        that is unknown, takes other options or is not the one the run's
+        flags or summary record (a record edited by hand).
     """
     path = os.path.join(directory, run_records.RUN_CONFIG_FILENAME)
     if not os.path.exists(path):
       raise RunError(f'{path} does not exist: {directory} is not a run '
                      'directory (a run writes it before its first round)')
-    record = run_records.read_json_record(path, RunError)
-    return cls(config_from_record(record, directory), record, task=task)
+    record = run_records.read_json_record(path, DamagedRunError)
+    config = config_from_record(record, directory)
+    run = cls(config, record, task=task)
+    run._check_algorithm(path)  # pylint: disable=protected-access
+    return run
+
+  def _check_algorithm(self, path: str) -> None:
+    """Raises RunError unless the recorded algorithm is known, its options
+    are its own, and the run's flags and summary (where recorded) name the
+    same algorithm."""
+    algorithm = self._config.algorithm
+    try:
+      algorithm_registry.check_algorithm_options(
+          algorithm, self._config.algorithm_options)
+    except ValueError as e:
+      raise DamagedRunError(f'{path}: {e}') from e
+    named = {'flags': run_records.flat_flags(
+        self._record.get('flags')).get('algorithm')}
+    summary_path = os.path.join(self.directory, SUMMARY_FILENAME)
+    if os.path.exists(summary_path):
+      named['summary.json'] = (self.summary or {}).get('algorithm')
+    for where, other in named.items():
+      if other is not None and other != algorithm:
+        raise DamagedRunError(
+            f'{path} records algorithm {algorithm!r}, but the run\'s '
+            f'{where} record {other!r}: the record was changed after the '
+            'run started; restore it (its checkpoints are those of '
+            f'{other!r})')
 
   # The summary as a mapping.
   def _finished_summary(self) -> dict:
@@ -250,11 +327,29 @@ class Run(collections.abc.Mapping):
   def spec(self) -> run_spec.RunSpec:
     """The run as a typed spec: its recorded config (DP as resolved) on
     its task's name and build options; `run.spec.override({...})` states a
-    variant of it. Its `resolve(task)` records this run's digest."""
-    built = self._record.get('task') or {}
+    variant of it. Its `resolve(task)` records this run's digest.
+
+    Raises:
+      RunError: the run's task was built in Python, not by name, so no
+        spec can name it (the message says how to make it recordable), or
+        the record's task or options are not those of a known task.
+    """
+    built = self._record.get('task')
+    if not built:
+      raise RunError(
+          f'{self.directory}: the run\'s task ({self.task_name}) was built '
+          'in Python, not by name, so no spec can name it; to make it '
+          'recordable, build it with tasks.registry.build_task(name, ...), '
+          'name a registered task or package.module:factory, a factory of '
+          'your own that sets `factory.capabilities` (docs/your_own_task.md)')
     options = {k: v for k, v in (built.get('arguments') or {}).items()
                if k not in task_registry.RUN_ARGUMENTS}
-    return run_spec.RunSpec.from_config(self._config, self.task_name, options)
+    try:
+      return run_spec.RunSpec.from_config(self._config, built.get('name'),
+                                          options)
+    except ValueError as e:
+      raise RunError(f'{self.directory}/{run_records.RUN_CONFIG_FILENAME}: '
+                     f'{e}') from e
 
   @property
   def task_name(self) -> str:
@@ -370,6 +465,7 @@ class Run(collections.abc.Mapping):
                      f'{stage!r}; its earlier stages: {names[:-1]}')
     return built.stages[names.index(stage)].process
 
+  @_in_runtime
   def weights(self, round: Optional[int] = None,  # pylint: disable=redefined-builtin
               stage: Optional[str] = None, group: Optional[str] = None):
     """The shared model's weights (`tff.learning.models.ModelWeights`) at a
@@ -379,12 +475,14 @@ class Run(collections.abc.Mapping):
     return proc.get_model_weights(
         training_loop.load_checkpoint(proc, directory, round_num))
 
+  @_in_runtime
   def server_state(self, round: Optional[int] = None,  # pylint: disable=redefined-builtin
                    stage: Optional[str] = None, group: Optional[str] = None):
     """The whole server state at a checkpointed round (None: the last)."""
     directory, proc, round_num = self._checkpoint(round, stage, group)
     return training_loop.load_checkpoint(proc, directory, round_num)
 
+  @_in_runtime
   def client_states(self, ids: Sequence[int], round: Optional[int] = None,  # pylint: disable=redefined-builtin
                     stage: Optional[str] = None,
                     group: Optional[str] = None) -> list:
@@ -392,6 +490,7 @@ class Run(collections.abc.Mapping):
     run, its members) as committed at a round (None: the last checkpoint's),
     read only. The in-memory store keeps the snapshots of its checkpoints;
     the SQLite store only its last round."""
+    ids = _client_ids(ids)
     directory, proc, round_num = self._checkpoint(round, stage, group)
     population = self.task.population
     local = list(ids)
@@ -412,6 +511,7 @@ class Run(collections.abc.Mapping):
     finally:
       store.close()
 
+  @_in_runtime
   def client_outputs(self, ids: Sequence[int], strategy: Any = 'none',
                      round: Optional[int] = None,  # pylint: disable=redefined-builtin
                      stage: Optional[str] = None) -> list:
@@ -444,7 +544,7 @@ class Run(collections.abc.Mapping):
     if not isinstance(strategy, strategies_lib.PER_CLIENT):
       raise RunError(f'{strategies_lib.to_text(strategy)} does not score '
                      'the run\'s clients one by one')
-    ids = [int(c) for c in ids]
+    ids = _client_ids(ids)
     if stage is not None or not self._per_group():
       return self._outputs(self.task, strategy, ids, round, stage, None)
     groups = self.groups()
@@ -466,6 +566,7 @@ class Run(collections.abc.Mapping):
         out[p] = o
     return out
 
+  @_in_runtime
   def evaluate(self, eval_name: Optional[str] = None, overwrite: bool = False,
                log_fn: Callable[[str], None] = lambda s: None,
                strategies: Any = None, **evaluation: Any) -> dict:
@@ -505,6 +606,7 @@ class Run(collections.abc.Mapping):
     return run_evaluation.evaluate_experiment(
         self.task, config, eval_name, log_fn=log_fn, overwrite=overwrite)
 
+  @_in_runtime
   def resume(self, rounds: Optional[int] = None,
              log_fn: Callable[[str], None] = print) -> 'Run':
     """Continues the run from its last checkpoint (an interrupted run), or
@@ -585,6 +687,11 @@ class Run(collections.abc.Mapping):
       store.close()
 
   def _checkpoint(self, round_num, stage, group):
+    if round_num is not None and (
+        isinstance(round_num, bool) or
+        not isinstance(round_num, (int, np.integer))):
+      raise RunError(f'round must be a round number (an int) or None, got '
+                     f'{round_num!r} ({type(round_num).__name__})')
     directory = self._directory_of(stage, group)
     proc = self.process(stage)
     if round_num is None:
