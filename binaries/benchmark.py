@@ -709,32 +709,54 @@ def _run_child(cmd, record_path, timeout_s):
   return record, peak, None
 
 
-def parent_main(f) -> int:
+def _numbers(f, name: str) -> list[int]:
+  """The list flag `name` as ints; ValueError naming it."""
+  try:
+    return [int(c) for c in f[name].value]
+  except ValueError as e:
+    raise ValueError(f'--{name} must be whole numbers, got '
+                     f'{",".join(f[name].value)!r}') from e
+
+
+def check_flags(f) -> list[int]:
+  """The parent's flags checked before any work; returns the cohorts.
+
+  Raises:
+    ValueError: naming the flag (the binary prints it as one line and
+      exits 2).
+  """
   if not f.output_dir:
-    raise app.UsageError('--output_dir is required')
+    raise ValueError('--output_dir is required')
   unknown = set(f.systems) - set(SYSTEMS)
   if unknown:
-    raise app.UsageError(f'unknown --systems {sorted(unknown)}; known: '
-                         f'{list(SYSTEMS)}')
-  cohorts = [int(c) for c in f.cohorts]
+    raise ValueError(f'unknown --systems {sorted(unknown)}; known: '
+                     f'{list(SYSTEMS)}')
+  cohorts = _numbers(f, 'cohorts')
   if any(not 1 <= c <= POPULATION for c in cohorts):
-    raise app.UsageError(f'cohorts must be in [1, {POPULATION}]: {cohorts}')
+    raise ValueError(f'cohorts must be in [1, {POPULATION}]: {cohorts}')
   if f.rounds < 2:
-    raise app.UsageError('--rounds must be >= 2 (round 1 is start-up)')
+    raise ValueError('--rounds must be >= 2 (round 1 is start-up)')
   if f.repeats < 1:
-    raise app.UsageError('--repeats must be >= 1')
+    raise ValueError('--repeats must be >= 1')
   if f.peer_python and not os.access(f.peer_python, os.X_OK):
-    raise app.UsageError(f'--peer_python={f.peer_python} is not executable')
+    raise ValueError(f'--peer_python={f.peer_python} is not executable')
   if f.worker_pairs < 0 or f.worker_local_epochs < 1:
-    raise app.UsageError('--worker_pairs must be >= 0 and '
-                         '--worker_local_epochs >= 1')
+    raise ValueError('--worker_pairs must be >= 0 and '
+                     '--worker_local_epochs >= 1')
   if f.worker_pairs:
     if not 2 <= f.worker_cohort <= POPULATION:
-      raise app.UsageError(f'--worker_cohort must be in [2, {POPULATION}]')
-    try:
-      benchmark_workers.two_cores()
-    except ValueError as e:
-      raise app.UsageError(str(e)) from e
+      raise ValueError(f'--worker_cohort must be in [2, {POPULATION}]')
+    benchmark_workers.two_cores()
+  unknown = set(f.families) - set(benchmark_families.FAMILIES)
+  if unknown:
+    raise ValueError(f'unknown --families {sorted(unknown)}; known: '
+                     f'{list(benchmark_families.FAMILIES)}')
+  _numbers(f, 'population_scale')
+  return cohorts
+
+
+def parent_main(f) -> int:
+  cohorts = check_flags(f)
   os.makedirs(f.output_dir, exist_ok=True)
   workload = os.path.join(f.output_dir, 'workload.npz')
   make_workload(workload, f.seed)
@@ -746,10 +768,6 @@ def parent_main(f) -> int:
   if f.memory_rounds > 20:
     runs.append(('fedembed_prototype', cohorts[0], f.memory_rounds))
   peer_script = os.path.join(root, 'bench', 'peers', 'pfl_fedavg.py')
-  unknown = set(f.families) - set(benchmark_families.FAMILIES)
-  if unknown:
-    raise app.UsageError(f'unknown --families {sorted(unknown)}; known: '
-                         f'{list(benchmark_families.FAMILIES)}')
 
   def child_cmd(system, cohort, rounds, record_path, extra=()):
     """A child run's command; `extra` flags (a `--simulation_shards`
@@ -835,6 +853,11 @@ def main(argv):
   if FLAGS.child:
     child_main(FLAGS)
     return 0
+  try:
+    check_flags(FLAGS)
+  except ValueError as e:  # Nothing ran.
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   return parent_main(FLAGS)
 
 

@@ -8,7 +8,8 @@ noise multiplier whose epsilon cannot be accounted: each ends
 before any training. A seeded fuzz feeds random values and structures,
 and random plugin names and failures, through the binary's main in this
 process; two cases run as real subprocesses. A run whose record is damaged
-ends `binaries.evaluate --run_dir` with one line and exit code 3.
+ends `binaries.evaluate --run_dir` with one line and exit code 3;
+`binaries.benchmark` refuses bad flags with one line and exit code 2.
 """
 
 import json
@@ -363,3 +364,17 @@ def test_a_damaged_run_record_ends_evaluate_with_exit_3(tmp_path, capsys,
   with flagsaver.flagsaver(run_dir=str(run_dir)):
     code = evaluate.main(['evaluate'])
   _assert_one_line(code, capsys.readouterr().err, want_code=3, match=named)
+
+
+def test_the_benchmark_refuses_bad_flags_with_one_line(tmp_path):
+  for args, named in ((['--cohorts=x'], "--cohorts must be whole numbers"),
+                      (['--families=zzz'], "unknown --families ['zzz']")):
+    proc = subprocess.run(
+        [sys.executable, '-m', 'binaries.benchmark',
+         f'--output_dir={tmp_path / "bench"}', *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and named in lines[0], proc.stderr
+  assert not os.path.exists(tmp_path / 'bench')  # Nothing ran.
