@@ -53,9 +53,11 @@ from tasks import preference_task
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.models import fedembed
 from tff_personal.models import split_model
-# Imported for its effect: this process's TensorFlow thread defaults, set
-# before a task's data start TensorFlow (`set_process_defaults`).
-from tff_personal.core import worker_threads  # pylint: disable=unused-import
+from tff_personal.core import worker_threads
+
+# This process's TensorFlow gets the binaries' thread pools unless set,
+# before a task's data start TensorFlow (`worker_threads`).
+worker_threads.set_process_defaults()
 
 # (embedding_dim, input_spec) -> SplitModel.
 ModelBuilder = Callable[[int, Any], split_model.SplitModel]

@@ -33,9 +33,11 @@ from tff_personal.algorithms import registry as algorithms
 from tff_personal.core import imported
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
-# Imported for its effect: this process's TensorFlow thread defaults, set
-# before a task's data start TensorFlow (`set_process_defaults`).
-from tff_personal.core import worker_threads  # pylint: disable=unused-import
+from tff_personal.core import worker_threads
+
+# This process's TensorFlow gets the binaries' thread pools unless set,
+# before a task's data start TensorFlow (`worker_threads`).
+worker_threads.set_process_defaults()
 
 
 @dataclasses.dataclass(frozen=True)

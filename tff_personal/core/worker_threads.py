@@ -107,11 +107,12 @@ def set_process_defaults() -> None:
   `TF_NUM_INTEROP_THREADS`, unless the environment sets them already.
 
   TensorFlow reads them when its context starts, at its first op. Run at
-  the import of this module, which the library's entry points import
-  (`core/runtime.py`, `tasks/registry.py`), so that a program that builds
-  its task in Python and then enters `runtime.local_runtime()` computes
-  with the pools a binary sets before it loads data: the same settings give
-  the same weights on both paths.
+  the import of this module (so by `core/runtime.py`'s) and of the task
+  modules (`tasks/registry.py`, `tasks/client_data_task.py`), so that a
+  program that starts TensorFlow before it enters
+  `runtime.local_runtime()` computes with the pools a binary sets before
+  it loads data: the same settings give the same weights on both paths.
+  Idempotent.
   """
   os.environ.setdefault(INTRA_VAR, str(resolve(DEFAULT_INTRA_OP_THREADS,
                                                INTRA_VAR)))
