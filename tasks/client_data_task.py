@@ -153,6 +153,11 @@ class ClientDataTask:
       ClientData client id to group name; gives the `groups` capability
       (GroupFL, GroupPerFL). The groups are named in order of first
       appearance over the client ids.
+    withheld_clients: clients kept out of training, evaluated as new users
+      (`cold_start`; the `withheld` capability): a count (>= 1) or a
+      fraction of the clients (in (0, 1)), drawn by `seed`; 0: none. They
+      are not in `population`, and no round or evaluation of the trained
+      clients reads them.
   """
   name: str
   train_data: tff.simulation.datasets.ClientData
@@ -170,6 +175,7 @@ class ClientDataTask:
   has_digit_images: bool = False
   cache_clients: int = 4096
   client_groups: Optional[Mapping[str, str]] = None
+  withheld_clients: float = 0
 
   def __post_init__(self):
     if self.batch_size < 1:
@@ -179,6 +185,11 @@ class ClientDataTask:
     self._ids = list(self.train_data.client_ids)
     if not self._ids:
       raise ValueError(f'{self.name}: the training ClientData has no clients')
+    self._withheld = _withheld(self._ids, self.withheld_clients, self.seed,
+                               self.name)
+    if self._withheld:
+      held = set(self._withheld)
+      self._ids = [c for c in self._ids if c not in held]
     missing = sorted(set(self._ids) - set(self.test_data.client_ids))
     if missing:
       raise ValueError(f'{self.name}: {len(missing)} training clients have no '
@@ -202,7 +213,7 @@ class ClientDataTask:
       self._group_of = [str(self.client_groups[c]) for c in self._ids]
     self._spec = _batched_spec(collections.OrderedDict(
         (k, spec[k]) for k in spec))
-    self._arrays = functools.lru_cache(maxsize=self.cache_clients)(
+    self._named_arrays = functools.lru_cache(maxsize=self.cache_clients)(
         self._read_arrays)
 
   # How each optional capability is given (named when a pair is refused).
@@ -246,6 +257,52 @@ class ClientDataTask:
     return list(self._ids)
 
   @property
+  def withheld_names(self) -> Optional[list]:
+    """The ClientData ids of the withheld clients (`withheld_clients`), in
+    the order `withheld_eval_datasets` indexes them; None (no `withheld`
+    capability) when none are withheld."""
+    return list(self._withheld) if self._withheld else None
+
+  def _withheld_name(self, i) -> str:
+    if not 0 <= int(i) < len(self._withheld):
+      raise ValueError(f'{self.name}: withheld client index {i} is not in '
+                       f'[0, {len(self._withheld)})')
+    return self._withheld[int(i)]
+
+  def withheld_adaptation_datasets(self, ids: Sequence[int],
+                                   samples: Optional[int] = None
+                                   ) -> list[tf.data.Dataset]:
+    """Withheld clients `ids` (indices of `withheld_names`): the first
+    `samples` of each one's training examples (None: all), in the task's
+    batches, the data a new user adapts on."""
+    if samples is not None and samples < 0:
+      raise ValueError(f'samples must be >= 0 or None (all), got {samples}')
+    out = []
+    for i in ids:
+      examples = self._named_arrays(self._withheld_name(i), 'train')
+      n = len(examples['y']) if samples is None else min(
+          samples, len(examples['y']))
+      out.append(client_data_lib.ClientBatches.from_arrays(
+          examples, self.batch_size, [np.arange(n)], self._spec
+      ).to_dataset())
+    return out
+
+  def withheld_eval_datasets(self, ids: Sequence[int],
+                             samples: Optional[int] = None
+                             ) -> list[tf.data.Dataset]:
+    """Withheld clients `ids`: each one's test examples (adaptation reads
+    `withheld_adaptation_datasets`; `samples` is checked only)."""
+    if samples is not None and samples < 0:
+      raise ValueError(f'samples must be >= 0 or None (all), got {samples}')
+    out = []
+    for i in ids:
+      examples = self._named_arrays(self._withheld_name(i), 'test')
+      out.append(client_data_lib.ClientBatches.from_arrays(
+          examples, self.batch_size, [np.arange(len(examples['y']))],
+          self._spec).to_dataset())
+    return out
+
+  @property
   def element_spec(self):
     return self._spec
 
@@ -269,9 +326,12 @@ class ClientDataTask:
 
     return factory
 
-  def _read_arrays(self, client: int, split: str):
+  def _arrays(self, client: int, split: str):
+    """Client index `client`'s examples of `split` (numpy, cached)."""
+    return self._named_arrays(self._ids[client], split)
+
+  def _read_arrays(self, cid: str, split: str):
     data = self.train_data if split == 'train' else self.test_data
-    cid = self._ids[client]
     ds = data.create_tf_dataset_for_client(cid)
     spec = self._spec
     batch = ds.batch(1 << 30).get_single_element() if (
@@ -329,6 +389,32 @@ class ClientDataTask:
     return self.evaluate_fn(per_client_outputs, client_ids)
 
 
+def _withheld(ids: Sequence[str], withheld: float, seed: int,
+              name: str) -> list[str]:
+  """The client ids `withheld_clients` keeps out of training: a seeded
+  draw of a count or a fraction of `ids`, in their order."""
+  if isinstance(withheld, bool) or not isinstance(withheld, (int, float)) or (
+      not withheld >= 0):
+    raise ValueError(f'{name}: withheld_clients must be a count >= 1, a '
+                     f'fraction in (0, 1) or 0, got {withheld!r}')
+  if withheld == 0:
+    return []
+  if withheld < 1:
+    count = max(1, int(round(withheld * len(ids))))
+  elif float(withheld).is_integer():
+    count = int(withheld)
+  else:
+    raise ValueError(f'{name}: withheld_clients={withheld} is neither a '
+                     'whole count nor a fraction in (0, 1)')
+  if count >= len(ids):
+    raise ValueError(f'{name}: withheld_clients={withheld} withholds '
+                     f'{count} of {len(ids)} clients; at least one must '
+                     'train')
+  rng = np.random.default_rng([seed, 0x57a7])
+  chosen = set(rng.choice(len(ids), size=count, replace=False).tolist())
+  return [c for k, c in enumerate(ids) if k in chosen]
+
+
 def from_client_arrays(train: Sequence[dict], test: Sequence[dict],
                        names: Optional[Sequence[str]] = None
                        ) -> tuple[tff.simulation.datasets.ClientData,
@@ -369,8 +455,8 @@ def _feddva_cnn(channels: Sequence[int], hidden: int) -> ModelBuilder:
 
 
 def from_feddva_task(name: str, feddva_task, *, batch_size: int,
-                     local_epochs: int, seed: int, channels, hidden: int
-                     ) -> ClientDataTask:
+                     local_epochs: int, seed: int, channels, hidden: int,
+                     withheld_clients: float = 0) -> ClientDataTask:
   """A `tasks/feddva_tasks` task's clients as a `ClientDataTask` (the same
   images and labels), classified by Appendix G's CNN with `channels` (four
   ints) and `hidden`."""
@@ -382,7 +468,8 @@ def from_feddva_task(name: str, feddva_task, *, batch_size: int,
                         model_builder=_feddva_cnn(channels, hidden),
                         batch_size=batch_size, local_epochs=local_epochs,
                         seed=seed, has_named_head=True,
-                        has_digit_images=True)
+                        has_digit_images=True,
+                        withheld_clients=withheld_clients)
 
 
 def label_skew_mnist_task(data_dir: Optional[str], *, num_clients: int = 20,
@@ -390,45 +477,48 @@ def label_skew_mnist_task(data_dir: Optional[str], *, num_clients: int = 20,
                           test_per_client: int = 100, alpha: float = 0.5,
                           seed: int = 0, batch_size: int = 64,
                           local_epochs: int = 1,
-                          channels: str = '16,16,32,32', hidden: int = 128
-                          ) -> ClientDataTask:
+                          channels: str = '16,16,32,32', hidden: int = 128,
+                          withheld_clients: float = 0) -> ClientDataTask:
   """FedDVA's classification task: MNIST with Dirichlet(alpha) label skew,
-  classified by Appendix G's CNN (`channels` of its four convolutions)."""
+  classified by Appendix G's CNN (`channels` of its four convolutions);
+  `withheld_clients` as `ClientDataTask`'s."""
   from tasks import feddva_tasks  # pylint: disable=g-import-not-at-top
   return from_feddva_task('label_skew_mnist', feddva_tasks.label_skew_mnist(
       data_dir, num_clients=num_clients, train_per_client=train_per_client,
       test_per_client=test_per_client, alpha=alpha, seed=seed),
                       batch_size=batch_size, local_epochs=local_epochs,
                       seed=seed, channels=_ints(channels, 'channels'),
-                      hidden=hidden)
+                      hidden=hidden, withheld_clients=withheld_clients)
 
 
 def marked_mnist_task(data_dir: Optional[str], *, num_clients: int = 4,
                       train_per_client: int = 500, test_per_client: int = 200,
                       marks: str = 'varied', seed: int = 0,
                       batch_size: int = 64, local_epochs: int = 1,
-                      channels: str = '16,16,32,32', hidden: int = 128
-                      ) -> ClientDataTask:
+                      channels: str = '16,16,32,32', hidden: int = 128,
+                      withheld_clients: float = 0) -> ClientDataTask:
   """FedDVA's marked MNIST (each client's images carry its own kind of
-  mark), classified by Appendix G's CNN."""
+  mark), classified by Appendix G's CNN; `withheld_clients` as
+  `ClientDataTask`'s."""
   from tasks import feddva_tasks  # pylint: disable=g-import-not-at-top
   return from_feddva_task('marked_mnist', feddva_tasks.marked_mnist(
       data_dir, num_clients=num_clients, train_per_client=train_per_client,
       test_per_client=test_per_client, seed=seed, marks=marks),
                       batch_size=batch_size, local_epochs=local_epochs,
                       seed=seed, channels=_ints(channels, 'channels'),
-                      hidden=hidden)
+                      hidden=hidden, withheld_clients=withheld_clients)
 
 
 def mnist_client_data_task(data_dir: Optional[str], *, num_users: int = 1000,
                            population: str = 'balanced', seed: int = 0,
-                           batch_size: int = 10, local_epochs: int = 1
-                           ) -> ClientDataTask:
+                           batch_size: int = 10, local_epochs: int = 1,
+                           withheld_clients: float = 0) -> ClientDataTask:
   """FedEmbed's MNIST preference users, handed over as TFF ClientData.
 
   The same users as `mnist_preference` (each likes one digit; `type` is the
   digit), but through the generic task: what a researcher with data in
-  TFF's format gets. Evaluated by per-client accuracy.
+  TFF's format gets. Evaluated by per-client accuracy. `withheld_clients`
+  as `ClientDataTask`'s.
   """
   from tasks import mnist_preference  # pylint: disable=g-import-not-at-top
   from tff_personal.models import fedembed_mnist  # pylint: disable=g-import-not-at-top
@@ -447,7 +537,7 @@ def mnist_client_data_task(data_dir: Optional[str], *, num_users: int = 1000,
       fedembed_encoder_fn=lambda channels: fedembed_mnist.build_encoder(
           channels=channels),
       num_types=data.num_subpopulations, supports_personal_embedding=True,
-      has_named_head=True)
+      has_named_head=True, withheld_clients=withheld_clients)
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:

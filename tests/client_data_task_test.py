@@ -7,16 +7,21 @@ on them as on the native task; bad ClientData is refused, naming why.
 
 import collections
 
+from absl import flags
+from absl.testing import flagsaver
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from binaries import train
 from tasks import client_data_task
 from tasks import registry as task_registry
 from tff_personal import experiment
+from tff_personal import new_user_evaluation
 from tff_personal import runs
 from tff_personal.algorithms import registry
+from tff_personal.core import runtime
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 
@@ -149,3 +154,136 @@ def test_classification_metrics_are_per_client():
   assert m['accuracy_pooled'] == pytest.approx(4 / 5)
   assert m['accuracy_std_across_clients'] == pytest.approx(0.25)
   assert m['accuracy_min'] == 0.5 and m['clients'] == 2
+
+
+# ------------------------------------------------------------ cold start
+
+
+def _tiny_client_data(seed, n=12):
+  ids = [f'c{k}' for k in range(8)]
+
+  def dataset_fn(client_id):
+    rng = np.random.default_rng([seed, ids.index(client_id)])
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (x[:, 0] + rng.normal(0.5, size=n) > 0).astype(np.int32)
+    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
+
+  return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
+      ids, dataset_fn)
+
+
+def _mean_loss(outputs, ids):
+  """Pooled cross-entropy: moves with every fine-tuning step."""
+  del ids
+  logits = np.concatenate([np.asarray(o['outputs']) for o in outputs])
+  labels = np.concatenate([np.asarray(o['labels']) for o in outputs])
+  return {'loss': float(tf.reduce_mean(
+      tf.keras.losses.sparse_categorical_crossentropy(
+          labels, logits, from_logits=True)))}
+
+
+def _two_layers():
+  return tf.keras.Sequential([tf.keras.layers.Input(shape=(4,)),
+                              tf.keras.layers.Dense(3, name='body'),
+                              tf.keras.layers.Dense(2, name='head')])
+
+
+def _withheld_task(withheld):
+  return client_data_task.ClientDataTask(
+      'mine', _tiny_client_data(0), _tiny_client_data(1),
+      model_builder=client_data_task.keras_classifier(
+          _two_layers),
+      batch_size=4, evaluate_fn=_mean_loss, withheld_clients=withheld,
+      seed=5, has_named_head=True)
+
+
+def test_withheld_clients_never_train_and_are_drawn_by_the_seed():
+  task = _withheld_task(2)
+  assert task.population == 6 and len(task.withheld_names) == 2
+  assert not set(task.withheld_names) & set(task.client_names)
+  assert sorted(task.withheld_names + task.client_names) == [
+      f'c{k}' for k in range(8)]
+  assert _withheld_task(0.25).withheld_names == task.withheld_names
+  assert 'withheld' in task_lib.capabilities(task)
+  for bad in (-1, 8, 2.5, True):
+    with pytest.raises(ValueError, match='withheld_clients'):
+      _withheld_task(bad)
+  adapt, = task.withheld_adaptation_datasets([1], samples=5)
+  assert sum(int(b['y'].shape[0]) for b in adapt) == 5
+  test, = task.withheld_eval_datasets([1])
+  assert sum(int(b['y'].shape[0]) for b in test) == 12
+
+
+def _by_hand(task, weights, learning_rate, samples):
+  """The withheld users' pooled loss from the global `weights`, after one
+  pass of SGD on their first `samples` training examples (Keras)."""
+  losses = []
+  for name in task.withheld_names:
+    model = _two_layers()
+    model.set_weights([np.asarray(w) for w in weights.trainable])
+    train = task.train_data.create_tf_dataset_for_client(name).take(
+        samples).batch(4)
+    opt = tf.keras.optimizers.SGD(learning_rate)
+    for batch in train:
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+            batch['y'], model(batch['x']), from_logits=True))
+      opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                              model.trainable_variables))
+    test = next(iter(task.test_data.create_tf_dataset_for_client(
+        name).batch(100)))
+    losses.append(tf.keras.losses.sparse_categorical_crossentropy(
+        test['y'], model(test['x']), from_logits=True).numpy())
+  return float(np.mean(np.concatenate(losses)))
+
+
+def test_cold_start_from_the_global_model_on_your_own_client_data(tmp_path):
+  task = _withheld_task(2)
+  config = experiment.ExperimentConfig(
+      algorithm='ditto', rounds=2, clients_per_round=3,
+      root_output_dir=str(tmp_path), experiment_name='cold',
+      client_optimizer='sgd', client_learning_rate=0.5, seed=3,
+      eval_strategies=('cg=cold_start(start=global,samples=0/5/all)',
+                       'ci=cold_start(samples=0)'))
+  with runtime.local_runtime():
+    run = runs.run_experiment(task, config, log_fn=lambda s: None)
+    weights = run.weights()
+    fedrep = registry.build_for_task(
+        'fedrep', task, client_optimizer=tff.learning.optimizers.build_sgdm(
+            0.1), server_optimizer=tff.learning.optimizers.build_sgdm(1.0))
+  cold = run.summary['strategies']['cg']
+  assert cold['users'] == 2 and cold['start'] == 'global'
+  # Ditto's new user starts as the final global model, then one pass of
+  # the run's SGD on its first k examples: equal to Keras by hand.
+  for samples, count in (('0', 0), ('5', 5), ('all', 12)):
+    assert cold['samples'][samples]['loss'] == pytest.approx(
+        _by_hand(task, weights, 0.5, count), rel=1e-4), samples
+  assert cold['samples']['0']['loss'] != pytest.approx(
+      cold['samples']['all']['loss'], rel=1e-3)
+  # From the initial model instead: Ditto's new user is the initial global
+  # model, which two rounds have moved away from.
+  initial = run.summary['strategies']['ci']['samples']['0']['loss']
+  assert initial != pytest.approx(cold['samples']['0']['loss'], rel=1e-3)
+  # FedRep's head has no shared counterpart: start=global is refused.
+  with pytest.raises(new_user_evaluation.NewUserError,
+                     match="fedrep's private state has no shared"):
+    new_user_evaluation.global_start(fedrep, weights, 'fedrep')
+
+
+def test_the_binary_evaluates_withheld_users_from_the_global_model(
+    tmp_path, mnist_dir):
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(['train'])
+  with flagsaver.flagsaver(
+      task='mnist_client_data', algorithm='ditto', data_dir=mnist_dir,
+      task_options=['num_users=30', 'withheld_clients=5'], rounds=1,
+      clients_per_round=5, eval_clients=5, root_output_dir=str(tmp_path),
+      experiment_name='cold', eval_strategies=[
+          'cold=cold_start(start=global,samples=0/5)']):
+    assert train.main(['train']) == 0
+  run = runs.Run.open(str(tmp_path / 'cold'))
+  assert run.task.population == 25
+  cold = run.summary['strategies']['cold']
+  assert cold['users'] == 5 and cold['start'] == 'global'
+  assert cold['samples']['0']['clients'] == 5
+  assert set(cold['samples']) == {'0', '5'}

@@ -1,9 +1,17 @@
 """The task's withheld users evaluated as new users (`strategies.ColdStart`).
 
-Each withheld user starts from the process's new-user state or from the DP
-average of the trained users' private states (`core/new_users.py`, one
-release with its own (epsilon, delta)), then the algorithm's own test-time
-adaptation reads its first k samples and its test split is scored.
+Each withheld user starts from the process's new-user state, from the
+private state the final shared model corresponds to (`start=global`, where
+the algorithm declares one: `StatefulClientProcess.global_private_fn`), or
+from the DP average of the trained users' private states
+(`core/new_users.py`, one release with its own (epsilon, delta)). Then it
+adapts on its first k samples and its test split is scored: a task whose
+evaluation model adapts by itself (FedPerC's) reads them from
+`withheld_eval_datasets(ids, k)`; a task that gives them apart
+(`withheld_adaptation_datasets(ids, k)`, e.g. `ClientDataTask`) has each
+user fine-tune its private state on them first (one pass; a process whose
+clients hold no private variables fine-tunes a copy of the whole global
+model, as FedAvg+FT does), with the optimizer a `fine_tune` would use.
 `run_evaluation.evaluate_strategies` calls it for a `cold_start` strategy.
 """
 
@@ -17,6 +25,7 @@ import tensorflow_federated as tff
 
 from tff_personal import experiment
 from tff_personal import strategies as strategies_lib
+from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import evaluation
 from tff_personal.core import new_users as new_users_lib
 from tff_personal.core import process as process_lib
@@ -73,6 +82,24 @@ def _dp_average_start(proc, store, population: int,
   return mean, record
 
 
+def global_start(proc, weights, algorithm: str) -> tuple:
+  """The private state of the final shared model (`start=global`).
+
+  Raises:
+    NewUserError: the private state has no shared counterpart.
+  """
+  private_type = proc.client_state_type[process_lib.CLIENT_STATE_PRIVATE]
+  to_private = getattr(proc, 'global_private_fn', None)
+  if to_private is None:
+    if not len(private_type):  # pylint: disable=g-explicit-length-test
+      return ()  # Nothing private: every start is the global model.
+    raise NewUserError(
+        f'cold_start(start=global): {algorithm}\'s private state has no '
+        'shared counterpart to start from; use start=initial or '
+        'start=dp_average')
+  return tuple(to_private(weights))
+
+
 def evaluate_new_users(task, proc, state, store,
                        config: experiment.ExperimentConfig,
                        new_users: strategies_lib.ColdStart,
@@ -116,18 +143,43 @@ def evaluate_new_users(task, proc, state, store,
                                                 new_users, config, run_delta)
     for s in starts:
       s[process_lib.CLIENT_STATE_PRIVATE] = mean
-  states = process_lib.eval_client_states(proc, weights, starts)
+  elif new_users.start == 'global':
+    private = global_start(proc, weights, config.algorithm)
+    for s in starts:
+      s[process_lib.CLIENT_STATE_PRIVATE] = private
+  adaptation_fn = getattr(task, 'withheld_adaptation_datasets', None)
+  # Fine-tuning a process whose clients hold no private variables tunes a
+  # copy of the whole global model (`fedavg_ft.WholeModelView`).
+  evaluated = proc
+  if adaptation_fn is not None and not len(  # pylint: disable=g-explicit-length-test
+      proc.client_state_type[process_lib.CLIENT_STATE_PRIVATE]):
+    evaluated = fedavg_ft.WholeModelView(proc)
+  states = process_lib.eval_client_states(evaluated, weights, starts)
+  model_fn = getattr(evaluated, 'eval_model_fn', proc.model_fn)
+  state_type = getattr(evaluated, 'eval_client_state_type',
+                       proc.client_state_type)
   personal_eval = evaluation.build_personal_eval(
-      getattr(proc, 'eval_model_fn', proc.model_fn), proc.model_weights_type,
-      getattr(proc, 'eval_client_state_type', proc.client_state_type))
+      model_fn, proc.model_weights_type, state_type)
+  tuned_eval = None
   out['samples'] = {}
   for samples in new_users.samples:
-    data = task.withheld_eval_datasets(ids, None if samples == 'all'
-                                       else samples)
+    count = None if samples == 'all' else samples
+    data = task.withheld_eval_datasets(ids, count)
+    adapt = adaptation_fn is not None and samples != 0
+    if adapt and tuned_eval is None:
+      tuned_eval = evaluation.build_cold_start_eval(
+          model_fn, proc.model_weights_type, state_type,
+          getattr(proc, 'eval_fine_tune_optimizer', None) or
+          experiment.make_private_optimizer(config) or
+          experiment.make_client_optimizer(config))
+    train = adaptation_fn(ids, count) if adapt else None
     outputs = []
     for i in range(0, len(ids), config.eval_chunk):
       sl = slice(i, i + config.eval_chunk)
-      outputs.extend(personal_eval(weights, states[sl], data[sl]))
+      if adapt:
+        outputs.extend(tuned_eval(weights, states[sl], train[sl], data[sl]))
+      else:
+        outputs.extend(personal_eval(weights, states[sl], data[sl]))
     out['samples'][str(samples)] = task.evaluate(outputs, ids)
     if log_fn:
       log_fn(f'new users ({len(ids)} withheld, start {new_users.start}, '

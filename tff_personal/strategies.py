@@ -25,10 +25,12 @@ each client's own private state, as trained.
   reading of a FedPerC run).
 * `ColdStart(start, samples, ...)` (`cold_start`): the task's withheld
   users, never trained on, as new users: each starts from `initial` (the
-  process's new-user state; FedPerC's is zero offsets) or `dp_average` (the
-  DP average of the trained users' private states, released once), then
-  the algorithm's own test-time adaptation reads its first k samples, for
-  each k of `samples` (`adapt(samples=k)`; k = 0: none).
+  process's new-user state; FedPerC's is zero offsets), `global` (the
+  private state of the final shared model, where there is one) or
+  `dp_average` (the DP average of the trained users' private states,
+  released once), then adapts on its first k samples, for each k of
+  `samples` (the algorithm's own test-time adaptation, or one fine-tuning
+  pass on a task that gives the samples apart; k = 0: none).
 
 Strategies are typed values, and also text for flags and records
 (`parse` / `to_text`): `[name=]kind[(field=value,...)]`, a list value
@@ -58,7 +60,7 @@ import re
 from typing import Any, Mapping, Optional, Sequence, Union
 
 # How a new user starts (`ColdStart.start`).
-COLD_STARTS = ('initial', 'dp_average')
+COLD_STARTS = ('initial', 'global', 'dp_average')
 FINE_TUNE_OPTIMIZERS = ('sgd', 'adam')
 DEFAULT_NEW_USERS_DELTA = 1e-5
 
@@ -161,7 +163,10 @@ class ColdStart:
       'all'.
     start: 'initial': the process's new-user state (FedPerC's: zero
       offsets; others: the store's documented initial state of an id past
-      the population). 'dp_average': the DP average of the trained users'
+      the population). 'global': the private state of the final shared
+      model, where the private state has a shared counterpart (Ditto's
+      and APFL's personal model, pFedMe's head; a process with nothing
+      private starts every user from the global model anyway). 'dp_average': the DP average of the trained users'
       private states (`core/new_users.build_dp_mean`), released once, its
       noise drawn from the run's seed.
     noise_multiplier: the DP average's noise stddev over its clip.

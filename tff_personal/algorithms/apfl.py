@@ -212,4 +212,6 @@ def build_apfl(model_fn_factory, *,
       client_state_type=process_lib.split_client_state_type(model_fn),
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
-      initial_private=tuple(weights.trainable) + (np.float32(alpha),))
+      initial_private=tuple(weights.trainable) + (np.float32(alpha),),
+      # A new user's personal model as the global one, at the initial alpha.
+      global_private_fn=lambda w: tuple(w.trainable) + (np.float32(alpha),))

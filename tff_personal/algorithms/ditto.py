@@ -225,7 +225,8 @@ def build_ditto(model_fn: split_model_lib.SplitModelFn, *,
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
       eval_model_fn=all_private(model_fn),
-      initial_private=tuple(weights.trainable))
+      initial_private=tuple(weights.trainable),
+      global_private_fn=lambda w: tuple(w.trainable))
 
 
 def build_ditto_algorithm(model_fn_factory, *,

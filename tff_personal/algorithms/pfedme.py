@@ -147,7 +147,8 @@ def build_pfedme(model_fn_factory, *,
       model_fn, make_step, server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
       seed=seed, eval_private_fn=(_global_head_fn(model_fn, head_layer)
-                                  if restart_personal_head else None))
+                                  if restart_personal_head else None),
+      global_private_fn=_global_head_fn(model_fn, head_layer))
 
 
 def build_pfedme_restart(model_fn_factory, **kwargs

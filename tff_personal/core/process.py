@@ -121,6 +121,7 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
                eval_fine_tune: bool = False,
                eval_fine_tune_optimizer: (
                    tff.learning.optimizers.Optimizer | None) = None,
+               global_private_fn: EvalPrivateFn | None = None,
                build_fn: Callable[[], tuple[tff.Computation,
                                             tff.Computation]] | None = None):
     if (build_fn is None) == (initialize_fn is None or next_fn is None):
@@ -142,6 +143,7 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     self._eval_client_state_type = eval_client_state_type
     self._eval_fine_tune = eval_fine_tune
     self._eval_fine_tune_optimizer = eval_fine_tune_optimizer
+    self._global_private_fn = global_private_fn
 
   def _built(self) -> None:
     """Builds `initialize` and `next` if not yet (a failed build raises
@@ -212,6 +214,16 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     instead (`eval_client_states`).
     """
     return self._eval_private_fn
+
+  @property
+  def global_private_fn(self) -> EvalPrivateFn | None:
+    """None, or the private state that corresponds to the shared weights
+    (numpy `ModelWeights` -> the private tuple): Ditto's and APFL's personal
+    model as the global one, pFedMe's head as the global head; by default
+    `eval_private_fn`. A new user starts from it under
+    `cold_start(start=global)`; None: the private state has no shared
+    counterpart (FedRep's head, a personal embedding)."""
+    return self._global_private_fn or self._eval_private_fn
 
   @property
   def model_fn(self) -> split_model_lib.SplitModelFn | None:
@@ -647,6 +659,27 @@ def split_client_step_factory(
                          private_optimizer)
 
 
+# The name of leaf `i` of the new client state in a client work's graph
+# (`name_new_client_state`): what a production form's device program fetches
+# beside the upload (`core/production.py`).
+NEW_CLIENT_STATE_NODE = 'tff_personal_new_client_state_{}'
+
+
+def name_new_client_state(client_state) -> None:
+  """Names each leaf of a client work's new `client_state` in its graph.
+
+  Adds an identity of leaf `i` (in the order of the client state's TFF
+  type) named `NEW_CLIENT_STATE_NODE.format(i)`, used by nothing: the
+  compiled round's client computation, which drops the new client state
+  from its outputs, still holds these nodes when compiled without Grappler,
+  and a device program fetches them (`core/production.py`).
+  """
+  leaves = tff.structure.flatten(
+      tff.structure.from_container(client_state, recursive=True))
+  for i, leaf in enumerate(leaves):
+    tf.identity(leaf, name=NEW_CLIENT_STATE_NODE.format(i))
+
+
 def client_work_from_step(make_step: ClientStepFactory, weights_type: tff.Type,
                           client_state_type: tff.Type,
                           data_type: tff.Type) -> tff.Computation:
@@ -657,8 +690,10 @@ def client_work_from_step(make_step: ClientStepFactory, weights_type: tff.Type,
     # tf.function for automatic control dependencies between the variable
     # assignments and reads (TFF traces computations in graph mode); no
     # AutoGraph (`ClientStepFactory`).
-    return tf.function(make_step(), autograph=False)(weights, client_state,
-                                                     dataset)
+    out = tf.function(make_step(), autograph=False)(weights, client_state,
+                                                    dataset)
+    name_new_client_state(out['client_state'])
+    return out
 
   return client_work
 
@@ -725,6 +760,7 @@ def build_split_step_process(
     train_metrics: bool = True,
     seed: Optional[int] = None,
     eval_private_fn: EvalPrivateFn | None = None,
+    global_private_fn: EvalPrivateFn | None = None,
 ) -> StatefulClientProcess:
   """The process of a split model trained on clients by `make_step`.
 
@@ -740,7 +776,7 @@ def build_split_step_process(
       client_state_type=split_client_state_type(model_fn),
       server_optimizer=server_optimizer,
       aggregator_factory=aggregator_factory, train_metrics=train_metrics,
-      eval_private_fn=eval_private_fn)
+      eval_private_fn=eval_private_fn, global_private_fn=global_private_fn)
 
 
 def build_step_process(
