@@ -117,16 +117,27 @@ def define_flags():
   flags.DEFINE_integer('embedding_dim', None,
                        'Personal (private) embedding size; default: the '
                        "algorithm's (global_plus 28, furl 32).")
+  flags.DEFINE_enum('personal_init', 'model', ['model', 'normal'],
+                    'How a never-trained client\'s private state starts: '
+                    'model, each private variable from the model\'s own Keras '
+                    'initializer seeded by (seed, client id); normal, '
+                    'N(0, --personal_init_stddev^2) whatever the layer. An '
+                    'algorithm that sets its own (Ditto, APFL: the initial '
+                    'global model) keeps it.')
   flags.DEFINE_float('personal_init_stddev', 0.1,
-                     'New clients\' personal embeddings ~ N(0, stddev^2), '
-                     'seeded by (seed, client id).')
+                     'The stddev of --personal_init=normal.')
   flags.DEFINE_float('client_learning_rate', 1e-3, 'Local learning rate.')
   flags.DEFINE_enum('client_optimizer', 'adam', ['adam', 'sgd'],
                     'Local optimizer of the shared (and, without '
                     '--private_learning_rate, the private) parameters.')
   flags.DEFINE_float('private_learning_rate', None,
-                     'Local Adam learning rate of the private parameters '
-                     '(default: --client_learning_rate, one optimizer).')
+                     'Local learning rate of the private parameters, with '
+                     '--private_optimizer (default: the client optimizer '
+                     'at --client_learning_rate).')
+  flags.DEFINE_enum('private_optimizer', 'adam', ['adam', 'sgd'],
+                    'The private parameters\' local optimizer at '
+                    '--private_learning_rate (and of fine-tuning at '
+                    'evaluation).')
   flags.DEFINE_enum('server_optimizer', 'sgd', ['adam', 'sgd'],
                     'Server optimizer. sgd with lr 1 is FedAvg. FedEmbed '
                     'Appendix B.1 uses Adam with lr 1 on averaged gradients; '
@@ -142,9 +153,10 @@ def define_flags():
                     'head_epochs=5 for fedrep; an unknown name is refused and '
                     'the error lists the algorithm\'s options '
                     '(tff_personal/algorithms/registry.py).')
-  _group('algorithm', ['algorithm', 'embedding_dim', 'personal_init_stddev',
+  _group('algorithm', ['algorithm', 'embedding_dim', 'personal_init',
+                       'personal_init_stddev',
                        'client_learning_rate', 'client_optimizer',
-                       'private_learning_rate',
+                       'private_learning_rate', 'private_optimizer',
                        'server_optimizer',
                        'server_learning_rate', 'server_momentum',
                        'algorithm_options'])
@@ -408,6 +420,7 @@ def configs_from_flags(f):
       loop=run_spec.Loop(
           rounds=f.rounds, clients_per_round=f.clients_per_round,
           sampling=f.sampling, seed=f.seed, embedding_dim=f.embedding_dim,
+          personal_init=f.personal_init,
           personal_init_stddev=f.personal_init_stddev,
           checkpoint_every=f.checkpoint_every,
           keep_checkpoints=f.keep_checkpoints, resume=f.resume,
@@ -417,6 +430,7 @@ def configs_from_flags(f):
           client=f.client_optimizer,
           client_learning_rate=f.client_learning_rate,
           private_learning_rate=f.private_learning_rate,
+          private=f.private_optimizer,
           server=f.server_optimizer,
           server_learning_rate=f.server_learning_rate,
           server_momentum=f.server_momentum),
@@ -510,6 +524,13 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
                  'options: '
                  + options_lib.describe(algorithm_registry._option_specs(name))  # pylint: disable=protected-access
                  + runs)
+  lines += ['', 'Private state, for every algorithm with private variables:',
+            '  --personal_init=model|normal: a never-trained client\'s start '
+            '(model: the model\'s own initializers, seeded per client; '
+            'normal: N(0, --personal_init_stddev^2)); an algorithm that sets '
+            'its own (Ditto, APFL) keeps it',
+            '  --private_optimizer=adam|sgd at --private_learning_rate: the '
+            'personal optimizer (default: the client optimizer)']
   lines += ['', 'Tasks:']
   for name in list(task_registry.SPECS) + [
       t for t in tasks if t not in task_registry.SPECS]:

@@ -137,7 +137,8 @@ def cell_spec(cell: reporting.Cell, flag_values, out_dir: str,
       loop=run_spec.Loop(
           rounds=flag_values.benchmark_rounds,
           clients_per_round=flag_values.benchmark_clients_per_round,
-          seed=cell.seed, checkpoint_every=10, resume=True),
+          seed=cell.seed, checkpoint_every=10, resume=True,
+          personal_init='normal'),  # as the recorded cells started
       privacy=dp,
       evaluation=run_spec.Evaluation(
           clients=min(flag_values.benchmark_eval_clients, population)),

@@ -337,6 +337,7 @@ def _base_config(algorithm: str, task, f, seed: int, root_output_dir: str,
       task=task.name, algorithm=algorithm, algorithm_options=options,
       loop=run_spec.Loop(
           rounds=_class_rounds(f), seed=seed, resume=True,
+          personal_init='normal',  # as the recorded cells started
           clients_per_round=(task.num_clients if not 0 < cohort
                              < task.num_clients else cohort),
           checkpoint_every=max(1, int(_flag(f, 'checkpoint_every') or

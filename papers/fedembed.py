@@ -545,7 +545,8 @@ def cell_spec(cell: reporting.Cell, flag_values, out_dir: str,
       loop=run_spec.Loop(
           rounds=s['rounds'], clients_per_round=s['clients_per_round'],
           seed=cell.seed, embedding_dim=s.get('embedding_dim'),
-          checkpoint_every=max(1, s['eval_every']), resume=True),
+          checkpoint_every=max(1, s['eval_every']), resume=True,
+          personal_init='normal'),  # as the recorded cells started
       optimizers=run_spec.Optimizers(
           client_learning_rate=s['client_learning_rate'],
           private_learning_rate=s.get('private_learning_rate'),

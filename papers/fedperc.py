@@ -272,7 +272,8 @@ def train_config(variant: str, flag_values, seed: int,
           rounds=flag_values.fedperc_rounds,
           clients_per_round=min(flag_values.fedperc_clients_per_round,
                                 len(tv_shows.training_users(withheld=True))),
-          seed=seed, resume=True),
+          seed=seed, resume=True,
+          personal_init='normal'),  # as the recorded cells started
       optimizers=run_spec.Optimizers(
           client='adam',
           client_learning_rate=flag_values.fedperc_client_learning_rate,

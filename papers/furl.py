@@ -184,7 +184,9 @@ def fl_spec(cell: reporting.Cell, f, out_dir: str, population: int
   return run_spec.RunSpec(
       task='speaker_context', algorithm='global',
       task_options={'min_docs': f.furl_min_docs},
-      loop=run_spec.Loop(clients_per_round=10, resume=True),
+      loop=run_spec.Loop(clients_per_round=10, resume=True,
+                         # As the recorded cells started.
+                         personal_init='normal'),
       output=run_spec.Output(experiment_name='fl')).override(changes)
 
 

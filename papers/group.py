@@ -280,7 +280,9 @@ def base_spec(cfg: dict) -> run_spec.RunSpec:
           'vocab_size', 'seq_len', 'embedding_dim', 'lstm_units',
           'lstm_layers', 'max_clients', 'local_epochs')},
       loop=run_spec.Loop(clients_per_round=cfg['clients_per_round'],
-                         resume=True),
+                         resume=True,
+                         # As the recorded cells started.
+                         personal_init='normal'),
       optimizers=run_spec.Optimizers(
           client='sgd', client_learning_rate=cfg['client_lr'],
           server='adam', server_learning_rate=cfg['server_lr']))

@@ -31,6 +31,7 @@ from tff_personal.algorithms import registry
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import moved
 from tff_personal.core import options as options_lib
+from tff_personal.core import personal_init as personal_init_lib
 from tff_personal.core import private_noise
 from tff_personal.core import privacy
 from tff_personal.core import stages as stages_lib
@@ -51,6 +52,9 @@ class ExperimentConfig:
   # (`binaries.dp_budget` compares the two under DP).
   client_optimizer: str = 'adam'
   private_learning_rate: Optional[float] = None  # None: client optimizer
+  # The private variables' optimizer at `private_learning_rate`: 'adam'
+  # or 'sgd' (unused without a private learning rate).
+  private_optimizer: str = 'adam'
   server_optimizer: str = 'sgd'
   server_learning_rate: float = 1.0
   # Heavy-ball momentum of the 'sgd' server optimizer (0: none, FedAvg with
@@ -62,6 +66,13 @@ class ExperimentConfig:
   # The builder's own options, e.g. {'lam': 15.0} for pFedMe
   # (`registry.algorithm_options`); checked in `validate`.
   algorithm_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # How a never-trained client's private state starts
+  # (`core/personal_init.py`): 'model', each private variable from the
+  # model's own Keras initializer seeded per client; 'normal', from
+  # N(0, personal_init_stddev^2) whatever the layer (the papers' recorded
+  # runs). A process that sets its own new-client state (Ditto's, APFL's:
+  # the initial global model) keeps it.
+  personal_init: str = 'model'
   personal_init_stddev: float = 0.1
   sampling: str = 'fixed_size'
   seed: int = 0
@@ -173,9 +184,17 @@ def make_client_optimizer(config: ExperimentConfig):
 
 
 def make_private_optimizer(config: ExperimentConfig):
+  """The private variables' optimizer (`private_optimizer` at
+  `private_learning_rate`), or None: the client optimizer's."""
   if config.private_learning_rate is None:
     return None
+  if config.private_optimizer == 'sgd':
+    return tff.learning.optimizers.build_sgdm(
+        learning_rate=config.private_learning_rate)
   return fedavg.adam(config.private_learning_rate)
+
+
+PRIVATE_OPTIMIZERS = ('adam', 'sgd')
 
 
 class ConfigurationError(ValueError):
@@ -212,6 +231,13 @@ def check_values(config: ExperimentConfig) -> None:
   if config.personal_init_stddev < 0:
     raise ValueError('personal_init_stddev must be >= 0, got '
                      f'{config.personal_init_stddev}')
+  if config.personal_init not in personal_init_lib.PERSONAL_INITS:
+    raise ValueError(f'personal_init must be one of '
+                     f'{personal_init_lib.PERSONAL_INITS}, got '
+                     f'{config.personal_init!r}')
+  if config.private_optimizer not in PRIVATE_OPTIMIZERS:
+    raise ValueError(f'private_optimizer must be one of '
+                     f'{PRIVATE_OPTIMIZERS}, got {config.private_optimizer!r}')
   if config.embedding_dim is not None and config.embedding_dim < 0:
     raise ValueError(
         f'embedding_dim must be >= 0, got {config.embedding_dim}')
@@ -495,12 +521,17 @@ def _build(task, config: ExperimentConfig, aggregator, dp, noised_heads):
 def initial_client_state_fn(proc, config: ExperimentConfig):
   """The documented initial state of a client id: the process's own
   (`initial_private`, e.g. Ditto's initial global model) where it sets one,
-  else the seeded normal draw of `personal_init_stddev`."""
+  else `config.personal_init`'s: the model's own initializers seeded per
+  client ('model', `core/personal_init.py`) or the seeded normal draw of
+  `personal_init_stddev` ('normal')."""
   template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
   initial_private = getattr(proc, 'initial_private', None)
   if initial_private is not None:
     return client_state_lib.constant_initial_state_fn(template,
                                                       initial_private)
+  if config.personal_init == 'model' and getattr(proc, 'model_fn', None):
+    return personal_init_lib.model_initial_state_fn(proc.model_fn, template,
+                                                    config.seed)
   return client_state_lib.seeded_initial_state_fn(
       template, config.seed, init='normal', stddev=config.personal_init_stddev)
 

@@ -114,8 +114,9 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   # The optimizer is made from the config: the key holds what it reads.
   optimizer_key = None if fine_tune_optimizer is None else (
       getattr(proc, 'eval_fine_tune_optimizer', None) is not None,
-      config.private_learning_rate, config.client_optimizer,
-      config.client_learning_rate, tune.optimizer, tune.learning_rate)
+      config.private_learning_rate, config.private_optimizer,
+      config.client_optimizer, config.client_learning_rate, tune.optimizer,
+      tune.learning_rate)
   parts = experiment.derived(
       built_from, ('evaluators', num_shards, optimizer_key, batches_eval,
                    batches_train, repr(wire), whole_model),

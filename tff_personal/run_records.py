@@ -155,6 +155,17 @@ RESUMABLE_FIELDS = EVALUATION_FIELDS + (
     'intra_op_threads', 'inter_op_threads', 'verify_data_checksums')
 
 
+# Config fields added after runs were recorded without them, and the value
+# every such run had: a record lacking one is read with it, and a run at
+# that value keeps the identity (`runs.digest`) it had before the field.
+LEGACY_VALUES = {'personal_init': 'normal', 'private_optimizer': 'adam'}
+
+
+def with_legacy_values(config: dict) -> dict:
+  """A recorded config with the fields it predates at their legacy value."""
+  return {**LEGACY_VALUES, **config}
+
+
 class ResumeError(training_loop.CheckpointError):
   """A run would resume under another configuration than it started with."""
 
@@ -269,7 +280,8 @@ def check_or_record_run_config(config: experiment.ExperimentConfig,
         'checkpoints can still be re-evaluated once the file is back). '
         'Nothing was changed.')
   old = read_json_record(path, ResumeError)
-  lines = (differences(old.get('config', {}), record['config']) +
+  lines = (differences(with_legacy_values(old.get('config', {})),
+                       record['config']) +
            differences(old.get('flags', {}), record['flags'], '--') +
            differences(old.get('task', {}), record.get('task', {}),
                        'task.', ignore=('data_dir',)))

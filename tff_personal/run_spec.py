@@ -51,14 +51,17 @@ from tff_personal.core import privacy
 class Loop:
   """How the loop trains: rounds, cohorts, seeds, checkpoints, the store.
 
-  `embedding_dim` None takes the algorithm's default; `personal_init_stddev`
-  is a new client's personal embedding's initial scale.
+  `embedding_dim` None takes the algorithm's default; `personal_init` is
+  how a never-trained client's private state starts ('model': the model's
+  own initializers, seeded per client; 'normal': N(0,
+  `personal_init_stddev`^2)).
   """
   rounds: int = 10
   clients_per_round: int = 10
   sampling: str = 'fixed_size'
   seed: int = 0
   embedding_dim: Optional[int] = None
+  personal_init: str = 'model'
   personal_init_stddev: float = 0.1
   checkpoint_every: int = 1
   keep_checkpoints: int = 3
@@ -70,10 +73,12 @@ class Loop:
 @dataclasses.dataclass(frozen=True)
 class Optimizers:
   """The local ('adam' or 'sgd') and server optimizers and their rates;
-  `private_learning_rate` None trains private variables at the client's."""
+  `private_learning_rate` None trains private variables with the client's
+  optimizer, else with `private` ('adam' or 'sgd') at that rate."""
   client: str = 'adam'
   client_learning_rate: float = 1e-3
   private_learning_rate: Optional[float] = None
+  private: str = 'adam'
   server: str = 'sgd'
   server_learning_rate: float = 1.0
   server_momentum: float = 0.0
@@ -141,11 +146,13 @@ SECTIONS = {'loop': Loop, 'optimizers': Optimizers, 'privacy': Privacy,
 CONFIG_FIELDS = {
     **{('loop', f): f for f in (
         'rounds', 'clients_per_round', 'sampling', 'seed', 'embedding_dim',
-        'personal_init_stddev', 'checkpoint_every', 'keep_checkpoints',
+        'personal_init', 'personal_init_stddev', 'checkpoint_every',
+        'keep_checkpoints',
         'resume', 'client_state_backend', 'train_metrics')},
     ('optimizers', 'client'): 'client_optimizer',
     ('optimizers', 'client_learning_rate'): 'client_learning_rate',
     ('optimizers', 'private_learning_rate'): 'private_learning_rate',
+    ('optimizers', 'private'): 'private_optimizer',
     ('optimizers', 'server'): 'server_optimizer',
     ('optimizers', 'server_learning_rate'): 'server_learning_rate',
     ('optimizers', 'server_momentum'): 'server_momentum',

@@ -161,14 +161,16 @@ class DamagedRunError(RunError):
 def digest(record: dict) -> str:
   """A run's identity: a digest of its recorded configuration (its DP as
   resolved, its task's build), leaving out what a resumed run may change
-  (`run_records.RESUMABLE_FIELDS`: evaluation, simulation, where it lives)
-  and the task's data directory."""
+  (`run_records.RESUMABLE_FIELDS`: evaluation, simulation, where it lives),
+  the task's data directory, and fields at the value runs had before the
+  field existed (`run_records.LEGACY_VALUES`)."""
   task = dict(record.get('task') or {})
   task['arguments'] = {k: v for k, v in task.get('arguments', {}).items()
                        if k != 'data_dir'}
   identity = {
       'config': {k: v for k, v in record.get('config', {}).items()
-                 if k not in run_records.RESUMABLE_FIELDS},
+                 if k not in run_records.RESUMABLE_FIELDS and
+                 run_records.LEGACY_VALUES.get(k, ()) != v},
       'task': task}
   return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str)
                         .encode()).hexdigest()[:16]
@@ -187,7 +189,8 @@ def config_from_record(record: dict, directory: str
       config.get('dp') or {}, dict):
     raise DamagedRunError(f'{path} does not hold a run record (an object '
                           'with its `config` and `config.dp`)')
-  values = {k: v for k, v in config.items() if k in fields}
+  values = {k: v for k, v in run_records.with_legacy_values(config).items()
+            if k in fields}
   dp_fields = {f.name for f in dataclasses.fields(privacy.DPConfig)}
   values['dp'] = privacy.DPConfig(**{
       k: v for k, v in (values.get('dp') or {}).items() if k in dp_fields})

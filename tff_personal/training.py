@@ -468,7 +468,8 @@ def stage_identity(task, stage, config: experiment.ExperimentConfig,
   skip = ('algorithm', 'algorithm_options', 'dp',
           'clients_per_round') + run_records.RESUMABLE_FIELDS
   training = {k: v for k, v in dataclasses.asdict(config).items()
-              if k not in skip}
+              if k not in skip and
+              run_records.LEGACY_VALUES.get(k, ()) != v}
   return run_records.as_json({
       'stage': stage.name, 'process': stage.shared_as,
       'rounds': stage.rounds,
