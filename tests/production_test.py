@@ -7,13 +7,14 @@ TFF's `tff.backends.mapreduce` to `MapReduceForm` and
 federated part that differs is the weighted mean of `core/process.py`, the
 same wiring for every algorithm but those with statistics of their own
 (`STATISTICS`): it is compiled for those, and for one algorithm of each
-family, whose compiled `MapReduceForm` is run piece by piece over a cohort
-(prepare, work, zero/accumulate/merge, report, the secure sums, update),
-with the device part writing each client's new state, and equals two
-simulated rounds. The tiny models are the conformance suite's
-(`tests/conformance_test.py`).
+family, whose compiled forms are run piece by piece over a cohort (each
+client's device program once per round: its upload and its new state)
+and equal two simulated rounds. Under DP the device program's upload is
+`MapReduceForm.work`'s output, clipped, with no metric beside it. The tiny
+models are the conformance suite's (`tests/conformance_test.py`).
 """
 
+import collections
 import types
 
 import numpy as np
@@ -95,17 +96,51 @@ def _states_close(got, want, what):
                                atol=1e-6, err_msg=f'{what}: leaf {i}')
 
 
+def _counting_device_programs(monkeypatch):
+  """Counts the calls of every device program, by form."""
+  calls = collections.Counter()
+  real = production.ProductionForm.device_program
+
+  def counted(self, form='map_reduce'):
+    program = real(self, form)
+
+    def call(*args):
+      calls[form] += 1
+      return program(*args)
+
+    return call
+
+  monkeypatch.setattr(production.ProductionForm, 'device_program', counted)
+  return calls
+
+
+class _WorkRefused:
+  """Stands for `MapReduceForm.work` where the round must not run it."""
+
+  def __call__(self, *args):
+    raise AssertionError('the hand-run round ran MapReduceForm.work: the '
+                         'device program must give the upload')
+
+
 @pytest.mark.parametrize('name,stage', FAMILIES)
-def test_hand_run_map_reduce_form_equals_the_simulated_rounds(name, stage):
-  """Two rounds of the compiled form run by hand, two cohorts of three
-  users with different example counts, equal two rounds of `process.next`
-  (the server weights and every client's new state; float32 summation
-  order differs, so to 1e-5). Each stage compiles without DP."""
+def test_hand_run_forms_run_each_device_once_and_equal_the_rounds(
+    name, stage, monkeypatch):
+  """Two rounds of the compiled forms run by hand (MapReduceForm and
+  DistributeAggregateForm), two cohorts of three users with different
+  example counts, equal two rounds of `process.next` (the server weights
+  and every client's new state; float32 summation order differs, so to
+  1e-5). Each client's device program runs exactly once per round and
+  gives both its upload and its new state: `work` is never run. Each stage
+  compiles without DP."""
   forms = production.production_forms(_built(name, 'none'))
   for s, f in forms:
     _compiles(name, 'none', s, f)
   _, form = forms[stage]
   proc = form.process
+  form.device_program()  # Read from `work` before `work` is refused.
+  mrf = form.map_reduce_form()
+  monkeypatch.setattr(mrf, '_work', _WorkRefused())
+  calls = _counting_device_programs(monkeypatch)
   sizes = [4, 7, 5]
   typed = hasattr(proc.client_data_type.element, 'type')
   data_fn = (fedperc_testdata.datasets if conformance._is_fedperc(name)  # pylint: disable=protected-access
@@ -113,19 +148,86 @@ def test_hand_run_map_reduce_form_equals_the_simulated_rounds(name, stage):
   clients = fedembed_testdata.initial_states(proc, len(sizes), seed=4)
   sim_state, sim_clients = proc.initialize(), list(clients)
   hand_state, hand_clients = form.initialize(), list(clients)
+  daf_state, daf_clients = form.initialize(), list(clients)
   for r in range(2):
     data = data_fn(sizes, r)
     sim_state, sim_clients, _ = proc.next(sim_state, sim_clients, data)
     hand_state, _, hand_clients = form.run_map_reduce_round(
         hand_state, hand_clients, data, merge_after=1)
-  _states_close(form.broadcast_weights(hand_state),
-                form.broadcast_weights(sim_state), f'{name} server weights')
-  for u, (got, want) in enumerate(zip(hand_clients, sim_clients)):
-    _states_close(got, want, f'{name} client {u}')
+    daf_state, _, daf_clients = form.run_distribute_aggregate_round(
+        daf_state, daf_clients, data)
+    assert calls == {'map_reduce': 3 * (r + 1),
+                     'distribute_aggregate': 3 * (r + 1)}, calls
+  for what, state, new_clients in (('MapReduceForm', hand_state,
+                                    hand_clients),
+                                   ('DistributeAggregateForm', daf_state,
+                                    daf_clients)):
+    _states_close(form.broadcast_weights(state),
+                  form.broadcast_weights(sim_state),
+                  f'{name} {what} server weights')
+    for u, (got, want) in enumerate(zip(new_clients, sim_clients,
+                                        strict=True)):
+      _states_close(got, want, f'{name} {what} client {u}')
   moved = [not np.allclose(np.asarray(x), np.asarray(y)) for x, y in zip(
       tf.nest.flatten(form.broadcast_weights(sim_state)),
       tf.nest.flatten(form.broadcast_weights(form.initialize())))]
   assert any(moved), f'{name}: the rounds changed nothing'
+  changed = [not np.allclose(np.asarray(x), np.asarray(y)) for x, y in zip(
+      fedembed_testdata.flat(sim_clients), fedembed_testdata.flat(clients))]
+  assert any(changed), f'{name}: the clients\' states did not change'
+
+
+def _leaves(value):
+  return [np.asarray(v) for v in tff.structure.flatten(
+      tff.structure.from_container(value, recursive=True))]
+
+
+@pytest.mark.parametrize('name', ['ditto', 'fedembed_prototype'])
+def test_under_dp_the_upload_is_works_clipped_output_and_nothing_else(name):
+  """Under DP (train metrics not released), each device program's upload
+  is exactly `MapReduceForm.work`'s output on the same inputs, is the
+  clipped update alone (the update's leaves, global norm <= clip, where
+  the unclipped update of the client step is longer), and its new client
+  state is the client step's; a device program without the new state's
+  nodes is refused."""
+  clip = 0.01  # Well below the tiny models' update norms: every one clips.
+  aggregator = tff.aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
+      noise_multiplier=1.0, clients_per_round=3, clip=clip)
+  form = production.production_form(conformance._build(  # pylint: disable=protected-access
+      name, aggregator_factory=aggregator, train_metrics=False))
+  proc = form.process
+  mrf = form.map_reduce_form()
+  program = form.device_program()
+  broadcast = mrf.prepare(form.initialize())
+  weights = form.broadcast_weights(form.initialize())
+  clients = fedembed_testdata.initial_states(proc, 3, seed=4)
+  update_shapes = [tuple(s.shape) for s in tf.nest.flatten(
+      tff.types.type_to_tf_tensor_specs(proc.aggregation_value_type))]
+  for u, (client, data) in enumerate(zip(
+      clients, conformance._datasets([4, 7, 5], 0), strict=True)):  # pylint: disable=protected-access
+    inputs = {'client_state': client, 'data': data}
+    out = program(inputs, broadcast)
+    upload = _leaves(out['upload'])
+    work = _leaves(mrf.work(inputs, broadcast))
+    assert len(upload) == len(work), u
+    for a, b in zip(upload, work):
+      np.testing.assert_array_equal(a, b, err_msg=f'client {u}')
+    assert [a.shape for a in upload] == update_shapes, (
+        f'client {u}: the upload holds more than the clipped update')
+    norm = np.sqrt(sum(np.sum(np.square(a, dtype=np.float64))
+                       for a in upload))
+    assert norm <= clip * (1 + 1e-6), (u, norm)
+    step = form.client_work(weights, client, data)
+    unclipped = np.sqrt(sum(np.sum(np.square(a, dtype=np.float64))
+                            for a in _leaves(step['update'])))
+    assert unclipped > 2 * clip, (u, unclipped)
+    _states_close(out['client_state'], step['client_state'],
+                  f'{name} client {u} new state')
+  # A client computation without the named new state is refused.
+  with pytest.raises(production.NotProductionReadyError,
+                     match='new client state'):
+    production._with_new_client_state(  # pylint: disable=protected-access
+        mrf.prepare, proc.client_state_type)
 
 
 def test_secure_aggregation_compiles_and_its_sums_give_the_mean():
