@@ -6,11 +6,16 @@ r"""Exports a run for devices, as TF SavedModels, from the run's own record.
 Reads the run directory (run_config.json: the run's task and every
 training setting; the server checkpoint of the last round and the clients'
 private states committed with it; the record of rounds started, for
-epsilon) and writes to --export_dir: `device/` (the device's part of a
-round: `local_update(...)`), `personalized/<client id>/` (each client's
-personalized model: `predict(x)`) and `export.json` (the run's digest,
-rounds and privacy: tff_personal/export.py; docs/production.md). Loading
-them needs TensorFlow only.
+epsilon) and writes to --export_dir: `device/` (the device program of a
+round, serving signature `local_update`: it trains once and returns the
+upload, the round's clipped `MapReduceForm.work` output under DP and all
+that may leave the device, and the new client state to keep; with
+`broadcast.npz`, what the server sends for the next round),
+`personalized/<client id>/` (each client's personalized model, serving
+signature `predict`) and `export.json` (the run's digest, rounds, privacy
+and the signatures' names: tff_personal/export.py; docs/production.md).
+Loading them needs TensorFlow only; both convert to TensorFlow Lite with
+Select TF ops (docs/production.md).
 
 The run may instead be named by --root_output_dir and --experiment_name,
 or stated by --spec (a run_spec.RunSpec JSON file, e.g. the run's own

@@ -1,8 +1,13 @@
-"""binaries.export on a FedEmbed-Prototype run on real MNIST: the SavedModels
-load in a fresh process that imports only TensorFlow and NumPy, and give the
-library's predictions for three users and the library's local update; the
-export takes the run's settings from its record, refusing flags that differ.
-A DP run's export (epsilon, an unfinished run): tests/privacy_record_test.py.
+"""binaries.export on a FedEmbed-Prototype DP run on real MNIST.
+
+The SavedModels load in a fresh process that imports only TensorFlow and
+NumPy, and convert to TensorFlow Lite (`TFLiteConverter.from_saved_model`,
+Select TF ops, resource variables); in both runtimes the device program
+gives, for three users, the upload `MapReduceForm.work` gives (clipped:
+norm <= clip) and the library's new client state, and the personalized
+models give the library's predictions. The export takes the run's settings
+from its record, refusing flags that differ. A DP run's epsilon and an
+unfinished run's export: tests/privacy_record_test.py.
 """
 
 import collections
@@ -16,6 +21,7 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from binaries import export as export_binary
 from binaries import train
@@ -28,30 +34,54 @@ from tff_personal.core import production
 FLAGS = flags.FLAGS
 CLIENTS = (0, 7, 13)
 
-# Loads the SavedModels with TensorFlow alone and runs them on the inputs.
+CLIP = 0.5
+DOC = os.path.join(os.path.dirname(__file__), '..', 'docs', 'production.md')
+
+# Loads the SavedModels with TensorFlow alone, converts them to TensorFlow
+# Lite, and runs both on the inputs.
 _FRESH = r"""
-import json, sys
+import json, re, sys
 import numpy as np
-import pytest
 import tensorflow as tf
 export_dir, inputs, out = sys.argv[1:]
 data = np.load(inputs, allow_pickle=False)
+clients = json.loads(str(data['clients']))
 results = {}
-for cid in json.loads(str(data['clients'])):
-  model = tf.saved_model.load(f'{export_dir}/personalized/{cid}')
-  results[f'predict_{cid}'] = model.predict(data[f'x_{cid}']).numpy()
-device = tf.saved_model.load(f'{export_dir}/device')
-n = lambda p: sorted(k for k in data.files if k.startswith(p))
-got = device.local_update(
-    tuple(data[k] for k in n('trainable_')),
-    tuple(data[k] for k in n('non_trainable_')),
-    tuple(data[k] for k in n('private_')), data['rounds'],
-    {k[len('example_'):]: data[k] for k in n('example_')})
-for i, v in enumerate(tf.nest.flatten(got['update'])):
-  results[f'update_{i:03d}'] = v.numpy()
-for i, v in enumerate(got['private']):
-  results[f'new_private_{i:03d}'] = v.numpy()
-results['rounds_participated'] = got['rounds_participated'].numpy()
+
+
+def lite(path, signature):
+  converter = tf.lite.TFLiteConverter.from_saved_model(
+      path, signature_keys=[signature])
+  converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS,
+                                         tf.lite.OpsSet.SELECT_TF_OPS]
+  converter.experimental_enable_resource_variables = True
+  model = converter.convert()
+  flex = sorted({m.decode() for m in re.findall(rb'Flex([A-Z][A-Za-z0-9]+)',
+                                                model)})
+  interpreter = tf.lite.Interpreter(model_content=model)
+  return interpreter.get_signature_runner(signature), len(model), flex
+
+
+device = tf.saved_model.load(f'{export_dir}/device').signatures[
+    'local_update']
+device_lite, results['device_bytes'], results['device_flex'] = lite(
+    f'{export_dir}/device', 'local_update')
+for cid in clients:
+  named = {k[len(f'c{cid}_'):]: data[k] for k in data.files
+           if k.startswith(f'c{cid}_')}
+  for runtime, got in (('tf', device(**{k: tf.constant(v)
+                                         for k, v in named.items()})),
+                       ('lite', device_lite(**named))):
+    for k, v in got.items():
+      results[f'{runtime}_{cid}_{k}'] = np.asarray(v)
+  path = f'{export_dir}/personalized/{cid}'
+  model = tf.saved_model.load(path).signatures['predict']
+  results[f'tf_{cid}_prediction'] = model(
+      x=tf.constant(data[f'x_{cid}']))['prediction'].numpy()
+  predict_lite, results['predict_bytes'], results['predict_flex'] = lite(
+      path, 'predict')
+  results[f'lite_{cid}_prediction'] = predict_lite(
+      x=data[f'x_{cid}'])['prediction']
 assert not [m for m in sys.modules if m.startswith(('tensorflow_federated',
                                                     'tff_personal'))]
 np.savez(out, **results)
@@ -62,12 +92,13 @@ def _flag_values(root, mnist_dir):
   return dict(task='mnist_preference', algorithm='fedembed_prototype',
               data_dir=mnist_dir, num_users=20, rounds=2, clients_per_round=5,
               eval_clients=5, root_output_dir=str(root),
-              experiment_name='fp', seed=1)
+              experiment_name='fp', seed=1, dp='gaussian_fixed',
+              noise_multiplier=1.0, clip_norm=CLIP)
 
 
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory, mnist_dir):
-  """The finished run's directory."""
+  """The finished DP run's directory."""
   if not FLAGS.is_parsed():
     FLAGS(['train'])
   root = tmp_path_factory.mktemp('runs')
@@ -133,8 +164,18 @@ def test_a_spec_names_the_run_and_must_be_the_runs(trained, tmp_path,
   assert not os.path.exists(out)
 
 
-def test_exported_models_predict_and_update_as_the_library(trained, tmp_path,
-                                                           mnist_dir, capsys):
+def _norm(leaves) -> float:
+  return float(np.sqrt(sum(np.sum(np.square(np.asarray(v, np.float64)))
+                           for v in leaves)))
+
+
+def _leaves(value) -> list:
+  return [np.asarray(v) for v in tff.structure.flatten(
+      tff.structure.from_container(value, recursive=True))]
+
+
+def test_exported_programs_upload_update_and_predict_as_the_library(
+    trained, tmp_path, mnist_dir, capsys):
   export_dir = str(tmp_path / 'export')
   # The run named by its root and name, with training flags of its own.
   code, err = _export(capsys, root_output_dir=os.path.dirname(trained),
@@ -150,12 +191,28 @@ def test_exported_models_predict_and_update_as_the_library(trained, tmp_path,
   assert record['clients'] == list(CLIENTS)
   assert record['digest'] == run.digest and record['round'] == 2
   assert record['finished'] is True and record['allow_unfinished'] is False
-  assert record['privacy']['mechanism'] == 'none'
-  assert record['privacy']['epsilon'] is None
+  assert record['privacy']['mechanism'] == 'gaussian_fixed'
+  assert record['privacy']['clip_norm'] == CLIP
+  assert record['privacy']['epsilon'] > 0
   task = run.task
-  # The library: the run's final weights and states, its evaluation.
-  proc, _, weights, states = export.final_weights_and_states(
+  # The library: the run's final state and client states, its round's
+  # compiled form, its evaluation.
+  proc, _, state, states = export.final_state_and_client_states(
       task, config, CLIENTS)
+  form = production.production_form(proc)
+  mrf = form.map_reduce_form()
+  broadcast = mrf.prepare(state)
+  signature = production.device_signature(form)
+  assert record['device']['inputs'] == json.loads(json.dumps(
+      signature['inputs']))
+  assert record['device']['outputs'] == json.loads(json.dumps(
+      signature['outputs']))
+  saved = np.load(os.path.join(export_dir, 'device', 'broadcast.npz'))
+  want_broadcast = production.broadcast_inputs(form, broadcast)
+  assert sorted(saved.files) == sorted(want_broadcast)
+  for k, v in want_broadcast.items():
+    np.testing.assert_array_equal(saved[k], v, err_msg=k)
+  weights = proc.get_model_weights(state)
   eval_states = process_lib.eval_client_states(proc, weights, states)
   personal_eval = evaluation.build_personal_eval(
       proc.eval_model_fn or proc.model_fn, proc.model_weights_type,
@@ -164,55 +221,68 @@ def test_exported_models_predict_and_update_as_the_library(trained, tmp_path,
                           task.eval_datasets(list(CLIENTS)))
   inputs = {'clients': json.dumps(list(CLIENTS))}
   for cid, data in zip(CLIENTS, task.eval_datasets(list(CLIENTS))):
-    inputs[f'x_{cid}'] = np.concatenate([b['x'] for b in data.as_numpy_iterator()])
-  # The device's local update of client 0 on its next round's examples.
-  examples = collections.OrderedDict(
-      (k, np.concatenate([b[k] for b in task.train_datasets([CLIENTS[0]], 3)[
-          0].as_numpy_iterator()])) for k in task.train_datasets(
-              [CLIENTS[0]], 3)[0].element_spec)
-  batch = getattr(task, 'batch_size', None) or 10
-  form = production.production_form(proc)
-  want = form.device(weights, states[0], tf.data.Dataset.from_tensor_slices(
-      examples).batch(batch))
-  for i, v in enumerate(weights.trainable):
-    inputs[f'trainable_{i:03d}'] = np.asarray(v)
-  for i, v in enumerate(weights.non_trainable):
-    inputs[f'non_trainable_{i:03d}'] = np.asarray(v)
-  for i, v in enumerate(states[0][process_lib.CLIENT_STATE_PRIVATE]):
-    inputs[f'private_{i:03d}'] = np.asarray(v)
-  inputs['rounds'] = np.asarray(states[0][process_lib.CLIENT_STATE_ROUNDS])
-  for k, v in examples.items():
-    inputs[f'example_{k}'] = v
+    inputs[f'x_{cid}'] = np.concatenate(
+        [b['x'] for b in data.as_numpy_iterator()])
+  # Each device's round on its next round's examples: `work`'s upload,
+  # and the client step's new state (one pass).
+  batch = record['batch_size']
+  want = {}
+  for cid, client_state in zip(CLIENTS, states):
+    train_data = task.train_datasets([cid], 3)[0]
+    examples = collections.OrderedDict(
+        (k, np.concatenate([b[k] for b in train_data.as_numpy_iterator()]))
+        for k in train_data.element_spec)
+    dataset = tf.data.Dataset.from_tensor_slices(examples).batch(batch)
+    client_data = {'client_state': client_state, 'data': dataset}
+    step = form.client_work(weights, client_state, dataset)
+    want[cid] = (_leaves(mrf.work(client_data, broadcast)),
+                 _leaves(step['client_state']), _leaves(step['update']))
+    for k, v in production.device_inputs(form, broadcast, client_state,
+                                         examples).items():
+      inputs[f'c{cid}_{k}'] = v
   np.savez(tmp_path / 'inputs.npz', **inputs)
   done = subprocess.run(
       [sys.executable, '-c', _FRESH, export_dir,
        str(tmp_path / 'inputs.npz'), str(tmp_path / 'out.npz')],
-      capture_output=True, text=True, timeout=600, check=False,
+      capture_output=True, text=True, timeout=900, check=False,
       env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
   assert done.returncode == 0, done.stderr[-3000:]
   got = np.load(tmp_path / 'out.npz')
-  # The same predictions (the logits to float32 rounding; the predicted
-  # classes exactly), and the same local update: another process's thread
-  # pools may sum a gradient in another order, and the local Adam divides
-  # by each gradient's scale, so where a gradient is near zero that moves
-  # a step by a few 1e-6 (seen: 2 of 100k kernel elements by 6e-6); a
-  # wrong weight, state or example would move the whole update.
   for cid, out in zip(CLIENTS, outputs):
     logits = np.asarray(out['outputs'])
-    np.testing.assert_allclose(got[f'predict_{cid}'], logits, rtol=1e-6,
-                               atol=1e-6, err_msg=f'client {cid}')
-    np.testing.assert_array_equal(got[f'predict_{cid}'].argmax(-1),
-                                  logits.argmax(-1))
-  updates = sorted(k for k in got.files if k.startswith('update_'))
-  for k, v in zip(updates, tf.nest.flatten(want['update']), strict=True):
-    a, b = got[k], np.asarray(v)
-    assert a.shape == b.shape, k
-    assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-6, k
-    assert np.abs(a - b).max() <= 1e-4, k
-  privates = sorted(k for k in got.files if k.startswith('new_private_'))
-  for k, v in zip(privates, want['client_state'][
-      process_lib.CLIENT_STATE_PRIVATE], strict=True):
-    np.testing.assert_allclose(got[k], np.asarray(v), rtol=1e-5, atol=1e-6,
-                               err_msg=k)
-  assert int(got['rounds_participated']) == int(
-      want['client_state'][process_lib.CLIENT_STATE_ROUNDS])
+    for runtime in ('tf', 'lite'):
+      prediction = got[f'{runtime}_{cid}_prediction']
+      np.testing.assert_allclose(prediction, logits, rtol=1e-5, atol=1e-5,
+                                 err_msg=f'{runtime} client {cid}')
+      np.testing.assert_array_equal(prediction.argmax(-1), logits.argmax(-1))
+  # Another process's thread pools may sum a gradient in another order
+  # (TensorFlow Lite's kernels too), and the local Adam divides by each
+  # gradient's scale, so where a gradient is near zero that moves a step
+  # (seen: 1.2e-5 in TensorFlow Lite, 2e-5 of the clip); a wrong weight,
+  # state, example or a missing clip would move the whole upload.
+  for cid in CLIENTS:
+    work, new_state, unclipped = want[cid]
+    assert _norm(work) <= CLIP * (1 + 1e-6), cid
+    assert _norm(unclipped) > CLIP, (cid, _norm(unclipped))  # It clipped.
+    for runtime in ('tf', 'lite'):
+      upload = [got[f'{runtime}_{cid}_upload_{i:03d}']
+                for i in range(len(work))]
+      assert not [k for k in got.files if k.startswith(
+          f'{runtime}_{cid}_upload_{len(work):03d}')]
+      assert _norm(upload) <= CLIP * (1 + 1e-5), (runtime, cid)
+      for i, (a, b) in enumerate(zip(upload, work, strict=True)):
+        assert a.shape == b.shape, (runtime, cid, i)
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-7, (
+            runtime, cid, i)
+        assert np.abs(a - b).max() <= 1e-4 * CLIP, (runtime, cid, i)
+      state = [got[f'{runtime}_{cid}_state_{i:03d}']
+               for i in range(len(new_state))]
+      for i, (a, b) in enumerate(zip(state, new_state, strict=True)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
+                                   err_msg=f'{runtime} {cid} state {i}')
+  # docs/production.md names every Select TF op the conversions need.
+  with open(DOC, encoding='utf-8') as f:
+    doc = f.read()
+  for key in ('device_flex', 'predict_flex'):
+    missing = [op for op in got[key] if f'`{op}`' not in doc]
+    assert not missing, (key, missing)

@@ -4,15 +4,23 @@
 `config.experiment_dir` (its record, its last server checkpoint and the
 clients' private states committed with it) and writes:
 
-* `device/`: the device's part of a round (`production.
-  export_device_update`): `local_update(trainable, non_trainable, private,
-  rounds_participated, examples)`, the process's own client step;
+* `device/`: the device program of a round (`production.
+  export_device_program`): the serving signature `local_update`, which
+  takes the server's broadcast, the client state and the client's
+  examples by name, trains once, and returns the upload (`upload_<i>`: the
+  round's `MapReduceForm.work` output, clipped under DP; all that may
+  leave the device) and the new client state (`state_<i>`: kept on the
+  device); `device/broadcast.npz` holds the broadcast of the round after
+  the exported one (`broadcast_<i>`: the global model and what the
+  aggregator sends, e.g. the DP clip);
 * `personalized/<client id>/`: each client's personalized model, the shared
   weights with that client's private state as evaluation uses it
-  (`production.export_personalized_model`): `predict(x)`;
+  (`production.export_personalized_model`): the serving signature
+  `predict` (`x` -> `prediction`);
 * `export.json`: the run (its digest, rounds, whether it finished), its
   privacy (epsilon, delta, noise multiplier, clip, how accounted and what
-  epsilon covers), the clients and the signatures.
+  epsilon covers), the clients and the signatures (every input and output
+  name, with what it is, its dtype and shape).
 
 Every training setting is the run's record's: `config` only says where the
 run is, and a training setting of it that differs from the record is
@@ -22,13 +30,15 @@ done) is refused unless `allow_unfinished`, which export.json records.
 
   record = export.export_run(task, config, '/tmp/export', [0, 1, 2])
   model = tf.saved_model.load('/tmp/export/personalized/0')
-  predictions = model.predict(images)
+  predictions = model.signatures['predict'](x=images)['prediction']
 """
 
 from __future__ import annotations
 
 import os
 from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from tff_personal import experiment
 from tff_personal import run_evaluation
@@ -40,6 +50,8 @@ from tff_personal.core import stages as stages_lib
 from tff_personal.core import training_loop
 
 EXPORT_RECORD = 'export.json'
+# The server's broadcast of the round after the exported one, in device/.
+BROADCAST_FILE = 'broadcast.npz'
 
 
 class ExportError(ValueError):
@@ -51,7 +63,7 @@ def export_run(task, config: experiment.ExperimentConfig, export_dir: str,
                client_ids: Sequence[int], batch_size: Optional[int] = None,
                log_fn: Callable[[str], None] = print,
                allow_unfinished: bool = False) -> dict:
-  """Writes the run's device part and the clients' personalized models.
+  """Writes the run's device program and the clients' personalized models.
 
   Args:
     task: the run's task.
@@ -59,7 +71,7 @@ def export_run(task, config: experiment.ExperimentConfig, export_dir: str,
       settings must be the run's recorded ones.
     export_dir: where to write (created; existing exports are refused).
     client_ids: the clients whose personalized models to write.
-    batch_size: the local batch size the device part batches examples by
+    batch_size: the local batch size the device program batches examples by
       (default: the task's, else the run's recorded --batch_size).
     log_fn: progress lines.
     allow_unfinished: export an unfinished run's newest checkpoint
@@ -99,12 +111,16 @@ def export_run(task, config: experiment.ExperimentConfig, export_dir: str,
            f'{rounds} (allow_unfinished)')
   batch_size = batch_size or recorded_batch_size(run, task)
   privacy_record = export_privacy(run.privacy_report(), config)
-  proc, rounds, weights, states = final_weights_and_states(
+  proc, rounds, state, states = final_state_and_client_states(
       task, config, client_ids, rounds)
+  weights = proc.get_model_weights(state)
   form = production.production_form(proc)
-  production.export_device_update(form, os.path.join(export_dir, 'device'),
-                                  batch_size)
-  log_fn(f'device part: {os.path.join(export_dir, "device")}')
+  device_dir = os.path.join(export_dir, 'device')
+  signature = production.export_device_program(form, device_dir, batch_size)
+  np.savez(os.path.join(device_dir, BROADCAST_FILE),
+           **production.broadcast_inputs(
+               form, form.map_reduce_form().prepare(state)))
+  log_fn(f'device program: {device_dir}')
   model_fn = proc.eval_model_fn or proc.model_fn
   eval_states = process_lib.eval_client_states(proc, weights, states)
   for cid, client_state in zip(client_ids, eval_states):
@@ -127,13 +143,16 @@ def export_run(task, config: experiment.ExperimentConfig, export_dir: str,
       'batch_size': batch_size,
       'device': {
           'path': 'device',
-          'signature': 'local_update(trainable, non_trainable, private, '
-                       'rounds_participated, examples) -> {update, '
-                       'update_weight, private, rounds_participated, '
-                       'metrics}'},
+          'signature': production.DEVICE_SIGNATURE,
+          'broadcast': f'device/{BROADCAST_FILE}',
+          'inputs': signature['inputs'],
+          'outputs': signature['outputs'],
+          'uploads': 'upload_<i> only; state_<i> stays on the device'},
       'personalized': {
           'path': 'personalized/<client id>',
-          'signature': 'predict(x) -> the prediction evaluation reports'},
+          'signature': production.PREDICT_SIGNATURE,
+          'inputs': {'x': 'the examples\' x, batched'},
+          'outputs': {'prediction': 'what evaluation reports per example'}},
   }
   training_loop.write_summary(os.path.join(export_dir, EXPORT_RECORD), record)
   return record
@@ -208,6 +227,19 @@ def final_weights_and_states(task, config: experiment.ExperimentConfig,
   Returns:
     `(process, round, ModelWeights, [client state])`.
   """
+  proc, rounds, state, states = final_state_and_client_states(
+      task, config, client_ids, rounds)
+  return proc, rounds, proc.get_model_weights(state), states
+
+
+def final_state_and_client_states(task, config: experiment.ExperimentConfig,
+                                  client_ids: Sequence[int],
+                                  rounds: Optional[int] = None):
+  """As `final_weights_and_states`, with the whole server state.
+
+  Returns:
+    `(process, round, server state, [client state])`.
+  """
   population = task.population
   bad = [c for c in client_ids if not 0 <= c < population]
   if bad or not client_ids:
@@ -219,11 +251,10 @@ def final_weights_and_states(task, config: experiment.ExperimentConfig,
     raise training_loop.CheckpointError(
         f'{config.experiment_dir} has no checkpoint of a trained round')
   state = training_loop.load_checkpoint(proc, config.experiment_dir, rounds)
-  weights = proc.get_model_weights(state)
   store = run_evaluation.open_committed_store(proc, config, population,
                                               config.experiment_dir, rounds)
   try:
     states = store.load(list(client_ids))
   finally:
     store.close()
-  return proc, rounds, weights, states
+  return proc, rounds, state, states
