@@ -27,6 +27,12 @@ compiler cache hashes the whole computation proto on every call;
 `_IdentityCompilerPipeline` looks the compiled form up by the computation
 object first.
 
+Secure sums: TFF's C++ worker cannot run `federated_secure_sum*` (the
+distributed DP aggregator's, `core/privacy.py`), so every runtime here
+compiles them as TFF's test backend does (`tff.backends.test`), to plain
+sums (`lower_secure_intrinsics`): the simulation computes what secure
+aggregation would, without its protection.
+
 Multi-worker runs (`WorkersRuntime`, or `local_runtime(workers=[...])`): the
 computations run on already running `worker_binary` services (start one per
 machine with `python -m binaries.worker --port=N`), through TFF's remote
@@ -91,8 +97,10 @@ from tff_personal.core import worker_threads
 from tensorflow_federated.python.common_libs import structure as _structure
 from tensorflow_federated.python.core.backends.native import compiler as _native_compiler
 from tensorflow_federated.python.core.backends.native import mergeable_comp_compiler as _mergeable_compiler
+from tensorflow_federated.python.core.backends.test import compiler as _test_compiler
 from tensorflow_federated.python.core.environments.tensorflow_frontend import tensorflow_computation as _tf_computation
 from tensorflow_federated.python.core.impl.computation import computation_base as _computation_base
+from tensorflow_federated.python.core.impl.computation import computation_impl as _computation_impl
 from tensorflow_federated.python.core.impl.context_stack import context_base as _context_base
 from tensorflow_federated.python.core.impl.context_stack import context_stack_impl as _context_stack_impl
 from tensorflow_federated.python.core.impl.execution_contexts import async_execution_context as _async_execution_context
@@ -209,12 +217,45 @@ class _IdentityCompilerPipeline(_compiler_pipeline.CompilerPipeline):
     return compiled
 
 
+def lower_secure_intrinsics(comp):
+  """`comp` with TFF's secure sums replaced by plain sums, as TFF's test
+  backend compiles them (`tff.backends.test`'s
+  `replace_secure_intrinsics_with_bodies`); `comp` itself when it has none.
+
+  TFF's C++ worker cannot run `federated_secure_sum*`: a simulation runs
+  what secure aggregation would compute (the sum, modular where the
+  aggregator asks for it), without its protection. The production forms
+  (`core/production.py`) keep the secure sums. Written by hand only to
+  leave computations without secure sums untouched.
+  """
+  lowered, found = _test_compiler._replace_secure_intrinsics_with_insecure_bodies(  # pylint: disable=protected-access
+      comp.to_building_block())
+  if not found:
+    return comp
+  return _computation_impl.ConcreteComputation(
+      computation_proto=lowered.proto,
+      context_stack=_context_stack_impl.context_stack)
+
+
+def _simulation_compile(comp):
+  """The runtimes' compiler: TFF's native one after
+  `lower_secure_intrinsics`."""
+  return _native_compiler.desugar_and_transform_to_native(
+      lower_secure_intrinsics(comp))
+
+
+def _simulation_compile_mergeable(comp):
+  """TFF's mergeable-form compiler after `lower_secure_intrinsics`."""
+  return _mergeable_compiler.compile_to_mergeable_comp_form(
+      lower_secure_intrinsics(comp))
+
+
 def _compile_by_identity(context) -> None:
   """Gives a TFF sync or async execution context `_IdentityCompilerPipeline`
   (the pipeline is private to TFF's contexts; set where they are built)."""
   inner = getattr(context, '_async_context', context)
   inner._compiler_pipeline = _IdentityCompilerPipeline(  # pylint: disable=protected-access
-      _native_compiler.desugar_and_transform_to_native)
+      _simulation_compile)
 
 
 # How many computations an executor keeps on its worker (`_CachingExecutor`).
@@ -325,7 +366,7 @@ class LocalCppRuntime:
         executor_stack_fn=self._stack_fn)
     self.context = _sync_execution_context.SyncExecutionContext(
         executor_fn=factory,
-        compiler_fn=_native_compiler.desugar_and_transform_to_native,
+        compiler_fn=_simulation_compile,
         transform_args=_tf_computation.transform_args,
         transform_result=_tf_computation.transform_result,
     )
@@ -476,7 +517,7 @@ class _OrderedMergeableContext(_context_base.SyncContext):
   def __init__(self, async_contexts: Sequence[_context_base.AsyncContext]):
     self._contexts = list(async_contexts)
     self._pipeline = _compiler_pipeline.CompilerPipeline(
-        _mergeable_compiler.compile_to_mergeable_comp_form)
+        _simulation_compile_mergeable)
 
   def invoke(self, comp, arg=None):
     form = self._pipeline.compile(comp)
@@ -604,7 +645,7 @@ class WorkersRuntime:
     context = _async_execution_context.AsyncExecutionContext(
         executor_fn=_python_executor_stacks.ResourceManagingExecutorFactory(
             executor_stack_fn=stack_fn),
-        compiler_fn=_native_compiler.desugar_and_transform_to_native,
+        compiler_fn=_simulation_compile,
         transform_args=_tf_computation.transform_args,
         transform_result=_tf_computation.transform_result)
     _compile_by_identity(context)
