@@ -253,7 +253,11 @@ def define_flags():
                       'inter_op_threads'])
   # Privacy.
   flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
-                    'User-level DP of the shared update.')
+                    'User-level DP of the shared update: gaussian_fixed and '
+                    'gaussian_adaptive noise it centrally (a trusted '
+                    'aggregator); distributed_dgauss noises it on the '
+                    'devices and sums it by secure aggregation (the '
+                    'distributed discrete Gaussian; --sampling=fixed_size).')
   flags.DEFINE_float('noise_multiplier', None,
                      'Noise std / clip norm (or give --target_epsilon).')
   flags.DEFINE_float('clip_norm', 1.0, 'L2 clip of a client\'s whole update.')
@@ -411,7 +415,7 @@ def configs_from_flags(f):
   if f.dp == 'none' and (f.noise_multiplier is not None or
                          f.target_epsilon is not None):
     raise ValueError('--noise_multiplier/--target_epsilon given with --dp=none;'
-                     ' choose --dp=gaussian_fixed or gaussian_adaptive')
+                     ' choose --dp=' + ' or '.join(privacy.MECHANISMS[1:]))
   # The flags are one typed run spec; its config is what the run records.
   spec = run_spec.RunSpec(
       task=f.task, algorithm=f.algorithm,
@@ -531,6 +535,17 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
             'its own (Ditto, APFL) keeps it',
             '  --private_optimizer=adam|sgd at --private_learning_rate: the '
             'personal optimizer (default: the client optimizer)']
+  lines += ['', 'Privacy (--dp):',
+            '  gaussian_fixed, gaussian_adaptive: central DP, noise added by '
+            'a trusted aggregator that sees each clipped update',
+            '  distributed_dgauss: distributed DP with secure aggregation '
+            '(the distributed discrete Gaussian, Kairouz et al. 2021): each '
+            'device rotates, clips, rounds and noises its update, the '
+            'server sees only the sum; --sampling=fixed_size; runs with one '
+            'user per client (not sharded)']
+  lines += [f'    {name} does not run it: {spec.distributed_dp}'
+            for name, spec in algorithm_registry.SPECS.items()
+            if spec.distributed_dp]
   lines += ['', 'Tasks:']
   for name in list(task_registry.SPECS) + [
       t for t in tasks if t not in task_registry.SPECS]:

@@ -294,6 +294,10 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
         "dp_personal_heads='noised' noises personal heads at the shared "
         "aggregate's noise multiplier, which needs dp mechanism "
         f"'gaussian_fixed'; got {config.dp.mechanism!r}")
+  not_distributed = registry.spec(config.algorithm).distributed_dp
+  if config.dp.is_distributed and not_distributed:
+    raise ValueError(f'{config.algorithm} does not run dp mechanism '
+                     f'{config.dp.mechanism!r}: {not_distributed}')
   # A multi-stage algorithm's earlier stages are noised rounds too.
   dp = dataclasses.replace(
       config.dp, clients_per_round=config.clients_per_round,

@@ -130,14 +130,38 @@ RELEASE_BASES = ('dp', 'public', 'timing', 'evaluation', 'unnoised',
                  'separate_dp')
 
 
-def _released(name: str, basis: str, why: str) -> dict:
+def _released(name: str, basis: str, why: str, trusted: str = '') -> dict:
   return dict(name=name, covered=basis in ('dp', 'public'), basis=basis,
-              why=why)
+              why=why, trusted=trusted)
+
+
+def trust_model(dp: privacy.DPConfig) -> str:
+  """Who must be trusted, and for what, for epsilon to hold for the shared
+  update under `dp`'s mechanism (`privacy`'s module docstring)."""
+  sampling = ('the server, to sample each cohort uniformly and keep it '
+              'secret (the accounting assumes it)')
+  if dp.is_distributed:
+    return (
+        'secure aggregation, to reveal only the sum of the cohort\'s '
+        'updates (no one, the server included, sees one update or the sum '
+        'before noise); every sampled device, to add its noise share '
+        '(epsilon assumes all clients_per_round shares: with k devices '
+        'dropped or colluding with the server, the noise left is that of '
+        'the other n - k); ' + sampling + ', and to send the devices the '
+        'configured clip and noise. TFF\'s aggregator also sums, securely '
+        'but without noise, how many of the cohort\'s updates were clipped; '
+        'the compiled round gives that count to the server (the run does '
+        'not release it; epsilon does not cover it). This simulation runs '
+        'the secure sums as plain sums (TFF\'s test backend), so it '
+        'protects nothing itself')
+  return ('the aggregator (the server, or whoever sums the updates): it '
+          'sees every sampled user\'s clipped, un-noised update and must add '
+          'the noise and release only the noised mean; ' + sampling)
 
 
 def released_values(config: experiment.ExperimentConfig, dp: privacy.DPConfig
                     ) -> list[dict]:
-  """What a DP run releases, each `{name, covered, basis, why}`.
+  """What a DP run releases, each `{name, covered, basis, why, trusted}`.
 
   `covered` says whether the (epsilon, delta) of the privacy report bounds
   what the value reveals about a user; `basis` says why or why not:
@@ -147,18 +171,34 @@ def released_values(config: experiment.ExperimentConfig, dp: privacy.DPConfig
   simulation's held-out evaluation: not covered), 'unnoised' (opt-in
   diagnostics, `release_unnoised_metrics`: not covered), 'separate_dp'
   (noised personal heads: bounded by their own epsilon, not the shared
-  one). The list follows
-  what the run writes to train_metrics.csv, eval_metrics.csv, TensorBoard,
-  summary.json and its log.
+  one). `trusted` says who must be trusted, and for what, for a covered
+  value's epsilon to hold (`trust_model`; empty where nothing is). The list
+  follows what the run writes to train_metrics.csv, eval_metrics.csv,
+  TensorBoard, summary.json and its log.
   """
+  if dp.is_distributed:
+    update_why = (
+        f'rotated, clipped to {dp.clip_norm}, rounded and noised on each '
+        f'device by {dp.mechanism} (the distributed discrete Gaussian, its '
+        'noise split among the cohort\'s devices), summed by secure '
+        'aggregation; accounted in epsilon with the rounding\'s '
+        'sensitivity inflation')
+    measured_why = (
+        'computed on the server from the noised sum and from public values '
+        '(TFF\'s DistributedDpSumFactory\'s clip, scale factor, norm bound, '
+        'noise and padded dimension; the securely summed cohort size, '
+        'clients_per_round under fixed-size sampling) and the server '
+        'optimizer\'s state: post-processing')
+  else:
+    update_why = (f'clipped to {dp.clip_norm} and noised by the '
+                  f'{dp.mechanism} DP aggregator; accounted in epsilon')
+    measured_why = ('computed on the server from the noised aggregate (e.g. '
+                    'the adaptive clip, the server optimizer\'s state): '
+                    'post-processing')
   released = [
-      _released('shared model update', 'dp',
-                f'clipped to {dp.clip_norm} and noised by the {dp.mechanism} '
-                'DP aggregator; accounted in epsilon'),
-      _released('aggregator and finalizer measurements', 'dp',
-                'computed on the server from the noised aggregate (e.g. the '
-                'adaptive clip, the server optimizer\'s state): '
-                'post-processing'),
+      _released('shared model update', 'dp', update_why, trust_model(dp)),
+      _released('aggregator and finalizer measurements', 'dp', measured_why,
+                trust_model(dp)),
       _released('round number, configuration, epsilon and delta', 'public',
                 'functions of the configuration and of the rounds run, not '
                 'of any user\'s data')]

@@ -84,6 +84,12 @@ class AlgorithmSpec:
       `tests/conformance_test.py` holds the declaration to what
       `sharded.ShardedProcess(batched=True)` accepts, and the batched form
       to the per-user one.
+    distributed_dp: empty when the algorithm runs the distributed DP
+      mechanism (`privacy.DISTRIBUTED_MECHANISMS`: noise added on the
+      devices, sums by secure aggregation) wherever it runs
+      'gaussian_fixed'; else why it does not. `tests/distributed_dp_test.py`
+      holds every entry to it (it runs, its production form carrying secure
+      sums; or it fails).
   """
   name: str
   builder: Callable[..., Any]
@@ -93,6 +99,7 @@ class AlgorithmSpec:
   summary: str
   stage_rounds: tuple[str, ...] = ()
   batched: bool = False
+  distributed_dp: str = ''
 
   @property
   def staged(self) -> bool:
@@ -135,7 +142,14 @@ _SPECS = (
                   'a private head per user on FedEmbed\'s model'),
     AlgorithmSpec('fedembed_som', fedembed_som.build_fedembed_som,
                   'fedembed', (), 'fedembed',
-                  'sub-population heads chosen by a federated SOM'),
+                  'sub-population heads chosen by a federated SOM',
+                  distributed_dp=(
+                      'its SOM update recognises DP by TFF\'s '
+                      'DifferentiallyPrivateFactory only '
+                      '(fedembed_som.SomConfig.resolve), so under the '
+                      'distributed aggregator it would choose the paper\'s '
+                      'best-client update, which hands one client\'s update '
+                      'to the server verbatim')),
     AlgorithmSpec('fedrep', fedrep.build_fedrep, 'split', ('named_head',), 'baselines',
                   'FedRep: shared body, private head trained first'),
     AlgorithmSpec('pfedme', pfedme.build_pfedme, 'split', ('named_head',), 'baselines',

@@ -20,6 +20,18 @@ federated algorithms use to average client model updates:
   https://arxiv.org/abs/1905.03871), whose clip norm starts at `clip_norm` and
   tracks the `target_unclipped_quantile` of the update norms, estimated with a
   noised count of unclipped clients.
+* `'distributed_dgauss'`: distributed DP with secure aggregation,
+  TFF's `DistributedDpSumFactory(mechanism='distributed_dgauss')`
+  (the distributed discrete Gaussian of Kairouz, Liu, Steinke 2021,
+  https://arxiv.org/abs/2102.06387) under TFF's `UnweightedMeanFactory`.
+  On each device the update is flattened, rotated (randomized DFT), clipped
+  to L2 norm `clip_norm`, scaled by a factor s, stochastically rounded to
+  integers, and noised with a discrete Gaussian share; the shares and
+  updates are summed modulo 2^`DDP_BITS` by secure aggregation (the
+  compiled forms' `secure_sum_*` pieces), so no one, the server included,
+  sees a single update or the sum before noise. The server divides the sum
+  (and the securely summed count of clients) out. See "Distributed DP"
+  below for its accounting and trust model.
 
 `compute_epsilon` / `privacy_report` account the privacy cost of running such
 an aggregator for a number of rounds with `dp_accounting`, and
@@ -94,6 +106,66 @@ it is added" (`rdp_privacy_accountant._compute_rdp_sample_wor_gaussian`; the
 The accounting is planned from the configuration; it assumes the training loop
 samples clients exactly as `sampling` says and that the aggregator divides by
 the expected cohort `clients_per_round` (as TFF's factories do).
+
+Distributed DP (`'distributed_dgauss'`)
+---------------------------------------
+Trust: the server (and whoever runs the aggregation) is not trusted with
+any update: secure aggregation must reveal the sum only. Trusted instead:
+the secure aggregation protocol; every sampled device to add its noise
+share (the guarantee assumes all `clients_per_round` shares; if k devices
+drop out or collude with the server, the noise left is that of n - k
+shares); and the server to sample cohorts uniformly and secretly and to
+send the devices the configured noise and clip. The simulation runs the
+secure sums as plain sums (TFF's test backend lowering, `core/runtime.py`),
+so it computes the mechanism but protects nothing itself.
+
+Sampling: `sampling='fixed_size'` only. The noise is split among exactly
+`clients_per_round` devices; under Poisson sampling a smaller cohort would
+add less noise than the accounting assumes, and TFF's factory has no
+remedy. Neighbouring relation: replace-one, as for the fixed-size Gaussian.
+
+Per-round bound, in TFF's scaled integer domain (`DistributedDpSumFactory`
+with `bits=DDP_BITS`, `rotation_type='dft'`, `beta=0`, `modclip_prob=1e-4`,
+so k = sqrt(2) erfcinv(1e-4) standard deviations), for n =
+clients_per_round, clip c, noise multiplier z and a padded dimension d (the
+accounting uses the bound `DDP_MAX_DIMENSION`; the aggregator refuses an
+update with more coordinates; every quantity below grows with d, so the
+bound is an upper bound for any smaller update):
+
+* scale s = min(sqrt(2^(2b) - n k^2) / (2k sqrt(c^2 n^2 / d + z^2 c^2)),
+  1e6) (TFF's `_heuristic_scale_factor` and `MAX_SCALE_FACTOR`);
+* the inflation: rotation is orthogonal and the clip comes after it (no
+  inflation); unconditional stochastic rounding moves each coordinate by
+  less than 1, so a record's L2 norm is at most
+  L2 = (c + sqrt(d) / s + 1e-5) s (TFF's `inflated_l2_norm_bound` at
+  beta=0 plus its 1e-5 leeway; the query asserts it on every record), and
+  its L1 norm at most L1 = ceil(L2 min(sqrt(d), L2)) (integer entries);
+* replace-one sensitivities Delta2 = 2 L2, Delta1 = 2 L1;
+* each of the n shares is a discrete Gaussian of parameter at least
+  sigma = z c s / sqrt(n) (the sampler rounds it up; the accounting uses
+  the smaller value, an upper bound on epsilon);
+* Kairouz et al. 2021, Proposition 14 (the RDP form of their Theorem 1),
+  for sigma >= 1/2, tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 sigma^2 k/(k+1)):
+  eps(a) = min(a/2 Delta2^2/(n sigma^2) + tau d,
+               a/2 (Delta2^2/(n sigma^2) + 2 Delta1 tau/(sqrt(n) sigma)
+                    + tau^2 d),
+               a/2 (Delta2/(sqrt(n) sigma) + tau sqrt(d))^2);
+  sigma < 1/2 has no stated bound: epsilon is infinite.
+* sampling clients_per_round of population without replacement: the
+  general bound of Wang, Balle, Kasiviswanathan 2019, Theorem 9, for an
+  integer order a >= 2, q = clients_per_round / population, and a
+  mechanism with eps(inf) = inf:
+  eps'(a) = 1/(a-1) log(1 + q^2 C(a,2) min(4 (e^eps(2) - 1), 2 e^eps(2))
+                        + sum_{j=3}^a 2 q^j C(a,j) e^((j-1) eps(j))),
+  and min(eps'(a), eps(a)) (dp_accounting's own subsampled-Gaussian bounds
+  use the Gaussian's shape and do not apply); no sampling
+  (clients_per_round == population): eps(a).
+
+Rounds compose by adding the RDP curves (integer orders `_DDP_ORDERS`), and
+`dp_accounting.rdp.compute_epsilon` converts the total to (epsilon, delta).
+Written here by hand: the bound's formulas above (dp_accounting has no
+event for the distributed discrete Gaussian and no general subsampled-RDP
+bound); the mechanism is entirely TFF's and tensorflow-privacy's.
 """
 
 from __future__ import annotations
@@ -109,18 +181,46 @@ import weakref
 import dp_accounting
 from dp_accounting import pld as dp_pld
 from dp_accounting import rdp as dp_rdp
+import numpy as np
 from scipy import optimize
+from scipy import special
+import tensorflow as tf
 import tensorflow_federated as tff
 # TFF's own split of the noise multiplier between the update sum and the
 # adaptive-clip count (not exported under `tff.aggregators`).
 from tensorflow_federated.python.aggregators import differential_privacy as _tff_dp
+# TFF 0.87 ships `DistributedDpSumFactory` but does not export it under
+# `tff.aggregators`.
+from tensorflow_federated.python.aggregators import distributed_dp as _tff_ddp
+# How TFF's `DistributedDpSumFactory.create` counts an update's coordinates.
+from tensorflow_federated.python.core.impl.types import array_shape as _tff_shape
+from tensorflow_federated.python.core.impl.compiler import transformations as _tff_transformations
+from tensorflow_federated.python.core.impl.computation import computation_impl as _tff_computation
+from tensorflow_federated.python.core.impl.context_stack import context_stack_impl as _tff_context_stack
+from tensorflow_federated.python.core.impl.types import type_conversions as _tff_types
 
 from tff_personal.core import moved
 
-MECHANISMS = ('none', 'gaussian_fixed', 'gaussian_adaptive')
+MECHANISMS = ('none', 'gaussian_fixed', 'gaussian_adaptive',
+              'distributed_dgauss')
 SAMPLING_SCHEMES = ('fixed_size', 'poisson')
 
-_DP_MECHANISMS = ('gaussian_fixed', 'gaussian_adaptive')
+_DP_MECHANISMS = ('gaussian_fixed', 'gaussian_adaptive', 'distributed_dgauss')
+# Mechanisms whose noise is added on the devices and whose sums go through
+# secure aggregation (TFF's `DistributedDpSumFactory`).
+DISTRIBUTED_MECHANISMS = ('distributed_dgauss',)
+# The secure aggregation's bit width (TFF's own default in
+# `tff.learning.ddp_secure_aggregator`) and the largest padded dimension of
+# an update that the accounting covers (the aggregator refuses larger ones).
+DDP_BITS = 20
+DDP_MAX_DIMENSION = 2**24
+# TFF's defaults for the modular wrapping probability and its cap on the
+# scale factor (`distributed_dp.MAX_SCALE_FACTOR`).
+_DDP_MODCLIP_PROB = 1e-4
+_DDP_MAX_SCALE = 1e6
+# Integer RDP orders of the distributed accounting (the subsampling bound
+# holds for integer orders).
+_DDP_ORDERS = tuple(range(2, 257)) + (384, 512, 768, 1024)
 # Relative precision of `calibrate_noise_multiplier`.
 _CALIBRATION_RTOL = 1e-3
 
@@ -175,7 +275,10 @@ class DPConfig:
     mechanism: One of `MECHANISMS`.
     noise_multiplier: Noise std / clip norm (add-or-remove-one sensitivity), as
       in TFF's `DifferentiallyPrivateFactory`. For 'gaussian_adaptive' it is
-      the effective multiplier including the clip estimation. None when
+      the effective multiplier including the clip estimation; for
+      'distributed_dgauss' it is TFF's `DistributedDpSumFactory`'s: the
+      total noise std over the clip, before rounding inflates the
+      sensitivity, split among `clients_per_round` devices. None when
       `target_epsilon` is given (then `resolve` calibrates it). 0 is allowed
       (no noise, epsilon is infinite).
     clip_norm: L2 clip of a client's whole update; the initial clip for
@@ -188,7 +291,8 @@ class DPConfig:
       sampling); also the denominator of the mean.
     population: Number of clients the cohorts are drawn from.
     rounds: Planned number of training rounds.
-    sampling: One of `SAMPLING_SCHEMES`, how the training loop picks cohorts.
+    sampling: One of `SAMPLING_SCHEMES`, how the training loop picks cohorts
+      ('fixed_size' for the distributed mechanisms).
     target_unclipped_quantile: Quantile tracked by 'gaussian_adaptive'.
   """
   mechanism: str = 'none'
@@ -206,6 +310,11 @@ class DPConfig:
   def is_private(self) -> bool:
     """Whether the mechanism is a DP one."""
     return self.mechanism in _DP_MECHANISMS
+
+  @property
+  def is_distributed(self) -> bool:
+    """Whether the noise is added on the devices (secure aggregation)."""
+    return self.mechanism in DISTRIBUTED_MECHANISMS
 
   @property
   def sampling_probability(self) -> float:
@@ -274,6 +383,12 @@ class DPConfig:
       raise ValueError(
           f'mechanism {self.mechanism!r} needs noise_multiplier or '
           'target_epsilon; both are None.')
+    if self.is_distributed and self.sampling != 'fixed_size':
+      raise ValueError(
+          f'mechanism {self.mechanism!r} needs sampling=\'fixed_size\', got '
+          f'{self.sampling!r}: its noise is split among exactly '
+          'clients_per_round devices, and a smaller Poisson cohort would add '
+          'less noise than accounted.')
     if self.mechanism == 'gaussian_adaptive' and (
         self.noise_multiplier is not None and
         self.noise_multiplier > 0 and
@@ -374,6 +489,12 @@ def build_aggregator(config: DPConfig) -> AggregationFactory:
     'gaussian_adaptive': `DifferentiallyPrivateFactory.gaussian_adaptive(
       noise_multiplier, clients_per_round, initial_l2_norm_clip=clip_norm,
       target_unclipped_quantile=target_unclipped_quantile)`.
+    'distributed_dgauss': `UnweightedMeanFactory` over TFF's
+      `DistributedDpSumFactory(noise_multiplier, clients_per_round,
+      bits=DDP_BITS, l2_clip=clip_norm, mechanism='distributed_dgauss',
+      rotation_type='dft')`, whose count is a secure sum too; creating its
+      process refuses an update of more than `DDP_MAX_DIMENSION`
+      coordinates (padded), the dimension the accounting covers.
     Use `is_weighted` to know whether to pass client weights.
 
   Raises:
@@ -388,6 +509,15 @@ def build_aggregator(config: DPConfig) -> AggregationFactory:
         noise_multiplier=float(config.noise_multiplier),
         clients_per_round=float(config.clients_per_round),
         clip=float(config.clip_norm))
+  elif config.is_distributed:
+    factory = tff.aggregators.UnweightedMeanFactory(
+        value_sum_factory=_BoundedDistributedDpSumFactory(
+            noise_multiplier=float(config.noise_multiplier),
+            expected_clients_per_round=int(config.clients_per_round),
+            bits=DDP_BITS, l2_clip=float(config.clip_norm),
+            mechanism=config.mechanism, rotation_type='dft'),
+        count_sum_factory=tff.aggregators.SecureSumFactory(
+            upper_bound_threshold=1, lower_bound_threshold=0))
   else:
     factory = dp_factory.gaussian_adaptive(
         noise_multiplier=float(config.noise_multiplier),
@@ -400,6 +530,53 @@ def build_aggregator(config: DPConfig) -> AggregationFactory:
 
 # The resolved config each DP factory of `build_aggregator` was built from.
 _BUILT_FROM = weakref.WeakKeyDictionary()
+
+
+def ddp_padded_dimension(dimension: int) -> int:
+  """The padded dimension TFF's 'dft' rotation gives `dimension`
+  coordinates (an even number; at least 2)."""
+  return math.ceil(max(1, dimension) / 2) * 2
+
+
+def _call_dominant(comp):
+  """`comp` in TFF's call-dominant form (`to_call_dominant`, what TFF's
+  MapReduce compiler does first), with its own type signature.
+
+  TFF's `DistributedDpSumFactory` nests eight aggregators, so its `next`
+  is a computation about 93 protocol-buffer levels deep; inside an
+  algorithm's round it passes protobuf's nesting limit of 100 ("Error
+  parsing message" when TFF builds the round). The call-dominant form is
+  the same computation about 38 levels deep (as deep as the Gaussian
+  aggregator's). Written by hand: TFF applies the transformation only
+  when it compiles.
+  """
+  flat = _tff_transformations.to_call_dominant(comp.to_building_block())
+  return _tff_computation.ConcreteComputation(
+      computation_proto=flat.proto,
+      context_stack=_tff_context_stack.context_stack,
+      annotated_type=comp.type_signature)
+
+
+class _BoundedDistributedDpSumFactory(_tff_ddp.DistributedDpSumFactory):
+  """TFF's `DistributedDpSumFactory` that refuses an update larger than
+  the accounting covers (`DDP_MAX_DIMENSION`) and whose process is in
+  call-dominant form (`_call_dominant`). Written by hand: TFF's factory
+  takes any dimension, and its scale factor (hence the rounding's
+  sensitivity inflation) depends on it."""
+
+  def create(self, value_type):
+    # Counted as TFF's `create` counts them.
+    sizes = tf.nest.flatten(_tff_types.structure_from_tensor_type_tree(
+        lambda t: _tff_shape.num_elements_in_shape(t.shape), value_type))
+    padded = ddp_padded_dimension(sum(sizes))
+    if padded > DDP_MAX_DIMENSION:
+      raise ValueError(
+          f'the update has {sum(sizes)} coordinates (padded {padded}), more '
+          f'than the {DDP_MAX_DIMENSION} distributed DP is accounted for '
+          '(privacy.DDP_MAX_DIMENSION); aggregate a smaller update')
+    process = super().create(value_type)
+    return tff.templates.AggregationProcess(
+        _call_dominant(process.initialize), _call_dominant(process.next))
 
 
 def config_of(factory: AggregationFactory) -> Optional[DPConfig]:
@@ -486,6 +663,8 @@ def _neighboring_relation(
 
 
 def _pld_supported(config: DPConfig) -> bool:
+  if config.is_distributed:  # A bound on its RDP, not its loss distribution.
+    return False
   return (config.sampling == 'poisson' or
           config.clients_per_round == config.population)
 
@@ -515,12 +694,132 @@ def _make_accountant(config: DPConfig, kind: str, z_eff: float = 1.0
   return dp_rdp.RdpAccountant(neighboring_relation=relation)
 
 
+@dataclasses.dataclass(frozen=True)
+class DdpBound:
+  """One round of the distributed discrete Gaussian, as accounted (module
+  docstring, "Distributed DP"): TFF's scaled integer domain at the padded
+  dimension bound.
+
+  Attributes:
+    dimension: the padded dimension accounted (`DDP_MAX_DIMENSION`).
+    bits: the secure aggregation's bit width.
+    scale: TFF's scale factor s at that dimension.
+    l2_sensitivity: replace-one L2 sensitivity of the scaled, rounded sum
+      (2 (c + sqrt(d)/s + 1e-5) s).
+    l1_sensitivity: replace-one L1 sensitivity (2 ceil(L2 min(sqrt(d), L2))).
+    local_sigma: each device's discrete Gaussian parameter (z c s /
+      sqrt(n), a lower bound on the sampler's).
+    shares: n, the devices adding noise.
+    tau: Kairouz et al.'s deviation term.
+    inflation: (c + sqrt(d)/s + 1e-5) / c, the rounding's sensitivity
+      inflation.
+  """
+  dimension: int
+  bits: int
+  scale: float
+  l2_sensitivity: float
+  l1_sensitivity: float
+  local_sigma: float
+  shares: int
+  tau: float
+  inflation: float
+
+  def rdp(self, orders: Sequence[int]) -> np.ndarray:
+    """Kairouz et al. 2021, Prop. 14: one round's RDP at `orders` (inf
+    where sigma < 1/2, which the bound does not cover)."""
+    orders = np.asarray(orders, dtype=float)
+    if self.local_sigma < 0.5:
+      return np.full(orders.shape, math.inf)
+    central = math.sqrt(self.shares) * self.local_sigma
+    l2, l1 = self.l2_sensitivity / central, self.l1_sensitivity / central
+    tau, d = self.tau, float(self.dimension)
+    return np.minimum.reduce([
+        orders / 2 * l2**2 + tau * d,
+        orders / 2 * (l2**2 + 2 * l1 * tau + tau**2 * d),
+        orders / 2 * (l2 + tau * math.sqrt(d))**2])
+
+
+def ddp_bound(config: DPConfig, noise_multiplier: Optional[float] = None,
+              dimension: int = DDP_MAX_DIMENSION) -> DdpBound:
+  """The accounted round of `config`'s distributed mechanism (module
+  docstring); `noise_multiplier` overrides the config's (calibration);
+  `dimension`: the padded dimension (the accounting uses the bound
+  `DDP_MAX_DIMENSION`; an aggregator created for d coordinates runs with
+  `ddp_bound(config, dimension=ddp_padded_dimension(d))`'s scale and
+  half its sensitivities as its norm bound)."""
+  z = float(config.noise_multiplier if noise_multiplier is None
+            else noise_multiplier)
+  c, n, d = float(config.clip_norm), config.clients_per_round, int(dimension)
+  k = math.sqrt(2) * special.erfcinv(_DDP_MODCLIP_PROB)
+  scale = math.sqrt(2.0**(2 * DDP_BITS) - n * k**2) / (
+      2 * k * math.sqrt(c**2 * n**2 / d + z**2 * c**2))
+  scale = min(scale, _DDP_MAX_SCALE)
+  l2 = (c + math.sqrt(d) / scale + 1e-5) * scale
+  l1 = math.ceil(l2 * min(math.sqrt(d), l2))
+  sigma = z * c * scale / math.sqrt(n)
+  tau = 10 * sum(math.exp(-2 * math.pi**2 * sigma**2 * j / (j + 1))
+                 for j in range(1, n))
+  return DdpBound(dimension=d, bits=DDP_BITS, scale=scale,
+                  l2_sensitivity=2 * l2, l1_sensitivity=2 * l1,
+                  local_sigma=sigma, shares=n, tau=tau,
+                  inflation=l2 / (c * scale))
+
+
+def _subsampled_rdp(rdp: np.ndarray, orders: Sequence[int], q: float
+                    ) -> np.ndarray:
+  """Wang, Balle, Kasiviswanathan 2019, Thm. 9: RDP at integer `orders`
+  of a mechanism with RDP `rdp` (at orders 2, 3, ..., max(orders), and
+  eps(inf) = inf) run on a sample without replacement of a fraction `q`;
+  at most `rdp` itself."""
+  if q >= 1:
+    return np.array([rdp[a - 2] for a in orders])
+  out = []
+  for a in orders:
+    j = np.arange(2, a + 1)
+    log_comb = (special.gammaln(a + 1) - special.gammaln(j + 1) -
+                special.gammaln(a - j + 1))
+    eps_j = rdp[j - 2]
+    terms = np.log(2) + j * math.log(q) + log_comb + (j - 1) * eps_j
+    eps2 = rdp[0]
+    # j = 2: min(4 (e^eps(2) - 1), 2 e^eps(2)).
+    terms[0] = (2 * math.log(q) + log_comb[0] +
+                min(math.log(4) + eps2 + math.log(-math.expm1(-eps2))
+                    if eps2 > 0 else -math.inf, math.log(2) + eps2))
+    total = special.logsumexp(np.concatenate([[0.0], terms]))
+    out.append(min(total / (a - 1), rdp[a - 2]))
+  return np.array(out)
+
+
+def ddp_rdp(config: DPConfig, rounds: int,
+            noise_multiplier: Optional[float] = None) -> np.ndarray:
+  """RDP at `_DDP_ORDERS` of `rounds` rounds of `config`'s distributed
+  mechanism with its sampling (module docstring)."""
+  all_orders = np.arange(2, max(_DDP_ORDERS) + 1)
+  with np.errstate(over='ignore'):
+    rdp = ddp_bound(config, noise_multiplier).rdp(all_orders)
+    if not np.all(np.isfinite(rdp)):
+      return np.full(len(_DDP_ORDERS), math.inf)
+    per_round = _subsampled_rdp(rdp, _DDP_ORDERS,
+                                config.clients_per_round / config.population)
+  return rounds * per_round
+
+
+def _ddp_epsilon(rdp: np.ndarray, delta: float) -> float:
+  if not np.all(np.isfinite(rdp)):
+    return math.inf
+  if not np.any(rdp):
+    return 0.0
+  return float(dp_rdp.compute_epsilon(_DDP_ORDERS, rdp, delta)[0])
+
+
 def _epsilon(config: DPConfig, z_eff: float, rounds: int, delta: float,
              kind: str) -> float:
   if rounds == 0:
     return 0.0
   if z_eff == 0:
     return math.inf
+  if config.is_distributed:
+    return _ddp_epsilon(ddp_rdp(config, rounds, z_eff), delta)
   event = dp_accounting.SelfComposedDpEvent(_round_event(config, z_eff),
                                             rounds)
   return float(_make_accountant(config, kind, z_eff).compose(
@@ -542,7 +841,9 @@ def compute_epsilon(config: DPConfig, rounds: int) -> dict:
     ('pld' or 'rdp'), 'neighboring_relation' ('add_or_remove_one' or
     'replace_one'), 'mechanism', 'noise_multiplier', 'clip_norm',
     'clients_per_round', 'population', 'rounds', 'sampling',
-    'sampling_probability', 'notes'. For mechanism 'none' epsilon is inf.
+    'sampling_probability', 'notes', and for a distributed mechanism
+    'distributed' (`DdpBound`'s fields, the bound and the subsampling
+    theorem). For mechanism 'none' epsilon is inf.
 
   Raises:
     ValueError: if the configuration or `rounds` is invalid.
@@ -559,7 +860,22 @@ def compute_epsilon(config: DPConfig, rounds: int) -> dict:
     notes.append("mechanism 'none': no differential privacy.")
   else:
     z_eff = effective_noise_multiplier(config)
-    if config.sampling == 'poisson':
+    if config.is_distributed:
+      bound = ddp_bound(config)
+      notes.append(
+          f'{config.mechanism}: distributed discrete Gaussian (noise added '
+          'on the devices, sums by secure aggregation), accounted with '
+          'Kairouz, Liu, Steinke 2021, Prop. 14, at padded dimension '
+          f'{bound.dimension}, bits {bound.bits}, scale {bound.scale:.6g}: '
+          'replace-one sensitivities L2 '
+          f'{bound.l2_sensitivity:.6g}, L1 {bound.l1_sensitivity:.6g} '
+          f'(rounding inflates the clip by {bound.inflation:.6g}x; '
+          f'rotation by none), {bound.shares} noise shares of sigma '
+          f'{bound.local_sigma:.6g}, tau {bound.tau:.3g}; fixed-size '
+          f'sampling {config.clients_per_round} of {config.population} by '
+          'Wang, Balle, Kasiviswanathan 2019, Thm. 9; RDP composed over '
+          'rounds, converted by dp_accounting.')
+    elif config.sampling == 'poisson':
       notes.append(
           f'Poisson sampling q={config.sampling_probability:.6g}: '
           'PoissonSampledDpEvent(q, GaussianDpEvent(z)), add-or-remove-one.')
@@ -582,11 +898,13 @@ def compute_epsilon(config: DPConfig, rounds: int) -> dict:
       if config.sampling == 'fixed_size':
         notes.append('clients_per_round == population: no sampling, plain '
                      'Gaussian, PLD applies.')
+    elif config.is_distributed:
+      eps_pld, accountant = None, 'rdp'
     else:
       eps_pld, accountant = None, 'rdp'
       notes.append('PLD: None, dp_accounting PLD does not support sampling '
                    'without replacement (SampledWithoutReplacementDpEvent).')
-  return {
+  report = {
       'epsilon': eps_pld if eps_pld is not None else eps_rdp,
       'delta': delta,
       'epsilon_rdp': eps_rdp,
@@ -603,6 +921,12 @@ def compute_epsilon(config: DPConfig, rounds: int) -> dict:
       'sampling_probability': config.sampling_probability,
       'notes': ' '.join(notes),
   }
+  if config.is_distributed:
+    report['distributed'] = dict(
+        dataclasses.asdict(ddp_bound(config)),
+        bound='Kairouz, Liu, Steinke 2021, Prop. 14',
+        subsampling='Wang, Balle, Kasiviswanathan 2019, Thm. 9')
+  return report
 
 
 def _find_bracket(eps: Callable[[float], float], target: float, start: float,
@@ -772,6 +1096,9 @@ def compute_epsilon_phases(phases: Sequence[tuple[DPConfig, int]]) -> dict:
       return 0.0
     if any(z == 0 and r for z, (_, r) in zip(zs, phases)):
       return math.inf
+    if first.is_distributed:  # The phases' RDP curves add up.
+      return _ddp_epsilon(sum(ddp_rdp(config, rounds) for config, (_, rounds)
+                              in zip(configs, phases)), delta)
     accountant = _make_accountant(first, kind, min(zs))
     for config, z, (_, rounds) in zip(configs, zs, phases):
       if rounds:

@@ -51,14 +51,18 @@ def build_sharded_aggregator(config: privacy.DPConfig) -> AggregationFactory:
   `clip_norm`, Gaussian noise of std `noise_multiplier * clip_norm` on the
   sum, divided by `clients_per_round`), when each shard sends the sum of its
   users' updates clipped with `clip_user_update`. Only 'gaussian_fixed':
-  adaptive clipping needs per-user clipped counts, which shards do not send.
+  adaptive clipping needs per-user clipped counts, which shards do not send,
+  and distributed DP ('distributed_dgauss') is each user's own work
+  (rotate, clip, round, noise) summed by secure aggregation over the users,
+  which a shard's one record cannot carry; both run with one user per
+  client (`sharded.resolve_num_shards` chooses that for them).
   """
   config = privacy.resolve(config)
   if config.mechanism != 'gaussian_fixed':
     raise ValueError(
         'the sharded simulation supports DP mechanism gaussian_fixed only '
         f'(got {config.mechanism!r}); run with one user per client '
-        '(simulation_shards=0) for gaussian_adaptive')
+        f'(simulation_shards=0) for {config.mechanism}')
   clip = float(config.clip_norm)
   query = tfp.NormalizedQuery(
       PreClippedGaussianSumQuery(
