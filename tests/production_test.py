@@ -53,10 +53,12 @@ def _built(name, dp):
   return conformance._build(name, **overrides)  # pylint: disable=protected-access
 
 
-# One per family: the split model, FedEmbed, FedPerC, a FedDVA stage and a
-# group stage (the per-group FedAvg of groupperfl).
-FAMILIES = [('ditto', 0), ('fedembed_prototype', 0), ('fedperc', 0),
-            ('feddva', 0), ('groupperfl', 1)]
+# One per family of the registry (`AlgorithmSpec.family`): fedavg, furl,
+# baselines, fedembed, fedperc, feddva (a stage) and group (the per-group
+# FedAvg stage of groupperfl).
+FAMILIES = [('global', 0), ('furl', 0), ('ditto', 0),
+            ('fedembed_prototype', 0), ('fedperc', 0), ('feddva', 0),
+            ('groupperfl', 1)]
 # Algorithms whose rounds aggregate statistics of their own
 # (`core/statistics_process.py`), beside the update's aggregator.
 STATISTICS = ('fedembed_som', 'pfedkm')
@@ -257,6 +259,12 @@ def test_secure_aggregation_compiles_and_its_sums_give_the_mean():
                   strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
   _states_close(hand_clients, sim_clients, 'ditto clients')
+
+
+def test_the_families_are_the_registrys():
+  """`FAMILIES` names one algorithm of every family of the registry."""
+  assert sorted(registry.spec(n).family for n, _ in FAMILIES) == sorted(
+      {spec.family for spec in registry.SPECS.values()})
 
 
 def test_the_count_that_compiles():

@@ -66,6 +66,7 @@ from tensorflow_federated.python.core.impl.computation import computation_impl
 from tensorflow_federated.python.core.impl.context_stack import (
     context_stack_impl)
 from tensorflow_federated.python.core.impl.types import type_serialization
+from tensorflow_federated.python.tensorflow_libs import graph_utils
 from tensorflow_federated.python.tensorflow_libs import serialization_utils
 
 from tff_personal.core import process as process_lib
@@ -760,8 +761,6 @@ def export_device_program(form: ProductionForm, path: str,
   Returns:
     `device_signature(form)`.
   """
-  # Imported only to write the export: the SavedModel holds TensorFlow ops.
-  from tensorflow_federated.python.tensorflow_libs import graph_utils  # pylint: disable=g-import-not-at-top
   program = form.device_program()
   proto = computation_impl.ConcreteComputation.get_proto(program)
   graph_def = serialization_utils.unpack_graph_def(proto.tensorflow.graph_def)
