@@ -20,6 +20,7 @@ from tasks import mnist_io
 from tasks import registry as task_registry
 from tff_personal import atomic_io
 from tff_personal import experiment
+from tff_personal import matrix
 from tff_personal import run_evaluation as run_evaluation_lib
 from tff_personal import run_lock
 from tff_personal import run_records
@@ -513,7 +514,7 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
   with the registered ones.
   """
   lines = ['Algorithms x tasks (yes: runs; no: what the task lacks):', '',
-           task_registry.format_matrix(tasks=tasks), '', 'Algorithms:']
+           matrix.format_matrix(tasks=tasks), '', 'Algorithms:']
   outside = [n for n in algorithms if n not in algorithm_registry.SPECS]
   for name in list(algorithm_registry.SPECS) + outside:
     spec = algorithm_registry.spec(name)

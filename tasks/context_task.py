@@ -50,8 +50,8 @@ import numpy as np
 import tensorflow as tf
 
 from tasks import tv_shows
-from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.core import client_data as client_data_lib
+from tff_personal.core import evaluation
 from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc
 from tff_personal.models import fedperc_backbone
@@ -113,7 +113,7 @@ class ContextTask:
     self.generator_tokens = generator_tokens
     self.seed = seed
     self._train_spec = fedperc.batch_spec(max_tokens)
-    self._eval_spec = fedperc_alg.eval_batch_spec(max_tokens)
+    self._eval_spec = fedperc.eval_batch_spec(max_tokens)
 
   @property
   def population(self) -> int:
@@ -180,9 +180,9 @@ class ContextTask:
     tune = {k: v[:samples] for k, v in tune.items()}
     out = collections.OrderedDict(
         (k, np.concatenate([tune[k], test[k]])) for k in _KEYS)
-    out[fedperc_alg.ROLE] = np.concatenate([
-        np.full(len(tune['ids']), fedperc_alg.ROLE_FINE_TUNE, np.int32),
-        np.full(len(test['ids']), fedperc_alg.ROLE_TEST, np.int32)])
+    out[fedperc.ROLE] = np.concatenate([
+        np.full(len(tune['ids']), fedperc.ROLE_FINE_TUNE, np.int32),
+        np.full(len(test['ids']), fedperc.ROLE_TEST, np.int32)])
     return out
 
   def _eval_batches(self, users: Sequence[str], samples: Optional[int]
@@ -223,9 +223,9 @@ class ContextTask:
                 [self.withheld_names[int(i)] for i in ids], samples)]
 
   def evaluate(self, per_client_outputs, client_ids) -> dict:
-    """Pooled test perplexity (`algorithms/fedperc.pooled_perplexity`)."""
+    """Pooled test perplexity (`core/evaluation.pooled_perplexity`)."""
     del client_ids
-    return dict(fedperc_alg.pooled_perplexity(per_client_outputs))
+    return dict(evaluation.pooled_perplexity(per_client_outputs))
 
 
 def _check_samples(samples: Optional[int]) -> None:

@@ -4,8 +4,9 @@ Every entry (`TaskSpec`) builds a task (`tff_personal/core/task.py`) from a
 data directory and keyword arguments. The builder's keyword arguments with a
 scalar default are the task's *options* (`--task_options=key=value`, typed
 and checked like `--algorithm_options`); `capabilities` are declared here so
-that the algorithm x task matrix (`matrix`, `binaries.train --list`) is known
-without loading data, and a test checks them against the built tasks.
+that the algorithm x task matrix (`tff_personal/matrix.py`, `binaries.train
+--list`) is known without loading data, and a test checks them against the
+built tasks. Tasks know nothing of algorithms.
 
 Example:
 
@@ -29,8 +30,8 @@ from tasks import speaker_task
 from tasks import speech_task
 from tasks import synthetic_task
 from tasks import tv_shows_task
-from tff_personal.algorithms import registry as algorithms
 from tff_personal.core import imported
+from tff_personal.core import moved
 from tff_personal.core import options as options_lib
 from tff_personal.core import task as task_lib
 from tff_personal.core import worker_threads
@@ -237,56 +238,5 @@ def build_task(name: str, **kwargs):
   return task
 
 
-def matrix(tasks: Sequence[str] = ()) -> list[dict[str, Any]]:
-  """Every (algorithm, task) pair: whether it runs, and if not what the task
-  lacks. Rows in registry order; `tasks`: the registered tasks and these
-  (e.g. an outside task's `package.module:factory`)."""
-  rows = []
-  for algorithm in algorithms.SPECS:
-    for task_spec in _SPECS + tuple(spec(t) for t in tasks
-                                    if t not in SPECS):
-      missing = algorithms.missing_for(algorithm, task_spec.capabilities)
-      rows.append(dict(algorithm=algorithm, task=task_spec.name,
-                       runs=not missing, missing=missing))
-  return rows
-
-
-def _source(module: str) -> str:
-  return module.replace('.', '/') + '.py'
-
-
-def _test_of(module: str, root: str) -> str:
-  """The module's own test file if it has one, else the conformance suite
-  (which runs every registered algorithm)."""
-  own = f'tests/{module.rsplit(".", 1)[-1]}_test.py'
-  return own if os.path.exists(os.path.join(root, own)) else (
-      'tests/conformance_test.py')
-
-
-def format_matrix(links_from: str | None = None,
-                  tasks: Sequence[str] = ()) -> str:
-  """The matrix as a Markdown table ('yes', or 'no: ' what is missing).
-
-  With `links_from` (the repository root), each algorithm and task name
-  links to its code, and each algorithm to its test. `tasks`: outside
-  tasks to add as columns (`matrix`).
-  """
-  cells = {(r['algorithm'], r['task']): r for r in matrix(tasks)}
-  names = TASKS + [t for t in tasks if t not in SPECS]
-  header = [f'[{t}]({_source(spec(t).builder.__module__)})' if links_from
-            else t for t in names]
-  lines = ['| algorithm | ' + ' | '.join(header) + ' |',
-           '|---|' + '---|' * len(names)]
-  for algorithm, algorithm_spec in algorithms.SPECS.items():
-    row = []
-    for task in names:
-      cell = cells[(algorithm, task)]
-      row.append('yes' if cell['runs'] else
-                 'no: ' + ', '.join(m.split(' (')[0] for m in cell['missing']))
-    name = algorithm
-    if links_from:
-      module = algorithm_spec.module
-      name = (f'[{algorithm}]({_source(module)}) '
-              f'([test]({_test_of(module, links_from)}))')
-    lines.append(f'| {name} | ' + ' | '.join(row) + ' |')
-  return '\n'.join(lines)
+# Names that moved away raise an error naming their new place.
+__getattr__ = moved.module_getattr(__name__)

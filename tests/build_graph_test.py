@@ -155,3 +155,31 @@ def test_repo_has_build_file_in_every_python_package():
   packages = {os.path.dirname(b) for b in builds}
   missing = sorted({os.path.dirname(p) for p in sources} - packages)
   assert not missing, f'directories with .py files but no BUILD: {missing}'
+
+
+# Layers that must not import each other (module- or function-level):
+# a task knows nothing of algorithms (the algorithm x task matrix is
+# `tff_personal/matrix.py`, above both).
+_FORBIDDEN = (('tasks/', 'tff_personal.algorithms'),)
+
+
+def _forbidden_imports(sources) -> list[str]:
+  bad = []
+  for path, text in sorted(sources.items()):
+    for prefix, banned in _FORBIDDEN:
+      if not path.startswith(prefix):
+        continue
+      imports, _ = build_graph.parse_imports(text, path)
+      bad += [f'{path}:{imp.lineno}: {imp.text}' for imp in imports
+              if any(c == banned or c.startswith(banned + '.')
+                     for c in imp.candidates)]
+  return bad
+
+
+def test_tasks_import_no_algorithm():
+  _, sources, _ = build_graph.collect_repo(REPO)
+  assert not _forbidden_imports(sources)
+  # The check sees a function-level import too.
+  assert _forbidden_imports({'tasks/t.py': (
+      'def f():\n  from tff_personal.algorithms import fedperc\n')}) == [
+          'tasks/t.py:2: from tff_personal.algorithms import fedperc']

@@ -21,6 +21,7 @@ from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.core import evaluation
 from tff_personal.core import new_users
 from tff_personal.core import process as process_lib
+from tff_personal.models import fedperc as fedperc_model
 from tff_personal.models import fedperc_backbone
 
 FLAGS = flags.FLAGS
@@ -76,7 +77,7 @@ def test_table_task_takes_its_users_contexts_and_withheld_users_from_options(
   for samples, tuned in ((1, 1), (None, len(split['fine_tune']['ids']))):
     (data,) = task.withheld_eval_datasets([1], samples)
     batch = data.unbatch().batch(100).get_single_element()
-    roles = batch[fedperc_alg.ROLE].numpy()
+    roles = batch[fedperc_model.ROLE].numpy()
     assert list(roles) == [0] * tuned + [1] * len(split['test']['ids'])
     np.testing.assert_array_equal(batch['ids'].numpy()[:tuned],
                                   split['fine_tune']['ids'][:tuned])

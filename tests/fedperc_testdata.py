@@ -9,7 +9,6 @@ import numpy as np
 import tensorflow as tf
 
 from tasks import tv_shows
-from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc
 from tff_personal.models import fedperc_backbone
@@ -71,7 +70,7 @@ def eval_datasets(sizes) -> list:
   out = []
   for u, n in enumerate(sizes):
     rows = user_rows(u, n, 99)
-    rows[fedperc_alg.ROLE] = (np.arange(n) >= n // 2).astype(np.int32)
+    rows[fedperc.ROLE] = (np.arange(n) >= n // 2).astype(np.int32)
     out.append(tf.data.Dataset.from_tensor_slices(rows).batch(4))
   return out
 

@@ -19,6 +19,7 @@ from binaries import train  # pylint: disable=unused-import  (defines the flags)
 from tasks import registry as task_registry
 from tasks import speech_task
 from tff_personal import experiment
+from tff_personal import matrix
 from tff_personal import runs
 from tff_personal.algorithms import registry
 from tff_personal.core import task as task_lib
@@ -84,7 +85,7 @@ def test_a_task_without_a_required_member_is_named():
 
 
 def test_matrix_follows_the_needs():
-  rows = {(r['algorithm'], r['task']): r for r in task_registry.matrix()}
+  rows = {(r['algorithm'], r['task']): r for r in matrix.matrix()}
   assert len(rows) == len(registry.SPECS) * len(task_registry.TASKS)
   for (algorithm, task), row in rows.items():
     needs = set(registry.spec(algorithm).needs)
@@ -106,7 +107,7 @@ def test_matrix_follows_the_needs():
 
 def test_list_prints_the_matrix_and_every_option():
   text = common.listing()
-  assert task_registry.format_matrix() in text
+  assert matrix.format_matrix() in text
   for name in registry.SPECS:
     assert re.search(rf'^  {name} \(', text, re.M), name
   assert 'lam (float, default 0.1)' in text  # ditto's option

@@ -30,6 +30,7 @@ from tasks import registry as task_registry
 from tasks import tv_shows_task
 from tests import fedperc_testdata
 from tff_personal import experiment
+from tff_personal import matrix
 from tff_personal import run_records
 from tff_personal import run_spec
 from tff_personal import runs
@@ -240,7 +241,7 @@ def test_every_registered_task_gives_its_spec_back(tmp_path):
   if not FLAGS.is_parsed():
     FLAGS(['train'])
   for name in task_registry.TASKS:
-    algorithm = next(r['algorithm'] for r in task_registry.matrix()
+    algorithm = next(r['algorithm'] for r in matrix.matrix()
                      if r['task'] == name and r['runs'])
     with flagsaver.flagsaver(task=name, algorithm=algorithm, rounds=2,
                              clients_per_round=2, num_users=30,

@@ -82,7 +82,7 @@ def test_eval_scores_test_utterances_after_the_prompt(task):
   assert metrics['clients'] == 2
   np.testing.assert_allclose(metrics['perplexity'], np.exp(nll / tokens),
                              rtol=1e-5)
-  roles = task.eval_batches([2])[0].examples[fedperc_alg.ROLE]
+  roles = task.eval_batches([2])[0].examples[fedperc.ROLE]
   np.testing.assert_array_equal(roles, [0, 0, 1, 1])
 
 

@@ -42,11 +42,11 @@ SECTIONS = ('matrix', 'results', 'performance')
 
 
 def matrix_markdown() -> str:
-  """The algorithm x task matrix (Markdown), from the tasks registry."""
+  """The algorithm x task matrix (Markdown), from the two registries."""
   if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-  from tasks import registry  # pylint: disable=g-import-not-at-top
-  return registry.format_matrix(links_from=ROOT)
+  from tff_personal import matrix  # pylint: disable=g-import-not-at-top
+  return matrix.format_matrix(links_from=ROOT)
 
 
 def load_targets(path: str = TARGETS) -> list[dict]:

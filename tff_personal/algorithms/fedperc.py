@@ -125,17 +125,7 @@ def initial_client_state(private) -> collections.OrderedDict:
 
 # The eval batches' role feature: 0 for a fine-tuning utterance (read by the
 # test-time adaptation only), 1 for a test utterance (scored).
-ROLE = 'y'
-ROLE_FINE_TUNE = 0
-ROLE_TEST = 1
 PROMPT_TOKENS = 3
-
-
-def eval_batch_spec(max_tokens: int) -> collections.OrderedDict:
-  """Element spec of evaluation batches: a training batch plus `ROLE`."""
-  spec = fedperc.batch_spec(max_tokens)
-  spec[ROLE] = tf.TensorSpec([None], tf.int32)
-  return spec
 
 
 # The seed of the fixed shuffle `_Minibatches` cuts its batches from.
@@ -186,11 +176,12 @@ class _Minibatches:
 class FedPercEvalModel:
   """A `FedPercModel` as the run path's evaluation reads a split model.
 
-  Every user's evaluation data is one set of utterances with a `ROLE`
-  feature: `forward` first adapts the model on the fine-tuning utterances
-  (`ROLE_FINE_TUNE`) as the algorithm does at test time ('generate': the
-  generators' forward passes set psi and the context embeddings; 'fine_tune':
-  `fine_tune_steps` Adam steps on the adaptable variables, each on a
+  Every user's evaluation data is one set of utterances with a
+  `fedperc.ROLE` feature: `forward` first adapts the model on the
+  fine-tuning utterances (`fedperc.ROLE_FINE_TUNE`) as the algorithm does
+  at test time ('generate': the generators' forward passes set psi and the
+  context embeddings; 'fine_tune': `fine_tune_steps` Adam steps on the
+  adaptable variables, each on a
   minibatch of `fine_tune_batch_size` of them, one pass after another
   (`_Minibatches`; 0: each step on all of them); 'none', or a batch without
   fine-tuning utterances: nothing), then
@@ -218,15 +209,15 @@ class FedPercEvalModel:
       raise ValueError('fine_tune_batch_size must be >= 0 (0: all the '
                        f'fine-tuning utterances), got {fine_tune_batch_size}')
     self._batch_size = fine_tune_batch_size
-    self.input_spec = eval_batch_spec(model.config.max_tokens)
+    self.input_spec = fedperc.eval_batch_spec(model.config.max_tokens)
     self.shared_trainable_variables = model.shared_trainable_variables
     self.shared_non_trainable_variables = model.shared_non_trainable_variables
     self.private_variables = model.private_variables
 
   def _adapt(self, batch) -> None:
     model = self.fedperc_model
-    tune = {k: tf.boolean_mask(batch[k], tf.equal(batch[ROLE],
-                                                  ROLE_FINE_TUNE))
+    tune = {k: tf.boolean_mask(batch[k], tf.equal(batch[fedperc.ROLE],
+                                                  fedperc.ROLE_FINE_TUNE))
             for k in ('ids', 'mask', 'context')}
     if self.adapt == 'generate':
       offset, table = model.generate(model.personal_offset, tune)
@@ -249,7 +240,8 @@ class FedPercEvalModel:
     self._adapt(batch)
     logits, targets, positions, mask = model.logits_and_targets(batch)
     weights = mask * tf.cast(positions >= PROMPT_TOKENS, tf.float32)[None, :]
-    weights *= tf.cast(tf.equal(batch[ROLE], ROLE_TEST), tf.float32)[:, None]
+    weights *= tf.cast(tf.equal(batch[fedperc.ROLE], fedperc.ROLE_TEST),
+                       tf.float32)[:, None]
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=targets, logits=logits)
     return tf.stack([tf.reduce_sum(losses * weights, 1),

@@ -64,9 +64,17 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
         'build_process': 'tff_personal.experiment',
         'dp_clip_report': 'tff_personal.core.new_users',
         'dp_mean_epsilon': 'tff_personal.core.new_users',
+        'ROLE': 'tff_personal.models.fedperc',
+        'ROLE_FINE_TUNE': 'tff_personal.models.fedperc',
+        'ROLE_TEST': 'tff_personal.models.fedperc',
+        'eval_batch_spec': 'tff_personal.models.fedperc',
     },
     'tff_personal.models.word_lm': {
         'pooled_perplexity': 'tff_personal.core.evaluation',
+    },
+    'tasks.registry': {
+        'matrix': 'tff_personal.matrix',
+        'format_matrix': 'tff_personal.matrix',
     },
 }
 

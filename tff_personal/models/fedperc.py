@@ -363,6 +363,20 @@ def batch_spec(max_tokens: int) -> collections.OrderedDict:
               context=tf.TensorSpec([None], tf.int32))
 
 
+# Evaluation batches add each utterance's role: one of the user's
+# fine-tuning (adaptation) utterances, or a test utterance.
+ROLE = 'y'
+ROLE_FINE_TUNE = 0
+ROLE_TEST = 1
+
+
+def eval_batch_spec(max_tokens: int) -> collections.OrderedDict:
+  """Element spec of evaluation batches: a training batch plus `ROLE`."""
+  spec = batch_spec(max_tokens)
+  spec[ROLE] = tf.TensorSpec([None], tf.int32)
+  return spec
+
+
 def token_count_weights(batch, prompt: int, has_prefix: bool) -> Any:
   """Number of scored tokens per example (for tests and bookkeeping)."""
   mask = tf.cast(batch['mask'], tf.int32)
