@@ -32,6 +32,7 @@ from tff_personal.algorithms import registry
 from tff_personal.core import privacy
 from tff_personal.core import production
 from tff_personal.core import runtime
+from tff_personal.core import sharded
 
 _ORDERS = list(range(2, 257)) + [384, 512, 768, 1024]
 
@@ -264,6 +265,30 @@ def test_release_labels_say_who_is_trusted(tmp_path):
       config, privacy.resolve(_config(mechanism='gaussian_fixed',
                                       clients_per_round=3, population=10)))
   assert 'un-noised update' in central[0]['trusted']
+
+
+def test_the_sharded_simulation_runs_it_one_user_per_client():
+  """Automatic sharding picks one user per client for it; shards asked
+  for explicitly are refused, naming the mechanism."""
+  proc = conformance._build(  # pylint: disable=protected-access
+      'global', aggregator_factory=privacy.build_aggregator(_config()))
+  assert sharded.resolve_num_shards(proc, sharded.AUTO) == 0
+  with pytest.raises(ValueError, match='simulation_shards=0.*distributed'):
+    sharded.ShardedProcess(proc, 2)
+
+
+@pytest.mark.parametrize('mechanism', ['distributed_dgauss',
+                                       'gaussian_adaptive'])
+def test_explicit_shards_are_refused_before_the_run(mechanism, tmp_path):
+  config = experiment.ExperimentConfig(
+      algorithm='global', rounds=2, clients_per_round=3,
+      root_output_dir=str(tmp_path), experiment_name='x',
+      simulation_shards=2, dp=_config(mechanism=mechanism,
+                                      noise_multiplier=0.1,
+                                      clients_per_round=3, population=10))
+  with pytest.raises(ValueError, match='simulation_shards=2'):
+    experiment.validate(config, 10)
+  experiment.validate(dataclasses.replace(config, simulation_shards=-1), 10)
 
 
 # 3. Every registered algorithm runs it, or the registry says why.

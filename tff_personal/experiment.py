@@ -298,6 +298,13 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   if config.dp.is_distributed and not_distributed:
     raise ValueError(f'{config.algorithm} does not run dp mechanism '
                      f'{config.dp.mechanism!r}: {not_distributed}')
+  if (config.dp.mechanism not in ('none', 'gaussian_fixed') and
+      config.simulation_shards > 0):
+    raise ValueError(
+        f'simulation_shards={config.simulation_shards}: the sharded '
+        'simulation runs dp mechanism gaussian_fixed only (a shard sends '
+        f'one record for its users; {config.dp.mechanism} needs each '
+        'user\'s own); use simulation_shards=0 or -1 (one user per client)')
   # A multi-stage algorithm's earlier stages are noised rounds too.
   dp = dataclasses.replace(
       config.dp, clients_per_round=config.clients_per_round,
