@@ -52,6 +52,18 @@ TASKS = {
 }
 
 
+# How each task's metric pools its clients: a ClientData task's `accuracy`
+# is the mean of the clients' accuracies, the speaker task's is pooled over
+# every test example (each record also has `accuracy_pooled` and
+# `accuracy_client_mean`).
+POOLING = {
+    'label_skew_mnist': 'mean over clients',
+    'mnist_client_data': 'mean over clients',
+    'speaker_context': 'pooled over examples',
+    'shakespeare_groups': 'pooled over tokens',
+}
+
+
 def methods_for(task: str) -> tuple[str, ...]:
   """The benchmark's methods that run on `task`."""
   capabilities = task_registry.spec(task).capabilities
@@ -75,11 +87,11 @@ def _tables() -> dict[str, reporting.Table]:
   out = {}
   for task, (_, _, metric, digits) in TASKS.items():
     for suffix, key, what in (
-        ('', metric, f'{metric}, every evaluated client'),
+        ('', metric, f'{metric} ({POOLING[task]}), every evaluated client'),
         ('_trained', f'trained_{metric}',
-         f'{metric}, the clients that trained'),
+         f'{metric} ({POOLING[task]}), the clients that trained'),
         ('_never_trained', f'never_trained_{metric}',
-         f'{metric}, the clients that never trained'),
+         f'{metric} ({POOLING[task]}), the clients that never trained'),
         ('_seconds', 'seconds', 'seconds per cell (2 cores)')):
       out[task + suffix] = _table(task, task + suffix, key, what,
                                   0 if suffix == '_seconds' else digits)

@@ -100,8 +100,10 @@ def accuracy_sums(batch, logits):
 
 
 def classification_metrics(per_client_outputs, client_ids) -> dict:
-  """Per-client accuracy: its mean, spread and minimum over clients, and the
-  pooled accuracy over every test example."""
+  """Per-client accuracy: its mean over clients (`accuracy_client_mean`;
+  `accuracy` is the same value, the name the recorded tables use), spread
+  and minimum, and the pooled accuracy over every test example
+  (`accuracy_pooled`, what PFLlib and most papers report)."""
   del client_ids
   accs, correct, total = [], 0, 0
   for out in per_client_outputs:
@@ -117,6 +119,7 @@ def classification_metrics(per_client_outputs, client_ids) -> dict:
       float('nan'),
       accuracy_min=float(accs.min()) if accs.size else float('nan'),
       accuracy_pooled=correct / total if total else float('nan'),
+      accuracy_client_mean=float(accs.mean()) if accs.size else float('nan'),
       clients=int(accs.size))
 
 

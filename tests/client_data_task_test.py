@@ -152,6 +152,7 @@ def test_classification_metrics_are_per_client():
   m = client_data_task.classification_metrics(outputs, [0, 1])
   assert m['accuracy'] == pytest.approx(0.75)  # mean of 0.5 and 1.0
   assert m['accuracy_pooled'] == pytest.approx(4 / 5)
+  assert m['accuracy_client_mean'] == m['accuracy']
   assert m['accuracy_std_across_clients'] == pytest.approx(0.25)
   assert m['accuracy_min'] == 0.5 and m['clients'] == 2
 

@@ -91,7 +91,9 @@ def test_preference_metrics_average_users_then_groups():
   assert m['f1_per_group'] == {0: 0.5, 1: pytest.approx(2 / 3)}
   assert m['f1'] == pytest.approx((0.5 + 2 / 3) / 2)
   assert m['f1_user_mean'] == pytest.approx((1 + 0 + 2 / 3) / 3)
-  assert m['accuracy'] == pytest.approx(5 / 8)
+  assert m['accuracy'] == m['accuracy_pooled'] == pytest.approx(5 / 8)
+  # Per user: 1.0, 0.0 and 0.75, then their mean.
+  assert m['accuracy_client_mean'] == pytest.approx((1 + 0 + 0.75) / 3)
   # Macro F1 per user: 1.0, 0.0, (2/3 + 0.8) / 2; then groups, then mean.
   assert m['f1_macro_per_group'] == {0: 0.5,
                                      1: pytest.approx((2 / 3 + 0.8) / 2)}

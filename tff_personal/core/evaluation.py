@@ -109,7 +109,9 @@ def format_metrics(metrics: Mapping[str, Any]) -> str:
 
 def classification_metrics(per_client: Sequence[Mapping[str, Any]]
                            ) -> dict[str, Any]:
-  """Accuracy over all examples and the mean of per-user accuracies."""
+  """Accuracy over all examples (`accuracy_pooled`; `accuracy` is the same
+  value, the name the recorded tables use) and the mean of per-user
+  accuracies (`accuracy_client_mean`, also `user_mean_accuracy`)."""
   correct, total, per_user = 0, 0, []
   for out in per_client:
     preds = np.asarray(out['outputs']).argmax(axis=-1)
@@ -118,9 +120,11 @@ def classification_metrics(per_client: Sequence[Mapping[str, Any]]
     total += len(labels)
     if len(labels):
       per_user.append(float(np.mean(preds == labels)))
-  return {'accuracy': correct / total if total else float('nan'),
-          'user_mean_accuracy': float(np.mean(per_user)) if per_user
-                                else float('nan'),
+  pooled = correct / total if total else float('nan')
+  client_mean = float(np.mean(per_user)) if per_user else float('nan')
+  return {'accuracy': pooled, 'accuracy_pooled': pooled,
+          'accuracy_client_mean': client_mean,
+          'user_mean_accuracy': client_mean,
           'num_clients': len(per_client), 'num_examples': total}
 
 
@@ -213,13 +217,15 @@ def preference_metrics(per_client: Sequence[Mapping[str, Any]],
     each user's F1 averaged over both labels (`macro_f1`; the reading of
     FedEmbed's F1 that its tables support: README, "Which F1 the paper
     reports");
-    `accuracy` over all examples; `auc` pooled over all examples.
+    `accuracy` over all examples (also `accuracy_pooled`) and
+    `accuracy_client_mean`, the mean of the users' accuracies; `auc` pooled
+    over all examples.
   """
   if len(per_client) != len(groups):
     raise ValueError('per_client and groups differ in length')
   by_group = collections.defaultdict(list)
   macro_by_group = collections.defaultdict(list)
-  all_labels, all_scores, all_preds = [], [], []
+  all_labels, all_scores, all_preds, per_user = [], [], [], []
   for out, group in zip(per_client, groups):
     logits = np.asarray(out['outputs'], dtype=np.float64)
     labels = np.asarray(out['labels'])
@@ -231,6 +237,8 @@ def preference_metrics(per_client: Sequence[Mapping[str, Any]],
     all_labels.append(labels)
     all_scores.append(scores)
     all_preds.append(preds)
+    if len(labels):
+      per_user.append(float(np.mean(labels == preds)))
   labels = np.concatenate(all_labels)
   preds = np.concatenate(all_preds)
   f1_per_group = {g: float(np.mean(v)) for g, v in sorted(by_group.items())}
@@ -244,6 +252,9 @@ def preference_metrics(per_client: Sequence[Mapping[str, Any]],
       'f1_macro': float(np.mean(list(macro_per_group.values()))),
       'f1_macro_per_group': macro_per_group,
       'accuracy': float(np.mean(labels == preds)),
+      'accuracy_pooled': float(np.mean(labels == preds)),
+      'accuracy_client_mean': float(np.mean(per_user)) if per_user else
+                              float('nan'),
       'auc': roc_auc(labels, np.concatenate(all_scores)),
       'num_clients': len(per_client),
       'num_examples': int(len(labels)),
