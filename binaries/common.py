@@ -525,8 +525,10 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
     runs = (f'; runs on: {", ".join(t for t, m in missing.items() if not m)}'
             if name in outside else '')
     batched = '; runs batched (--simulation_batched)' if spec.batched else ''
-    lines.append(f'  {name} ({spec.family}): {spec.summary}{batched}; '
-                 'options: '
+    evaluated = (f'; evaluates with {spec.evaluation}' if spec.evaluation
+                 else '')
+    lines.append(f'  {name} ({spec.family}): {spec.summary}{batched}'
+                 f'{evaluated}; options: '
                  + options_lib.describe(algorithm_registry._option_specs(name))  # pylint: disable=protected-access
                  + runs)
   lines += ['', 'Private state, for every algorithm with private variables:',

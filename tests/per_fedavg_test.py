@@ -6,11 +6,19 @@ second halves of the batches."""
 import collections
 
 import numpy as np
+import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 
+from tasks import client_data_task
 from tests import method_testdata as data
+from tff_personal import experiment
+from tff_personal import runs
+from tff_personal import strategies
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import per_fedavg
+from tff_personal.algorithms import registry
+from tff_personal.core import runtime
 
 
 def _build(**options):
@@ -84,3 +92,57 @@ def test_one_step_is_the_maml_step():
                       0.3, 0.1, False)
       assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                  for a, b in zip(fo, want)) > 1e-6
+
+
+def _client_data(seed):
+  ids = [f'c{k}' for k in range(6)]
+
+  def dataset_fn(client_id):
+    rng = np.random.default_rng([seed, ids.index(client_id)])
+    x = rng.normal(size=(12, 4)).astype(np.float32)
+    y = (x[:, 0] + rng.normal(0.5, size=12) > 0).astype(np.int32)
+    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
+
+  return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
+      ids, dataset_fn)
+
+
+def _mean_loss(outputs, ids):
+  del ids
+  logits = np.concatenate([np.asarray(o['outputs']) for o in outputs])
+  labels = np.concatenate([np.asarray(o['labels']) for o in outputs])
+  return {'loss': float(tf.reduce_mean(
+      tf.keras.losses.sparse_categorical_crossentropy(
+          labels, logits, from_logits=True)))}
+
+
+def test_evaluation_is_the_declared_one_step_unless_a_strategy_overrides(
+    tmp_path):
+  spec = registry.spec('per_fedavg')
+  assert strategies.parse(spec.evaluation)[1] == strategies.FineTune(steps=1)
+  task = client_data_task.ClientDataTask(
+      'one_step', _client_data(0), _client_data(1),
+      model_builder=client_data_task.keras_classifier(
+          lambda: tf.keras.Sequential([tf.keras.layers.Input(shape=(4,)),
+                                       tf.keras.layers.Dense(2)])),
+      batch_size=4, evaluate_fn=_mean_loss)
+  config = experiment.ExperimentConfig(
+      algorithm='per_fedavg', rounds=1, clients_per_round=3,
+      root_output_dir=str(tmp_path), experiment_name='p',
+      client_optimizer='sgd', client_learning_rate=0.1, seed=1,
+      algorithm_options={'inner_lr': 0.5})
+  with runtime.local_runtime():
+    run = runs.run_experiment(task, config, log_fn=lambda s: None)
+    got = run.evaluate(strategies=[
+        'one=fine_tune(steps=1,learning_rate=0.5,optimizer=sgd)',
+        'pass=fine_tune(learning_rate=0.5,optimizer=sgd)'])['strategies']
+  # The run's own evaluation is the paper's one step at inner_lr (12
+  # examples in batches of 4: a pass would be three steps).
+  assert run['eval']['loss'] == pytest.approx(got['one']['eval']['loss'],
+                                              rel=1e-6)
+  assert run['eval']['loss'] != pytest.approx(got['pass']['eval']['loss'],
+                                              rel=1e-4)
+  whole = registry.build_for_task(
+      'per_fedavg', task, client_optimizer=data.sgd(0.1),
+      server_optimizer=data.sgd(1.0), test_steps=0)
+  assert whole.eval_fine_tune_steps is None

@@ -7,12 +7,16 @@ seed is apart from the training seed; `binaries.train --list` prints the
 registry's matrix.
 """
 
+import collections
 import os
 import re
+import types
 
 from absl import flags
 from absl.testing import flagsaver
 import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
 
 from binaries import common
 from binaries import train  # pylint: disable=unused-import  (defines the flags)
@@ -21,8 +25,10 @@ from tasks import speech_task
 from tff_personal import experiment
 from tff_personal import matrix
 from tff_personal import runs
+from tff_personal import strategies
 from tff_personal.algorithms import registry
 from tff_personal.core import task as task_lib
+from tff_personal.models import split_model
 
 FLAGS = flags.FLAGS
 SHARED_DATA = os.path.abspath(
@@ -182,3 +188,28 @@ def test_data_seed_is_apart_from_the_training_seed(mnist_dir):
                                    num_users=30, population='balanced',
                                    seed=s) for s in (0, 1))
   assert list(a.groups(range(30))) != list(b.groups(range(30)))
+
+
+def test_declared_evaluations_are_what_the_processes_run():
+  spec = collections.OrderedDict(x=tf.TensorSpec([None, 4], tf.float32),
+                                 y=tf.TensorSpec([None], tf.int32))
+  task = types.SimpleNamespace(
+      name='tiny', supports_personal_embedding=False, has_named_head=True,
+      model_fn_factory=lambda dim: lambda: split_model.SplitModel(
+          model=tf.keras.Sequential([
+              tf.keras.layers.Input(shape=(4,)),
+              tf.keras.layers.Dense(3, name='body'),
+              tf.keras.layers.Dense(2, name='head')]),
+          private_variables=[], loss_fn=lambda b, o: tf.reduce_mean(o),
+          input_spec=spec))
+  declared = {n: s.evaluation for n, s in registry.SPECS.items()
+              if s.evaluation}
+  assert set(declared) == {'fedavg_ft', 'fedbabu', 'per_fedavg'}
+  for name, text in declared.items():
+    strategy = strategies.parse(text)[1]
+    assert isinstance(strategy, strategies.FineTune), name
+    proc = registry.build_for_task(
+        name, task, client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+        server_optimizer=tff.learning.optimizers.build_sgdm(1.0))
+    assert proc.eval_fine_tune, name
+    assert proc.eval_fine_tune_steps == strategy.steps, name

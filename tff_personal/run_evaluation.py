@@ -96,7 +96,10 @@ def personal_evaluator(task, proc, config: experiment.ExperimentConfig, store,
   # fine-tune) and whether the process always fine-tunes before testing.
   state_type = getattr(proc, 'eval_client_state_type', proc.client_state_type)
   always_fine_tune = getattr(proc, 'eval_fine_tune', False)
-  tune = fine_tune or strategies_lib.FineTune()
+  # The algorithm's declared protocol (Per-FedAvg's one step) unless a
+  # strategy says otherwise.
+  tune = fine_tune or strategies_lib.FineTune(
+      steps=getattr(proc, 'eval_fine_tune_steps', None))
   fine_tune_optimizer = (tune.build_optimizer() or
                          getattr(proc, 'eval_fine_tune_optimizer', None) or
                          experiment.make_private_optimizer(config) or

@@ -14,10 +14,12 @@ and D' (a one-example batch serves as both):
 
 The client sends `initial - final` of w, weighted by its D' examples, and the
 server aggregates and applies it as in FedAvg (DP covers every weight).
-Nothing is private during training. Evaluation is the evaluator's
-fine-tuning (FedAvg+FT's): each evaluated client copies the global model,
-adapts it with one local pass of SGD at `inner_lr` (the step the model was
-meta-trained for) on its own training data and tests the copy.
+Nothing is private during training. Evaluation is the paper's test-time
+adaptation (Fallah et al. 2020, Sec. 5): each evaluated client copies the
+global model, takes `test_steps` SGD steps at `inner_lr` (the step the model
+was meta-trained for; one by default) on batches of its own training data,
+and tests the copy; `test_steps=0` adapts for one whole local pass instead,
+and a `fine_tune` strategy overrides either.
 
 TF written here: TFF has no meta-learning client work. With `inner_lr=0`
 the step is FedAvg's on the D' halves (tested).
@@ -126,6 +128,7 @@ def build_per_fedavg(model_fn_factory, *,
                      train_metrics: bool = True, seed: Optional[int] = None,
                      embedding_dim: int = 0, private_optimizer=None,
                      inner_lr: float = 0.01, hessian_free: bool = False,
+                     test_steps: int = 1,
                      ) -> process_lib.StatefulClientProcess:
   """Builds Per-FedAvg (module docstring).
 
@@ -143,6 +146,8 @@ def build_per_fedavg(model_fn_factory, *,
     inner_lr: the adaptation step alpha (0.01, as in the public
       re-implementations; the paper tunes it per data set).
     hessian_free: the HF variant (module docstring); default FO.
+    test_steps: the evaluation's adaptation steps (the paper's: 1); 0: one
+      whole pass over the client's training data.
 
   Returns:
     A `StatefulClientProcess` that declares its fine-tuned evaluation.
@@ -153,6 +158,8 @@ def build_per_fedavg(model_fn_factory, *,
                      f'personal embedding (got {embedding_dim})')
   if inner_lr < 0:
     raise ValueError(f'per_fedavg inner_lr must be >= 0, got {inner_lr}')
+  if test_steps < 0:
+    raise ValueError(f'per_fedavg test_steps must be >= 0, got {test_steps}')
   model_fn = model_fn_factory(0)
   with tf.Graph().as_default():
     if model_fn().private_variables:
@@ -169,4 +176,5 @@ def build_per_fedavg(model_fn_factory, *,
       eval_private_fn=lambda w: tuple(w.trainable),
       eval_client_state_type=ditto.personal_state_type(weights.trainable),
       eval_fine_tune=True,
-      eval_fine_tune_optimizer=tff.learning.optimizers.build_sgdm(inner_lr))
+      eval_fine_tune_optimizer=tff.learning.optimizers.build_sgdm(inner_lr),
+      eval_fine_tune_steps=test_steps or None)

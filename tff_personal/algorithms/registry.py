@@ -84,6 +84,12 @@ class AlgorithmSpec:
       `tests/conformance_test.py` holds the declaration to what
       `sharded.ShardedProcess(batched=True)` accepts, and the batched form
       to the per-user one.
+    evaluation: the protocol the algorithm's evaluation declares, as a
+      strategy text (`strategies.parse`; Per-FedAvg's one adaptation step
+      `fine_tune(steps=1)`, FedAvg+FT's and FedBABU's one pass
+      `fine_tune`); empty: each client's stored state as trained. Its
+      process runs it by default (`--list` shows it; a strategy overrides
+      it); `tests/registry_test.py` holds the two to each other.
     distributed_dp: empty when the algorithm runs the distributed DP
       mechanism (`privacy.DISTRIBUTED_MECHANISMS`: noise added on the
       devices, sums by secure aggregation) wherever it runs
@@ -99,6 +105,7 @@ class AlgorithmSpec:
   summary: str
   stage_rounds: tuple[str, ...] = ()
   batched: bool = False
+  evaluation: str = ''
   distributed_dp: str = ''
 
   @property
@@ -166,7 +173,7 @@ _SPECS = (
     AlgorithmSpec('fedavg_ft', fedavg_ft.build_fedavg_ft_algorithm, 'split',
                   (), 'baselines',
                   'FedAvg, then local fine-tuning at evaluation',
-                  batched=True),
+                  batched=True, evaluation='fine_tune'),
     AlgorithmSpec('fedper', fedper.build_fedper, 'split', ('named_head',),
                   'baselines',
                   'FedPer: shared body and private head, trained jointly',
@@ -179,11 +186,12 @@ _SPECS = (
     AlgorithmSpec('fedbabu', fedbabu.build_fedbabu, 'split', ('named_head',),
                   'baselines',
                   'FedBABU: body trained under a fixed random head, all '
-                  'fine-tuned at evaluation'),
+                  'fine-tuned at evaluation', evaluation='fine_tune'),
     AlgorithmSpec('per_fedavg', per_fedavg.build_per_fedavg, 'split', (),
                   'baselines',
                   'Per-FedAvg: FedAvg of a first-order (or Hessian-free) '
-                  'MAML learner, adapted at evaluation'),
+                  'MAML learner, adapted at evaluation',
+                  evaluation='fine_tune(steps=1)'),
     AlgorithmSpec('apfl', apfl.build_apfl, 'split', (), 'baselines',
                   'APFL: a learned per-client mixture of a personal and the '
                   'global model'),

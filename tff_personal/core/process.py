@@ -122,6 +122,7 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
                eval_fine_tune_optimizer: (
                    tff.learning.optimizers.Optimizer | None) = None,
                global_private_fn: EvalPrivateFn | None = None,
+               eval_fine_tune_steps: int | None = None,
                build_fn: Callable[[], tuple[tff.Computation,
                                             tff.Computation]] | None = None):
     if (build_fn is None) == (initialize_fn is None or next_fn is None):
@@ -144,6 +145,7 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     self._eval_fine_tune = eval_fine_tune
     self._eval_fine_tune_optimizer = eval_fine_tune_optimizer
     self._global_private_fn = global_private_fn
+    self._eval_fine_tune_steps = eval_fine_tune_steps
 
   def _built(self) -> None:
     """Builds `initialize` and `next` if not yet (a failed build raises
@@ -188,6 +190,13 @@ class StatefulClientProcess(tff.templates.IterativeProcess):
     """Whether evaluation always fine-tunes the private state first (one
     local pass, shared weights frozen): FedAvg+FT's evaluation."""
     return self._eval_fine_tune
+
+  @property
+  def eval_fine_tune_steps(self) -> int | None:
+    """None, or the steps of the evaluation's fine-tuning that the algorithm
+    declares (Per-FedAvg's test-time adaptation: one step); None: one pass
+    over the client's training data. A `fine_tune` strategy overrides it."""
+    return self._eval_fine_tune_steps
 
   @property
   def eval_fine_tune_optimizer(self
