@@ -357,3 +357,13 @@ def test_unreadable_records_are_named(tmp_path, mnist_dir, finished, capsys):
     assert str(run / name) in err and 'not valid JSON' in err
     assert files.tree_digest(run) == before
     (run / name).write_text(text)
+
+
+@pytest.mark.parametrize('value', ['1e20', '100000000000000000000', '-1',
+                                   '1.5', '"3"', 'true', 'null'])
+def test_a_rounds_started_record_that_is_no_count_is_named(tmp_path, value):
+  path = tmp_path / training_loop.ROUNDS_STARTED_FILENAME
+  path.write_text('{"rounds_started": %s}' % value)
+  with pytest.raises(training_loop.CheckpointError) as e:
+    training_loop.rounds_started(str(tmp_path), required=True)
+  assert str(path) in str(e.value) and '\n' not in str(e.value)

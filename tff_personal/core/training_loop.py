@@ -229,6 +229,10 @@ ROUNDS_STARTED_FILENAME = 'rounds_started.json'
 STORE_DIRNAME = 'client_states'
 
 
+# The most rounds a run can count (its round numbers are 32-bit).
+_MAX_ROUNDS = 2**31 - 1
+
+
 def _read_run_record(path: str) -> Optional[int]:
   """The count in the run directory's record, or None if it is missing."""
   if not os.path.exists(path):
@@ -237,8 +241,9 @@ def _read_run_record(path: str) -> Optional[int]:
     with open(path, encoding='utf-8') as f:
       started = json.load(f)['rounds_started']
     if (not isinstance(started, int) or isinstance(started, bool)
-        or started < 0):
-      raise ValueError(f'rounds_started is {started!r}')
+        or not 0 <= started <= _MAX_ROUNDS):
+      raise ValueError(f'rounds_started is {started!r}, not a count in '
+                       f'[0, {_MAX_ROUNDS}]')
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise CheckpointError(
         f'{path} cannot be read ({type(e).__name__}: {e}); it counts the '
