@@ -256,9 +256,10 @@ def define_flags():
   flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
                     'User-level DP of the shared update: gaussian_fixed and '
                     'gaussian_adaptive noise it centrally (a trusted '
-                    'aggregator); distributed_dgauss noises it on the '
-                    'devices and sums it by secure aggregation (the '
-                    'distributed discrete Gaussian; --sampling=fixed_size).')
+                    'aggregator); distributed_dgauss and '
+                    'distributed_skellam noise it on the devices and sum it '
+                    'by secure aggregation (the distributed discrete '
+                    'Gaussian, Skellam; --sampling=fixed_size).')
   flags.DEFINE_float('noise_multiplier', None,
                      'Noise std / clip norm (or give --target_epsilon).')
   flags.DEFINE_float('clip_norm', 1.0, 'L2 clip of a client\'s whole update.')
@@ -541,12 +542,13 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
   lines += ['', 'Privacy (--dp):',
             '  gaussian_fixed, gaussian_adaptive: central DP, noise added by '
             'a trusted aggregator that sees each clipped update',
-            '  distributed_dgauss: distributed DP with secure aggregation '
-            '(the distributed discrete Gaussian, Kairouz et al. 2021): each '
-            'device rotates, clips, rounds and noises its update, the '
-            'server sees only the sum; --sampling=fixed_size; runs with one '
-            'user per client (not sharded)']
-  lines += [f'    {name} does not run it: {spec.distributed_dp}'
+            '  distributed_dgauss, distributed_skellam: distributed DP with '
+            'secure aggregation (the distributed discrete Gaussian, Kairouz '
+            'et al. 2021; Skellam, Agarwal et al. 2021): each device '
+            'rotates, clips, rounds and noises its update, the server sees '
+            'only the sum; --sampling=fixed_size; runs with one user per '
+            'client (not sharded)']
+  lines += [f'    {name} does not run them: {spec.distributed_dp}'
             for name, spec in algorithm_registry.SPECS.items()
             if spec.distributed_dp]
   lines += ['', 'Tasks:']

@@ -1,9 +1,10 @@
-"""Distributed DP with secure aggregation (`privacy`'s 'distributed_dgauss').
+"""Distributed DP with secure aggregation (`privacy.DISTRIBUTED_MECHANISMS`).
 
 The accounting is held to the bound computed here independently: the scale
 and the rounding's inflation from TFF's own functions, Kairouz, Liu, Steinke
-2021 Prop. 14 and Wang, Balle, Kasiviswanathan 2019 Thm. 9 written out with
-Python integers and `math`, composition and the RDP-to-DP conversion (Canonne,
+2021 Prop. 14 (distributed discrete Gaussian), Agarwal, Kairouz, Liu 2021
+Thm. 3.5 (Skellam) and Wang, Balle, Kasiviswanathan 2019 Thm. 9 written out
+with Python integers and `math`, composition and the RDP-to-DP conversion (Canonne,
 Kamath, Steinke 2020, Prop. 12) written out too. The mechanism is held to
 what the bound assumes (TFF's scale, norm bound and noise, run), and every
 registered algorithm either runs it, its production form carrying secure
@@ -49,7 +50,8 @@ def _config(**kwargs) -> privacy.DPConfig:
 
 def _round_parameters(z, c, n, d, bits=20):
   """(L2, L1, sigma) of one round in TFF's scaled domain: TFF's own scale
-  and inflation functions, replace-one sensitivities."""
+  and inflation functions, replace-one sensitivities, and the stated lower
+  bound on the shares' parameter (TFF hands it over in float32)."""
   k = math.sqrt(2) * special.erfcinv(1e-4)
   sigma_local = z * c / math.sqrt(n)
   scale = float(tff_ddp._heuristic_scale_factor(  # pylint: disable=protected-access
@@ -63,7 +65,7 @@ def _round_parameters(z, c, n, d, bits=20):
   assert abs(tff_inflated - inflated) <= 1e-6 * inflated
   l2 = (inflated + 1e-5) * scale
   l1 = math.ceil(l2 * min(math.sqrt(d), l2))
-  return 2 * l2, 2 * l1, sigma_local * scale
+  return 2 * l2, 2 * l1, sigma_local * scale * (1 - 2.0**-23)
 
 
 def _prop14(alpha, l2, l1, sigma, n, d):
@@ -76,6 +78,14 @@ def _prop14(alpha, l2, l1, sigma, n, d):
   return min(alpha / 2 * (l2 / s)**2 + tau * d,
              alpha / 2 * ((l2 / s)**2 + 2 * (l1 / s) * tau + tau**2 * d),
              alpha / 2 * (l2 / s + tau * math.sqrt(d))**2)
+
+
+def _skellam35(alpha, l2, l1, sigma, n):
+  """Agarwal et al. 2021, Thm. 3.5, for the sum of n Skellam shares of
+  variance sigma^2 (one Skellam variable of variance n sigma^2)."""
+  mu = n * sigma**2
+  return alpha * l2**2 / (2 * mu) + min(
+      ((2 * alpha - 1) * l2**2 + 6 * l1) / (4 * mu**2), 3 * l1 / (2 * mu))
 
 
 def _wbk9(alpha, q, eps):
@@ -94,10 +104,13 @@ def _wbk9(alpha, q, eps):
   return min(total / (alpha - 1), eps(alpha))
 
 
-def _independent_epsilon(z, c, n, population, rounds, delta,
+def _independent_epsilon(mechanism, z, c, n, population, rounds, delta,
                          d=privacy.DDP_MAX_DIMENSION):
   l2, l1, sigma = _round_parameters(z, c, n, d)
-  eps = lambda a: _prop14(a, l2, l1, sigma, n, d)
+  if mechanism == 'distributed_dgauss':
+    eps = lambda a: _prop14(a, l2, l1, sigma, n, d)
+  else:
+    eps = lambda a: _skellam35(a, l2, l1, sigma, n)
   q = n / population
   best = math.inf
   for a in _ORDERS:
@@ -107,25 +120,29 @@ def _independent_epsilon(z, c, n, population, rounds, delta,
   return best
 
 
+@pytest.mark.parametrize('mechanism', privacy.DISTRIBUTED_MECHANISMS)
 @pytest.mark.parametrize('z,c,n,population,rounds', [
     (1.0, 1.0, 10, 100, 5),
     (0.7, 0.5, 3, 10, 20),
     (2.0, 1.0, 10, 10, 3),      # No sampling.
     (1.0, 0.1, 50, 5000, 200),
 ])
-def test_reported_epsilon_is_the_independent_bound(z, c, n, population,
-                                                   rounds):
-  config = _config(noise_multiplier=z, clip_norm=c, clients_per_round=n,
-                   population=population, rounds=rounds)
+def test_reported_epsilon_is_the_independent_bound(mechanism, z, c, n,
+                                                   population, rounds):
+  config = _config(mechanism=mechanism, noise_multiplier=z, clip_norm=c,
+                   clients_per_round=n, population=population,
+                   rounds=rounds)
   report = privacy.compute_epsilon(config, rounds)
-  want = _independent_epsilon(z, c, n, population, rounds,
+  want = _independent_epsilon(mechanism, z, c, n, population, rounds,
                               report['delta'])
   assert report['epsilon'] == pytest.approx(want, rel=1e-9)
   assert report['epsilon_pld'] is None and report['accountant'] == 'rdp'
   assert report['neighboring_relation'] == 'replace_one'
   # The report states the bound and the inflation it accounts.
   ddp = report['distributed']
-  assert 'Kairouz' in ddp['bound'] and 'Thm. 9' in ddp['subsampling']
+  paper = ('Prop. 14' if mechanism == 'distributed_dgauss' else
+           'Thm. 3.5')
+  assert paper in ddp['bound'] and 'Thm. 9' in ddp['subsampling']
   assert ddp['dimension'] == privacy.DDP_MAX_DIMENSION
   assert ddp['inflation'] > 1
 
@@ -134,7 +151,8 @@ def test_tau_term_is_the_independent_bound():
   """Where the shares are narrow (sigma near 1), tau counts: Prop. 14's
   three terms, held to the written-out bound, and above the continuous
   Gaussian's RDP at the same sensitivity and total noise."""
-  bound = privacy.DdpBound(dimension=1000, bits=20, scale=1.0,
+  bound = privacy.DdpBound(mechanism='distributed_dgauss', dimension=1000,
+                           bits=20, scale=1.0,
                            l2_sensitivity=6.0, l1_sensitivity=40.0,
                            local_sigma=0.9, shares=5, tau=10 * math.fsum(
                                math.exp(-2 * math.pi**2 * 0.81 * k / (k + 1))
@@ -147,6 +165,12 @@ def test_tau_term_is_the_independent_bound():
   assert bound.tau > 1e-7 and np.all(got > gaussian)
   narrow = dataclasses.replace(bound, local_sigma=0.4)
   assert np.all(np.isinf(narrow.rdp(orders)))  # No bound below 1/2.
+  # Skellam has no such term: its shares sum to one Skellam variable.
+  skellam = dataclasses.replace(bound, mechanism='distributed_skellam',
+                                local_sigma=0.4, tau=0.0)
+  np.testing.assert_allclose(
+      skellam.rdp(orders),
+      [_skellam35(int(a), 6.0, 40.0, 0.4, 5) for a in orders], rtol=1e-12)
 
 
 def test_subsampling_bound_against_dp_accountings_gaussian():
@@ -183,13 +207,16 @@ def test_epsilon_grows_with_the_dimension_so_the_bound_covers_smaller():
     previous = (bound.inflation, rdp)
 
 
-def test_calibration_meets_the_target():
-  config = _config(noise_multiplier=None, target_epsilon=4.0, rounds=10)
+@pytest.mark.parametrize('mechanism', privacy.DISTRIBUTED_MECHANISMS)
+def test_calibration_meets_the_target(mechanism):
+  config = _config(mechanism=mechanism, noise_multiplier=None,
+                   target_epsilon=4.0, rounds=10)
   z = privacy.resolve(config).noise_multiplier
   spent = privacy.compute_epsilon(privacy.resolve(config), 10)['epsilon']
   assert spent <= 4.0 and spent == pytest.approx(4.0, rel=0.01)
-  below = privacy.compute_epsilon(_config(noise_multiplier=z * 0.99,
-                                          rounds=10), 10)['epsilon']
+  below = privacy.compute_epsilon(_config(
+      mechanism=mechanism, noise_multiplier=z * 0.99, rounds=10),
+                                  10)['epsilon']
   assert below > 4.0
 
 
@@ -210,14 +237,15 @@ def test_poisson_sampling_is_refused():
 # 2. The mechanism is what the accounting assumes.
 
 
-def test_tff_mechanism_runs_with_the_accounted_parameters():
+@pytest.mark.parametrize('mechanism', privacy.DISTRIBUTED_MECHANISMS)
+def test_tff_mechanism_runs_with_the_accounted_parameters(mechanism):
   """One round of the aggregator on d coordinates: TFF's scale, norm bound
   and noise are `ddp_bound`'s at that (padded) dimension, the result is the
   mean of the clipped updates plus noise of std z c / n per coordinate, and
   an update inside the clip comes back up to the noise."""
   n, z, c, d = 4, 0.5, 1.0, 3999
-  config = _config(noise_multiplier=z, clip_norm=c, clients_per_round=n,
-                   population=40)
+  config = _config(mechanism=mechanism, noise_multiplier=z, clip_norm=c,
+                   clients_per_round=n, population=40)
   factory = privacy.build_aggregator(config)
   assert privacy.config_of(factory) == privacy.resolve(config)
   proc = factory.create(tff.TensorType(np.float32, [d]))
@@ -313,15 +341,17 @@ def _build(name, factory):
 _SIZES = [4, 7, 5]
 
 
+@pytest.mark.parametrize('mechanism', privacy.DISTRIBUTED_MECHANISMS)
 @pytest.mark.parametrize('name', sorted(registry.SPECS))
-def test_every_algorithm_runs_distributed_dp(name):
+def test_every_algorithm_runs_distributed_dp(name, mechanism):
   """Built with the distributed aggregator, every stage's production form
   compiles to MapReduceForm with secure-sum pieces, and one round runs in
   the simulation (secure sums lowered to plain sums) and moves the shared
   weights; or the registry states why the algorithm does not run it, and
   building or running it does fail."""
   factory = privacy.build_aggregator(_config(
-      noise_multiplier=0.1, clients_per_round=len(_SIZES), population=30))
+      mechanism=mechanism, noise_multiplier=0.1,
+      clients_per_round=len(_SIZES), population=30))
   reason = registry.spec(name).distributed_dp
   if reason:
     with pytest.raises(ValueError):
@@ -330,10 +360,11 @@ def test_every_algorithm_runs_distributed_dp(name):
   _run_one_round(name, factory)
 
 
+@pytest.mark.parametrize('mechanism', privacy.DISTRIBUTED_MECHANISMS)
 @pytest.mark.parametrize('name', sorted(
     n for n, s in registry.SPECS.items() if s.distributed_dp))
-def test_a_run_of_an_algorithm_that_does_not_run_it_is_refused(name,
-                                                               tmp_path):
+def test_a_run_of_an_algorithm_that_does_not_run_it_is_refused(
+    name, mechanism, tmp_path):
   """The binaries' and `run_experiment`'s validation refuses the
   algorithms the registry excludes, with the registry's reason, even
   where an option would let the builder go on (fedembed_som's
@@ -343,7 +374,8 @@ def test_a_run_of_an_algorithm_that_does_not_run_it_is_refused(name,
   config = experiment.ExperimentConfig(
       algorithm=name, algorithm_options=options, rounds=2,
       clients_per_round=3, root_output_dir=str(tmp_path),
-      experiment_name='x', dp=_config(clients_per_round=3, population=10))
+      experiment_name='x', dp=_config(mechanism=mechanism,
+                                      clients_per_round=3, population=10))
   with pytest.raises(ValueError, match='does not run dp mechanism'):
     experiment.validate(config, 10)
 

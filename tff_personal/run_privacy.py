@@ -179,8 +179,8 @@ def released_values(config: experiment.ExperimentConfig, dp: privacy.DPConfig
   if dp.is_distributed:
     update_why = (
         f'rotated, clipped to {dp.clip_norm}, rounded and noised on each '
-        f'device by {dp.mechanism} (the distributed discrete Gaussian, its '
-        'noise split among the cohort\'s devices), summed by secure '
+        f'device by {dp.mechanism} (its noise split among the cohort\'s '
+        'devices), summed by secure '
         'aggregation; accounted in epsilon with the rounding\'s '
         'sensitivity inflation')
     measured_why = (

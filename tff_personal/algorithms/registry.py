@@ -91,7 +91,7 @@ class AlgorithmSpec:
       process runs it by default (`--list` shows it; a strategy overrides
       it); `tests/registry_test.py` holds the two to each other.
     distributed_dp: empty when the algorithm runs the distributed DP
-      mechanism (`privacy.DISTRIBUTED_MECHANISMS`: noise added on the
+      mechanisms (`privacy.DISTRIBUTED_MECHANISMS`: noise added on the
       devices, sums by secure aggregation) wherever it runs
       'gaussian_fixed'; else why it does not. `tests/distributed_dp_test.py`
       holds every entry to it (it runs, its production form carrying secure

@@ -32,6 +32,9 @@ federated algorithms use to average client model updates:
   sees a single update or the sum before noise. The server divides the sum
   (and the securely summed count of clients) out. See "Distributed DP"
   below for its accounting and trust model.
+* `'distributed_skellam'`: the same with Skellam shares (difference of two
+  Poisson variables; Agarwal, Kairouz, Liu 2021,
+  https://arxiv.org/abs/2110.04995), `mechanism='distributed_skellam'`.
 
 `compute_epsilon` / `privacy_report` account the privacy cost of running such
 an aggregator for a number of rounds with `dp_accounting`, and
@@ -107,8 +110,8 @@ The accounting is planned from the configuration; it assumes the training loop
 samples clients exactly as `sampling` says and that the aggregator divides by
 the expected cohort `clients_per_round` (as TFF's factories do).
 
-Distributed DP (`'distributed_dgauss'`)
----------------------------------------
+Distributed DP (`DISTRIBUTED_MECHANISMS`)
+-----------------------------------------
 Trust: the server (and whoever runs the aggregation) is not trusted with
 any update: secure aggregation must reveal the sum only. Trusted instead:
 the secure aggregation protocol; every sampled device to add its noise
@@ -141,16 +144,23 @@ bound is an upper bound for any smaller update):
   beta=0 plus its 1e-5 leeway; the query asserts it on every record), and
   its L1 norm at most L1 = ceil(L2 min(sqrt(d), L2)) (integer entries);
 * replace-one sensitivities Delta2 = 2 L2, Delta1 = 2 L1;
-* each of the n shares is a discrete Gaussian of parameter at least
-  sigma = z c s / sqrt(n) (the sampler rounds it up; the accounting uses
-  the smaller value, an upper bound on epsilon);
-* Kairouz et al. 2021, Proposition 14 (the RDP form of their Theorem 1),
+* each of the n shares has parameter (standard deviation) at least
+  sigma = z c s / sqrt(n) (1 - 2^-23) (TFF passes z c s / sqrt(n) to
+  tensorflow-privacy in float32, which the factor covers; the discrete
+  Gaussian sampler rounds it up);
+* 'distributed_dgauss': Kairouz et al. 2021, Proposition 14 (the RDP form of their Theorem 1),
   for sigma >= 1/2, tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 sigma^2 k/(k+1)):
   eps(a) = min(a/2 Delta2^2/(n sigma^2) + tau d,
                a/2 (Delta2^2/(n sigma^2) + 2 Delta1 tau/(sqrt(n) sigma)
                     + tau^2 d),
                a/2 (Delta2/(sqrt(n) sigma) + tau sqrt(d))^2);
   sigma < 1/2 has no stated bound: epsilon is infinite.
+* 'distributed_skellam': the n shares sum to one Skellam variable of
+  variance mu = n sigma^2 per coordinate (Skellam variables add up), and
+  Agarwal, Kairouz, Liu 2021, Theorem 3.5 (Corollary 3.6 for the sum),
+  for integer a > 1:
+  eps(a) = a Delta2^2 / (2 mu) + min(((2a - 1) Delta2^2 + 6 Delta1)
+                                     / (4 mu^2), 3 Delta1 / (2 mu)).
 * sampling clients_per_round of population without replacement: the
   general bound of Wang, Balle, Kasiviswanathan 2019, Theorem 9, for an
   integer order a >= 2, q = clients_per_round / population, and a
@@ -163,9 +173,9 @@ bound is an upper bound for any smaller update):
 
 Rounds compose by adding the RDP curves (integer orders `_DDP_ORDERS`), and
 `dp_accounting.rdp.compute_epsilon` converts the total to (epsilon, delta).
-Written here by hand: the bound's formulas above (dp_accounting has no
-event for the distributed discrete Gaussian and no general subsampled-RDP
-bound); the mechanism is entirely TFF's and tensorflow-privacy's.
+Written here by hand: the bounds' formulas above (dp_accounting has no
+event for the distributed discrete Gaussian or Skellam and no general
+subsampled-RDP bound); the mechanism is entirely TFF's and tensorflow-privacy's.
 """
 
 from __future__ import annotations
@@ -202,13 +212,19 @@ from tensorflow_federated.python.core.impl.types import type_conversions as _tff
 from tff_personal.core import moved
 
 MECHANISMS = ('none', 'gaussian_fixed', 'gaussian_adaptive',
-              'distributed_dgauss')
+              'distributed_dgauss', 'distributed_skellam')
 SAMPLING_SCHEMES = ('fixed_size', 'poisson')
 
-_DP_MECHANISMS = ('gaussian_fixed', 'gaussian_adaptive', 'distributed_dgauss')
+_DP_MECHANISMS = ('gaussian_fixed', 'gaussian_adaptive', 'distributed_dgauss',
+                  'distributed_skellam')
 # Mechanisms whose noise is added on the devices and whose sums go through
 # secure aggregation (TFF's `DistributedDpSumFactory`).
-DISTRIBUTED_MECHANISMS = ('distributed_dgauss',)
+DISTRIBUTED_MECHANISMS = ('distributed_dgauss', 'distributed_skellam')
+# The paper each distributed mechanism's RDP bound is from.
+DDP_BOUNDS = {
+    'distributed_dgauss': 'Kairouz, Liu, Steinke 2021, Prop. 14',
+    'distributed_skellam': 'Agarwal, Kairouz, Liu 2021, Thm. 3.5',
+}
 # The secure aggregation's bit width (TFF's own default in
 # `tff.learning.ddp_secure_aggregator`) and the largest padded dimension of
 # an update that the accounting covers (the aggregator refuses larger ones).
@@ -276,7 +292,7 @@ class DPConfig:
     noise_multiplier: Noise std / clip norm (add-or-remove-one sensitivity), as
       in TFF's `DifferentiallyPrivateFactory`. For 'gaussian_adaptive' it is
       the effective multiplier including the clip estimation; for
-      'distributed_dgauss' it is TFF's `DistributedDpSumFactory`'s: the
+      the distributed mechanisms it is TFF's `DistributedDpSumFactory`'s: the
       total noise std over the clip, before rounding inflates the
       sensitivity, split among `clients_per_round` devices. None when
       `target_epsilon` is given (then `resolve` calibrates it). 0 is allowed
@@ -489,10 +505,10 @@ def build_aggregator(config: DPConfig) -> AggregationFactory:
     'gaussian_adaptive': `DifferentiallyPrivateFactory.gaussian_adaptive(
       noise_multiplier, clients_per_round, initial_l2_norm_clip=clip_norm,
       target_unclipped_quantile=target_unclipped_quantile)`.
-    'distributed_dgauss': `UnweightedMeanFactory` over TFF's
-      `DistributedDpSumFactory(noise_multiplier, clients_per_round,
-      bits=DDP_BITS, l2_clip=clip_norm, mechanism='distributed_dgauss',
-      rotation_type='dft')`, whose count is a secure sum too; creating its
+    'distributed_dgauss', 'distributed_skellam': `UnweightedMeanFactory`
+      over TFF's `DistributedDpSumFactory(noise_multiplier,
+      clients_per_round, bits=DDP_BITS, l2_clip=clip_norm,
+      mechanism=mechanism, rotation_type='dft')`, whose count is a secure sum too; creating its
       process refuses an update of more than `DDP_MAX_DIMENSION`
       coordinates (padded), the dimension the accounting covers.
     Use `is_weighted` to know whether to pass client weights.
@@ -696,24 +712,27 @@ def _make_accountant(config: DPConfig, kind: str, z_eff: float = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class DdpBound:
-  """One round of the distributed discrete Gaussian, as accounted (module
-  docstring, "Distributed DP"): TFF's scaled integer domain at the padded
-  dimension bound.
+  """One round of a distributed mechanism, as accounted (module docstring,
+  "Distributed DP"): TFF's scaled integer domain at the padded dimension
+  bound.
 
   Attributes:
+    mechanism: one of `DISTRIBUTED_MECHANISMS`.
     dimension: the padded dimension accounted (`DDP_MAX_DIMENSION`).
     bits: the secure aggregation's bit width.
     scale: TFF's scale factor s at that dimension.
     l2_sensitivity: replace-one L2 sensitivity of the scaled, rounded sum
       (2 (c + sqrt(d)/s + 1e-5) s).
     l1_sensitivity: replace-one L1 sensitivity (2 ceil(L2 min(sqrt(d), L2))).
-    local_sigma: each device's discrete Gaussian parameter (z c s /
-      sqrt(n), a lower bound on the sampler's).
+    local_sigma: each device's noise parameter (z c s / sqrt(n) (1 -
+      2^-23), a lower bound on the sampler's).
     shares: n, the devices adding noise.
-    tau: Kairouz et al.'s deviation term.
+    tau: Kairouz et al.'s deviation term (discrete Gaussian; 0 for
+      Skellam, whose shares sum to a Skellam variable).
     inflation: (c + sqrt(d)/s + 1e-5) / c, the rounding's sensitivity
       inflation.
   """
+  mechanism: str
   dimension: int
   bits: int
   scale: float
@@ -725,9 +744,17 @@ class DdpBound:
   inflation: float
 
   def rdp(self, orders: Sequence[int]) -> np.ndarray:
-    """Kairouz et al. 2021, Prop. 14: one round's RDP at `orders` (inf
-    where sigma < 1/2, which the bound does not cover)."""
+    """One round's RDP at integer `orders` > 1: Kairouz et al. 2021, Prop.
+    14 for 'distributed_dgauss' (inf where sigma < 1/2, which the bound
+    does not cover), Agarwal et al. 2021, Thm. 3.5 for
+    'distributed_skellam'."""
     orders = np.asarray(orders, dtype=float)
+    if self.mechanism == 'distributed_skellam':
+      mu = self.shares * self.local_sigma**2
+      l2, l1 = self.l2_sensitivity, self.l1_sensitivity
+      return orders * l2**2 / (2 * mu) + np.minimum(
+          ((2 * orders - 1) * l2**2 + 6 * l1) / (4 * mu**2),
+          3 * l1 / (2 * mu))
     if self.local_sigma < 0.5:
       return np.full(orders.shape, math.inf)
     central = math.sqrt(self.shares) * self.local_sigma
@@ -756,10 +783,11 @@ def ddp_bound(config: DPConfig, noise_multiplier: Optional[float] = None,
   scale = min(scale, _DDP_MAX_SCALE)
   l2 = (c + math.sqrt(d) / scale + 1e-5) * scale
   l1 = math.ceil(l2 * min(math.sqrt(d), l2))
-  sigma = z * c * scale / math.sqrt(n)
-  tau = 10 * sum(math.exp(-2 * math.pi**2 * sigma**2 * j / (j + 1))
-                 for j in range(1, n))
-  return DdpBound(dimension=d, bits=DDP_BITS, scale=scale,
+  sigma = z * c * scale / math.sqrt(n) * (1 - 2.0**-23)
+  tau = 0.0 if config.mechanism == 'distributed_skellam' else 10 * sum(
+      math.exp(-2 * math.pi**2 * sigma**2 * j / (j + 1)) for j in range(1, n))
+  return DdpBound(mechanism=config.mechanism, dimension=d, bits=DDP_BITS,
+                  scale=scale,
                   l2_sensitivity=2 * l2, l1_sensitivity=2 * l1,
                   local_sigma=sigma, shares=n, tau=tau,
                   inflation=l2 / (c * scale))
@@ -863,9 +891,9 @@ def compute_epsilon(config: DPConfig, rounds: int) -> dict:
     if config.is_distributed:
       bound = ddp_bound(config)
       notes.append(
-          f'{config.mechanism}: distributed discrete Gaussian (noise added '
-          'on the devices, sums by secure aggregation), accounted with '
-          'Kairouz, Liu, Steinke 2021, Prop. 14, at padded dimension '
+          f'{config.mechanism}: distributed DP (noise added on the devices, '
+          'sums by secure aggregation), accounted with '
+          f'{DDP_BOUNDS[config.mechanism]}, at padded dimension '
           f'{bound.dimension}, bits {bound.bits}, scale {bound.scale:.6g}: '
           'replace-one sensitivities L2 '
           f'{bound.l2_sensitivity:.6g}, L1 {bound.l1_sensitivity:.6g} '
@@ -924,7 +952,7 @@ def compute_epsilon(config: DPConfig, rounds: int) -> dict:
   if config.is_distributed:
     report['distributed'] = dict(
         dataclasses.asdict(ddp_bound(config)),
-        bound='Kairouz, Liu, Steinke 2021, Prop. 14',
+        bound=DDP_BOUNDS[config.mechanism],
         subsampling='Wang, Balle, Kasiviswanathan 2019, Thm. 9')
   return report
 
