@@ -12,12 +12,19 @@
 * `program.train`: killed after round 2 (the store saved, no checkpoint;
   or checkpointed, the store not committed) and started again, it resumes
   from its program-state manager and ends with the uninterrupted program's
-  server state, every client's state and metrics, bit for bit.
+  server state, every client's state and metrics, bit for bit; so does
+  one SIGKILLed in its own process after round 2's checkpoint
+  (`TFF_PERSONAL_FAULT`).
 """
 
 import collections
 import csv
+import os
+import pathlib
 import random
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -253,3 +260,35 @@ def test_killed_program_resumes_to_the_uninterrupted_run(
   initial = fedembed_testdata.initial_states(form.process, 1, seed=7)[0]
   assert any(not np.array_equal(a, b) for c in clients
              for a, b in zip(_flat(c), _flat(initial)))
+
+
+def test_sigkilled_program_resumes_to_the_uninterrupted_run(
+    forms, uninterrupted, tmp_path):
+  """A real kill: the program in its own process is SIGKILLed after round
+  2's checkpoint, before the store commits (`TFF_PERSONAL_FAULT`); started
+  again (here), it ends with the uninterrupted program's server state,
+  client states and metrics, bit for bit."""
+  env = dict(os.environ, TFF_PERSONAL_FAULT='after_checkpoint:2')
+  done = subprocess.run(
+      [sys.executable, '-m', 'tests.program_test', str(tmp_path)],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+      timeout=600, check=False)
+  assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+  versions = coroutines.run_sync(program_state.FileProgramStateManager(
+      str(tmp_path / 'checkpoints')).get_versions())
+  assert versions[-1] == 2, versions
+  state, clients = _run_program(forms['ditto'], tmp_path)
+  want_state, want_clients, want_rows = uninterrupted
+  _equal(state, want_state, 'server state')
+  _equal(clients, want_clients, 'client states')
+  assert _rows(tmp_path / 'metrics.csv') == want_rows
+
+
+if __name__ == '__main__':
+  # The killed program of the test above: `python -m tests.program_test
+  # <directory>`.
+  from tff_personal.core import runtime  # pylint: disable=g-import-not-at-top
+  with runtime.local_runtime():
+    _run_program(production.production_form(conformance._build('ditto')),  # pylint: disable=protected-access
+                 pathlib.Path(sys.argv[1]))
