@@ -89,7 +89,10 @@ class Privacy:
   """User-level DP of the shared update (`privacy.DPConfig` without what
   the run fills in: cohort, population, rounds, sampling).
 
-  `mechanism` 'none' (no DP), 'gaussian_fixed' or 'gaussian_adaptive';
+  `mechanism` one of `privacy.MECHANISMS`: 'none' (no DP),
+  'gaussian_fixed' or 'gaussian_adaptive' (noise added by a trusted
+  aggregator), 'distributed_dgauss' or 'distributed_skellam' (noise shares
+  added on the devices, summed by secure aggregation);
   `noise_multiplier` or `target_epsilon` (calibrated once, at `resolve`);
   `target_delta` None: `privacy.default_target_delta(population)`.
   `personal_heads` 'exempt' or 'noised' (`experiment.DP_PERSONAL_HEADS`);
