@@ -279,3 +279,34 @@ def test_the_count_that_compiles():
   assert set(production.NOT_COMPILED) <= every
   assert pairs | set(production.NOT_COMPILED) == every
   assert not pairs & set(production.NOT_COMPILED)
+
+
+@pytest.mark.parametrize('layout', sorted(production.SECURE_LAYOUTS))
+def test_secure_sum_sizes_are_the_compiled_forms(layout):
+  """docs/production.md's secure-sum columns (`update_secure_sum_bits`,
+  from the update's size alone) are what the compiled `work` puts on the
+  secure-sum path, counted by `secure_sum_bits` (the update's tensors; the
+  scalars beside them are a few dozen bits)."""
+  if layout == 'secure_aggregator':
+    aggregator = tff.learning.secure_aggregator(zeroing=False,
+                                                clipping=False)
+  else:
+    aggregator = privacy.build_aggregator(privacy.DPConfig(
+        mechanism='distributed_dgauss', noise_multiplier=1.0, clip_norm=1.0,
+        clients_per_round=3, population=100, rounds=2))
+  form = production.production_form(conformance._build(  # pylint: disable=protected-access
+      'ditto', aggregator_factory=aggregator, train_metrics=False))
+  coordinates = sum(int(np.prod(s.shape)) for s in tf.nest.flatten(
+      tff.types.type_to_tf_tensor_specs(form.process.aggregation_value_type)))
+  if layout == 'distributed_dgauss':
+    coordinates = privacy.ddp_padded_dimension(coordinates)
+  mrf = form.map_reduce_form()
+  for clients in (3, 100, 1000):
+    compiled = production.secure_sum_bits(mrf, clients, scalars=False)
+    assert compiled == production.update_secure_sum_bits(
+        coordinates, clients, layout), (clients, compiled)
+    every = production.secure_sum_bits(mrf, clients)
+    assert 0 < every['tff'] - compiled['tff'] <= 16 * 64, every
+  # Nothing of the update travels outside the secure sums.
+  assert not tf.nest.flatten(tff.types.type_to_tf_tensor_specs(
+      mrf.work.type_signature.result[0]))

@@ -3,7 +3,9 @@ and what its device keeps and sends per client.
 
 Whether a pair compiles is `production.NOT_COMPILED`'s to say (and
 `tests/production_test.py` holds every other pair to compile); the sizes
-are read from each process's types on the paper task the algorithm runs on
+are read from each process's types (the secure-sum uploads from the
+update's size, `production.update_secure_sum_bits`, which
+`tests/production_test.py` holds to the compiled forms) on the paper task the algorithm runs on
 here (MNIST from `--data_dir`; FedPerC on the tests' tiny backbone, so its
 sizes scale with the backbone's hidden size, stated as such).
 
@@ -32,6 +34,25 @@ def _bytes(tff_type) -> int:
   return sum(int(np.prod(s.shape)) * s.dtype.size for s in specs)
 
 
+# The cohort the secure-sum columns are given for (SecAgg's modulus holds
+# the sum of this many summands).
+CLIENTS = 100
+
+
+def _coordinates(tff_type) -> int:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+  specs = tf.nest.flatten(tff.types.type_to_tf_tensor_specs(tff_type))
+  return sum(int(np.prod(s.shape)) for s in specs)
+
+
+def _bits(bits: dict) -> str:
+  """`production.update_secure_sum_bits`'s two sizes (the update's
+  coordinates; a few scalars come beside them)."""
+  return f'{_size(bits["tff"] // 8)} / {_size(bits["secagg"] // 8)}'
+
+
 def _size(n: int) -> str:
   if n < 1024:
     return f'{n} B'
@@ -54,9 +75,12 @@ def table(data_dir: str) -> str:
       'mnist_preference': dict(num_users=20, population='balanced'),
       'label_skew_mnist': dict(num_clients=20)}
   built_tasks = {}
+  from tff_personal.core import privacy
   rows = ['| algorithm | task | stage | forms it compiles to, no DP / '
           'gaussian_fixed | client state kept on the device | shared model '
-          'received | update sent |', '|---|---|---|---|---|---|---|']
+          'received | update sent | secure_aggregator upload: TFF int64 / '
+          f'SecAgg, {CLIENTS} clients | distributed_dgauss upload: TFF int32 '
+          f'/ SecAgg, {CLIENTS} clients |', '|---' * 9 + '|']
   for name in sorted(registry.SPECS):
     compiled = ' / '.join(
         'MapReduceForm only' if (name, dp) in production.NOT_COMPILED
@@ -84,10 +108,18 @@ def table(data_dir: str) -> str:
     for stage, form in production.production_forms(built):
       proc = form.process
       private = _bytes(proc.client_state_type)
+      coordinates = _coordinates(proc.aggregation_value_type)
+      secure = _bits(production.update_secure_sum_bits(
+          coordinates, CLIENTS, 'secure_aggregator'))
+      ddp = ('refused' if registry.spec(name).distributed_dp else
+             _bits(production.update_secure_sum_bits(
+                 privacy.ddp_padded_dimension(coordinates), CLIENTS,
+                 'distributed_dgauss')))
       rows.append(f'| {name} | {task_name} | {stage} | {compiled} | '
                   f'{_size(private)} | '
                   f'{_size(_bytes(proc.model_weights_type))} | '
-                  f'{_size(_bytes(proc.aggregation_value_type))} |')
+                  f'{_size(_bytes(proc.aggregation_value_type))} | '
+                  f'{secure} | {ddp} |')
   return '\n'.join(rows) + '\n'
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import re
 from typing import Any, Mapping, Sequence
 
@@ -481,6 +482,72 @@ def _reduce(mrf: tff.backends.mapreduce.MapReduceForm, state,
   modulus = mrf.secure_modular_sum_modulus()
   secure[2] = _map(lambda v, m: v % m, secure[2], modulus)
   return mrf.update(state, (mrf.report(accumulator), *secure))
+
+
+def secure_sum_bits(mrf: tff.backends.mapreduce.MapReduceForm,
+                    clients: int, scalars: bool = True) -> dict[str, int]:
+  """What one client uploads on `mrf`'s secure-sum path, in bits.
+
+  `tff`: as TFF's tensors hold it (`work`'s outputs 1 to 3: each
+  coordinate is an int32 or int64). `secagg`: under secure aggregation's
+  modulus, for a cohort of `clients`: a `federated_secure_sum_bitwidth`
+  summand of bitwidth b is masked modulo 2^(b + ceil(log2 clients)), the
+  sum's range; one of `federated_secure_sum` with maximum input m modulo
+  the sum's range, (m + 1) * clients; one of
+  `federated_secure_modular_sum` modulo its modulus. (SecAgg's own key
+  agreement and masking messages come on top.)
+
+  Args:
+    mrf: a `MapReduceForm` (`ProductionForm.map_reduce_form()`).
+    clients: the cohort's size.
+    scalars: count the 0-d summands too (False: the tensors with a shape,
+      an update's coordinates).
+
+  Returns:
+    `{'tff': bits, 'secagg': bits}`.
+  """
+  result = mrf.work.type_signature.result
+  bounds = (mrf.secure_sum_bitwidth(), mrf.secure_sum_max_input(),
+            mrf.secure_modular_sum_modulus())
+  headroom = math.ceil(math.log2(clients)) if clients > 1 else 0
+  modulus_bits = (
+      lambda bound: int(bound) + headroom,
+      lambda bound: math.ceil(math.log2((int(bound) + 1) * clients)),
+      lambda bound: math.ceil(math.log2(int(bound))))
+  total = {'tff': 0, 'secagg': 0}
+  for kind in range(3):
+    leaves = _type_leaves(result[kind + 1])
+    limits = tf.nest.flatten(bounds[kind])
+    if len(limits) == 1 and len(leaves) > 1:
+      limits = limits * len(leaves)
+    for leaf, bound in zip(leaves, limits, strict=True):
+      if not scalars and not leaf.shape:
+        continue
+      count = int(np.prod(leaf.shape, dtype=np.int64))
+      total['tff'] += count * np.dtype(leaf.dtype).itemsize * 8
+      total['secagg'] += count * modulus_bits[kind](bound)
+  return total
+
+
+# How the secure aggregators lay an update out on the secure-sum path, as
+# compiled (tests/production_test.py): (bits of TFF's integer, bitwidth).
+# `tff.learning.secure_aggregator()` quantizes each coordinate to 32 bits in
+# an int64; `privacy`'s distributed_dgauss pads the update
+# (`privacy.ddp_padded_dimension`) and sums int32s of `privacy.DDP_BITS`.
+SECURE_LAYOUTS = {'secure_aggregator': (64, 32),
+                  'distributed_dgauss': (32, 20)}
+
+
+def update_secure_sum_bits(coordinates: int, clients: int,
+                           layout: str) -> dict[str, int]:
+  """`secure_sum_bits(mrf, clients, scalars=False)` of a form whose update
+  has `coordinates` coordinates (padded, for distributed_dgauss) on the
+  secure-sum path laid out as `SECURE_LAYOUTS[layout]`, without compiling
+  it: `{'tff': bits, 'secagg': bits}`."""
+  tff_bits, bitwidth = SECURE_LAYOUTS[layout]
+  headroom = math.ceil(math.log2(clients)) if clients > 1 else 0
+  return {'tff': coordinates * tff_bits,
+          'secagg': coordinates * (bitwidth + headroom)}
 
 
 def _secure_sum(values):
