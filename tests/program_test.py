@@ -189,7 +189,8 @@ def _run_program(form, directory):
   template = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
   initial = fedembed_testdata.initial_states(proc, 1, seed=7)[0]
   store = client_state.make_store(
-      'sqlite', lambda cid: initial, population=_POPULATION, directory=str(directory / 'store'),
+      'sqlite', lambda cid: initial, population=_POPULATION,
+      directory=str(directory / 'store'),
       template=template)
   try:
     state = program.run(

@@ -261,10 +261,11 @@ class PackedClientDataSourceIterator(
   def __eq__(self, other) -> bool:
     if not isinstance(other, PackedClientDataSourceIterator):
       return NotImplemented
-    return (self._batch_size == other._batch_size and  # pylint: disable=protected-access
-            self._federated_type.is_equivalent_to(other._federated_type) and  # pylint: disable=protected-access
-            len(self._clients) == len(other._clients) and  # pylint: disable=protected-access
-            all(_same(a, b) for a, b in zip(self._clients, other._clients)))  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    return (self._batch_size == other._batch_size and
+            self._federated_type.is_equivalent_to(other._federated_type) and
+            len(self._clients) == len(other._clients) and
+            all(_same(a, b) for a, b in zip(self._clients, other._clients)))
 
 
 def _same(a, b) -> bool:
