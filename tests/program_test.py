@@ -25,6 +25,7 @@ import random
 import signal
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from tests import conformance_test as conformance
 from tests import fedembed_testdata
 from tff_personal import fault
 from tff_personal import program
+from tff_personal.algorithms import registry
 from tff_personal.core import client_state
 from tff_personal.core import coroutines
 from tff_personal.core import learning_process as lp_lib
@@ -103,6 +105,28 @@ def test_learning_process_is_the_process(forms, name):
   got = lp.next(moved, [{'client_state': c, 'data': d}
                         for c, d in zip(clients, data)])
   _equal(got.state, want, f'{name} round after set_model_weights')
+
+
+def test_a_staged_algorithm_has_one_learning_process_per_stage():
+  """GroupPerFL (its FL stage, then its per-group stage): one learning
+  process per stage, in order, each taking its own stage's client state
+  with the data."""
+  grouped = types.SimpleNamespace(**vars(conformance._TASK),  # pylint: disable=protected-access
+                                  groups=lambda ids: [i % 2 for i in ids])
+  built = registry.build_for_task(
+      'groupperfl', grouped, seed=2,
+      client_optimizer=tff.learning.optimizers.build_sgdm(0.1),
+      server_optimizer=tff.learning.optimizers.build_sgdm(1.0))
+  got = lp_lib.learning_processes(built)
+  assert [name for name, _ in got] == [s.name for s in built.stages]
+  assert len(got) == 2
+  for (_, lp), stage in zip(got, built.stages):
+    assert isinstance(lp, tff.learning.templates.LearningProcess)
+    clients = lp.next.type_signature.parameter[1].member
+    assert clients.client_state.is_equivalent_to(
+        stage.process.client_state_type)
+    assert lp.initialize.type_signature.result.member.is_equivalent_to(
+        stage.process.state_type.member)
 
 
 def test_native_context_refuses_struct_client_data_and_runs_packed(forms,
