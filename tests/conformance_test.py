@@ -22,6 +22,7 @@ are `determinism_test`.)
 """
 
 import collections
+import dataclasses
 import types
 
 import numpy as np
@@ -146,8 +147,18 @@ def _check_new_clients(name, proc, tmp_path):
       weights = proc.get_model_weights(proc.initialize()).trainable
       for x, y in zip(want, weights):
         np.testing.assert_array_equal(x, np.asarray(y))
-  else:  # the seeded draw: its float leaves differ between clients
-    pairs = [(x, y) for x, y in zip(private(a), private(b))
+  else:
+    # personal_init='model' (the default): the model's own initializers,
+    # the same draw on every call; a layer initialized to a constant (a
+    # zero embedding) starts every client alike.
+    again = initial(0)
+    for x, y in zip(private(a), private(again)):
+      np.testing.assert_array_equal(x, y)
+    # personal_init='normal': the seeded draw, whose float leaves differ
+    # between clients.
+    normal = experiment.initial_client_state_fn(
+        proc, dataclasses.replace(config, personal_init='normal'))
+    pairs = [(x, y) for x, y in zip(private(normal(0)), private(normal(1)))
              if x.dtype.kind == 'f' and x.size]
     assert not pairs or not all(np.array_equal(x, y) for x, y in pairs)
   evaluated = process_lib.eval_client_states(
