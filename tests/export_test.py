@@ -272,8 +272,9 @@ def test_exported_programs_upload_update_and_predict_as_the_library(
       assert _norm(upload) <= CLIP * (1 + 1e-5), (runtime, cid)
       for i, (a, b) in enumerate(zip(upload, work, strict=True)):
         assert a.shape == b.shape, (runtime, cid, i)
-        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-7, (
-            runtime, cid, i)
+        # Against the clip, the upload's scale: a leaf near zero moves by
+        # as much as a large one where Adam divides by a tiny gradient.
+        assert np.linalg.norm(a - b) <= 1e-4 * CLIP, (runtime, cid, i)
         assert np.abs(a - b).max() <= 1e-4 * CLIP, (runtime, cid, i)
       state = [got[f'{runtime}_{cid}_state_{i:03d}']
                for i in range(len(new_state))]

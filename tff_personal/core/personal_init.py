@@ -45,25 +45,20 @@ def _initial_values(model_fn: Callable[[], Any]) -> list:
     created[variable.ref()] = kwargs.get('initial_value')
     return variable
 
-  graph = tf.Graph()
-  with graph.as_default():
-    with tf.variable_creator_scope(creator):
-      model = model_fn()
-    out, values = [], []
-    for variable in model.private_variables:
-      initial = created.get(variable.ref())
-      func = getattr(initial, 'func', None)
-      if isinstance(initial, functools.partial) and isinstance(
-          func, tf.keras.initializers.Initializer):
-        out.append((func, tuple(variable.shape), variable.dtype))
-      else:
-        out.append(None)
-        values.append(variable)
-    if values:
-      with tf.compat.v1.Session(graph=graph) as session:
-        session.run([v.initializer for v in values])
-        read = iter(session.run([v.read_value() for v in values]))
-      out = [next(read) if o is None else o for o in out]
+  # Built eagerly, as the processes build their models: a Keras model
+  # made in a `tf.compat.v1` graph would invalidate the models made
+  # outside it.
+  with tf.init_scope(), tf.variable_creator_scope(creator):
+    model = model_fn()
+  out = []
+  for variable in model.private_variables:
+    initial = created.get(variable.ref())
+    func = getattr(initial, 'func', None)
+    if isinstance(initial, functools.partial) and isinstance(
+        func, tf.keras.initializers.Initializer):
+      out.append((func, tuple(variable.shape), variable.dtype))
+    else:
+      out.append(np.asarray(variable.numpy()))
   return out
 
 
