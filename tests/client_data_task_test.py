@@ -16,6 +16,7 @@ import tensorflow_federated as tff
 
 from binaries import train
 from tasks import client_data_task
+from tests import tiny_client_data
 from tasks import registry as task_registry
 from tff_personal import experiment
 from tff_personal import new_user_evaluation
@@ -160,27 +161,8 @@ def test_classification_metrics_are_per_client():
 # ------------------------------------------------------------ cold start
 
 
-def _tiny_client_data(seed, n=12):
-  ids = [f'c{k}' for k in range(8)]
-
-  def dataset_fn(client_id):
-    rng = np.random.default_rng([seed, ids.index(client_id)])
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] + rng.normal(0.5, size=n) > 0).astype(np.int32)
-    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
-
-  return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
-      ids, dataset_fn)
 
 
-def _mean_loss(outputs, ids):
-  """Pooled cross-entropy: moves with every fine-tuning step."""
-  del ids
-  logits = np.concatenate([np.asarray(o['outputs']) for o in outputs])
-  labels = np.concatenate([np.asarray(o['labels']) for o in outputs])
-  return {'loss': float(tf.reduce_mean(
-      tf.keras.losses.sparse_categorical_crossentropy(
-          labels, logits, from_logits=True)))}
 
 
 def _two_layers():
@@ -191,10 +173,10 @@ def _two_layers():
 
 def _withheld_task(withheld):
   return client_data_task.ClientDataTask(
-      'mine', _tiny_client_data(0), _tiny_client_data(1),
+      'mine', tiny_client_data.client_data(0), tiny_client_data.client_data(1),
       model_builder=client_data_task.keras_classifier(
           _two_layers),
-      batch_size=4, evaluate_fn=_mean_loss, withheld_clients=withheld,
+      batch_size=4, evaluate_fn=tiny_client_data.mean_loss, withheld_clients=withheld,
       seed=5, has_named_head=True)
 
 

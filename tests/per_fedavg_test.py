@@ -8,10 +8,10 @@ import collections
 import numpy as np
 import pytest
 import tensorflow as tf
-import tensorflow_federated as tff
 
 from tasks import client_data_task
 from tests import method_testdata as data
+from tests import tiny_client_data
 from tff_personal import experiment
 from tff_personal import runs
 from tff_personal import strategies
@@ -94,26 +94,8 @@ def test_one_step_is_the_maml_step():
                  for a, b in zip(fo, want)) > 1e-6
 
 
-def _client_data(seed):
-  ids = [f'c{k}' for k in range(6)]
-
-  def dataset_fn(client_id):
-    rng = np.random.default_rng([seed, ids.index(client_id)])
-    x = rng.normal(size=(12, 4)).astype(np.float32)
-    y = (x[:, 0] + rng.normal(0.5, size=12) > 0).astype(np.int32)
-    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
-
-  return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
-      ids, dataset_fn)
 
 
-def _mean_loss(outputs, ids):
-  del ids
-  logits = np.concatenate([np.asarray(o['outputs']) for o in outputs])
-  labels = np.concatenate([np.asarray(o['labels']) for o in outputs])
-  return {'loss': float(tf.reduce_mean(
-      tf.keras.losses.sparse_categorical_crossentropy(
-          labels, logits, from_logits=True)))}
 
 
 def test_evaluation_is_the_declared_one_step_unless_a_strategy_overrides(
@@ -121,11 +103,12 @@ def test_evaluation_is_the_declared_one_step_unless_a_strategy_overrides(
   spec = registry.spec('per_fedavg')
   assert strategies.parse(spec.evaluation)[1] == strategies.FineTune(steps=1)
   task = client_data_task.ClientDataTask(
-      'one_step', _client_data(0), _client_data(1),
+      'one_step', tiny_client_data.client_data(0, num_clients=6),
+      tiny_client_data.client_data(1, num_clients=6),
       model_builder=client_data_task.keras_classifier(
           lambda: tf.keras.Sequential([tf.keras.layers.Input(shape=(4,)),
                                        tf.keras.layers.Dense(2)])),
-      batch_size=4, evaluate_fn=_mean_loss)
+      batch_size=4, evaluate_fn=tiny_client_data.mean_loss)
   config = experiment.ExperimentConfig(
       algorithm='per_fedavg', rounds=1, clients_per_round=3,
       root_output_dir=str(tmp_path), experiment_name='p',

@@ -13,9 +13,9 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-import tensorflow_federated as tff
 
 from tasks import client_data_task
+from tests import tiny_client_data
 from tff_personal import experiment
 from tff_personal import run_evaluation
 from tff_personal import runs
@@ -27,24 +27,8 @@ from tff_personal.core import training_loop
 _CLIENTS = [f'c{k}' for k in range(8)]
 
 
-def _client_data(seed):
-  def dataset_fn(client_id):
-    rng = np.random.default_rng([seed, _CLIENTS.index(client_id)])
-    x = rng.normal(size=(12, 4)).astype(np.float32)
-    y = (x[:, 0] + rng.normal(0.5, size=12) > 0).astype(np.int32)
-    return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
-  return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
-      _CLIENTS, dataset_fn)
 
 
-def _mean_loss(outputs, ids):
-  """Pooled cross-entropy: moves with every fine-tuning step."""
-  del ids
-  logits = np.concatenate([np.asarray(o['outputs']) for o in outputs])
-  labels = np.concatenate([np.asarray(o['labels']) for o in outputs])
-  return {'loss': float(tf.reduce_mean(
-      tf.keras.losses.sparse_categorical_crossentropy(
-          labels, logits, from_logits=True)))}
 
 
 _STRATEGIES = ('none', 'ft=fine_tune', 'ft2=fine_tune(epochs=2)',
@@ -54,11 +38,12 @@ _STRATEGIES = ('none', 'ft=fine_tune', 'ft2=fine_tune(epochs=2)',
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   task = client_data_task.ClientDataTask(
-      'strategies', _client_data(0), _client_data(1),
+      'strategies', tiny_client_data.client_data(0),
+      tiny_client_data.client_data(1),
       model_builder=client_data_task.keras_classifier(
           lambda: tf.keras.Sequential([tf.keras.layers.Input(shape=(4,)),
                                        tf.keras.layers.Dense(2)])),
-      batch_size=4, evaluate_fn=_mean_loss)
+      batch_size=4, evaluate_fn=tiny_client_data.mean_loss)
   config = experiment.ExperimentConfig(
       algorithm='ditto', rounds=2, clients_per_round=2, eval_every=1,
       root_output_dir=str(tmp_path_factory.mktemp('strategies')),
