@@ -96,10 +96,10 @@ from tff_personal.core import client_state
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.core import sharded
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.core import training_loop
 from tff_personal.core import worker_threads
 from tff_personal.models import fedembed_mnist
-from tff_personal.models import split_model as split_model_lib
 
 FLAGS = flags.FLAGS
 

@@ -18,22 +18,22 @@ import tensorflow as tf
 
 from tasks import mnist_io
 from tasks import registry as task_registry
-from tff_personal import atomic_io
-from tff_personal import experiment
-from tff_personal import matrix
-from tff_personal import run_evaluation as run_evaluation_lib
-from tff_personal import run_lock
-from tff_personal import run_records
-from tff_personal import run_spec
-from tff_personal import runs
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.config import experiment
+from tff_personal.config import matrix
+from tff_personal.config import run_spec
+from tff_personal.core import atomic_io
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import options as options_lib
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
 from tff_personal.core import worker_threads
+from tff_personal.evaluation import run_evaluation as run_evaluation_lib
+from tff_personal.records import run_lock
+from tff_personal.records import run_records
+from tff_personal.run import runs
 
 FLAG_GROUPS = {}
 
@@ -192,7 +192,7 @@ def define_flags():
       'none); '
       'cold_start(start=initial|dp_average,samples=1/5/all,'
       'noise_multiplier=,clip_norm=,delta=): the withheld users as new '
-      'users. See tff_personal/strategies.py.')
+      'users. See tff_personal/config/strategies.py.')
   flags.DEFINE_integer('cold_start_epochs', 5,
                        'Local epochs of private-state fine-tuning for users '
                        'who never trained (tasks with cold-start users).')

@@ -30,8 +30,8 @@ import numpy as np
 
 from binaries import common
 from tasks import registry as task_registry
-from tff_personal import atomic_io
-from tff_personal import experiment
+from tff_personal.config import experiment
+from tff_personal.core import atomic_io
 from tff_personal.core import dp_budget
 from tff_personal.core import runtime
 

@@ -6,7 +6,7 @@ r"""Evaluates a finished experiment again, e.g. with test-time fine-tuning.
     [--eval_fine_tune] [--eval_clients=N] --eval_name=fine_tuned
 
 With --eval_strategies (repeatable), named personalization strategies are
-evaluated too, each reported under its name (tff_personal/strategies.py):
+evaluated too, each reported under its name (tff_personal/config/strategies.py):
 e.g. `--eval_strategies=ft3=fine_tune(epochs=3)` tests every evaluated
 client after three local passes over its own data, and
 `--eval_strategies=new=cold_start(start=dp_average,samples=1/all)` tests

@@ -13,7 +13,7 @@ that may leave the device, and the new client state to keep; with
 `broadcast.npz`, what the server sends for the next round),
 `personalized/<client id>/` (each client's personalized model, serving
 signature `predict`) and `export.json` (the run's digest, rounds, privacy
-and the signatures' names: tff_personal/export.py; docs/production.md).
+and the signatures' names: tff_personal/run/export.py; docs/production.md).
 Loading them needs TensorFlow only; both convert to TensorFlow Lite with
 Select TF ops (docs/production.md).
 
@@ -47,13 +47,13 @@ import tensorflow as tf
 from binaries import common
 from tasks import mnist_io
 from tasks import registry as task_registry
-from tff_personal import atomic_io
-from tff_personal import export
-from tff_personal import run_lock
-from tff_personal import run_records
-from tff_personal import run_spec
-from tff_personal import runs
+from tff_personal.config import run_spec
+from tff_personal.core import atomic_io
 from tff_personal.core import runtime
+from tff_personal.records import run_lock
+from tff_personal.records import run_records
+from tff_personal.run import export
+from tff_personal.run import runs
 
 FLAGS = flags.FLAGS
 common.define_flags()

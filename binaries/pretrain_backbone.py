@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tasks import speaker_context_io
-from tff_personal import atomic_io
+from tff_personal.core import atomic_io
 from tff_personal.models import bpe_trainer
 from tff_personal.models import fedperc_backbone
 

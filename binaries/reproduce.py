@@ -14,7 +14,7 @@ Tables (ours next to the paper's numbers) are rewritten after every cell to
 Per-cell outputs: <root_output_dir>/runs/<paper>/<method>/<setting>/seed_<n>.
 
 Papers are registered below with `reporting.register_paper(name, module)`;
-see `tff_personal/reporting.py` for what a paper module provides.
+see `tff_personal/reports/reporting.py` for what a paper module provides.
 """
 
 import sys
@@ -25,17 +25,17 @@ from absl import flags
 from absl import logging
 import tensorflow as tf
 
-from tff_personal import reporting
 from tff_personal.core import runtime
+from tff_personal.reports import reporting
 
 FLAGS = flags.FLAGS
 
 # Paper modules. Each paper issue adds its registration here.
 from papers import benchmark  # pylint: disable=g-import-not-at-top,g-bad-import-order
-from papers import furl  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from papers import feddva  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from papers import fedembed  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from papers import fedperc  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from papers import furl  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from papers import group  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 reporting.register_paper('benchmark', benchmark)

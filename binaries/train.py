@@ -8,7 +8,7 @@ Writes <root_output_dir>/<experiment_name>/{summary.json, run_config.json,
 train_metrics.csv, eval_metrics.csv, rounds_started.json, tensorboard/,
 checkpoints/, client_states/, experiment.lock}. Kill it at any moment and
 rerun with --resume: it continues from the last checkpoint. While it runs it
-holds experiment.lock (tff_personal/run_lock.py): a second training or
+holds experiment.lock (tff_personal/records/run_lock.py): a second training or
 evaluation of the same directory exits with code 3, naming its PID.
 
 With --workers=host:port,... (services started by `python -m binaries.worker

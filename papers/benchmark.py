@@ -27,12 +27,12 @@ import os
 import time
 
 from tasks import registry as task_registry
-from tff_personal import reporting
-from tff_personal import run_spec
-from tff_personal import run_evaluation
-from tff_personal import runs
 from tff_personal.algorithms import registry
+from tff_personal.config import run_spec
 from tff_personal.core import runtime
+from tff_personal.evaluation import run_evaluation
+from tff_personal.reports import reporting
+from tff_personal.run import runs
 
 PAPER = 'benchmark'
 

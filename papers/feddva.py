@@ -5,7 +5,7 @@
 probes FedDVA's latents on `marked_mnist` (`probe`; `probe_vae`: a plain VAE
 on the pooled images), then runs `fedavg`, `fedavg_ft`, `ditto` and `feddva`
 on `marked_mnist` and `label_skew_mnist`, every run on the one run path. The
-probes and figures are `tff_personal/models/feddva_probes.py`. What each
+probes and figures are `tff_personal/reports/feddva_probes.py`. What each
 cell computes, the flags and their setting keys, the figures and what was
 run: docs/papers/feddva.md.
 """
@@ -19,21 +19,21 @@ import numpy as np
 
 from tasks import client_data_task
 from tasks import feddva_tasks
-from tff_personal import atomic_io
-from tff_personal import curve_bands
-from tff_personal import experiment
-from tff_personal import figures
-from tff_personal import reporting
-from tff_personal import run_analysis
-from tff_personal import run_spec
-from tff_personal import runs
 from tff_personal.algorithms import feddva
+from tff_personal.config import experiment
+from tff_personal.config import run_spec
+from tff_personal.core import atomic_io
 from tff_personal.core import runtime
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
-from tff_personal.models import feddva_probes
 from tff_personal.models import feddva_recipes
 from tff_personal.models import feddva_training
+from tff_personal.reports import curve_bands
+from tff_personal.reports import feddva_probes
+from tff_personal.reports import figures
+from tff_personal.reports import reporting
+from tff_personal.run import run_analysis
+from tff_personal.run import runs
 
 PAPER = 'feddva'
 TASK_NAMES = ('marked_mnist', 'label_skew_mnist')

@@ -23,21 +23,21 @@ import numpy as np
 
 from tasks import registry as task_registry
 from tasks import speech_spectrogram
-from tff_personal import atomic_io
-from tff_personal import curve_bands
-from tff_personal import embedding_purity
-from tff_personal import experiment
-from tff_personal import figures
-from tff_personal import reporting
-from tff_personal import run_spec
-from tff_personal import run_evaluation
-from tff_personal import runs
 from tff_personal.algorithms import defaults as algorithm_defaults
 from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.config import experiment
+from tff_personal.config import run_spec
+from tff_personal.core import atomic_io
 from tff_personal.core import runtime
+from tff_personal.evaluation import run_evaluation
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_speech
 from tff_personal.models import local_head
+from tff_personal.reports import curve_bands
+from tff_personal.reports import embedding_purity
+from tff_personal.reports import figures
+from tff_personal.reports import reporting
+from tff_personal.run import runs
 
 PAPER = 'fedembed'
 MNIST = 'mnist_preference'

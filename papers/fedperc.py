@@ -24,15 +24,12 @@ import tensorflow as tf
 from tasks import context_task
 from tasks import tv_shows
 from tasks import tv_shows_task
-from tff_personal import atomic_io
-from tff_personal import experiment
-from tff_personal import figures
-from tff_personal import reporting
-from tff_personal import run_spec
-from tff_personal import runs
-from tff_personal import strategies
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
+from tff_personal.config import run_spec
+from tff_personal.config import strategies
+from tff_personal.core import atomic_io
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.models import bpe_trainer
@@ -40,6 +37,9 @@ from tff_personal.models import fedperc
 from tff_personal.models import fedperc_backbone
 from tff_personal.models import fedperc_costs
 from tff_personal.models import fedperc_training
+from tff_personal.reports import figures
+from tff_personal.reports import reporting
+from tff_personal.run import runs
 
 PAPER = 'fedperc'
 METHODS = ('fedperc', 'fedperc_frozen', 'fedperc_generated', 'split_learning',

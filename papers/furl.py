@@ -20,16 +20,16 @@ import numpy as np
 
 from tasks import speaker_context
 from tasks import speaker_task
-from tff_personal import atomic_io
-from tff_personal import curve_bands
-from tff_personal import embedding_purity
-from tff_personal import figures
-from tff_personal import reporting
-from tff_personal import run_spec
-from tff_personal import runs
 from tff_personal.algorithms import centralized
+from tff_personal.config import run_spec
+from tff_personal.core import atomic_io
 from tff_personal.core import runtime
 from tff_personal.models import furl_text
+from tff_personal.reports import curve_bands
+from tff_personal.reports import embedding_purity
+from tff_personal.reports import figures
+from tff_personal.reports import reporting
+from tff_personal.run import runs
 
 PAPER = 'furl'
 _DIM = 32  # FURL's best user-embedding size on Subreddit.

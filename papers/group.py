@@ -24,18 +24,18 @@ import numpy as np
 import tensorflow_federated as tff
 
 from tasks import shakespeare_groups
-from tff_personal import atomic_io
-from tff_personal import curve_bands
-from tff_personal import experiment
-from tff_personal import figures
-from tff_personal import reporting
-from tff_personal import run_analysis
-from tff_personal import run_spec
-from tff_personal import runs
-from tff_personal import strategies
 from tff_personal.algorithms import group_fl
 from tff_personal.algorithms import update_clustering
+from tff_personal.config import experiment
+from tff_personal.config import run_spec
+from tff_personal.config import strategies
+from tff_personal.core import atomic_io
 from tff_personal.core import runtime
+from tff_personal.reports import curve_bands
+from tff_personal.reports import figures
+from tff_personal.reports import reporting
+from tff_personal.run import run_analysis
+from tff_personal.run import runs
 
 PAPER = 'group'
 METHODS = ('fl', 'perfl', 'groupfl', 'groupperfl')
@@ -118,7 +118,7 @@ TABLES = {t.name: t for t in (
     _table('control_rounds', 'fl_rounds', ('fl',),
            'T: FL rounds to the validation plateau',
            columns=[_CONTROL_COLUMNS[-1]], digits=0,
-           notes='The rule: tff_personal/run_analysis.py, plateau_round.'))}
+           notes='The rule: tff_personal/run/run_analysis.py, plateau_round.'))}
 
 
 def define_flags():

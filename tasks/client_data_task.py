@@ -9,8 +9,8 @@ compatible algorithm on your data:
 
   import tensorflow_federated as tff
   from tasks import client_data_task
-  from tff_personal import experiment
-  from tff_personal import runs
+  from tff_personal.config import experiment
+  from tff_personal.run import runs
 
   train = tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
       ids, lambda cid: my_dataset(cid, 'train'))   # elements OrderedDict(x, y)
@@ -51,9 +51,9 @@ import tensorflow_federated as tff
 
 from tasks import preference_task
 from tff_personal.core import client_data as client_data_lib
-from tff_personal.models import fedembed
-from tff_personal.models import split_model
+from tff_personal.core import split_model
 from tff_personal.core import worker_threads
+from tff_personal.models import fedembed
 
 # This process's TensorFlow gets the binaries' thread pools unless set,
 # before a task's data start TensorFlow (`worker_threads`).

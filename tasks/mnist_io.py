@@ -34,7 +34,7 @@ import os
 import struct
 import zlib
 
-from tff_personal import atomic_io
+from tff_personal.core import atomic_io
 
 import numpy as np
 

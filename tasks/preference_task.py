@@ -18,9 +18,9 @@ import tensorflow as tf
 from tasks import mnist_preference
 from tff_personal.core import client_data
 from tff_personal.core import evaluation
+from tff_personal.core import split_model
 from tff_personal.models import fedembed
 from tff_personal.models import fedembed_mnist
-from tff_personal.models import split_model
 
 
 def accuracy_sums(batch, logits):

@@ -4,8 +4,8 @@ Every entry (`TaskSpec`) builds a task (`tff_personal/core/task.py`) from a
 data directory and keyword arguments. The builder's keyword arguments with a
 scalar default are the task's *options* (`--task_options=key=value`, typed
 and checked like `--algorithm_options`); `capabilities` are declared here so
-that the algorithm x task matrix (`tff_personal/matrix.py`, `binaries.train
---list`) is known without loading data, and a test checks them against the
+that the algorithm x task matrix (`tff_personal/config/matrix.py`,
+`binaries.train --list`) is known without loading data, and a test checks them against the
 built tasks. Tasks know nothing of algorithms.
 
 Example:
@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 from typing import Any, Callable, Mapping, Sequence
@@ -184,6 +185,70 @@ def _outside_spec(name: str, target) -> TaskSpec:
   return TaskSpec(name, imported.guarded(target, 'task', name),
                   tuple(capabilities), summary.rstrip('.'),
                   flags=tuple(getattr(target, 'flags', ())))
+
+
+def task_factory(capabilities: Sequence[str], flags: Sequence[str] = ()
+                 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Declares a task builder `(data_dir, **options) -> task` of your own.
+
+  The builder gets its `capabilities` (and `flags`), so that
+  `--task=package.module:factory` names it, as `outside_spec` reads. And a
+  task it builds when called directly in Python records how it was built,
+  as `build_task` records a task built by name: a run of it gives its
+  `Run.spec` and `Run.open` rebuilds its task from the run's record. That
+  holds while the builder is importable by `module:qualname` (defined at
+  the top level of a module other than `__main__`) and its arguments are
+  JSON scalars; otherwise the task is returned unrecorded, as a task made
+  directly is.
+
+  Args:
+    capabilities: names of `core/task.CAPABILITIES` its tasks provide.
+    flags: shared binary flags it always takes (`TaskSpec.flags`).
+
+  Returns:
+    A decorator that returns the builder with those attributes.
+
+  Example (mypkg/mytask.py):
+
+    @tp.task_factory(capabilities=('split_model', 'batches'))
+    def make(data_dir, seed=0, users=100):
+      \"\"\"My users' sentences, a small classifier.\"\"\"
+      return tp.ClientDataTask(...)
+
+    task = make(None, users=20)  # recorded as 'mypkg.mytask:make'
+  """
+  unknown = sorted(set(capabilities) - set(task_lib.CAPABILITIES))
+  if unknown:
+    raise ValueError(f'task_factory: unknown capabilities {unknown}; known: '
+                     f'{sorted(task_lib.CAPABILITIES)}')
+
+  def declare(builder: Callable[..., Any]) -> Callable[..., Any]:
+    name = f'{builder.__module__}:{builder.__qualname__}'
+    signature = inspect.signature(builder)
+    if not signature.parameters:
+      raise TypeError(f'task_factory: {name} takes no data_dir argument')
+    first = next(iter(signature.parameters))
+
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+      task = builder(*args, **kwargs)
+      arguments = dict(signature.bind(*args, **kwargs).arguments)
+      data_dir = arguments.pop(first, None)
+      arguments['data_dir'] = (os.path.abspath(data_dir)
+                               if isinstance(data_dir, str) else data_dir)
+      if (task_lib.build_record(task) is None and
+          builder.__module__ != '__main__' and
+          '<locals>' not in builder.__qualname__ and
+          all(v is None or isinstance(v, (bool, int, float, str))
+              for v in arguments.values())):
+        task_lib.set_build_record(task, name, arguments)
+      return task
+
+    build.capabilities = tuple(capabilities)
+    build.flags = tuple(flags)
+    return build
+
+  return declare
 
 
 def _option_specs(name: str) -> options_lib.Specs:

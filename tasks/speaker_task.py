@@ -19,8 +19,8 @@ from tasks import preference_task
 from tasks import speaker_context
 from tff_personal.core import client_data
 from tff_personal.core import evaluation
+from tff_personal.core import split_model
 from tff_personal.models import furl_text
-from tff_personal.models import split_model
 
 
 @dataclasses.dataclass

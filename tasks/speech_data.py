@@ -46,7 +46,7 @@ import numpy as np
 from tasks import speech_spectrogram
 from tasks import speech_text
 from tasks import speech_voices
-from tff_personal import atomic_io
+from tff_personal.core import atomic_io
 
 DEFAULT_NUM_UTTERANCES = 12420
 SPECTROGRAMS = 'spectrograms.npy'

@@ -19,9 +19,9 @@ from tasks import mnist_preference
 from tasks import preference_task
 from tasks import speech_preference
 from tff_personal.core import client_data
+from tff_personal.core import split_model
 from tff_personal.models import fedembed
 from tff_personal.models import fedembed_speech
-from tff_personal.models import split_model
 
 
 @dataclasses.dataclass

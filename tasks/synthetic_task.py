@@ -31,8 +31,8 @@ import tensorflow as tf
 
 from tasks import client_data_task
 from tff_personal.core import client_data
+from tff_personal.core import split_model
 from tff_personal.models import fedembed_mnist
-from tff_personal.models import split_model
 
 _TRAIN, _EVAL, _DIRECTION = 0, 1, 2
 

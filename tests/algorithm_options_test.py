@@ -10,8 +10,8 @@ import pytest
 from binaries import common
 from binaries import train  # pylint: disable=unused-import  (defines the flags)
 from tasks import registry as task_registry
-from tff_personal import experiment
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
 
 FLAGS = flags.FLAGS
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tff_personal import atomic_io
+from tff_personal.core import atomic_io
 
 
 def test_cached_json_computes_once_and_returns_what_it_reads_back(tmp_path):

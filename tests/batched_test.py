@@ -13,17 +13,17 @@ from tests import fedembed_testdata
 from tests import fedperc_testdata
 from tests import graph_loops
 from tff_personal.algorithms import ditto
-from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import fedavg
+from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import registry
 from tff_personal.core import batched
 from tff_personal.core import client_data
 from tff_personal.core import privacy
 from tff_personal.core import shard_packing
 from tff_personal.core import sharded
+from tff_personal.core import split_model
 from tff_personal.core import split_training
 from tff_personal.models import fedembed_mnist
-from tff_personal.models import split_model
 from tff_personal.models import word_lm
 
 

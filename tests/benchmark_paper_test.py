@@ -8,7 +8,7 @@ import types
 import pytest
 
 from papers import benchmark
-from tff_personal import reporting
+from tff_personal.reports import reporting
 
 DATA = os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data')
 

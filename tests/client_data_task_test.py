@@ -16,15 +16,15 @@ import tensorflow_federated as tff
 
 from binaries import train
 from tasks import client_data_task
-from tests import tiny_client_data
 from tasks import registry as task_registry
-from tff_personal import experiment
-from tff_personal import new_user_evaluation
-from tff_personal import runs
+from tests import tiny_client_data
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
 from tff_personal.core import runtime
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
+from tff_personal.evaluation import new_user_evaluation
+from tff_personal.run import runs
 
 
 @pytest.fixture(scope='module')

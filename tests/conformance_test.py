@@ -34,8 +34,8 @@ from tests import fedembed_testdata
 from tests import fedperc_testdata
 from tests import graph_loops
 from tests import process_test
-from tff_personal import experiment
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
 from tff_personal.core import process as process_lib
 from tff_personal.core import sharded
 

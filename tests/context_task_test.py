@@ -13,16 +13,16 @@ from binaries import train
 from tasks import context_task
 from tasks import tv_shows_task
 from tests import fedperc_testdata
-from tff_personal import experiment
-from tff_personal import run_evaluation
-from tff_personal import strategies
-from tff_personal import runs
 from tff_personal.algorithms import fedperc as fedperc_alg
+from tff_personal.config import experiment
+from tff_personal.config import strategies
 from tff_personal.core import evaluation
 from tff_personal.core import new_users
 from tff_personal.core import process as process_lib
+from tff_personal.evaluation import run_evaluation
 from tff_personal.models import fedperc as fedperc_model
 from tff_personal.models import fedperc_backbone
+from tff_personal.run import runs
 
 FLAGS = flags.FLAGS
 

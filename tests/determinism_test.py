@@ -24,14 +24,14 @@ import tensorflow_federated as tff
 
 from tasks import registry as task_registry
 from tests import fedembed_testdata
-from tff_personal import run_spec
-from tff_personal import runs
 from tff_personal.algorithms import feddva
+from tff_personal.config import run_spec
+from tff_personal.core import worker_threads
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import feddva_losses
 from tff_personal.models import feddva_recipes
-from tff_personal.core import worker_threads
 from tff_personal.models import feddva_training
+from tff_personal.run import runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,8 +105,9 @@ def test_feddva_client_seed_ignores_order_but_not_data_or_round():
 _PYTHON_RUN = '''
 import json, sys
 import tensorflow as tf
-from tff_personal import run_spec, runs
+from tff_personal.config import run_spec
 from tff_personal.core import runtime
+from tff_personal.run import runs
 spec = run_spec.RunSpec.from_dict(json.load(open(sys.argv[1])))
 task = spec.build_task(data_dir=sys.argv[2], seed=spec.loop.seed)
 tf.reduce_sum(tf.ones(3))  # The program's own work starts TensorFlow.

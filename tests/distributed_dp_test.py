@@ -27,13 +27,13 @@ from tensorflow_federated.python.aggregators import distributed_dp as tff_ddp
 from tests import conformance_test as conformance
 from tests import fedembed_testdata
 from tests import fedperc_testdata
-from tff_personal import experiment
-from tff_personal import run_privacy
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
 from tff_personal.core import privacy
 from tff_personal.core import production
 from tff_personal.core import runtime
 from tff_personal.core import sharded
+from tff_personal.records import run_privacy
 
 _ORDERS = list(range(2, 257)) + [384, 512, 768, 1024]
 

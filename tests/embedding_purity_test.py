@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from tff_personal import embedding_purity
-from tff_personal import figures
+from tff_personal.reports import embedding_purity
+from tff_personal.reports import figures
 
 
 def test_knn_purity_on_known_clusters():

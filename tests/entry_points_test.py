@@ -25,7 +25,7 @@ import pytest
 
 from binaries import evaluate
 from binaries import train
-from tff_personal import run_spec
+from tff_personal.config import run_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS

@@ -33,12 +33,12 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tasks import client_data_task
-from tff_personal import experiment
-from tff_personal import runs
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
-from tff_personal.models import split_model
+from tff_personal.core import split_model
+from tff_personal.run import runs
 
 TOL = 1e-5
 ETA = 0.1      # client SGD step

@@ -15,7 +15,7 @@ from binaries import evaluate
 from binaries import train
 from tasks import registry as task_registry
 from tests import files
-from tff_personal import run_evaluation
+from tff_personal.evaluation import run_evaluation
 
 FLAGS = flags.FLAGS
 

@@ -8,9 +8,9 @@ import os
 import pytest
 
 from tasks import registry as task_registry
-from tff_personal import experiment
-from tff_personal import run_evaluation
-from tff_personal import runs
+from tff_personal.config import experiment
+from tff_personal.evaluation import run_evaluation
+from tff_personal.run import runs
 
 
 @pytest.fixture(scope='module')

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_personal import experiment
+from tff_personal.config import experiment
 
 
 def _config(**kw):

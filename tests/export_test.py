@@ -25,11 +25,11 @@ import tensorflow_federated as tff
 
 from binaries import export as export_binary
 from binaries import train
-from tff_personal import export
-from tff_personal import runs
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
 from tff_personal.core import production
+from tff_personal.run import export
+from tff_personal.run import runs
 
 FLAGS = flags.FLAGS
 CLIENTS = (0, 7, 13)

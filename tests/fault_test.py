@@ -1,7 +1,7 @@
 """The fault suite: SIGKILL at each named point, on both stores, then resume.
 
 Each kill is one process running `binaries.train`'s main with
-`TFF_PERSONAL_FAULT=<point>:<n>` (tff_personal/fault.py), which SIGKILLs
+`TFF_PERSONAL_FAULT=<point>:<n>` (tff_personal/core/fault.py), which SIGKILLs
 itself at that point. To pay TensorFlow's import once, one helper process
 imports the binary and forks a child per kill, two at a time (each child is
 a whole training process with its own TFF worker, killed with SIGKILL).
@@ -33,12 +33,12 @@ import tensorflow as tf
 from binaries import common
 from tasks import registry as task_registry
 from tests import files
-from tff_personal import fault
-from tff_personal import run_records
-from tff_personal import runs
 from tff_personal.core import client_state as client_state_lib
+from tff_personal.core import fault
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
+from tff_personal.records import run_records
+from tff_personal.run import runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -71,7 +71,7 @@ _FORKER = r"""
 import json, os, sys
 from absl import flags
 from binaries import train
-from tff_personal import fault
+from tff_personal.core import fault
 jobs, running, codes = json.loads(sys.argv[1]), {}, {}
 while jobs or running:
   while jobs and len(running) < 2:

@@ -9,11 +9,11 @@ import pytest
 
 from binaries import reproduce
 from papers import feddva as paper
-from tff_personal import curve_bands
-from tff_personal import reporting
 from tff_personal.algorithms import registry
 from tff_personal.models import feddva_losses as losses
 from tff_personal.models import feddva_recipes as recipes
+from tff_personal.reports import curve_bands
+from tff_personal.reports import reporting
 
 
 def _flags(**overrides):

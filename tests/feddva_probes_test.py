@@ -14,7 +14,7 @@ import pytest
 from tff_personal.algorithms import feddva
 from tff_personal.core import process as process_lib
 from tff_personal.models import feddva as feddva_lib
-from tff_personal.models import feddva_probes as probes
+from tff_personal.reports import feddva_probes as probes
 
 
 def test_linear_probes_find_what_is_there_and_not_what_is_not():

@@ -9,8 +9,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.algorithms import ditto
-from tff_personal.algorithms import feddva
 from tff_personal.algorithms import fedavg_ft
+from tff_personal.algorithms import feddva
 from tff_personal.core import process as process_lib
 from tff_personal.models import feddva as feddva_lib
 

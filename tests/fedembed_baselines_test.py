@@ -9,15 +9,15 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import fedembed_testdata
-from tff_personal import experiment
-from tff_personal import run_evaluation
 from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import pfedkm
 from tff_personal.algorithms import pfedme
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
 from tff_personal.core import privacy
 from tff_personal.core import process
 from tff_personal.core import split_training
+from tff_personal.evaluation import run_evaluation
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import personal_head

@@ -14,10 +14,10 @@ import pytest
 from binaries import common
 from papers import fedembed
 from tasks import registry as task_registry
-from tff_personal import reporting
 from tff_personal.algorithms import defaults
 from tff_personal.algorithms import registry as algorithm_registry
 from tff_personal.core import privacy
+from tff_personal.reports import reporting
 
 FLAGS = flags.FLAGS
 MNIST = os.environ.get('TFF_PERSONAL_MNIST_DIR') or os.path.join(

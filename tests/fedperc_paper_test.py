@@ -11,10 +11,10 @@ import pytest
 from papers import fedperc as paper
 from tasks import tv_shows_task
 from tests import fedperc_testdata
-from tff_personal import curve_bands
-from tff_personal import experiment
+from tff_personal.config import experiment
 from tff_personal.core import runtime
 from tff_personal.models import fedperc
+from tff_personal.reports import curve_bands
 
 
 def _flags(**overrides):

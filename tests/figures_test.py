@@ -2,7 +2,7 @@
 
 import os
 
-from tff_personal import figures
+from tff_personal.reports import figures
 
 
 def _curves(offset):

@@ -9,7 +9,7 @@ import pytest
 
 from papers import furl
 from tasks import speaker_task
-from tff_personal import reporting
+from tff_personal.reports import reporting
 
 DATA = os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'data')
 _E2E_MIN_DOCS = 300

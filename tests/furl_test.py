@@ -10,9 +10,9 @@ import tensorflow_federated as tff
 from tff_personal.algorithms import furl
 from tff_personal.core import evaluation
 from tff_personal.core import process
+from tff_personal.core import split_model
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import furl_text
-from tff_personal.models import split_model
 from tff_personal.models import word_lm
 
 NUM_USERS, FEATURES, DIM, LR = 4, 5, 3, 0.1

@@ -12,8 +12,8 @@ import tensorflow_federated as tff
 
 from tasks import shakespeare_groups as sg
 from tasks import speaker_context_io
-from tff_personal.algorithms import fedavg
 from tests import group_reference
+from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import group_fl
 from tff_personal.models import word_lm
 

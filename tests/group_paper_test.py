@@ -11,12 +11,12 @@ import pytest
 from papers import group
 from tasks import shakespeare_groups as sg
 from tests import conftest
-from tff_personal import curve_bands
-from tff_personal import experiment
-from tff_personal import reporting
-from tff_personal import run_analysis
-from tff_personal import runs
+from tff_personal.config import experiment
 from tff_personal.core import client_state as client_state_lib
+from tff_personal.reports import curve_bands
+from tff_personal.reports import reporting
+from tff_personal.run import run_analysis
+from tff_personal.run import runs
 
 
 def _flags(**overrides):

@@ -16,8 +16,8 @@ import tensorflow_federated as tff
 
 from tff_personal.algorithms import group_fl
 from tff_personal.core import federated_map
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.core import split_training
-from tff_personal.models import split_model as split_model_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 _data_type = group_fl._data_type  # pylint: disable=protected-access

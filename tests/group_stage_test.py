@@ -23,19 +23,19 @@ import tensorflow_federated as tff
 
 from tasks import shakespeare_groups as sg
 from tasks import speaker_context_io
-from tff_personal import experiment
-from tff_personal import run_records
-from tff_personal import runs
-from tff_personal import strategies
-from tff_personal import training
-from tff_personal.algorithms import fedavg
 from tests import group_reference
+from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import group_fl
+from tff_personal.config import experiment
+from tff_personal.config import strategies
 from tff_personal.core import privacy
 from tff_personal.core import stages
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
 from tff_personal.models import word_lm
+from tff_personal.records import run_records
+from tff_personal.run import runs
+from tff_personal.run import training
 
 _WORDS = {
     sg.COMEDY: ('midsummer', 'merry jest fool love wedding laugh'),

@@ -22,9 +22,9 @@ _PROGRAM = textwrap.dedent('''
     assert os.path.dirname(os.path.dirname(tasks.__file__)) == here
     assert not any(p.rstrip('/') == {repo!r} for p in sys.path), sys.path
     from tasks import registry as task_registry
-    from tff_personal import experiment
-    from tff_personal import runs
+    from tff_personal.config import experiment
     from tff_personal.core import runtime
+    from tff_personal.run import runs
     task = task_registry.build_task(
         'label_skew_mnist', data_dir={mnist!r}, seed=0, num_clients=3,
         train_per_client=12, test_per_client=6, channels='2,2,2,2', hidden=8)

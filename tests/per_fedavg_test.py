@@ -12,13 +12,13 @@ import tensorflow as tf
 from tasks import client_data_task
 from tests import method_testdata as data
 from tests import tiny_client_data
-from tff_personal import experiment
-from tff_personal import runs
-from tff_personal import strategies
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import per_fedavg
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
+from tff_personal.config import strategies
 from tff_personal.core import runtime
+from tff_personal.run import runs
 
 
 def _build(**options):

@@ -19,11 +19,11 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from binaries import common
-from tff_personal import experiment
-from tff_personal import runs
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
 from tff_personal.core import client_state
-from tff_personal.models import split_model
+from tff_personal.core import split_model
+from tff_personal.run import runs
 
 
 def _model_fn_factory(embedding_dim):

@@ -23,10 +23,10 @@ from binaries import evaluate as evaluate_binary
 from binaries import export as export_binary
 from binaries import train
 from tests import files
-from tff_personal import runs
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
+from tff_personal.run import runs
 
 FLAGS = flags.FLAGS
 BACKENDS = ('memory', 'sqlite')

@@ -12,18 +12,18 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tests import fedembed_testdata
-from tff_personal import experiment
 from tff_personal.algorithms import fedembed
 from tff_personal.algorithms import fedrep
 from tff_personal.algorithms import pfedme
-from tff_personal.core import private_noise
+from tff_personal.config import experiment
 from tff_personal.core import privacy
+from tff_personal.core import private_noise
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model
 from tff_personal.core import split_training
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import personal_head
-from tff_personal.models import split_model
 
 SPEC = fedembed_testdata.SPEC
 

@@ -34,14 +34,14 @@ import tensorflow_federated as tff
 
 from tests import conformance_test as conformance
 from tests import fedembed_testdata
-from tff_personal import fault
-from tff_personal import program
 from tff_personal.algorithms import registry
 from tff_personal.core import client_state
 from tff_personal.core import coroutines
+from tff_personal.core import fault
 from tff_personal.core import learning_process as lp_lib
-from tff_personal.core import program_state
 from tff_personal.core import production
+from tff_personal.core import program_state
+from tff_personal.run import program
 
 _SIZES = [4, 7, 5]
 

@@ -70,7 +70,7 @@ def test_docs_use_only_public_names():
 
 
 def test_run_spec_sections_are_reachable_from_the_spec():
-  from tff_personal import run_spec  # pylint: disable=g-import-not-at-top
+  from tff_personal.config import run_spec  # pylint: disable=g-import-not-at-top
   for section in run_spec.SECTIONS.values():
     assert getattr(tp.RunSpec, section.__name__) is section
 
@@ -91,7 +91,7 @@ def test_moved_name_raises_naming_its_new_place(module, name, new):
 
 
 def test_moved_name_that_is_public_says_so():
-  from tff_personal import experiment  # pylint: disable=g-import-not-at-top
+  from tff_personal.config import experiment  # pylint: disable=g-import-not-at-top
   with pytest.raises(AttributeError,
                      match=r'\(public: tff_personal\.run_experiment\)'):
     experiment.run_experiment  # pylint: disable=pointless-statement
@@ -99,6 +99,10 @@ def test_moved_name_that_is_public_says_so():
 
 @pytest.mark.parametrize('old,new', sorted(moved.MOVED_MODULES.items()))
 def test_moved_module_raises_naming_its_new_path(old, new):
-  with pytest.raises(ModuleNotFoundError, match=f'{old} moved to {new}$'):
+  with pytest.raises(moved.MovedModuleError, match=f'{old} moved to {new}$'):
     importlib.import_module(old)
+  # The `from package import module` form keeps the message too.
+  parent, _, leaf = old.rpartition('.')
+  with pytest.raises(moved.MovedModuleError, match=f'{old} moved to {new}$'):
+    exec(f'from {parent} import {leaf}', {})  # pylint: disable=exec-used
   assert importlib.util.find_spec(new) is not None

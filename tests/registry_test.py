@@ -22,13 +22,13 @@ from binaries import common
 from binaries import train  # pylint: disable=unused-import  (defines the flags)
 from tasks import registry as task_registry
 from tasks import speech_task
-from tff_personal import experiment
-from tff_personal import matrix
-from tff_personal import runs
-from tff_personal import strategies
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
+from tff_personal.config import matrix
+from tff_personal.config import strategies
+from tff_personal.core import split_model
 from tff_personal.core import task as task_lib
-from tff_personal.models import split_model
+from tff_personal.run import runs
 
 FLAGS = flags.FLAGS
 SHARED_DATA = os.path.abspath(

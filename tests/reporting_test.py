@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from binaries import reproduce
-from tff_personal import curve_bands
-from tff_personal import reporting
+from tff_personal.reports import curve_bands
+from tff_personal.reports import reporting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

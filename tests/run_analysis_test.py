@@ -1,4 +1,4 @@
-"""Tests of `tff_personal.run_analysis` on a fake run (no training)."""
+"""Tests of `tff_personal.run.run_analysis` on a fake run (no training)."""
 
 import json
 import os
@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from tff_personal import run_analysis
-from tff_personal import runs
-from tff_personal import strategies
+from tff_personal.config import strategies
+from tff_personal.run import run_analysis
+from tff_personal.run import runs
 
 
 class _FakeRun:

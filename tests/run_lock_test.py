@@ -8,13 +8,13 @@ import sys
 import pytest
 
 from tests import process_utils
-from tff_personal import run_lock
+from tff_personal.records import run_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _HOLDER = '''
 import sys, time
-from tff_personal import run_lock
+from tff_personal.records import run_lock
 with run_lock.hold(sys.argv[1]):
   print('locked', flush=True)
   time.sleep(300)

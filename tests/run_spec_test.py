@@ -11,11 +11,11 @@ import pytest
 
 from binaries import common
 from binaries import train  # pylint: disable=unused-import  (defines the flags)
-from tff_personal import experiment
-from tff_personal import run_records
-from tff_personal import run_spec
-from tff_personal import runs
+from tff_personal.config import experiment
+from tff_personal.config import run_spec
 from tff_personal.core import privacy
+from tff_personal.records import run_records
+from tff_personal.run import runs
 
 FLAGS = flags.FLAGS
 

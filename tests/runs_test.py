@@ -29,15 +29,16 @@ from tasks import client_data_task
 from tasks import registry as task_registry
 from tasks import tv_shows_task
 from tests import fedperc_testdata
-from tff_personal import experiment
-from tff_personal import matrix
-from tff_personal import run_records
-from tff_personal import run_spec
-from tff_personal import runs
+from tests import tiny_client_data
+from tff_personal.config import experiment
+from tff_personal.config import matrix
+from tff_personal.config import run_spec
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
+from tff_personal.records import run_records
+from tff_personal.run import runs
 
 FLAGS = flags.FLAGS
 _DP = privacy.DPConfig(mechanism='gaussian_fixed', noise_multiplier=1.0,
@@ -293,7 +294,33 @@ def test_a_task_built_in_python_says_how_to_make_its_spec(python_run):
     python_run.spec  # pylint: disable=pointless-statement
   message = str(e.value)
   assert "task (mine) was built in Python" in message and '\n' not in message
-  assert 'tasks.registry.build_task(name, ...)' in message
+  assert '@tp.task_factory' in message
+
+
+def test_a_task_from_a_declared_factory_called_in_python_gives_its_spec(
+    tmp_path):
+  """A ClientData task from a `task_factory` builder, called in Python and
+  trained in Python, is rebuilt from the run's record alone: its spec names
+  the builder and resolves to the run's digest. Called from `__main__`, the
+  same builder records nothing (its name could not be imported)."""
+  task = tiny_client_data.make_task(str(tmp_path), num_clients=3)
+  config = experiment.ExperimentConfig(
+      algorithm='global', rounds=1, clients_per_round=2,
+      root_output_dir=str(tmp_path), experiment_name='tiny',
+      simulation_shards=0)
+  runs.run_experiment(task, config, log_fn=lambda s: None)
+  run = runs.Run.open(config.experiment_dir)  # No task given.
+  spec = run.spec
+  assert spec.task == 'tests.tiny_client_data:make_task'
+  assert spec.task_options == {'num_clients': 3}
+  assert run.task.population == 3 and run.task.name == 'tiny'
+  resolved = spec.resolve(run.task)
+  assert runs.digest(run_records.run_record(
+      resolved.config, resolved.dp, None,
+      task_lib.build_record(run.task))) == run.digest
+  unrecorded = task_registry.task_factory(capabilities=('batches',))(
+      lambda data_dir: tiny_client_data.make_task.__wrapped__(data_dir))
+  assert task_lib.build_record(unrecorded(None)) is None  # '<lambda>'.
 
 
 def test_requests_of_the_wrong_type_are_refused_by_name(python_run):

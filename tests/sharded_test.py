@@ -19,8 +19,8 @@ from tff_personal.algorithms import pfedkm
 from tff_personal.core import best_scoring
 from tff_personal.core import client_data
 from tff_personal.core import evaluation
-from tff_personal.core import privacy
 from tff_personal.core import flat_transport
+from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import shard_threads
 from tff_personal.core import sharded

@@ -487,9 +487,9 @@ def test_local_rows_fit_every_user_alone_and_ignore_dp(
   # column computes exactly the no-DP one, and no epsilon is claimed.
   import types  # pylint: disable=g-import-not-at-top
   from papers import fedembed as paper  # pylint: disable=g-import-not-at-top
-  from tff_personal import reporting  # pylint: disable=g-import-not-at-top
   from tff_personal.core import evaluation  # pylint: disable=g-import-not-at-top
   from tff_personal.models import local_head  # pylint: disable=g-import-not-at-top
+  from tff_personal.reports import reporting  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(paper, '_build_task', lambda *a, **k: tiny_task)
   f = types.SimpleNamespace(
       seeds=1, data_dir='unused', rounds=None, clients_per_round=None,

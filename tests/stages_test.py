@@ -12,11 +12,11 @@ import pytest
 import tensorflow as tf
 
 from tasks import registry as task_registry
-from tff_personal import experiment
-from tff_personal import runs
+from tff_personal.config import experiment
 from tff_personal.core import privacy
 from tff_personal.core import stages
 from tff_personal.core import training_loop
+from tff_personal.run import runs
 
 _OPTIONS = dict(pretrain_rounds=2, dim=2, channels='2,2,2,3', hidden=5)
 

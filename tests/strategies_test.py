@@ -1,4 +1,4 @@
-"""Named personalization strategies (`tff_personal/strategies.py`).
+"""Named personalization strategies (`tff_personal/config/strategies.py`).
 
 One small Ditto run evaluates four strategies at every evaluation. The
 default fine-tuning equals the run's own `eval_fine_tune` evaluation;
@@ -16,13 +16,13 @@ import tensorflow as tf
 
 from tasks import client_data_task
 from tests import tiny_client_data
-from tff_personal import experiment
-from tff_personal import run_evaluation
-from tff_personal import runs
-from tff_personal import strategies
+from tff_personal.config import experiment
+from tff_personal.config import strategies
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
+from tff_personal.evaluation import run_evaluation
+from tff_personal.run import runs
 
 _CLIENTS = [f'c{k}' for k in range(8)]
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tasks import registry as task_registry
-from tff_personal import experiment
-from tff_personal import runs
+from tff_personal.config import experiment
 from tff_personal.core import training_loop
+from tff_personal.run import runs
 
 
 def _task(**kwargs):

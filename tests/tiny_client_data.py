@@ -7,6 +7,9 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tasks import client_data_task
+from tasks import registry as task_registry
+
 
 def client_data(seed: int, num_clients: int = 8, n: int = 12):
   """Clients `c0`.. each with `n` examples: x ~ N(0, 1)^4, y = [x0 + noise
@@ -31,3 +34,16 @@ def mean_loss(outputs, ids):
   return {'loss': float(tf.reduce_mean(
       tf.keras.losses.sparse_categorical_crossentropy(
           labels, logits, from_logits=True)))}
+
+
+@task_registry.task_factory(capabilities=('batches',))
+def make_task(data_dir, seed=0, num_clients=4):
+  """The tiny ClientData as a task of one's own, built in Python."""
+  del data_dir
+  return client_data_task.ClientDataTask(
+      'tiny', client_data(seed, num_clients), client_data(seed + 1,
+                                                          num_clients),
+      client_data_task.keras_classifier(
+          lambda: tf.keras.Sequential([tf.keras.Input((4,)),
+                                       tf.keras.layers.Dense(2)])),
+      batch_size=4)

@@ -16,8 +16,8 @@ import pytest
 
 from binaries import evaluate
 from binaries import train
-from tff_personal.core import private_noise
 from tests import files
+from tff_personal.core import private_noise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS

@@ -14,11 +14,11 @@ import tensorflow as tf
 
 from binaries import train
 from tests import files
-from tff_personal import run_evaluation
-from tff_personal import runs
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import training_loop
+from tff_personal.evaluation import run_evaluation
+from tff_personal.run import runs
 
 FLAGS = flags.FLAGS
 

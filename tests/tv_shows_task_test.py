@@ -13,9 +13,9 @@ from tasks import tv_shows
 from tasks import tv_shows_task
 from tests import conftest
 from tests import fedperc_testdata
-from tff_personal import experiment
 from tff_personal.algorithms import fedperc as fedperc_alg
 from tff_personal.algorithms import registry
+from tff_personal.config import experiment
 from tff_personal.core import evaluation
 from tff_personal.core import task as task_lib
 from tff_personal.models import fedperc

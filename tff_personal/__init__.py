@@ -1,11 +1,12 @@
 """tff_personal: personalized, private federated learning on TFF.
 
 The public surface is this package's names (`__all__`): what a run, a task,
-an evaluation, DP and production need. Everything else (the modules under
-`tff_personal.core`, `tff_personal.algorithms`, `tff_personal.models` and
-the top-level modules) is the implementation, importable but free to move;
-a name that moved raises an error naming its new place
-(`tff_personal.core.moved`). docs/usage.md says what is kept stable.
+an evaluation, DP and production need. Everything else (the modules of the
+layered packages `core`, `models`, `algorithms`, `config`, `records`,
+`evaluation`, `run` and `reports`; docs/architecture.md) is the
+implementation, importable but free to move; a name or module that moved
+raises an error naming its new place (`tff_personal.core.moved`).
+docs/usage.md says what is kept stable.
 
 Names load on first use, so `import tff_personal` imports neither
 TensorFlow nor TFF until a name is read.
@@ -36,25 +37,26 @@ _moved.install()
 # given as 'module:attribute').
 _PUBLIC = {
     # Runs: train one, open any, state one as a typed spec.
-    'run_experiment': 'tff_personal.runs',
-    'finished_or_trained': 'tff_personal.runs',
-    'Run': 'tff_personal.runs',
-    'RunError': 'tff_personal.runs',
-    'ExperimentConfig': 'tff_personal.experiment',
-    'ConfigurationError': 'tff_personal.experiment',
-    'build_process': 'tff_personal.experiment',
-    'RunSpec': 'tff_personal.run_spec',
+    'run_experiment': 'tff_personal.run.runs',
+    'finished_or_trained': 'tff_personal.run.runs',
+    'Run': 'tff_personal.run.runs',
+    'RunError': 'tff_personal.run.runs',
+    'ExperimentConfig': 'tff_personal.config.experiment',
+    'ConfigurationError': 'tff_personal.config.experiment',
+    'build_process': 'tff_personal.config.experiment',
+    'RunSpec': 'tff_personal.config.run_spec',
     # Evaluation strategies (`Run.evaluate(strategies=...)`).
-    'AsTrained': 'tff_personal.strategies',
-    'FineTune': 'tff_personal.strategies',
-    'Adapt': 'tff_personal.strategies',
-    'ColdStart': 'tff_personal.strategies',
-    'parse_strategy': 'tff_personal.strategies:parse',
+    'AsTrained': 'tff_personal.config.strategies',
+    'FineTune': 'tff_personal.config.strategies',
+    'Adapt': 'tff_personal.config.strategies',
+    'ColdStart': 'tff_personal.config.strategies',
+    'parse_strategy': 'tff_personal.config.strategies:parse',
     # Tasks and algorithms.
     'ClientDataTask': 'tasks.client_data_task',
     'keras_classifier': 'tasks.client_data_task',
     'from_client_arrays': 'tasks.client_data_task',
     'build_task': 'tasks.registry',
+    'task_factory': 'tasks.registry',
     'TaskSpec': 'tasks.registry',
     'task_spec': 'tasks.registry:spec',
     'AlgorithmSpec': 'tff_personal.algorithms.registry',
@@ -69,7 +71,7 @@ _PUBLIC = {
     'production_form': 'tff_personal.core.production',
     'production_forms': 'tff_personal.core.production',
     'run_map_reduce_round': 'tff_personal.core.production',
-    'export_run': 'tff_personal.export',
+    'export_run': 'tff_personal.run.export',
     # The runtime every TFF computation runs in.
     'local_runtime': 'tff_personal.core.runtime',
 }

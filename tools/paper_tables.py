@@ -49,7 +49,7 @@ def _papers() -> dict:
   if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
   from binaries import reproduce  # pylint: disable=g-import-not-at-top
-  from tff_personal import reporting  # pylint: disable=g-import-not-at-top
+  from tff_personal.reports import reporting  # pylint: disable=g-import-not-at-top
   del reproduce  # Registers the papers.
   return reporting.papers()
 
@@ -60,7 +60,7 @@ def render(paper: str, table: str) -> str:
   Raises:
     ValueError: for an unknown paper or table, or missing results.
   """
-  from tff_personal import reporting  # pylint: disable=g-import-not-at-top
+  from tff_personal.reports import reporting  # pylint: disable=g-import-not-at-top
   papers = _papers()
   if paper not in papers:
     raise ValueError(f'unknown paper {paper!r}; registered: {sorted(papers)}')
@@ -108,7 +108,7 @@ def reports() -> list[str]:
 def add(paper: str, source: str) -> int:
   """Appends `source`'s records of `paper` that differ from the committed
   ones; returns how many were added."""
-  from tff_personal import reporting  # pylint: disable=g-import-not-at-top
+  from tff_personal.reports import reporting  # pylint: disable=g-import-not-at-top
   os.makedirs(RESULTS_DIR, exist_ok=True)
   target = results_path(paper)
   known = set()

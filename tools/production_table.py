@@ -67,8 +67,8 @@ def table(data_dir: str) -> str:
   import tensorflow_federated as tff
   from tasks import registry as task_registry
   from tests import fedperc_testdata
-  from tff_personal import experiment
   from tff_personal.algorithms import registry
+  from tff_personal.config import experiment
   from tff_personal.core import production
   # pylint: enable=g-import-not-at-top
   tasks = {

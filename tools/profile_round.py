@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tasks import registry as task_registry
-from tff_personal import experiment
+from tff_personal.config import experiment
 from tff_personal.core import client_state
 from tff_personal.core import runtime
 from tff_personal.core import sharded

@@ -45,7 +45,7 @@ def matrix_markdown() -> str:
   """The algorithm x task matrix (Markdown), from the two registries."""
   if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-  from tff_personal import matrix  # pylint: disable=g-import-not-at-top
+  from tff_personal.config import matrix  # pylint: disable=g-import-not-at-top
   return matrix.format_matrix(links_from=ROOT)
 
 

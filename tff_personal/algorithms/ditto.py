@@ -32,8 +32,8 @@ import tensorflow_federated as tff
 from tff_personal.core import batched as batched_lib
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.core import split_training
-from tff_personal.models import split_model as split_model_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 

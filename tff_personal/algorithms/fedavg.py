@@ -23,7 +23,7 @@ import tensorflow_federated as tff
 
 from tff_personal.algorithms import furl
 from tff_personal.core import process as process_lib
-from tff_personal.models import split_model as split_model_lib
+from tff_personal.core import split_model as split_model_lib
 
 # Task-provided factory: embedding_dim -> model_fn (0 means no embedding).
 ModelFnFactory = Callable[[int], split_model_lib.SplitModelFn]

@@ -22,7 +22,7 @@ import tensorflow_federated as tff
 from tff_personal.algorithms import ditto
 from tff_personal.core import evaluation
 from tff_personal.core import process as process_lib
-from tff_personal.models import split_model as split_model_lib
+from tff_personal.core import split_model as split_model_lib
 
 
 def build_fedavg_ft(model_fn: split_model_lib.SplitModelFn, *,
@@ -126,7 +126,7 @@ class WholeModelView:
   trainable variable private (`eval_model_fn`), each client's starting
   private state the global weights (`eval_private_fn`) and its type
   (`eval_client_state_type`). This is how a `fine_tune` strategy
-  (`tff_personal/strategies.py`) tunes a process whose clients hold no
+  (`tff_personal/config/strategies.py`) tunes a process whose clients hold no
   private variables (FedAvg's): as TFF's personalization evaluation does,
   from the global model.
 

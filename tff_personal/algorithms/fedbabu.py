@@ -31,8 +31,8 @@ import tensorflow_federated as tff
 from tff_personal.algorithms import ditto
 from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.models import personal_head
-from tff_personal.models import split_model as split_model_lib
 
 
 def frozen_head_model_fn(model_fn: split_model_lib.SplitModelFn,

@@ -51,7 +51,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_personal import atomic_io
+from tff_personal.core import atomic_io
 from tff_personal.core import process as process_lib
 from tff_personal.core import stages
 from tff_personal.models import feddva as feddva_lib

@@ -33,9 +33,9 @@ from tff_personal.core import share_normalized
 from tff_personal.core import split_training
 
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.models import fedembed as fedembed_model
 from tff_personal.models import fedembed_batched
-from tff_personal.models import split_model as split_model_lib
 
 FedEmbedModelFactory = Callable[[fedembed_model.FedEmbedConfig],
                                 split_model_lib.SplitModelFn]

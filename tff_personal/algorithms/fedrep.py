@@ -28,8 +28,8 @@ import tensorflow_federated as tff
 
 from tff_personal.algorithms import personal_head_training
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.models import personal_head
-from tff_personal.models import split_model as split_model_lib
 
 
 def fedrep_client_step_factory(model_fn: split_model_lib.SplitModelFn,

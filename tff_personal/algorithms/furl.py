@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import tensorflow_federated as tff
 
 from tff_personal.core import process as process_lib
-from tff_personal.models import split_model as split_model_lib
+from tff_personal.core import split_model as split_model_lib
 
 
 def build_furl(model_fn_factory: Callable[[int], split_model_lib.SplitModelFn],

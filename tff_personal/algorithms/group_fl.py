@@ -42,9 +42,9 @@ from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import fedavg_ft
 from tff_personal.core import federated_map
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.core import split_training
 from tff_personal.core import stages
-from tff_personal.models import split_model as split_model_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 

@@ -35,8 +35,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.models import personal_head
-from tff_personal.models import split_model as split_model_lib
 
 
 class _Memory(tf.keras.Model):

@@ -39,8 +39,8 @@ import tensorflow_federated as tff
 from tff_personal.algorithms import ditto
 from tff_personal.algorithms import personal_head_training as steps
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.core import split_training
-from tff_personal.models import split_model as split_model_lib
 
 
 def halves(batch):

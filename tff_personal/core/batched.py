@@ -53,7 +53,7 @@ import tensorflow_federated as tff
 
 from tff_personal.core import process as process_lib
 from tff_personal.core import shard_packing
-from tff_personal.models import split_model as split_model_lib
+from tff_personal.core import split_model as split_model_lib
 
 # Layers applied per example whatever the client (no weights).
 _PER_EXAMPLE = (tf.keras.layers.ZeroPadding2D, tf.keras.layers.MaxPooling2D)

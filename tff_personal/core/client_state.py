@@ -90,8 +90,8 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from tff_personal import atomic_io
-from tff_personal import fault
+from tff_personal.core import atomic_io
+from tff_personal.core import fault
 from tff_personal.core import state_codec
 
 Structure = state_codec.Structure

@@ -26,8 +26,8 @@ import tensorflow_federated as tff
 
 from tff_personal.core import federated_map
 from tff_personal.core import process as process_lib
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.core import split_training
-from tff_personal.models import split_model as split_model_lib
 
 
 def build_personal_eval(model_fn: split_model_lib.SplitModelFn,

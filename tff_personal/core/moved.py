@@ -8,15 +8,15 @@ module that lost names ends with
   __getattr__ = moved.module_getattr(__name__)
 
 and `install()` (called by `import tff_personal`) makes a moved module's
-old path raise `ModuleNotFoundError` naming the new one. Nothing is
-aliased: the old place never silently gives the new object.
+old path raise `MovedModuleError` (an `ImportError`) naming the new one.
+Nothing is aliased: the old place never silently gives the new object.
 
 Example:
 
-  from tff_personal import experiment
+  from tff_personal.config import experiment
   experiment.run_experiment
-  # AttributeError: tff_personal.experiment.run_experiment moved to
-  # tff_personal.runs.run_experiment (public: tff_personal.run_experiment)
+  # AttributeError: tff_personal.config.experiment.run_experiment moved to
+  # tff_personal.run.runs.run_experiment (public: tff_personal.run_experiment)
 """
 
 import importlib.abc
@@ -25,29 +25,29 @@ from typing import Any, Callable, NoReturn, Optional
 
 # module -> {name: the module it moved to}.
 MOVED_NAMES: dict[str, dict[str, str]] = {
-    'tff_personal.experiment': {
-        'run_experiment': 'tff_personal.runs',
-        'EvaluationError': 'tff_personal.run_evaluation',
-        'ResumeError': 'tff_personal.run_records',
-        'check_or_record_run_config': 'tff_personal.run_records',
-        'curve_eval_ids': 'tff_personal.run_evaluation',
-        'eval_client_ids': 'tff_personal.run_evaluation',
-        'evaluate_experiment': 'tff_personal.run_evaluation',
-        'evaluation_path': 'tff_personal.run_evaluation',
-        'flag_differences': 'tff_personal.run_records',
-        'load_client_states': 'tff_personal.run_evaluation',
-        'read_json_record': 'tff_personal.run_records',
-        'released_values': 'tff_personal.run_privacy',
-        'run_privacy_report': 'tff_personal.run_privacy',
+    'tff_personal.config.experiment': {
+        'run_experiment': 'tff_personal.run.runs',
+        'EvaluationError': 'tff_personal.evaluation.run_evaluation',
+        'ResumeError': 'tff_personal.records.run_records',
+        'check_or_record_run_config': 'tff_personal.records.run_records',
+        'curve_eval_ids': 'tff_personal.evaluation.run_evaluation',
+        'eval_client_ids': 'tff_personal.evaluation.run_evaluation',
+        'evaluate_experiment': 'tff_personal.evaluation.run_evaluation',
+        'evaluation_path': 'tff_personal.evaluation.run_evaluation',
+        'flag_differences': 'tff_personal.records.run_records',
+        'load_client_states': 'tff_personal.evaluation.run_evaluation',
+        'read_json_record': 'tff_personal.records.run_records',
+        'released_values': 'tff_personal.records.run_privacy',
+        'run_privacy_report': 'tff_personal.records.run_privacy',
     },
-    'tff_personal.run_evaluation': {
-        'evaluate_new_users': 'tff_personal.new_user_evaluation',
+    'tff_personal.evaluation.run_evaluation': {
+        'evaluate_new_users': 'tff_personal.evaluation.new_user_evaluation',
         'format_metrics': 'tff_personal.core.evaluation',
     },
-    'tff_personal.reporting': {
-        'plot_seed_band': 'tff_personal.curve_bands',
-        'seed_band': 'tff_personal.curve_bands',
-        'seed_curves': 'tff_personal.curve_bands',
+    'tff_personal.reports.reporting': {
+        'plot_seed_band': 'tff_personal.reports.curve_bands',
+        'seed_band': 'tff_personal.reports.curve_bands',
+        'seed_curves': 'tff_personal.reports.curve_bands',
     },
     'tff_personal.core.sharded': {
         'FlatTransport': 'tff_personal.core.flat_transport',
@@ -61,7 +61,7 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
     'tff_personal.algorithms.fedperc': {
         'SeededGaussianSumQuery': 'tff_personal.core.new_users',
         'build_dp_mean': 'tff_personal.core.new_users',
-        'build_process': 'tff_personal.experiment',
+        'build_process': 'tff_personal.config.experiment',
         'dp_clip_report': 'tff_personal.core.new_users',
         'dp_mean_epsilon': 'tff_personal.core.new_users',
         'ROLE': 'tff_personal.models.fedperc',
@@ -73,8 +73,8 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
         'pooled_perplexity': 'tff_personal.core.evaluation',
     },
     'tasks.registry': {
-        'matrix': 'tff_personal.matrix',
-        'format_matrix': 'tff_personal.matrix',
+        'matrix': 'tff_personal.config.matrix',
+        'format_matrix': 'tff_personal.config.matrix',
     },
 }
 
@@ -83,6 +83,30 @@ MOVED_MODULES: dict[str, str] = {
     'tff_personal.algorithms.best_scoring': 'tff_personal.core.best_scoring',
     'tff_personal.algorithms.statistics_process':
         'tff_personal.core.statistics_process',
+    'tff_personal.atomic_io': 'tff_personal.core.atomic_io',
+    'tff_personal.curve_bands': 'tff_personal.reports.curve_bands',
+    'tff_personal.embedding_purity': 'tff_personal.reports.embedding_purity',
+    'tff_personal.experiment': 'tff_personal.config.experiment',
+    'tff_personal.export': 'tff_personal.run.export',
+    'tff_personal.fault': 'tff_personal.core.fault',
+    'tff_personal.figures': 'tff_personal.reports.figures',
+    'tff_personal.matrix': 'tff_personal.config.matrix',
+    'tff_personal.models.feddva_probes': 'tff_personal.reports.feddva_probes',
+    'tff_personal.models.split_model': 'tff_personal.core.split_model',
+    'tff_personal.new_user_evaluation':
+        'tff_personal.evaluation.new_user_evaluation',
+    'tff_personal.paper_results': 'tff_personal.reports.paper_results',
+    'tff_personal.program': 'tff_personal.run.program',
+    'tff_personal.reporting': 'tff_personal.reports.reporting',
+    'tff_personal.run_analysis': 'tff_personal.run.run_analysis',
+    'tff_personal.run_evaluation': 'tff_personal.evaluation.run_evaluation',
+    'tff_personal.run_lock': 'tff_personal.records.run_lock',
+    'tff_personal.run_privacy': 'tff_personal.records.run_privacy',
+    'tff_personal.run_records': 'tff_personal.records.run_records',
+    'tff_personal.run_spec': 'tff_personal.config.run_spec',
+    'tff_personal.runs': 'tff_personal.run.runs',
+    'tff_personal.strategies': 'tff_personal.config.strategies',
+    'tff_personal.training': 'tff_personal.run.training',
 }
 
 
@@ -117,13 +141,22 @@ def module_getattr(module: str) -> Callable[[str], Any]:
   return __getattr__
 
 
+class MovedModuleError(ImportError):
+  """Importing a module by the path it had before it moved.
+
+  An `ImportError`, not a `ModuleNotFoundError`: `from tff_personal import
+  experiment` then ends with this message, where Python would replace a
+  `ModuleNotFoundError` with its own "cannot import name".
+  """
+
+
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):
   """Consulted after every other finder: a moved module's old path raises."""
 
   def find_spec(self, fullname, path=None, target=None):  # pylint: disable=unused-argument
     new = MOVED_MODULES.get(fullname)
     if new is not None:
-      raise ModuleNotFoundError(f'{fullname} moved to {new}', name=fullname)
+      raise MovedModuleError(f'{fullname} moved to {new}', name=fullname)
     return None
 
 

@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 import dp_accounting
 import tensorflow as tf
 
-from tff_personal.models import split_model as split_model_lib
+from tff_personal.core import split_model as split_model_lib
 
 PrivateNoise = split_model_lib.PrivateNoise
 

@@ -40,8 +40,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.core import split_training
-from tff_personal.models import split_model as split_model_lib
 
 ModelWeights = tff.learning.models.ModelWeights
 LearningAlgorithmState = tff.learning.templates.LearningAlgorithmState

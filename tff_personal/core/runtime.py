@@ -761,7 +761,8 @@ def configure_driver_threads(intra_op_threads: Optional[int],
           '%s=%s, not %d: shards computed here use those pools, so results '
           'may differ from a binary\'s in the last digits. Give it the '
           'pools before its first op: call runtime.configure_driver_threads'
-          '(...) first, or import tasks.registry or tff_personal.runs first '
+          '(...) first, or import tasks.registry or tff_personal.run.runs '
+          'first '
           '(they set %s to the default) and leave %s unset.',
           name, current or 'its default', n, var, var)
   return ok

@@ -99,11 +99,11 @@ from tff_personal.core import client_data
 from tff_personal.core import flat_transport
 from tff_personal.core import moved
 from tff_personal.core import privacy
-from tff_personal.core import sharded_privacy
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.core import shard_packing
 from tff_personal.core import shard_threads
+from tff_personal.core import sharded_privacy
 from tff_personal.core import statistics_process
 from tff_personal.core import worker_threads
 

@@ -32,7 +32,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_personal.core import private_noise
-from tff_personal.models import split_model as split_model_lib
+from tff_personal.core import split_model as split_model_lib
 
 
 def _assign(variables, values):

@@ -43,10 +43,10 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_personal import atomic_io
-from tff_personal import fault
+from tff_personal.core import atomic_io
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import coroutines
+from tff_personal.core import fault
 from tff_personal.core import privacy
 from tff_personal.core import program_state as program_state_lib
 

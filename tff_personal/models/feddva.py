@@ -35,8 +35,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.models import feddva_losses
-from tff_personal.models import split_model as split_model_lib
 
 IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10

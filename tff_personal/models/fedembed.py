@@ -79,9 +79,9 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tff_personal.core import split_model
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import som
-from tff_personal.models import split_model
 
 ASSIGNMENTS = ('prototype', 'type', 'personal', 'som', 'kmeans')
 

@@ -33,8 +33,8 @@ import tensorflow_federated as tff
 
 from tff_personal.core import batched as batched_lib
 from tff_personal.core import shard_packing
+from tff_personal.core import split_model as split_model_lib
 from tff_personal.models import fedembed
-from tff_personal.models import split_model as split_model_lib
 
 ASSIGNMENTS = ('prototype', 'type')
 

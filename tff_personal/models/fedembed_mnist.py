@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tff_personal.models import split_model
+from tff_personal.core import split_model
 
 IMAGE_SHAPE = (28, 28, 1)
 DEFAULT_EMBEDDING_DIM = 28

@@ -55,9 +55,9 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tff_personal import atomic_io
+from tff_personal.core import atomic_io
+from tff_personal.core import split_model
 from tff_personal.models import fedembed_mnist
-from tff_personal.models import split_model
 
 INPUT_SHAPE = (200, 375, 1)
 EMBEDDING_DIM = 200

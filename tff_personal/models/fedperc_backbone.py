@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tff_personal import atomic_io
+from tff_personal.core import atomic_io
 
 
 def _keras_nlp():

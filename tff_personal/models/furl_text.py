@@ -27,9 +27,9 @@ import dataclasses
 
 import tensorflow as tf
 
+from tff_personal.core import split_model
 from tff_personal.models import fedembed_mnist
 from tff_personal.models import word_lm
-from tff_personal.models import split_model
 
 
 @dataclasses.dataclass(frozen=True)

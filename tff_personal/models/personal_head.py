@@ -28,7 +28,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tff_personal.models import split_model
+from tff_personal.core import split_model
 
 
 def named_layer(model: tf.keras.Model, name: str) -> tf.keras.layers.Layer:

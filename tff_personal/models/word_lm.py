@@ -25,7 +25,7 @@ import dataclasses
 import tensorflow as tf
 
 from tff_personal.core import moved
-from tff_personal.models import split_model as split_model_lib
+from tff_personal.core import split_model as split_model_lib
 
 PAD_ID = 0
 

@@ -31,9 +31,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from tff_personal import figures
 from tff_personal.models import feddva as feddva_lib
 from tff_personal.models import pooled_vae
+from tff_personal.reports import figures
 
 
 def feddva_model(config: feddva_lib.FeddvaConfig, encoders: Sequence,

@@ -23,9 +23,9 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow_federated as tff
 
-from tff_personal import experiment
-from tff_personal import strategies as strategies_lib
 from tff_personal.algorithms import fedavg_ft
+from tff_personal.config import experiment
+from tff_personal.config import strategies as strategies_lib
 from tff_personal.core import evaluation
 from tff_personal.core import new_users as new_users_lib
 from tff_personal.core import process as process_lib

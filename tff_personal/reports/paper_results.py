@@ -2,8 +2,8 @@
 
 A *cell* is one run of a paper's grid: (paper, method, setting, seed), its
 identity the canonical JSON of the four. `ResultsFile` is the append-only
-file of finished cells that `tff_personal.reporting` plans, skips and builds
-tables from; `reporting` re-exports everything here.
+file of finished cells that `tff_personal.reports.reporting` plans, skips and
+builds tables from; `reporting` re-exports everything here.
 
 Example:
   results = ResultsFile('/tmp/out/results.jsonl')

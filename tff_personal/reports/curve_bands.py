@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Mapping, Optional, Sequence
 
-from tff_personal import reporting
+from tff_personal.reports import reporting
 
 
 def seed_curves(cell_pattern: str, filename: str = 'curve.json',

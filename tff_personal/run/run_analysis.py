@@ -26,8 +26,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from tff_personal import atomic_io
-from tff_personal import runs
+from tff_personal.core import atomic_io
+from tff_personal.run import runs
 
 
 def _as_is(output: Any) -> Any:
@@ -44,7 +44,8 @@ def evaluate_clients(run: runs.Run, clients: Sequence[int],
     run: the run (a run whose last stage ran per group scores each client
       with its group's model, unless `stage` names an earlier stage).
     clients: the task's client ids.
-    strategy: a per-client strategy or its text (`tff_personal.strategies`).
+    strategy: a per-client strategy or its text
+      (`tff_personal.config.strategies`).
     stage: an earlier stage of a staged algorithm (e.g. 'fl').
     round: a checkpointed round (None: the last).
     reduce: maps a client's outputs to what is returned for it.

@@ -9,7 +9,7 @@ the README's table is `format_matrix(links_from=root)`
 
 Example:
 
-  from tff_personal import matrix
+  from tff_personal.config import matrix
   rows = matrix.matrix()        # [{'algorithm', 'task', 'runs', 'missing'}]
   print(matrix.format_matrix())
 """

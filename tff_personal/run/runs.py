@@ -48,20 +48,20 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from tasks import registry as task_registry
-from tff_personal import experiment
-from tff_personal import run_evaluation
-from tff_personal import run_privacy
-from tff_personal import run_records
-from tff_personal import run_spec
-from tff_personal import strategies as strategies_lib
-from tff_personal import training
 from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.config import experiment
+from tff_personal.config import run_spec
+from tff_personal.config import strategies as strategies_lib
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.core import sharded
 from tff_personal.core import stages as stages_lib
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
+from tff_personal.evaluation import run_evaluation
+from tff_personal.records import run_privacy
+from tff_personal.records import run_records
+from tff_personal.run import training
 
 SUMMARY_FILENAME = 'summary.json'
 
@@ -342,9 +342,10 @@ class Run(collections.abc.Mapping):
       raise RunError(
           f'{self.directory}: the run\'s task ({self.task_name}) was built '
           'in Python, not by name, so no spec can name it; to make it '
-          'recordable, build it with tasks.registry.build_task(name, ...), '
-          'name a registered task or package.module:factory, a factory of '
-          'your own that sets `factory.capabilities` (docs/your_own_task.md)')
+          'recordable, build it by name (tp.build_task, or --task=) or '
+          'with a builder declared by @tp.task_factory, defined at the top '
+          'level of an importable module and called with JSON-scalar '
+          'arguments (docs/your_own_task.md)')
     options = {k: v for k, v in (built.get('arguments') or {}).items()
                if k not in task_registry.RUN_ARGUMENTS}
     try:
@@ -528,7 +529,7 @@ class Run(collections.abc.Mapping):
 
     Args:
       ids: the task's client ids.
-      strategy: a per-client strategy (`tff_personal.strategies`: `none`,
+      strategy: a per-client strategy (`tff_personal.config.strategies`: `none`,
         `fine_tune`, `adapt`) or its text. A `fine_tune` reads the
         client's training data of the run's last round at every `round`,
         as the run's own learning curve does.
@@ -583,7 +584,7 @@ class Run(collections.abc.Mapping):
       log_fn: progress lines.
       strategies: named personalization strategies to evaluate instead of
         the run's own `eval_strategies`: `{name: strategy or text}` or a
-        list of texts (`tff_personal.strategies`), e.g. `{'ft3':
+        list of texts (`tff_personal.config.strategies`), e.g. `{'ft3':
         strategies.FineTune(epochs=3), 'new': strategies.ColdStart(
         start='dp_average', samples=(1, 'all'))}`.
       **evaluation: evaluation settings to change

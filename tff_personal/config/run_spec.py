@@ -15,8 +15,9 @@ and the flags or config that say the same thing are the same run.
 A cell of a table is a base spec plus overrides by dotted name
 (`override`), each checked like the constructor's values:
 
-  from tff_personal import run_spec, runs
+  from tff_personal.config import run_spec
   from tff_personal.core import runtime
+  from tff_personal.run import runs
 
   base = run_spec.RunSpec(
       task='label_skew_mnist', algorithm='ditto',
@@ -42,8 +43,8 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 from tasks import registry as task_registry
-from tff_personal import experiment
 from tff_personal.algorithms import registry as algorithm_registry
+from tff_personal.config import experiment
 from tff_personal.core import privacy
 
 

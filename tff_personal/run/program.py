@@ -54,8 +54,8 @@ from absl import logging
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_personal import fault
 from tff_personal.core import coroutines
+from tff_personal.core import fault
 from tff_personal.core import production
 from tff_personal.core import training_loop
 

@@ -40,14 +40,14 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from tff_personal import experiment
-from tff_personal import run_evaluation
-from tff_personal import run_records
-from tff_personal import runs
+from tff_personal.config import experiment
 from tff_personal.core import process as process_lib
 from tff_personal.core import production
 from tff_personal.core import stages as stages_lib
 from tff_personal.core import training_loop
+from tff_personal.evaluation import run_evaluation
+from tff_personal.records import run_records
+from tff_personal.run import runs
 
 EXPORT_RECORD = 'export.json'
 # The server's broadcast of the round after the exported one, in device/.

@@ -15,12 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from tff_personal import experiment
-from tff_personal import run_evaluation
-from tff_personal import run_lock
-from tff_personal import run_privacy
-from tff_personal import run_records
-from tff_personal import strategies as strategies_lib
+from tff_personal.config import experiment
+from tff_personal.config import strategies as strategies_lib
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
 from tff_personal.core import privacy
@@ -28,6 +24,10 @@ from tff_personal.core import sharded
 from tff_personal.core import stages as stages_lib
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
+from tff_personal.evaluation import run_evaluation
+from tff_personal.records import run_lock
+from tff_personal.records import run_privacy
+from tff_personal.records import run_records
 
 
 def train(task, config: experiment.ExperimentConfig | experiment.Resolved,

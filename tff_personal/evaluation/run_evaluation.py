@@ -13,12 +13,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from tff_personal import experiment
-from tff_personal import new_user_evaluation
-from tff_personal import run_privacy
-from tff_personal import run_records
-from tff_personal import strategies as strategies_lib
 from tff_personal.algorithms import fedavg_ft
+from tff_personal.config import experiment
+from tff_personal.config import strategies as strategies_lib
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
@@ -30,6 +27,9 @@ from tff_personal.core import sharded_eval
 from tff_personal.core import stages as stages_lib
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop
+from tff_personal.evaluation import new_user_evaluation
+from tff_personal.records import run_privacy
+from tff_personal.records import run_records
 
 
 def _evaluators(model_fn, weights_type, state_type, num_shards: int,

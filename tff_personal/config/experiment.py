@@ -25,15 +25,15 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_personal import strategies as strategies_lib
 from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
+from tff_personal.config import strategies as strategies_lib
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import moved
 from tff_personal.core import options as options_lib
 from tff_personal.core import personal_init as personal_init_lib
-from tff_personal.core import private_noise
 from tff_personal.core import privacy
+from tff_personal.core import private_noise
 from tff_personal.core import stages as stages_lib
 from tff_personal.core import task as task_lib
 from tff_personal.core import training_loop

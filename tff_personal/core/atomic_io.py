@@ -7,7 +7,7 @@ caches, records); a file that cannot be read raises one error naming it.
 
 Example:
 
-  from tff_personal import atomic_io
+  from tff_personal.core import atomic_io
   result = atomic_io.cached_json('out/eval_seed0.json', expensive_fn)
 """
 

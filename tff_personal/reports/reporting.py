@@ -49,17 +49,17 @@ import time
 from typing import (Any, Callable, Iterable, Mapping, Optional, Protocol,
                     Sequence, Union)
 
-from tff_personal import atomic_io
+from tff_personal.core import atomic_io
 from tff_personal.core import moved
-from tff_personal.paper_results import canonical_json  # pylint: disable=unused-import
-from tff_personal.paper_results import Cell
-from tff_personal.paper_results import jsonable
-from tff_personal.paper_results import latest_records
-from tff_personal.paper_results import metrics_for
-from tff_personal.paper_results import RECORD_KEYS  # pylint: disable=unused-import
-from tff_personal.paper_results import Results
-from tff_personal.paper_results import ResultsFile
-from tff_personal.paper_results import RUNS_DIRNAME  # pylint: disable=unused-import
+from tff_personal.reports.paper_results import canonical_json  # pylint: disable=unused-import
+from tff_personal.reports.paper_results import Cell
+from tff_personal.reports.paper_results import jsonable
+from tff_personal.reports.paper_results import latest_records
+from tff_personal.reports.paper_results import metrics_for
+from tff_personal.reports.paper_results import RECORD_KEYS  # pylint: disable=unused-import
+from tff_personal.reports.paper_results import Results
+from tff_personal.reports.paper_results import ResultsFile
+from tff_personal.reports.paper_results import RUNS_DIRNAME  # pylint: disable=unused-import
 
 RESULTS_FILENAME = 'results.jsonl'
 TABLES_DIRNAME = 'tables'

@@ -14,13 +14,13 @@ import json
 import os
 from typing import Any, Optional
 
-from tff_personal import atomic_io
-from tff_personal import experiment
-from tff_personal import run_lock
+from tff_personal.config import experiment
+from tff_personal.core import atomic_io
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import privacy
 from tff_personal.core import runtime
 from tff_personal.core import training_loop
+from tff_personal.records import run_lock
 
 
 def holding_lock(create: bool):

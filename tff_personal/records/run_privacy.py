@@ -8,10 +8,10 @@ import dataclasses
 import os
 from typing import Optional
 
-from tff_personal import experiment
-from tff_personal import strategies as strategies_lib
-from tff_personal.core import private_noise
+from tff_personal.config import experiment
+from tff_personal.config import strategies as strategies_lib
 from tff_personal.core import privacy
+from tff_personal.core import private_noise
 from tff_personal.core import training_loop
 
 

@@ -21,8 +21,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from tff_personal import atomic_io
-from tff_personal import curve_bands
+from tff_personal.core import atomic_io
+from tff_personal.reports import curve_bands
 
 
 def pyplot():

@@ -1,0 +1,3 @@
+"""The evaluator: a run's personalized evaluation with its named
+strategies, and new-user (cold-start) evaluation.
+"""
