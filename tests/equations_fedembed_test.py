@@ -1,0 +1,370 @@
+"""FedEmbed's algorithms held to its paper's update equations.
+
+FedEmbed (Silva et al.; Sec. 3 and Appendix A, Algorithm 1): a personal
+embedding e_u (private) concatenated to the input (as a diagonal channel)
+and to the shared encoder theta's features; K sub-population heads phi_k
+(shared), the client's assigned head classifying its samples (L_C) with
+"zero-gradients for unused model-heads" (Sec. 3.1); a global head nu on
+[stop_gradient(features), e_u] (L_C; Sec. 3.2: its gradients "only update
+the personal embeddings"); a k-way type head gamma predicting the sample's
+type m (L_M, Algorithm 1 line 18). Assignment: FedEmbed-Type takes the
+client's own type (the one most frequent among its positives, line 9's
+"identify e_p from D_u"); FedEmbed-Prototype first steps e_u on the
+triplet loss of Eq. (1) (line 10, with the hinge, margin alpha = 1), then
+takes the nearest prototype's head (line 11, Euclidean); FedEmbed-Personal
+has one private head per client.
+
+As `tests/equations_test.py`: two rounds, three clients of 3, 2 and 4
+examples in batches of 2, SGD 0.1 on the clients, SGD 0.7 at the server, DP
+off, every value to 1e-5 of a float64 NumPy reference, each reference's
+mutations. The network is the library's `build_fedembed_model` with a
+linear encoder (Flatten, Dense(3)) of 2 x 3 x 1 inputs, K = 2 and a
+2-dimensional embedding: everything in NumPy below.
+
+Where the library reads Algorithm 1 rather than follows it literally (each
+named in `models/fedembed.py`'s docstring), the reference takes the
+library's reading and says so: the local update is one SGD step per batch
+on every parameter jointly (Algorithm 1 lines 15-21 accumulate the
+gradients of theta and phi at the broadcast values, a FedSGD step, while
+e_u steps per example; Appendix B's "local optimizer Adam" and "central
+optimizer Adam with lr = 1" are FedAvg-style local training); e_u and the
+prototypes also take Eq. (1)'s gradient in every local step (Sec. 3.3.2:
+prototypes "are continually updated alongside the global model"; Algorithm
+1 has no equation for them); with K = 2 the "randomly sampled" negative
+prototype is the other one; the server's mean is weighted by examples
+(line 24 writes 1/U).
+"""
+
+import collections
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tests import equations_test as eqt
+from tff_personal.algorithms import registry
+from tff_personal.core import process as process_lib
+from tff_personal.models import fedembed
+
+K = 2             # sub-populations
+DIM = 2           # the personal embedding's size
+IMAGE = (2, 3, 1)
+FEATURES = 3
+MARGIN = 1.0      # Eq. (1)'s alpha (FedEmbedConfig's default, the paper's)
+TRIPLET_STEPS = 5     # FedEmbedConfig's defaults: Algorithm 1 line 10
+TRIPLET_STEP = 0.1
+# Where e_u sits in the flattened [x, diag(e_u)] input (row-major, channels
+# last: (i, j, c) -> i * 3 * 2 + j * 2 + c; e_i at (i, i, 1)).
+DIAG = tuple(i * IMAGE[1] * 2 + i * 2 + 1 for i in range(DIM))
+
+_SPEC = collections.OrderedDict(
+    x=tf.TensorSpec((None,) + IMAGE, tf.float32),
+    y=tf.TensorSpec([None], tf.int32),
+    type=tf.TensorSpec([None], tf.int32))
+
+
+def _encoder(channels):
+  return tf.keras.Sequential([
+      tf.keras.layers.InputLayer(input_shape=IMAGE[:2] + (channels,)),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(FEATURES, name='features')], name='encoder')
+
+
+def _factory(config):
+  config = fedembed.with_task_subpopulations(config, K)
+  return lambda: fedembed.build_fedembed_model(
+      config, encoder_fn=_encoder, input_shape=IMAGE, input_spec=_SPEC)
+
+
+_TASK = types.SimpleNamespace(name='equations_fedembed',
+                              fedembed_model_fn_factory=_factory)
+
+# The library's variable names -> the reference's.
+_NAMES = {'features/kernel': 'Wf', 'features/bias': 'bf',
+          'prototypes/vectors': 'P', 'global_head/kernel': 'Wg',
+          'global_head/bias': 'bg', 'heads/kernel': 'Wh', 'heads/bias': 'bh',
+          'type_head/kernel': 'Wt', 'type_head/bias': 'bt',
+          'personal/personal_embedding': 'e', 'personal_head/kernel': 'Wp',
+          'personal_head/bias': 'bp', 'assignment/positive_index': 'positive',
+          'assignment/head': 'head', 'assignment/draws': 'draws',
+          'assignment/salt': 'salt', 'kmeans/centroids': 'centroids',
+          'kmeans/counts': 'counts'}
+# Seeds of the prototype's random negative, not an equation's values.
+_NOT_COMPARED = ('draws', 'salt')
+
+
+# ------------------------------------------------------------ data
+
+
+def _client_arrays(round_num: int):
+  rng = np.random.default_rng([17, round_num])
+  out = []
+  for n in eqt.SIZES:
+    out.append(dict(x=rng.normal(size=(n,) + IMAGE).astype(np.float32),
+                    y=rng.integers(0, 2, n).astype(np.int32),
+                    type=rng.integers(0, K, n).astype(np.int32)))
+  return out
+
+
+def _datasets(round_num: int):
+  return [tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      (k, d[k]) for k in ('x', 'y', 'type'))).batch(eqt.BATCH)
+          for d in _client_arrays(round_num)]
+
+
+def _batches(d):
+  return [{k: v[i:i + eqt.BATCH].astype(np.float64 if k == 'x' else np.int64)
+           for k, v in d.items()} for i in range(0, len(d['y']), eqt.BATCH)]
+
+
+# ------------------------------------------------------------ the network
+
+
+def _ce_grad(logits, labels):
+  """The mean softmax cross-entropy's gradient in the logits."""
+  z = np.exp(logits - logits.max(-1, keepdims=True))
+  g = z / z.sum(-1, keepdims=True)
+  g[np.arange(len(labels)), labels] -= 1.0
+  return g / len(labels)
+
+
+def _features(p, x):
+  """(the encoder's input, f, z): the input with diag(e_u) as a channel,
+  theta's features f, and z = [f, e_u] (without an embedding: x, f, f)."""
+  n = len(x)
+  if 'e' in p:
+    channel = np.zeros((n,) + IMAGE[:2] + (1,))
+    for i in range(DIM):
+      channel[:, i, i, 0] = p['e'][i]
+    inputs = np.concatenate([x, channel], -1).reshape(n, -1)
+  else:
+    inputs = x.reshape(n, -1)
+  f = inputs @ p['Wf'] + p['bf']
+  z = np.concatenate([f, np.tile(p['e'], (n, 1))], 1) if 'e' in p else f
+  return inputs, f, z
+
+
+def fedembed_grads(p, batch, head, positive, eq):
+  """The gradients of one batch's loss L_C(assigned head) + L_C(nu) +
+  L_M(gamma) [+ Eq. (1)], in every parameter."""
+  x, y, m = batch['x'], batch['y'], batch['type']
+  inputs, f, z = _features(p, x)
+  g = {k: np.zeros_like(v) for k, v in p.items()}
+  if 'Wp' in p:  # FedEmbed-Personal: the client's own head
+    ga = _ce_grad(z @ p['Wp'] + p['bp'], y)
+    g['Wp'], g['bp'] = z.T @ ga, ga.sum(0)
+    dz = ga @ p['Wp'].T
+  else:          # the assigned sub-population head; zero on the others
+    ga = _ce_grad(z @ p['Wh'][head] + p['bh'][head], y)
+    g['Wh'][head], g['bh'][head] = z.T @ ga, ga.sum(0)
+    dz = ga @ p['Wh'][head].T
+  if 'Wt' in p:  # L_M: the type head gamma on z
+    gt = _ce_grad(z @ p['Wt'] + p['bt'], m)
+    g['Wt'], g['bt'] = z.T @ gt, gt.sum(0)
+    dz = dz + gt @ p['Wt'].T
+  if 'Wg' in p:  # nu on [f, e_u], f's gradient stopped (Sec. 3.2)
+    gg = _ce_grad(z @ p['Wg'] + p['bg'], y)
+    g['Wg'], g['bg'] = z.T @ gg, gg.sum(0)
+    dzg = gg @ p['Wg'].T
+    if not eq['stop_gradient']:
+      dz = dz + dzg
+    else:
+      g['e'] = g['e'] + dzg[:, FEATURES:].sum(0)
+  df = dz[:, :FEATURES]
+  g['Wf'], g['bf'] = inputs.T @ df, df.sum(0)
+  if 'e' in p:
+    g['e'] = g['e'] + dz[:, FEATURES:].sum(0) + (
+        df @ p['Wf'].T)[:, list(DIAG)].sum(0)
+  if 'P' in p and eq['triplet_in_loss']:  # Eq. (1), hinged, negative: other
+    neg = (positive + 1) % K
+    e, pp, pn = p['e'], p['P'][positive], p['P'][neg]
+    if np.sum((e - pp) ** 2) - np.sum((e - pn) ** 2) + eq['margin'] > 0:
+      g['e'] = g['e'] + 2 * (e - pp) - 2 * (e - pn)
+      g['P'][positive] += -2 * (e - pp)
+      g['P'][neg] += 2 * (e - pn)
+  return g
+
+
+def _positive(d) -> int:
+  """Line 9's sub-population: the type most frequent among the positives."""
+  return int(np.argmax(np.bincount(d['type'][d['y'] == 1], minlength=K)))
+
+
+def _assign(p, positive, eq) -> tuple[np.ndarray, int]:
+  """(e_u, head) after lines 8-14."""
+  e = p.get('e')
+  if 'P' not in p:
+    return e, eq['head_of'](positive)
+  pp = p['P'][positive]
+  for _ in range(eq['triplet_steps']):  # line 10: Eq. (1) on e_u alone
+    pn = p['P'][(positive + 1) % K]
+    if np.sum((e - pp) ** 2) - np.sum((e - pn) ** 2) + eq['margin'] > 0:
+      e = e - eq['triplet_step'] * 2 * (pn - pp)
+  head = int(np.argmin(((p['P'] - e[None]) ** 2).sum(1)))  # line 11
+  return e, eq['head_of'](head)
+
+
+def fedembed_reference(w0, private0, eq):
+  """Algorithm 1 (the library's readings: module docstring)."""
+  shared = tuple(w0)
+  w = dict(w0)
+  mine = [{k: private0(c)[k] for k in eq['private']}
+          for c in range(len(eqt.SIZES))]
+  for r in range(eqt.ROUNDS):
+    locals_ = []
+    for c, d in enumerate(_client_arrays(r)):
+      p = {**w, **{k: v for k, v in mine[c].items()
+                   if k not in ('positive', 'head')}}
+      positive = _positive(d)
+      e, head = _assign(p, positive, eq)
+      if e is not None:
+        p['e'] = e
+      for batch in _batches(d):
+        g = fedembed_grads(p, batch, head, positive, eq)
+        p = {k: v - eq['eta'] * g[k] if k in eq['trained'] else v
+             for k, v in p.items()}
+      locals_.append(p)
+      mine[c] = {**{k: p[k] for k in eq['private']
+                    if k not in ('positive', 'head')},
+                 'positive': np.float64(positive), 'head': np.float64(head)}
+    w = eqt.server_step(w, locals_, eq['weights'], shared, eq['eta_s'])
+  return eqt.Outcome(server=w, server_fixed={}, clients=mine)
+
+
+# ------------------------------------------------------------ library side
+
+
+def _initial_private(seed: int):
+  def init(k):
+    rng = np.random.default_rng([seed, k])
+    values = dict(e=rng.uniform(-2.5, 2.5, DIM),
+                  Wp=rng.normal(scale=0.5, size=(FEATURES + DIM, 2)),
+                  bp=rng.normal(scale=0.5, size=2))
+    out = {n: v.astype(np.float32).astype(np.float64)
+           for n, v in values.items()}
+    out.update(positive=np.float64(0), head=np.float64(0),
+               draws=np.float64(0), salt=np.float64(0))
+    return out
+  return init
+
+
+def _variable_names(model_fn):
+  with tf.Graph().as_default():
+    model = model_fn()
+    name = lambda v: _NAMES[v.name.split(':')[0]]
+    return ([name(v) for v in model.shared_trainable_variables],
+            [name(v) for v in model.shared_non_trainable_variables],
+            [name(v) for v in model.private_variables])
+
+
+def run_fedembed(name: str, config: fedembed.FedEmbedConfig, init_private,
+                 **options):
+  """Two rounds of the registered algorithm: (outcome, initial shared
+  weights by name, initial non-trainable weights by name)."""
+  trainable, fixed, private = _variable_names(_factory(config))
+  proc = registry.build_for_task(
+      name, _TASK,
+      client_optimizer=tff.learning.optimizers.build_sgdm(eqt.ETA),
+      server_optimizer=tff.learning.optimizers.build_sgdm(eqt.ETA_S),
+      seed=3, **options)
+  specs = tff.types.type_to_tf_tensor_specs(proc.client_state_type)
+  private_specs = specs[process_lib.CLIENT_STATE_PRIVATE]
+  assert len(private_specs) == len(private), (private_specs, private)
+  states = [collections.OrderedDict([
+      (process_lib.CLIENT_STATE_PRIVATE, tuple(
+          np.asarray(init_private(k)[n], s.dtype.as_numpy_dtype)
+          for n, s in zip(private, private_specs))),
+      (process_lib.CLIENT_STATE_ROUNDS, np.int32(0))])
+            for k in range(len(eqt.SIZES))]
+  state = proc.initialize()
+
+  def named(keys, values):
+    return {k: np.asarray(v, np.float64) for k, v in zip(keys, values)}
+
+  weights = proc.get_model_weights(state)
+  w0 = named(trainable, weights.trainable)
+  fixed0 = named(fixed, weights.non_trainable)
+  for r in range(eqt.ROUNDS):
+    state, states, _ = proc.next(state, states, _datasets(r))
+  weights = proc.get_model_weights(state)
+  clients = []
+  for s in states:
+    values = named(private, s[process_lib.CLIENT_STATE_PRIVATE])
+    clients.append({k: v for k, v in values.items()
+                    if k not in _NOT_COMPARED})
+  return eqt.Outcome(server=named(trainable, weights.trainable),
+                     server_fixed=named(fixed, weights.non_trainable),
+                     clients=clients), w0, fixed0
+
+
+# ------------------------------------------------------------ the cases
+
+_COMMON = {'client step doubled': {'eta': 2 * eqt.ETA},
+           'server step 1': {'eta_s': 1.0},
+           'clients weighted equally (line 24\'s 1/U)': {'weights': (1, 1, 1)}}
+_SHARED_ALL = ('Wf', 'bf', 'Wh', 'bh', 'Wg', 'bg', 'Wt', 'bt', 'P')
+_FEDEMBED = {'stop_gradient': True, 'triplet_in_loss': True,
+             'margin': MARGIN, 'triplet_steps': TRIPLET_STEPS,
+             'triplet_step': TRIPLET_STEP, 'head_of': lambda k: k}
+
+CASES = [
+    eqt.Case('fedembed_type', fedembed_reference,
+             private=('e', 'positive', 'head'),
+             options={'embedding_dim': DIM},
+             constants={**_FEDEMBED, 'private': ('e', 'positive', 'head'),
+                        'trained': _SHARED_ALL + ('e',)},
+             mutations={**_COMMON,
+                        'the other sub-population\'s head': {
+                            'head_of': lambda k: (k + 1) % K},
+                        'nu\'s gradient reaches the encoder': {
+                            'stop_gradient': False},
+                        'e_u not trained': {'trained': _SHARED_ALL}}),
+    eqt.Case('fedembed_personal', fedembed_reference,
+             private=('e', 'Wp', 'bp', 'positive', 'head'),
+             options={'embedding_dim': DIM},
+             constants={**_FEDEMBED,
+                        'private': ('e', 'Wp', 'bp', 'positive', 'head'),
+                        'trained': _SHARED_ALL + ('e', 'Wp', 'bp')},
+             mutations={**_COMMON,
+                        'personal head not trained': {
+                            'trained': _SHARED_ALL + ('e',)},
+                        'e_u not trained': {
+                            'trained': _SHARED_ALL + ('Wp', 'bp')}}),
+    eqt.Case('fedembed_prototype', fedembed_reference,
+             private=('e', 'positive', 'head'),
+             options={'embedding_dim': DIM},
+             constants={**_FEDEMBED, 'private': ('e', 'positive', 'head'),
+                        'trained': _SHARED_ALL + ('e',)},
+             mutations={**_COMMON,
+                        'no triplet step before the assignment (line 10)': {
+                            'triplet_steps': 0},
+                        'no Eq. (1) in the local steps': {
+                            'triplet_in_loss': False},
+                        'Eq. (1) without its margin': {'margin': 0.0},
+                        'prototypes not trained': {
+                            'trained': _SHARED_ALL[:-1] + ('e',)}}),
+]
+_ASSIGNMENTS = {'fedembed_type': 'type', 'fedembed_personal': 'personal',
+                'fedembed_prototype': 'prototype'}
+
+
+def test_the_cases_are_the_ones_the_main_file_counts():
+  assert {c.registered for c in CASES} == eqt.COVERED_ELSEWHERE[
+      __name__.rsplit('.', 1)[-1]]
+
+
+@pytest.mark.parametrize('case', CASES, ids=lambda c: c.name)
+def test_round_follows_the_papers_equations(case):
+  init = _initial_private(seed=11)
+  config = fedembed.FedEmbedConfig(assignment=_ASSIGNMENTS[case.name],
+                                   embedding_dim=DIM)
+  got, w0, _ = run_fedembed(case.registered, config, init, **case.options)
+  want = case.reference(w0, init, eqt._constants(case))  # pylint: disable=protected-access
+  eqt._assert_close(got, want, case.name)  # pylint: disable=protected-access
+  assert case.mutations, case.name
+  for what, change in case.mutations.items():
+    mutated = case.reference(
+        w0, init, eqt._constants(case, **change))  # pylint: disable=protected-access
+    assert eqt._differs(mutated, want), f'{case.name}: {what} is not detected'  # pylint: disable=protected-access
