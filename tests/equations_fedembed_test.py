@@ -41,9 +41,18 @@ type or global head, each client's head the k-means centroid nearest to its
 probe, the centroids moved by the mini-batch k-means rule. Its centroid
 step disagrees with that rule (`_PFEDKM_FINDING`): the case is an expected
 failure, and a second test shows the disagreement is the weighting alone.
+
+FedEmbed-SOM (Sec. 3.3.1) assigns each client the best-matching unit of
+e_u in a self-organising map (Kohonen 1990) and moves the map by "the
+update from the best-scoring client", re-using each old head for the new
+cluster it overlaps most. Its schedule (the SOM step and neighbourhood
+decaying exponentially over rounds), which score is best (the least
+similar client) and the two-map bookkeeping (the heads indexed by the map
+of the round before) are the library's readings of that short section.
 """
 
 import collections
+import functools
 import types
 
 import numpy as np
@@ -98,7 +107,8 @@ _NAMES = {'features/kernel': 'Wf', 'features/bias': 'bf',
           'personal_head/bias': 'bp', 'assignment/positive_index': 'positive',
           'assignment/head': 'head', 'assignment/draws': 'draws',
           'assignment/salt': 'salt', 'kmeans/centroids': 'centroids',
-          'kmeans/counts': 'counts'}
+          'kmeans/counts': 'counts', 'som/nodes': 'nodes',
+          'som/active': 'active', 'som/steps': 'steps'}
 # Seeds of the prototype's random negative, not an equation's values.
 _NOT_COMPARED = ('draws', 'salt')
 
@@ -297,6 +307,71 @@ def pfedkm_reference(w0, private0, eq):
 ROUNDS_LAST = eqt.ROUNDS - 1
 
 
+# ------------------------------------------------------------ FedEmbed-SOM
+
+# SomConfig's defaults: the SOM's step and neighbourhood width, each decaying
+# exponentially to its final value over DECAY rounds.
+SOM_RATE, SOM_FINAL_RATE = 0.5, 0.05
+SOM_SIGMA, SOM_FINAL_SIGMA = 1.0, 0.1
+SOM_DECAY = 100.0
+# K = 2 nodes on a 1 x 2 grid: the two are one grid unit apart.
+SOM_GRID_D2 = np.array([[0.0, 1.0], [1.0, 0.0]])
+
+
+def _decayed(initial, final, step):
+  return initial * (final / initial) ** min(step / SOM_DECAY, 1.0)
+
+
+def fedembed_som_reference(w0, private0, eq):
+  """FedEmbed-SOM (Sec. 3.3.1 and Algorithm 1 line 13): each client's head
+  is its embedding's best-matching unit (BMU) in the map its heads are
+  indexed by; it trains as FedEmbed; with its trained e_u it computes the
+  Kohonen update (Kohonen 1990) of the map being learned,
+  delta_i = h(bmu, i) (e_u - w_i), h = exp(-d_grid^2 / 2 sigma^2), and its
+  similarity score -||e_u - w_bmu||^2; the server applies "the update from
+  the best-scoring client ... to each node", w <- w + rate * delta (best:
+  the least similar client, the library's choice of which score is best),
+  and "for each cluster in the new SOM" re-uses the head of the old
+  cluster that overlaps it most in the clients' membership (kept on ties
+  and where no client is counted)."""
+  w, fixed = dict(w0), dict(eq['fixed0'])
+  mine = [{k: private0(c)[k] for k in ('e',)} for c in range(len(eqt.SIZES))]
+  out = [None] * len(eqt.SIZES)
+  for r in range(eqt.ROUNDS):
+    steps = fixed['steps']
+    sigma = _decayed(SOM_SIGMA, SOM_FINAL_SIGMA, steps)
+    rate = _decayed(SOM_RATE, SOM_FINAL_RATE, steps)
+    locals_, deltas, scores = [], [], []
+    counts = np.zeros((K, K))
+    for c, d in enumerate(_client_arrays(r)):
+      p = {**w, 'e': mine[c]['e']}
+      head = eq['head_of'](int(np.argmin(
+          ((fixed['active'] - p['e']) ** 2).sum(1))))
+      for batch in _batches(d):
+        g = fedembed_grads(p, batch, head, 0, eq)
+        p = {k: v - eq['eta'] * g[k] for k, v in p.items()}
+      locals_.append(p)
+      e = p['e']
+      d2 = ((fixed['nodes'] - e) ** 2).sum(1)
+      bmu = int(np.argmin(d2))
+      h = np.exp(-SOM_GRID_D2[bmu] / (2 * sigma ** 2))
+      deltas.append(h[:, None] * (e - fixed['nodes']))
+      scores.append(-d2[bmu])
+      counts[int(np.argmin(((fixed['active'] - e) ** 2).sum(1))), bmu] += 1
+      mine[c] = {'e': e}
+      out[c] = {'e': e, 'positive': np.float64(_positive(d)),
+                'head': np.float64(head)}
+    w = eqt.server_step(w, locals_, eq['weights'], tuple(w0), eq['eta_s'])
+    delta = deltas[eq['winner'](scores)]
+    sources = [j if (counts[j, j] >= counts[:, j].max() or
+                     counts[:, j].max() <= 0) else int(np.argmax(counts[:, j]))
+               for j in range(K)] if eq['reuse_heads'] else list(range(K))
+    w['Wh'], w['bh'] = w['Wh'][sources], w['bh'][sources]
+    fixed = {'nodes': fixed['nodes'] + eq['som_rate'] * rate * delta,
+             'active': fixed['nodes'], 'steps': steps + 1.0}
+  return eqt.Outcome(server=w, server_fixed=fixed, clients=out)
+
+
 # ------------------------------------------------------------ library side
 
 
@@ -419,8 +494,22 @@ CASES = [
                         'probes weighted by examples': {
                             'point_weight': lambda c: eqt.SIZES[c] * len(
                                 eqt.SIZES) / sum(eqt.SIZES)}}),
+    eqt.Case('fedembed_som', fedembed_som_reference,
+             private=('e', 'positive', 'head'),
+             options={'embedding_dim': DIM,
+                      'allow_unprotected_best_client': True},
+             constants={**_FEDEMBED, 'som_rate': 1.0, 'reuse_heads': True,
+                        'winner': lambda scores: int(np.argmin(scores))},
+             mutations={**_COMMON,
+                        'the most similar client\'s update': {
+                            'winner': lambda scores: int(np.argmax(scores))},
+                        'SOM step doubled': {'som_rate': 2.0},
+                        'heads not re-used': {'reuse_heads': False},
+                        'nu\'s gradient reaches the encoder': {
+                            'stop_gradient': False}}),
 ]
 _ASSIGNMENTS = {'fedembed_type': 'type', 'fedembed_personal': 'personal',
+                'fedembed_som': 'som',
                 'fedembed_prototype': 'prototype', 'pfedkm': 'kmeans'}
 
 
@@ -440,10 +529,24 @@ def test_the_cases_are_the_ones_the_main_file_counts():
       __name__.rsplit('.', 1)[-1]]
 
 
+# Each client's initial private values: a draw whose second round re-uses a
+# head (for FedEmbed-SOM; else its mutation 'heads not re-used' would go
+# unseen).
+_INIT_SEEDS = {'fedembed_som': 17}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(name):
+  """The library's two rounds of case `name` (run once per session: PFedKM's
+  two tests read the same run)."""
+  case = next(c for c in CASES if c.name == name)
+  init = _initial_private(seed=_INIT_SEEDS.get(name, 11))
+  return run_fedembed(case.registered, _config(name), init, **case.options)
+
+
 def _run_and_reference(case):
-  init = _initial_private(seed=11)
-  got, w0, fixed0 = run_fedembed(case.registered, _config(case.name), init,
-                                 **case.options)
+  init = _initial_private(seed=_INIT_SEEDS.get(case.name, 11))
+  got, w0, fixed0 = _run(case.name)
   reference = lambda **c: case.reference(w0, init, eqt._constants(  # pylint: disable=protected-access
       case, fixed0=fixed0, **c))
   return got, reference
