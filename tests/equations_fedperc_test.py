@@ -2,9 +2,11 @@
 
 FedPerC (Silva, Tambwekar & Gombolay): a frozen GPT-2 whose learned parts are
 a personal embedding psi (private) times a context embedding phi_c (shared),
-prepended as a one-token prefix (Sec. 3.1), or the baselines' output heads
-(Sec. 4: Split-Learning, a personal and a per-context head; Meta-Learning,
-one shared unfrozen output layer). As `tests/equations_test.py`: two rounds,
+prepended as a one-token prefix (Sec. 3.1), psi and phi_c predicted by
+shared embedding generators instead (FedPerC (Generated): Sec. 3.2,
+Algorithm 2, Appendix A), or the baselines' output heads (Sec. 4:
+Split-Learning, a personal and a per-context head; Meta-Learning, one
+shared unfrozen output layer). As `tests/equations_test.py`: two rounds,
 three clients of 3, 2 and 4 utterances in batches of 2, SGD 0.1 on the
 clients, SGD 0.7 at the server, DP off, every value to 1e-5 of a float64
 NumPy reference written from the equations, and each reference's mutations.
@@ -41,6 +43,7 @@ import types
 
 import numpy as np
 import pytest
+import scipy.special
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -79,9 +82,7 @@ _FROZEN = tuple(w.astype(np.float64) for w in _SPEC.weights)
 
 
 def _factory(variant: str, seed: int = 0):
-  config = fedperc.FedPercConfig(variant, num_contexts=CONTEXTS,
-                                 max_tokens=TOKENS, context_init_stddev=0.5)
-  return lambda: fedperc.FedPercModel(_SPEC, config, seed)
+  return lambda: fedperc.FedPercModel(_SPEC, _config(variant), seed)
 
 
 _TASK = types.SimpleNamespace(name='equations_fedperc',
@@ -191,6 +192,19 @@ PARTS = {fedperc.EMBEDDING: (('phi',), ('offset',)),
          fedperc.META: (('head',), ())}
 
 
+def _parts(variant):
+  """(shared, private) names of the variant's learned parts, the shared in
+  the library's order."""
+  if variant != fedperc.GENERATED:
+    return PARTS[variant]
+  with tf.Graph().as_default():
+    model = _factory(variant)()
+    names = tuple('phi' if v.name == 'context_embeddings:0' else
+                  v.name.split(':')[0] for v in
+                  model.shared_trainable_variables)
+  return names, ('offset',)
+
+
 def fedperc_reference(variant):
   """Algorithm 1 (Eq. 1 for the embeddings; the baselines' heads in place of
   phi and psi), FedProx on the shared parts (Appendix B), FedAvg's weighted
@@ -220,6 +234,176 @@ def fedperc_reference(variant):
   return reference
 
 
+# ------------------------------------------------------------ generated
+#
+# FedPerC (Generated) (Sec. 3.2, Algorithm 2, Appendix A): psi and phi_c are
+# predicted by two embedding generators, transformer decoder blocks run
+# over an utterance's tokens; the generators (and the context embeddings
+# they start from) are the trained, shared parameters. Their forward pass
+# is Appendix A's equations below; its gradient is taken by central
+# differences of that forward pass in float64 (every parameter perturbed
+# at once, vectorized: error ~1e-9, far below the tolerance), the FedProx
+# term's exactly.
+
+GEN_HEADS = 2         # attention heads of each generator
+GEN_UTTERANCES = 1    # per batch: the first generates, the others are scored
+GEN_LN_EPS = 1e-3     # the generators' layer norms (Keras' default)
+GENERATORS = ('personal_generator', 'context_generator')
+
+
+def _config(variant):
+  return fedperc.FedPercConfig(
+      variant, num_contexts=CONTEXTS, max_tokens=TOKENS,
+      context_init_stddev=0.5, generator_heads=GEN_HEADS,
+      generator_utterances=GEN_UTTERANCES)
+
+
+def _gelu(x):
+  return 0.5 * x * (1.0 + scipy.special.erf(x / np.sqrt(2.0)))
+
+
+def _ln_batched(x, gamma, beta, eps):
+  """Layer norm of x [S, ..., H] with per-set gamma, beta [S, H]."""
+  shape = (gamma.shape[0],) + (1,) * (x.ndim - 2) + (gamma.shape[-1],)
+  mean = x.mean(-1, keepdims=True)
+  xhat = (x - mean) / np.sqrt(x.var(-1, keepdims=True) + eps)
+  return gamma.reshape(shape) * xhat + beta.reshape(shape)
+
+
+def _generator(p, name, e, words, mask):
+  """Appendix A, for each utterance from e_0 = `e` [S, N, H] over its
+  tokens `words` [N, T, H] (future-masked: step t sees W_{<t}):
+  e_t = MultiHeadAttn(query=LN(e_{t-1}), keys=values=W_{<t});
+  e_t = LN(LN(e_t) + LN(e_{t-1})); e_t = LN(FFN(e_t) + LN(e_{t-1}));
+  a padding token leaves e unchanged. Every parameter has a leading axis
+  S (parameter sets evaluated together)."""
+  g = lambda k: p[f'{name}/{k}']
+  ln = lambda x, k: _ln_batched(x, g(f'{k}/gamma'), g(f'{k}/beta'),
+                                GEN_LN_EPS)
+  key_dim = HIDDEN // GEN_HEADS
+  keys = np.einsum('nth,shkd->sntkd', words, g('attention/key/kernel')
+                   ) + g('attention/key/bias')[:, None, None]
+  values = np.einsum('nth,shkd->sntkd', words, g('attention/value/kernel')
+                     ) + g('attention/value/bias')[:, None, None]
+  positions = np.arange(words.shape[1])
+  for t in range(1, words.shape[1] + 1):
+    visible = mask.astype(bool) & (positions[None] < t)
+    previous = ln(e, 'ln_previous')
+    query = (np.einsum('snh,shkd->snkd', previous,
+                       g('attention/query/kernel'))
+             + g('attention/query/bias')[:, None]) / np.sqrt(key_dim)
+    scores = np.einsum('sntkd,snkd->snkt', keys, query) + (
+        1.0 - visible[None, :, None, :]) * -1e9
+    scores = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = scores / scores.sum(-1, keepdims=True)
+    attended = np.einsum('snkd,skdh->snh', np.einsum(
+        'snkt,sntkd->snkd', probs, values), g(
+            'attention/attention_output/kernel')) + g(
+                'attention/attention_output/bias')[:, None]
+    x = ln(ln(attended, 'ln_attention') + previous, 'ln_middle')
+    ffn = np.einsum('snf,sfh->snh', _gelu(
+        np.einsum('snh,shf->snf', x, g('ffn_in/kernel'))
+        + g('ffn_in/bias')[:, None]), g('ffn_out/kernel')) + g(
+            'ffn_out/bias')[:, None]
+    x = ln(ffn + previous, 'ln_output')
+    e = np.where(mask[None, :, t - 1, None].astype(bool), x, e)
+  return e
+
+
+def generate(p, offset, batch):
+  """Algorithm 2's generators on a batch's utterances: (psi - 1 [S, H],
+  the context table [S, C, H]): psi is the mean over the utterances of the
+  personal generator from the current psi; each context's phi_c the mean
+  of the context generator from phi_c over its utterances (a context with
+  none keeps its embedding)."""
+  words = _FROZEN[0][batch['ids']]
+  mask, ctx = batch['mask'], batch['context']
+  n, sets = len(ctx), p['phi'].shape[0]
+  psi = np.broadcast_to((1.0 + offset)[:, None], (sets, n, HIDDEN))
+  personal = _generator(p, GENERATORS[0], psi, words, mask).mean(1)
+  generated = _generator(p, GENERATORS[1], p['phi'][:, ctx], words, mask)
+  table = p['phi'].copy()
+  for c in range(CONTEXTS):
+    if np.any(ctx == c):
+      table[:, c] = generated[:, ctx == c].mean(1)
+  return personal - 1.0, table
+
+
+def generated_loss(p, offset, batch):
+  """[S] the token-mean NLL of the batch's scored utterances under the
+  prefix psi * phi_c generated from its first ones (Algorithm 2 lines 9-13;
+  0 when the batch has no scored utterance)."""
+  head = {k: v[:GEN_UTTERANCES] for k, v in batch.items()}
+  target = {k: v[GEN_UTTERANCES:] for k, v in batch.items()}
+  new_offset, table = generate(p, offset, head)
+  if not len(target['ids']):
+    return np.zeros(p['phi'].shape[0]), new_offset
+  emb, pos = _FROZEN[0], _FROZEN[1]
+  ids, mask = target['ids'], target['mask'].astype(np.float64)
+  prefix = (1.0 + new_offset)[:, None] * table[:, target['context']]
+  h0, _ = _layer_norm(prefix + pos[0])                     # [S, B, H]
+  rest, _ = _layer_norm(emb[ids[:, :-1]] + pos[1:TOKENS])  # [B, L-1, H]
+  logits0 = h0 @ emb.T
+  logits = rest @ emb.T
+  def token_nll(l, y):
+    m = l.max(-1, keepdims=True)
+    logp = l - m - np.log(np.exp(l - m).sum(-1, keepdims=True))
+    y = np.broadcast_to(y, logp.shape[:-1])
+    return -np.take_along_axis(logp, y[..., None], -1)[..., 0]
+  total = (token_nll(logits0, ids[:, 0]) * mask[:, 0]).sum(-1) + (
+      token_nll(logits, ids[:, 1:]) * mask[:, 1:]).sum()
+  return total / max(mask.sum(), 1.0), new_offset
+
+
+def _numeric_grad(p, offset, batch, keys, h=1e-6):
+  """Central differences of `generated_loss` in every parameter of `keys`,
+  all perturbations evaluated as one vectorized batch of parameter sets."""
+  sizes = [p[k].size for k in keys]
+  n = sum(sizes)
+  steps = np.concatenate([np.eye(n), -np.eye(n)]) * h
+  sets, start = {}, 0
+  for k, size in zip(keys, sizes):
+    delta = steps[:, start:start + size].reshape((2 * n,) + p[k].shape)
+    sets[k] = p[k][None] + delta
+    start += size
+  loss, _ = generated_loss(sets, np.broadcast_to(offset, (2 * n, HIDDEN)),
+                           batch)
+  flat = (loss[:n] - loss[n:]) / (2 * h)
+  out, start = {}, 0
+  for k, size in zip(keys, sizes):
+    out[k] = flat[start:start + size].reshape(p[k].shape)
+    start += size
+  return out
+
+
+def generated_reference(w0, private0, eq):
+  """FedPerC (Generated), Algorithm 2: per batch, the generators step on the
+  loss of the prefix they generate (lines 14-15, with the context
+  embeddings: their starting values) plus FedProx's mu/2 ||w - w_global||^2
+  (Appendix B), and psi_d <- Gamma_d(theta_d, psi_d, B_d) (line 13: the
+  generated value, no gradient step); the server averages the shared
+  parameters' deltas as FedPerC does."""
+  keys = tuple(w0)
+  w = dict(w0)
+  offsets = [private0(c)['offset'] for c in range(len(eqt.SIZES))]
+  for r in range(eqt.ROUNDS):
+    locals_ = []
+    for c, d in enumerate(_client_arrays(r)):
+      p = dict(w)
+      for batch in _batches(d):
+        g = _numeric_grad(p, offsets[c], batch, keys)
+        one = {k: v[None] for k, v in p.items()}
+        _, new_offset = generated_loss(one, offsets[c][None], batch)
+        for k in eq.get('trained') or keys:
+          p[k] = p[k] - eq['eta'] * (g[k] + eq['mu'] * (p[k] - w[k]))
+        if eq['regenerate']:
+          offsets[c] = new_offset[0]
+      locals_.append(p)
+    w = eqt.server_step(w, locals_, eq['weights'], keys, eq['eta_s'])
+  return eqt.Outcome(server=w, server_fixed=dict(enumerate(_FROZEN)),
+                     clients=[{'offset': o} for o in offsets])
+
+
 def _initial_private(seed: int):
   def init(k):
     rng = np.random.default_rng([seed, k])
@@ -233,7 +417,7 @@ def _initial_private(seed: int):
 def run_fedperc(name: str, variant: str, init_private, **options):
   """Two rounds of the registered FedPerC algorithm: (outcome, initial
   shared weights by name)."""
-  shared_keys, private_keys = PARTS[variant]
+  shared_keys, private_keys = _parts(variant)
   proc = registry.build_for_task(
       name, _TASK,
       client_optimizer=tff.learning.optimizers.build_sgdm(eqt.ETA),
@@ -288,8 +472,16 @@ CASES = [
     eqt.Case('meta_learning', fedperc_reference(fedperc.META),
              options={'proximal_mu': MU}, constants={'mu': MU},
              mutations=_COMMON),
+    eqt.Case('fedperc_generated', generated_reference,
+             private=('offset',), options={'proximal_mu': MU},
+             constants={'mu': MU, 'regenerate': True},
+             mutations={**_COMMON,
+                        'generators not trained': {'trained': ('phi',)},
+                        'psi kept, not generated (line 13)': {
+                            'regenerate': False}}),
 ]
-_VARIANTS = {'fedperc': fedperc.EMBEDDING, 'fedperc_frozen': fedperc.EMBEDDING,
+_VARIANTS = {'fedperc_generated': fedperc.GENERATED,
+             'fedperc': fedperc.EMBEDDING, 'fedperc_frozen': fedperc.EMBEDDING,
              'split_learning': fedperc.SPLIT, 'meta_learning': fedperc.META}
 
 
