@@ -3,7 +3,7 @@
 FedPerC (Silva, Tambwekar & Gombolay): a frozen GPT-2 whose learned parts are
 a personal embedding psi (private) times a context embedding phi_c (shared),
 prepended as a one-token prefix (Sec. 3.1), psi and phi_c predicted by
-shared embedding generators instead (FedPerC (Generated): Sec. 3.2,
+shared embedding generators instead (FedPerC (Generated): Sec. 3.2.1,
 Algorithm 2, Appendix A), or the baselines' output heads (Sec. 4:
 Split-Learning, a personal and a per-context head; Meta-Learning, one
 shared unfrozen output layer). As `tests/equations_test.py`: two rounds,
@@ -236,7 +236,7 @@ def fedperc_reference(variant):
 
 # ------------------------------------------------------------ generated
 #
-# FedPerC (Generated) (Sec. 3.2, Algorithm 2, Appendix A): psi and phi_c are
+# FedPerC (Generated) (Sec. 3.2.1, Algorithm 2, Appendix A): psi and phi_c are
 # predicted by two embedding generators, transformer decoder blocks run
 # over an utterance's tokens; the generators (and the context embeddings
 # they start from) are the trained, shared parameters. Their forward pass
@@ -337,7 +337,7 @@ def generated_loss(p, offset, batch):
   target = {k: v[GEN_UTTERANCES:] for k, v in batch.items()}
   new_offset, table = generate(p, offset, head)
   if not len(target['ids']):
-    return np.zeros(p['phi'].shape[0]), new_offset
+    return np.zeros(p['phi'].shape[0]), new_offset, table
   emb, pos = _FROZEN[0], _FROZEN[1]
   ids, mask = target['ids'], target['mask'].astype(np.float64)
   prefix = (1.0 + new_offset)[:, None] * table[:, target['context']]
@@ -352,7 +352,7 @@ def generated_loss(p, offset, batch):
     return -np.take_along_axis(logp, y[..., None], -1)[..., 0]
   total = (token_nll(logits0, ids[:, 0]) * mask[:, 0]).sum(-1) + (
       token_nll(logits, ids[:, 1:]) * mask[:, 1:]).sum()
-  return total / max(mask.sum(), 1.0), new_offset
+  return total / max(mask.sum(), 1.0), new_offset, table
 
 
 def _numeric_grad(p, offset, batch, keys, h=1e-6):
@@ -366,8 +366,8 @@ def _numeric_grad(p, offset, batch, keys, h=1e-6):
     delta = steps[:, start:start + size].reshape((2 * n,) + p[k].shape)
     sets[k] = p[k][None] + delta
     start += size
-  loss, _ = generated_loss(sets, np.broadcast_to(offset, (2 * n, HIDDEN)),
-                           batch)
+  loss, _, _ = generated_loss(
+      sets, np.broadcast_to(offset, (2 * n, HIDDEN)), batch)
   flat = (loss[:n] - loss[n:]) / (2 * h)
   out, start = {}, 0
   for k, size in zip(keys, sizes):
@@ -378,11 +378,19 @@ def _numeric_grad(p, offset, batch, keys, h=1e-6):
 
 def generated_reference(w0, private0, eq):
   """FedPerC (Generated), Algorithm 2: per batch, the generators step on the
-  loss of the prefix they generate (lines 14-15, with the context
-  embeddings: their starting values) plus FedProx's mu/2 ||w - w_global||^2
-  (Appendix B), and psi_d <- Gamma_d(theta_d, psi_d, B_d) (line 13: the
-  generated value, no gradient step); the server averages the shared
-  parameters' deltas as FedPerC does."""
+  loss of the prefix they generate (lines 14-15) plus FedProx's
+  mu/2 ||w - w_global||^2 (Appendix B), and psi_d <- Gamma_d(theta_d, psi_d,
+  B_d) (line 13: the generated value, no gradient step); the server
+  averages the shared parameters' deltas as FedPerC does.
+
+  The context embeddings phi are the library's reading: the starting
+  values of the context generator, trained by the same gradient step and
+  averaged; the generated table is the prefix's only. Line 12 read
+  literally overwrites phi_d with its generated value every step (as
+  line 13 does psi_d), but lines 17-20 then return no phi delta while
+  line 26 applies one: the algorithm does not say what phi's global
+  update is. The literal local step is the mutation 'phi_d overwritten'.
+  """
   keys = tuple(w0)
   w = dict(w0)
   offsets = [private0(c)['offset'] for c in range(len(eqt.SIZES))]
@@ -393,11 +401,14 @@ def generated_reference(w0, private0, eq):
       for batch in _batches(d):
         g = _numeric_grad(p, offsets[c], batch, keys)
         one = {k: v[None] for k, v in p.items()}
-        _, new_offset = generated_loss(one, offsets[c][None], batch)
-        for k in eq.get('trained') or keys:
+        _, new_offset, table = generated_loss(one, offsets[c][None], batch)
+        for k in eq.get('trained') or [
+            k for k in keys if k not in eq.get('frozen', ())]:
           p[k] = p[k] - eq['eta'] * (g[k] + eq['mu'] * (p[k] - w[k]))
         if eq['regenerate']:
           offsets[c] = new_offset[0]
+        if eq['phi_generated']:  # Algorithm 2 line 12, read literally
+          p['phi'] = table[0]
       locals_.append(p)
     w = eqt.server_step(w, locals_, eq['weights'], keys, eq['eta_s'])
   return eqt.Outcome(server=w, server_fixed=dict(enumerate(_FROZEN)),
@@ -474,11 +485,15 @@ CASES = [
              mutations=_COMMON),
     eqt.Case('fedperc_generated', generated_reference,
              private=('offset',), options={'proximal_mu': MU},
-             constants={'mu': MU, 'regenerate': True},
+             constants={'mu': MU, 'regenerate': True,
+                        'phi_generated': False},
              mutations={**_COMMON,
                         'generators not trained': {'trained': ('phi',)},
                         'psi kept, not generated (line 13)': {
-                            'regenerate': False}}),
+                            'regenerate': False},
+                        'phi_d overwritten by its generated value (line 12 '
+                        'literally)': {'phi_generated': True,
+                                       'frozen': ('phi',)}}),
 ]
 _VARIANTS = {'fedperc_generated': fedperc.GENERATED,
              'fedperc': fedperc.EMBEDDING, 'fedperc_frozen': fedperc.EMBEDDING,
