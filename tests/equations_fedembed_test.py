@@ -547,7 +547,7 @@ def _run(name):
 def _run_and_reference(case):
   init = _initial_private(seed=_INIT_SEEDS.get(case.name, 11))
   got, w0, fixed0 = _run(case.name)
-  reference = lambda **c: case.reference(w0, init, eqt._constants(  # pylint: disable=protected-access
+  reference = lambda **c: case.reference(w0, init, eqt.constants(
       case, fixed0=fixed0, **c))
   return got, reference
 
@@ -558,9 +558,9 @@ _PFEDKM_FINDING = (
     'n_k * U / sum(n) times (its k-means statistics go through the '
     'example-weighted mean of the model update, and the server multiplies '
     'that mean by the cohort size U, which gives the sum only for equal '
-    'weights), not once as the mini-batch k-means rule it cites '
-    '(`kmeans_clustering._update_centroids`, TFF\'s build_fed_kmeans) '
-    'does: with clients of 3, 2 and 4 examples the centroids differ by '
+    'weights), not once, as the mini-batch k-means step it feeds '
+    '(TFF\'s `kmeans_clustering._update_centroids`, whose sums and counts '
+    'are over points) has it: with clients of 3, 2 and 4 examples the centroids differ by '
     '0.18 and the counts by 1/3 after two rounds; '
     'test_pfedkm_differs_from_k_means_by_the_example_weights_alone shows '
     'that this weighting is the whole gap')
@@ -576,9 +576,9 @@ def test_round_follows_the_papers_equations(case):
   # The mutation check first: it must hold even where the library differs.
   assert case.mutations, case.name
   for what, change in case.mutations.items():
-    assert eqt._differs(reference(**change), want), (  # pylint: disable=protected-access
+    assert eqt.differs(reference(**change), want), (
         f'{case.name}: {what} is not detected')
-  eqt._assert_close(got, want, case.name)  # pylint: disable=protected-access
+  eqt.assert_close(got, want, case.name)
 
 
 def test_pfedkm_differs_from_k_means_by_the_example_weights_alone():
@@ -589,11 +589,11 @@ def test_pfedkm_differs_from_k_means_by_the_example_weights_alone():
   once, this fails and the xfail above passes: drop both marks."""
   case = next(c for c in CASES if c.name == 'pfedkm')
   got, reference = _run_and_reference(case)
-  eqt._assert_close(  # pylint: disable=protected-access
+  eqt.assert_close(
       got, reference(**case.mutations['probes weighted by examples']),
       'pfedkm, probes weighted by examples')
   # The paper reference's mutation check (the xfail above cannot tell a
   # missed mutation from the finding).
   for what, change in case.mutations.items():
-    assert eqt._differs(reference(**change), reference()), (  # pylint: disable=protected-access
+    assert eqt.differs(reference(**change), reference()), (
         f'pfedkm: {what} is not detected')

@@ -501,7 +501,8 @@ _VARIANTS = {'fedperc_generated': fedperc.GENERATED,
 
 
 def test_the_cases_are_the_ones_the_main_file_counts():
-  assert {c.registered for c in CASES} == eqt.COVERED_ELSEWHERE[__name__.rsplit('.', 1)[-1]]
+  assert {c.registered for c in CASES} == eqt.COVERED_ELSEWHERE[
+      __name__.rsplit('.', 1)[-1]]
 
 
 @pytest.mark.parametrize('case', CASES, ids=lambda c: c.name)
@@ -509,13 +510,12 @@ def test_round_follows_the_papers_equations(case):
   init = _initial_private(seed=11)
   got, w0 = run_fedperc(case.registered, _VARIANTS[case.name], init,
                         **case.options)
-  want = case.reference(w0, init, eqt._constants(case))  # pylint: disable=protected-access
-  eqt._assert_close(got, want, case.name)  # pylint: disable=protected-access
+  want = case.reference(w0, init, eqt.constants(case))
+  eqt.assert_close(got, want, case.name)
   assert case.mutations, case.name
   for what, change in case.mutations.items():
-    mutated = case.reference(
-        w0, init, eqt._constants(case, **change))  # pylint: disable=protected-access
-    assert eqt._differs(mutated, want), f'{case.name}: {what} is not detected'  # pylint: disable=protected-access
+    mutated = case.reference(w0, init, eqt.constants(case, **change))
+    assert eqt.differs(mutated, want), f'{case.name}: {what} is not detected'
 
 
 def test_the_layer_norm_gradient_is_the_derivative():

@@ -6,7 +6,9 @@ network (x in R^4 -> body Dense(3) -> head Dense(2), mean softmax
 cross-entropy), three clients of 3, 2 and 4 examples in batches of 2 (a
 ragged last batch), SGD on the clients, SGD with step 0.7 at the server,
 DP off. The library's server weights and every client's state must equal
-the reference to 1e-5.
+the reference to 1e-5. FedPerC's algorithms (a GPT-2 prefix) and FedEmbed's
+(sub-population heads) are held the same way in equations_fedperc_test.py
+and equations_fedembed_test.py, with the helpers below.
 
 Each algorithm also has a mutation check: the reference with one equation
 changed (a step size, a sign, which parameters are private, a
@@ -674,6 +676,12 @@ CASES = [
 def _constants(case: Case, **changes) -> dict:
   return {'eta': ETA, 'eta_s': ETA_S, 'weights': SIZES,
           **case.constants, **changes}
+
+
+# Shared with tests/equations_fedperc_test.py and equations_fedembed_test.py.
+constants = _constants
+assert_close = _assert_close
+differs = _differs
 
 
 @pytest.mark.parametrize('case', CASES, ids=lambda c: c.name)
