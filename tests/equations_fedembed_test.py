@@ -552,48 +552,12 @@ def _run_and_reference(case):
   return got, reference
 
 
-# PFedKM's k-means points are weighted by examples, not counted once.
-_PFEDKM_FINDING = (
-    'PFedKM: the library\'s centroid step counts each client\'s probe '
-    'n_k * U / sum(n) times (its k-means statistics go through the '
-    'example-weighted mean of the model update, and the server multiplies '
-    'that mean by the cohort size U, which gives the sum only for equal '
-    'weights), not once, as the mini-batch k-means step it feeds '
-    '(TFF\'s `kmeans_clustering._update_centroids`, whose sums and counts '
-    'are over points) has it: with clients of 3, 2 and 4 examples the centroids differ by '
-    '0.18 and the counts by 1/3 after two rounds; '
-    'test_pfedkm_differs_from_k_means_by_the_example_weights_alone shows '
-    'that this weighting is the whole gap')
-
-
-@pytest.mark.parametrize('case', [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True,
-                                             reason=_PFEDKM_FINDING))
-    if c.name == 'pfedkm' else c for c in CASES], ids=lambda c: c.name)
+@pytest.mark.parametrize('case', CASES, ids=lambda c: c.name)
 def test_round_follows_the_papers_equations(case):
   got, reference = _run_and_reference(case)
   want = reference()
-  # The mutation check first: it must hold even where the library differs.
   assert case.mutations, case.name
   for what, change in case.mutations.items():
     assert eqt.differs(reference(**change), want), (
         f'{case.name}: {what} is not detected')
   eqt.assert_close(got, want, case.name)
-
-
-def test_pfedkm_differs_from_k_means_by_the_example_weights_alone():
-  """The finding above, located: with each probe weighted by its client's
-  examples (n_k U / sum n) in the centroid step, the reference is the
-  library's round to 1e-5 (the encoder, the heads, the probes and the
-  assignment agree with the equations). When the library counts each probe
-  once, this fails and the xfail above passes: drop both marks."""
-  case = next(c for c in CASES if c.name == 'pfedkm')
-  got, reference = _run_and_reference(case)
-  eqt.assert_close(
-      got, reference(**case.mutations['probes weighted by examples']),
-      'pfedkm, probes weighted by examples')
-  # The paper reference's mutation check (the xfail above cannot tell a
-  # missed mutation from the finding).
-  for what, change in case.mutations.items():
-    assert eqt.differs(reference(**change), reference()), (
-        f'pfedkm: {what} is not detected')

@@ -28,8 +28,15 @@ points are computed from the model each round and the centroids live in the
 model's non-trainable weights (broadcast with the model, checkpointed with
 it), so the statistics travel in the model's aggregation
 (`statistics_process.compose_with_server_step`). TFF's sum aggregator is
-replaced by the model's (mean or DP) aggregator: the server multiplies the
-mean statistics by the cohort size, and with DP the statistics are clipped
+replaced by the model's (mean or DP) aggregator, and the server turns its
+mean back into the sum over the cohort that k-means counts each probe once
+in: an unweighted mean (DP's) times the cohort size; under a mean weighted
+by examples, each client divides its statistics by its weight and also
+sends that inverse weight, whose mean is the cohort size over the total
+weight, so the weights cancel (exactly when every sampled client trains: a
+client with no examples, or one left out as non-finite, has weight 0 in
+the mean but still counts in the cohort size, which then scales the sums
+by cohort / trained clients). With DP the statistics are clipped
 with the model update, noised (noisy counts below 0 are clamped to 0) and
 covered by the same epsilon. Since probes are unit directions, the
 clustering is spherical k-means: centroids start as TFF's normal draws scaled
@@ -93,6 +100,11 @@ def build_pfedkm(model_factory, *,
                      f'{statistics_scale}')
   if aggregator_factory is None:
     aggregator_factory = tff.aggregators.MeanFactory()
+  # A mean weighted by examples would count each probe n_k U / sum(n)
+  # times: its statistics are sent over the client's weight (module
+  # docstring).
+  weighted = isinstance(aggregator_factory,
+                        tff.aggregators.WeightedAggregationFactory)
   config = fedembed_model.FedEmbedConfig(
       assignment='kmeans', embedding_dim=embedding_dim, use_type_head=False,
       use_global_head=False,
@@ -124,12 +136,15 @@ def build_pfedkm(model_factory, *,
           model, client_optimizer, weights, private, dataset, metrics_fn,
           private_optimizer)
       ok = tf.cast(weight > 0, tf.float32) * scale
+      statistics = collections.OrderedDict(sums=sums * ok, counts=counts * ok)
+      if weighted:
+        inverse = tf.math.divide_no_nan(1.0, tf.cast(weight, tf.float32))
+        statistics = collections.OrderedDict(
+            sums=statistics['sums'] * inverse,
+            counts=statistics['counts'] * inverse, inverse_weight=ok * inverse)
       metrics['clients'] = tf.constant(1, tf.int32)
       return collections.OrderedDict(
-          update=collections.OrderedDict(
-              model=update,
-              statistics=collections.OrderedDict(sums=sums * ok,
-                                                 counts=counts * ok)),
+          update=collections.OrderedDict(model=update, statistics=statistics),
           update_weight=weight,
           client_state=collections.OrderedDict([
               (process_lib.CLIENT_STATE_PRIVATE, new_private),
@@ -147,9 +162,15 @@ def build_pfedkm(model_factory, *,
                               tff.TensorType(np.float32))
   def server_step(weights, statistics, cohort):
     non_trainable = list(weights.non_trainable)
-    # Means over the cohort -> sums over the cohort (TFF's k-means sums).
-    counts = tf.maximum(statistics['counts'] * (cohort / scale), 0.0)
-    sums = statistics['sums'] * (cohort / scale)
+    # Means over the cohort -> sums over the cohort (TFF's k-means sums):
+    # unweighted, times U; weighted, times U over the mean inverse weight
+    # (U / sum(n) times the scale), which gives sum(n).
+    if weighted:
+      to_sum = tf.math.divide_no_nan(cohort, statistics['inverse_weight'])
+    else:
+      to_sum = cohort / scale
+    counts = tf.maximum(statistics['counts'] * to_sum, 0.0)
+    sums = statistics['sums'] * to_sum
     sums = tf.where(counts[:, tf.newaxis] > 0, sums, tf.zeros_like(sums))
     centroids, totals = kmeans_clustering._update_centroids(  # pylint: disable=protected-access
         non_trainable[i_centroids], non_trainable[i_counts], sums, counts)
