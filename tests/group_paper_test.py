@@ -30,7 +30,7 @@ def _flags(**overrides):
       group_personalization_epochs=2, group_personalization_lrs=['0.1', '1'],
       group_eval_clients_per_group=1, group_sweep_clients_per_group=1,
       group_max_clients=30, group_clustering=True, group_cluster_clients=8,
-      group_plateau_max_rounds=6, group_plateau_eval_every=2,
+      group_plateau_max_rounds=4, group_plateau_eval_every=2,
       group_plateau_window=2, group_plateau_tolerance=0.01,
       group_validation_clients_per_group=2)
   values.update(overrides)
@@ -115,8 +115,8 @@ def _check_controls(f, root, records):
   with open(os.path.join(directory, 'plateau.json')) as fh:
     plateau = json.load(fh)
   curve = {int(r): v for r, v in plateau['curve'].items()}
-  assert sorted(curve) == [2, 4, 6]  # Every eval_every rounds, to the end.
-  expected = run_analysis.plateau_round(curve, 2, 0.01) or 6
+  assert sorted(curve) == [2, 4]  # Every eval_every rounds, to the end.
+  expected = run_analysis.plateau_round(curve, 2, 0.01) or 4
   assert plateau['rounds'] == expected
   for (method, g), m in cells.items():
     assert m['fl_rounds'] == expected and m['perplexity'] == m['perplexity']

@@ -94,8 +94,9 @@ class AlgorithmSpec:
       mechanisms (`privacy.DISTRIBUTED_MECHANISMS`: noise added on the
       devices, sums by secure aggregation) wherever it runs
       'gaussian_fixed'; else why it does not. `tests/distributed_dp_test.py`
-      holds every entry to it (it runs, its production form carrying secure
-      sums; or it fails).
+      holds one entry of each family, and each whose update has a structure
+      of its own, to it (it runs, its production form carrying secure sums;
+      or it fails).
   """
   name: str
   builder: Callable[..., Any]
