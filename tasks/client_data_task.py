@@ -52,6 +52,7 @@ import tensorflow_federated as tff
 from tasks import preference_task
 from tff_personal.core import client_data as client_data_lib
 from tff_personal.core import split_model
+from tff_personal.core import task as task_lib
 from tff_personal.core import worker_threads
 from tff_personal.models import fedembed
 
@@ -395,27 +396,10 @@ class ClientDataTask:
 def _withheld(ids: Sequence[str], withheld: float, seed: int,
               name: str) -> list[str]:
   """The client ids `withheld_clients` keeps out of training: a seeded
-  draw of a count or a fraction of `ids`, in their order."""
-  if isinstance(withheld, bool) or not isinstance(withheld, (int, float)) or (
-      not withheld >= 0):
-    raise ValueError(f'{name}: withheld_clients must be a count >= 1, a '
-                     f'fraction in (0, 1) or 0, got {withheld!r}')
-  if withheld == 0:
-    return []
-  if withheld < 1:
-    count = max(1, int(round(withheld * len(ids))))
-  elif float(withheld).is_integer():
-    count = int(withheld)
-  else:
-    raise ValueError(f'{name}: withheld_clients={withheld} is neither a '
-                     'whole count nor a fraction in (0, 1)')
-  if count >= len(ids):
-    raise ValueError(f'{name}: withheld_clients={withheld} withholds '
-                     f'{count} of {len(ids)} clients; at least one must '
-                     'train')
-  rng = np.random.default_rng([seed, 0x57a7])
-  chosen = set(rng.choice(len(ids), size=count, replace=False).tolist())
-  return [c for k, c in enumerate(ids) if k in chosen]
+  draw of a count or a fraction of `ids` (`task.choose_withheld`), in
+  their order."""
+  return [ids[k] for k in task_lib.choose_withheld(len(ids), withheld, seed,
+                                                    name)]
 
 
 def from_client_arrays(train: Sequence[dict], test: Sequence[dict],

@@ -251,8 +251,17 @@ def task_factory(capabilities: Sequence[str], flags: Sequence[str] = ()
   return declare
 
 
+# Every task's option: clients withheld from training (the `withheld`
+# capability). A builder that takes it handles it (`ClientDataTask`);
+# any other task is wrapped in `task.WithheldTask`.
+WITHHELD_OPTION = 'withheld_clients'
+
+
 def _option_specs(name: str) -> options_lib.Specs:
-  return options_lib.option_specs(spec(name).builder, exclude=RUN_ARGUMENTS)
+  specs = options_lib.option_specs(spec(name).builder, exclude=RUN_ARGUMENTS)
+  # A count or a fraction, whatever the builder's default's type.
+  specs[WITHHELD_OPTION] = (float, 0.0, False)
+  return specs
 
 
 def task_options(name: str) -> dict[str, tuple[type, Any]]:
@@ -286,20 +295,26 @@ def build_task(name: str, **kwargs):
   task_spec = spec(name)
   params = inspect.signature(task_spec.builder).parameters
   if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-    unknown = sorted(set(kwargs) - set(params))
+    unknown = sorted(set(kwargs) - set(params) - {WITHHELD_OPTION})
     if unknown:
       raise ValueError(f'task {name!r} takes no {unknown}; its options: '
                        f'{options_lib.describe(_option_specs(name))}')
   data_dir = kwargs.pop('data_dir', None)
   if data_dir is not None:
     data_dir = os.path.abspath(data_dir)
+  arguments = dict(kwargs)
+  withheld = 0
+  if WITHHELD_OPTION not in params:
+    withheld = kwargs.pop(WITHHELD_OPTION, 0)
   task = task_spec.builder(data_dir, **kwargs)
+  if withheld:
+    task = task_lib.WithheldTask(task, withheld, seed=kwargs.get('seed', 0))
   if imported.is_import_path(name):  # Its own code: checked here, named.
     try:
       task_lib.check_task(task)
     except TypeError as e:
       raise ValueError(f'task {name!r}: its factory returned {e}') from e
-  task_lib.set_build_record(task, name, dict(kwargs, data_dir=data_dir))
+  task_lib.set_build_record(task, name, dict(arguments, data_dir=data_dir))
   return task
 
 

@@ -63,6 +63,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -274,3 +275,117 @@ class TaskSubset:
 
   def evaluate(self, per_client_outputs, client_ids) -> dict:
     return self.task.evaluate(per_client_outputs, self.global_ids(client_ids))
+
+
+def choose_withheld(population: int, withheld: float, seed: int,
+                    name: str) -> list[int]:
+  """The clients `withheld` keeps out of training, in increasing order.
+
+  Args:
+    population: the task's clients, `0 .. population - 1`.
+    withheld: a count (>= 1), a fraction in (0, 1), or 0 (none).
+    seed: the task's seed; the draw is a function of it alone.
+    name: the task's name, for errors.
+
+  Returns:
+    The withheld clients' ids (at least one client is left to train).
+
+  Raises:
+    ValueError: `withheld` is not a count, a fraction or 0, or leaves no
+      client to train.
+  """
+  if isinstance(withheld, bool) or not isinstance(withheld, (int, float)) or (
+      not withheld >= 0):
+    raise ValueError(f'{name}: withheld_clients must be a count >= 1, a '
+                     f'fraction in (0, 1) or 0, got {withheld!r}')
+  if withheld == 0:
+    return []
+  if withheld < 1:
+    count = max(1, int(round(withheld * population)))
+  elif float(withheld).is_integer():
+    count = int(withheld)
+  else:
+    raise ValueError(f'{name}: withheld_clients={withheld} is neither a '
+                     'whole count nor a fraction in (0, 1)')
+  if count >= population:
+    raise ValueError(f'{name}: withheld_clients={withheld} withholds '
+                     f'{count} of {population} clients; at least one must '
+                     'train')
+  rng = np.random.default_rng([seed, 0x57a7])
+  return sorted(rng.choice(population, size=count, replace=False).tolist())
+
+
+class WithheldTask(TaskSubset):
+  """`task` with some clients withheld from training: the `withheld`
+  capability for a task that has no option of its own for it.
+
+  The trained clients are a `TaskSubset` (renumbered `0 .. n - 1`, every
+  capability of `task` kept); the withheld ones are evaluated as new users
+  (`strategies.ColdStart`): `withheld_eval_datasets` gives their
+  evaluation data, `withheld_adaptation_datasets` the first examples of
+  their round-0 training data (every local epoch of it), and
+  `withheld_evaluate` scores them as `task.evaluate` scores them. Which
+  clients are withheld is `choose_withheld` of the task's seed.
+  `tasks.registry.build_task` wraps a registered task in it for
+  `withheld_clients`, unless the task's builder takes that option itself
+  (`ClientDataTask`).
+
+  Example:
+
+    task = WithheldTask(preference_task, withheld_clients=0.1, seed=0)
+    task.withheld_names  # ['3', '17', ...]: the task's own client ids
+  """
+
+  def __init__(self, task, withheld_clients: float, seed: int = 0):
+    withheld = choose_withheld(task.population, withheld_clients, seed,
+                               task_name(task))
+    if not withheld:
+      raise ValueError(f'{task_name(task)}: WithheldTask needs '
+                       'withheld_clients > 0')
+    held = set(withheld)
+    super().__init__(task, [i for i in range(task.population)
+                            if i not in held])
+    self.withheld_ids = withheld
+    self.withheld_clients = withheld_clients
+    batch_size = getattr(task, 'batch_size', None)
+    self._batch_size = int(batch_size) if batch_size else None
+
+  @property
+  def withheld_names(self) -> list[str]:
+    """The task's ids of the withheld clients, in the order the withheld_*
+    methods index them."""
+    return [str(i) for i in self.withheld_ids]
+
+  def _withheld_ids(self, ids: Sequence[int]) -> list[int]:
+    bad = [int(i) for i in ids if not 0 <= int(i) < len(self.withheld_ids)]
+    if bad:
+      raise ValueError(f'{self.name}: withheld client indices {bad[:5]} are '
+                       f'not in [0, {len(self.withheld_ids)})')
+    return [self.withheld_ids[int(i)] for i in ids]
+
+  def withheld_eval_datasets(self, ids: Sequence[int],
+                             samples: Optional[int] = None
+                             ) -> list[tf.data.Dataset]:
+    """Withheld clients `ids`: each one's evaluation data (`samples` is
+    checked only; adaptation reads `withheld_adaptation_datasets`)."""
+    if samples is not None and samples < 0:
+      raise ValueError(f'samples must be >= 0 or None (all), got {samples}')
+    return self.task.eval_datasets(self._withheld_ids(ids))
+
+  def withheld_adaptation_datasets(self, ids: Sequence[int],
+                                   samples: Optional[int] = None
+                                   ) -> list[tf.data.Dataset]:
+    """Withheld clients `ids`: the first `samples` examples (None: all) of
+    each one's round-0 training data, in the task's batches."""
+    if samples is not None and samples < 0:
+      raise ValueError(f'samples must be >= 0 or None (all), got {samples}')
+    out = []
+    for data in self.task.train_datasets(self._withheld_ids(ids), 0):
+      if samples is not None:
+        data = data.unbatch().take(samples).batch(self._batch_size or 16)
+      out.append(data)
+    return out
+
+  def withheld_evaluate(self, per_client_outputs, ids) -> dict:
+    """`task.evaluate` of the withheld clients `ids`."""
+    return self.task.evaluate(per_client_outputs, self._withheld_ids(ids))

@@ -148,6 +148,9 @@ def evaluate_new_users(task, proc, state, store,
     for s in starts:
       s[process_lib.CLIENT_STATE_PRIVATE] = private
   adaptation_fn = getattr(task, 'withheld_adaptation_datasets', None)
+  # Withheld users scored as the task scores them (`task.WithheldTask`
+  # maps their ids back to the task's own).
+  score = getattr(task, 'withheld_evaluate', task.evaluate)
   # Fine-tuning a process whose clients hold no private variables tunes a
   # copy of the whole global model (`fedavg_ft.WholeModelView`).
   evaluated = proc
@@ -180,7 +183,7 @@ def evaluate_new_users(task, proc, state, store,
         outputs.extend(tuned_eval(weights, states[sl], train[sl], data[sl]))
       else:
         outputs.extend(personal_eval(weights, states[sl], data[sl]))
-    out['samples'][str(samples)] = task.evaluate(outputs, ids)
+    out['samples'][str(samples)] = score(outputs, ids)
     if log_fn:
       log_fn(f'new users ({len(ids)} withheld, start {new_users.start}, '
              f'{samples} samples): '
