@@ -96,6 +96,11 @@ class AlgorithmSpec:
       'gaussian_fixed'; else why it does not. `tests/distributed_dp_test.py`
       holds every entry to it (it runs, its production form carrying secure
       sums; or it fails).
+    inprocess: empty when the in-process round (`core/inprocess.py`: the
+      round's compiled MapReduceForm run as TensorFlow functions in the
+      driver, `--simulation_inprocess`) runs the algorithm, every stage of
+      it; else why it does not. `tests/inprocess_test.py` holds every
+      covered entry to `process.next`, round for round.
   """
   name: str
   builder: Callable[..., Any]
@@ -107,6 +112,7 @@ class AlgorithmSpec:
   batched: bool = False
   evaluation: str = ''
   distributed_dp: str = ''
+  inprocess: str = ''
 
   @property
   def staged(self) -> bool:
