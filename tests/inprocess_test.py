@@ -35,6 +35,7 @@ from tests import production_test
 from tff_personal.algorithms import registry
 from tff_personal.config import experiment
 from tff_personal.core import inprocess
+from tff_personal.core import privacy
 from tff_personal.core import production
 
 SIZES = [4, 7, 5]
@@ -241,26 +242,38 @@ def test_states_of_either_round_feed_the_other():
     _check_close(got[2], want[2], result[2], 'metrics')
 
 
-def test_secure_sums_run_in_process():
-  """With TFF's secure aggregator the update travels on the secure-sum
-  path, which TFF's local runtime cannot run: in process its sums (by
-  `production._reduce`) give the plain weighted mean's rounds to the
-  32-bit quantization."""
-  secure = tff.learning.secure_aggregator(zeroing=False, clipping=False)
-  in_process = inprocess.build(conformance._build(  # pylint: disable=protected-access
-      'global', aggregator_factory=secure))
+@pytest.mark.parametrize('aggregator', ['secure_aggregator',
+                                        'distributed_dgauss'])
+def test_secure_sums_run_in_process(aggregator):
+  """On the secure-sum path (TFF's secure aggregator; the distributed
+  discrete Gaussian at noise multiplier 0, its devices rotating, clipping
+  and rounding) the sums added up in process (`production._reduce`) give
+  the rounds of the same process's `process.next` (TFF's runtime lowers
+  its secure sums) to the quantization; the secure aggregator's, those of
+  the plain weighted mean too (the distributed mechanism clips)."""
+  if aggregator == 'secure_aggregator':
+    factory = tff.learning.secure_aggregator(zeroing=False, clipping=False)
+  else:
+    factory = privacy.build_aggregator(privacy.DPConfig(
+        mechanism=aggregator, noise_multiplier=0.0, clip_norm=1.0,
+        clients_per_round=len(SIZES), population=100, rounds=2))
+  secure = conformance._build(  # pylint: disable=protected-access
+      'global', aggregator_factory=factory, train_metrics=False)
+  in_process = inprocess.build(secure)
   assert tf.nest.flatten(
       in_process.form.map_reduce_form().secure_sum_bitwidth())
   plain, _ = _round('global', 'none', 0)
   clients = fedembed_testdata.initial_states(plain, len(SIZES), seed=4)
-  got = _two_rounds('global', plain, in_process.next,
+  got = _two_rounds('global', secure, in_process.next,
                     in_process.initialize(), list(clients))
-  want = _two_rounds('global', plain, plain.next, plain.initialize(),
-                     list(clients))
-  for x, y in zip(tf.nest.flatten(plain.get_model_weights(got[0])),
-                  tf.nest.flatten(plain.get_model_weights(want[0])),
-                  strict=True):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+  for want_proc in (secure, plain) if aggregator == 'secure_aggregator' else (
+      secure,):
+    want = _two_rounds('global', want_proc, want_proc.next,
+                       want_proc.initialize(), list(clients))
+    for x, y in zip(tf.nest.flatten(plain.get_model_weights(got[0])),
+                    tf.nest.flatten(plain.get_model_weights(want[0])),
+                    strict=True):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
 
 
 def test_bad_input_gets_one_line():

@@ -129,10 +129,10 @@ def _length(value) -> int:
 def packed(leaves: Sequence[Any], type_spec):
   """`leaves` in `type_spec`'s structure, in the Python containers TFF's
   execution context returns for that type (`type_to_py_container`)."""
-  leaves = list(leaves)
-  if len(leaves) != len(_type_leaves(type_spec)):
-    raise ValueError(f'{len(leaves)} values for the {len(_type_leaves(type_spec))}'
-                     f' leaves of {type_spec}')
+  leaves, count = list(leaves), len(_type_leaves(type_spec))
+  if len(leaves) != count:
+    raise ValueError(f'{len(leaves)} values for the {count} leaves of '
+                     f'{type_spec}')
   it = iter(leaves)
 
   def build(t):
@@ -276,9 +276,10 @@ class InProcessRound:
     try:
       self.form = production.production_form(process)
       mrf = self.form.map_reduce_form()
-      initialize = tff.backends.mapreduce.get_state_initialization_computation(
-          process.initialize,
-          grappler_config=production._NO_GRAPPLER)  # pylint: disable=protected-access
+      initialize = (
+          tff.backends.mapreduce.get_state_initialization_computation(
+              process.initialize,
+              grappler_config=production._NO_GRAPPLER))  # pylint: disable=protected-access
       device = self.form.device_program()
     except (production.NotProductionReadyError, TypeError) as e:
       raise NotInProcessError(
