@@ -6,9 +6,9 @@ of three users with different example counts give the same server state,
 the same new state of every client and the same metrics (float32, to
 1e-5). By default for the cheapest algorithm of every family of the
 registry (`FAMILIES`), without DP and under TFF's DP aggregator at noise
-multiplier 0 (clipping on); with `TFF_PERSONAL_INPROCESS_ALL=1` for every
-algorithm the registry declares covered (`AlgorithmSpec.inprocess`), every
-stage, without DP (about ten minutes). Each piece runs as often as the
+multiplier 0 (clipping on); with `TFF_PERSONAL_INPROCESS_ALL=1` also for
+every algorithm the registry declares covered (`AlgorithmSpec.inprocess`),
+every stage, without DP (about two more minutes on two cores). Each piece runs as often as the
 round needs it (counted), a skipped piece shows as a different round, no
 TFF execution happens on the way, and the states of either round feed the
 other. The tiny models and ragged clients are the conformance suite's and
@@ -45,16 +45,9 @@ COVERED = sorted(n for n, s in registry.SPECS.items() if not s.inprocess)
 FAMILIES = [('global', 0), ('furl', 0), ('fedper', 0),
             ('fedembed_personal', 0), ('fedperc_frozen', 0),
             ('feddva', 1), ('groupfl', 1)]
-# What runs by default (the file in about 90 s on two idle cores): the four
-# families whose tiny models build in seconds, and DP for two of them. The
-# others (FedPerC's backbone, FedDVA's two VAEs, the group stages) take
-# 20 to 90 s each on two shared cores: with TFF_PERSONAL_INPROCESS_ALL=1.
-QUICK = [('global', 0, 'none'), ('furl', 0, 'none'), ('fedper', 0, 'none'),
-         ('fedembed_personal', 0, 'none'), ('global', 0, 'gaussian_fixed'),
-         ('fedper', 0, 'gaussian_fixed')]
 EVERY = os.environ.get('TFF_PERSONAL_INPROCESS_ALL') == '1'
 _EVERY_ONLY = pytest.mark.skipif(
-    not EVERY, reason='TFF_PERSONAL_INPROCESS_ALL=1 (about ten minutes)')
+    not EVERY, reason='TFF_PERSONAL_INPROCESS_ALL=1 (about two minutes)')
 
 
 def _dp():
@@ -114,6 +107,7 @@ def _two_rounds(name, proc, step, state, clients):
 
 def _check_same_rounds(name, dp, stage):
   proc, in_process = _round(name, dp, stage)
+  before = {k: p.calls for k, p in in_process.pieces.items()}
   result = proc.next.type_signature.result
   clients = fedembed_testdata.initial_states(proc, len(SIZES), seed=4)
   initial = proc.initialize()
@@ -130,19 +124,12 @@ def _check_same_rounds(name, dp, stage):
   assert not all(np.allclose(a, b) for a, b in zip(
       _leaves(want[0], result[0]), _leaves(initial, result[0]))), name
   # Each piece ran once per round, each device once per client.
-  calls = {k: p.calls for k, p in in_process.pieces.items()}
+  calls = {k: p.calls - before[k] for k, p in in_process.pieces.items()}
   assert calls['device'] == 2 * len(SIZES) and calls['update'] == 2, calls
 
 
-@pytest.mark.parametrize('name,stage,dp', QUICK)
-def test_quick_families_run_as_process_next(name, stage, dp):
-  _check_same_rounds(name, dp, stage)
-
-
-@_EVERY_ONLY
-@pytest.mark.parametrize('name,stage,dp', [
-    (n, s, dp) for n, s in FAMILIES for dp in ('none', 'gaussian_fixed')
-    if (n, s, dp) not in QUICK])
+@pytest.mark.parametrize('name,stage', FAMILIES)
+@pytest.mark.parametrize('dp', ['none', 'gaussian_fixed'])
 def test_one_algorithm_per_family_runs_as_process_next(name, stage, dp):
   _check_same_rounds(name, dp, stage)
 
