@@ -37,6 +37,7 @@ from tff_personal.config import experiment
 from tff_personal.core import inprocess
 from tff_personal.core import privacy
 from tff_personal.core import production
+from tff_personal.run import runs
 
 SIZES = [4, 7, 5]
 COVERED = sorted(n for n, s in registry.SPECS.items() if not s.inprocess)
@@ -274,10 +275,10 @@ def test_bad_input_gets_one_line():
 
 
 def _config(**kwargs):
-  return experiment.ExperimentConfig(
-      algorithm='global', rounds=2, clients_per_round=3,
-      root_output_dir='/nonexistent', experiment_name='x',
-      simulation_inprocess=True, **kwargs)
+  return experiment.ExperimentConfig(**{
+      'algorithm': 'global', 'rounds': 2, 'clients_per_round': 3,
+      'root_output_dir': '/nonexistent', 'experiment_name': 'x',
+      'simulation_inprocess': True, **kwargs})
 
 
 def test_the_option_is_refused_where_it_does_not_run(monkeypatch):
@@ -295,3 +296,21 @@ def test_the_option_is_refused_where_it_does_not_run(monkeypatch):
     experiment.validate(_config(), 10)
   assert str(e.value) == ('simulation_inprocess: global has no in-process '
                           'round: a reason')
+
+
+def test_the_option_is_not_part_of_a_runs_identity():
+  """A run keeps its digest with or without it (a simulation setting, as
+  `simulation_shards` is), and a record from before the field reads as
+  the default."""
+  record = {'config': dataclasses.asdict(_config(simulation_inprocess=False)),
+            'task': {'name': 'synthetic', 'arguments': {}}}
+  with_it = {**record, 'config': {**record['config'],
+                                  'simulation_inprocess': True}}
+  before = {**record, 'config': {k: v for k, v in record['config'].items()
+                                 if k != 'simulation_inprocess'}}
+  assert runs.digest(with_it) == runs.digest(record) == runs.digest(before)
+  fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)
+            if f.default is dataclasses.MISSING}
+  assert not experiment.ExperimentConfig(**{
+      k: v for k, v in dataclasses.asdict(_config()).items()
+      if k in fields}).simulation_inprocess  # Not the default.
