@@ -562,11 +562,14 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
   lines += [f'    {name} does not run them: {spec.distributed_dp}'
             for name, spec in algorithm_registry.SPECS.items()
             if spec.distributed_dp]
+  not_inprocess = [f'    {name} does not run in process: {spec.inprocess}'
+                   for name, spec in algorithm_registry.SPECS.items()
+                   if spec.inprocess]
   lines += ['', 'In-process rounds (--simulation_inprocess): the round\'s '
-            'production form run in the driver (core/inprocess.py)']
-  lines += [f'    {name} does not run in process: {spec.inprocess}'
-            for name, spec in algorithm_registry.SPECS.items()
-            if spec.inprocess]
+            'production form run in the driver (core/inprocess.py), one '
+            'user at a time; '
+            + ('the algorithms below do not run it:' if not_inprocess else
+               'every algorithm above, every stage')] + not_inprocess
   lines += ['', 'Tasks:']
   for name in list(task_registry.SPECS) + [
       t for t in tasks if t not in task_registry.SPECS]:
