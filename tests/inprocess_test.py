@@ -10,8 +10,9 @@ multiplier 0 (clipping on); with `TFF_PERSONAL_INPROCESS_ALL=1` also for
 every algorithm the registry declares covered (`AlgorithmSpec.inprocess`),
 every stage, without DP (about two more minutes on two cores). Each piece runs as often as the
 round needs it (counted), a skipped piece shows as a different round, no
-TFF execution happens on the way, and the states of either round feed the
-other. The tiny models and ragged clients are the conformance suite's and
+TFF execution happens on the way, the states of either round feed the
+other, the secure sums run, and DP noise is the compiled `update`'s fresh
+draw at the configured scale. The tiny models and ragged clients are the conformance suite's and
 `tests/production_test.py`'s.
 """
 
@@ -262,6 +263,30 @@ def test_secure_sums_run_in_process(aggregator):
                     tf.nest.flatten(plain.get_model_weights(want[0])),
                     strict=True):
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
+def test_dp_noise_is_updates_own_draw():
+  """At noise multiplier 1 the compiled `update` draws fresh noise at every
+  call, in process as under TFF: two rounds from the same inputs differ by
+  the difference of two draws, whose standard deviation is sqrt(2) times
+  the noise's on the mean update (z * clip / clients; server SGD at 1)."""
+  clip = 0.01
+  proc = conformance._build('global', aggregator_factory=(  # pylint: disable=protected-access
+      tff.aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
+          noise_multiplier=1.0, clients_per_round=len(SIZES), clip=clip)))
+  in_process = inprocess.build(proc)
+  clients = fedembed_testdata.initial_states(proc, len(SIZES), seed=4)
+  data = conformance._datasets(SIZES, 0)  # pylint: disable=protected-access
+  state = in_process.initialize()
+
+  def weights(s):
+    return np.concatenate([np.ravel(w) for w in proc.get_model_weights(
+        s).trainable])
+
+  a, b = (weights(in_process.next(state, clients, data)[0])
+          for _ in range(2))
+  ratio = np.std(a - b) / (np.sqrt(2) * clip / len(SIZES))
+  assert a.size >= 50 and 0.6 < ratio < 1.4, (a.size, ratio)
 
 
 def test_bad_input_gets_one_line():
