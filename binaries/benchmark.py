@@ -33,6 +33,10 @@ of each round drawn from (seed, round)). Systems:
 * `global_batched`, `fedembed_prototype_batched`: the system with each
   shard's users trained together (`--simulation_batched`,
   `core/batched.py`; FedEmbed's form is `models/fedembed_batched.py`).
+* `global_inprocess`, `fedembed_prototype_inprocess`: the system's round
+  as its production form run in the driver (`--simulation_inprocess`,
+  `core/inprocess.py`: the compiled MapReduceForm's pieces as TensorFlow
+  functions, one user at a time), with no TFF runtime started.
 * `tf_ceiling_batched`: FedAvg's model trained as if the cohort were one
   client, each step one batch of the cohort's batches together: the same
   examples and steps, the arithmetic limit of training clients together.
@@ -69,6 +73,7 @@ pfl.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import platform
@@ -93,6 +98,7 @@ from tff_personal.algorithms import fedavg
 from tff_personal.algorithms import registry
 from tff_personal.core import client_data
 from tff_personal.core import client_state
+from tff_personal.core import inprocess
 from tff_personal.core import process as process_lib
 from tff_personal.core import runtime
 from tff_personal.core import sharded
@@ -110,9 +116,14 @@ ceiling_name = benchmark_report.ceiling_name
 # (`core/batched.py`): `<system>_batched`.
 BATCHED_SYSTEMS = tuple(s + benchmark_report.BATCHED_SUFFIX
                         for s in ('global', 'fedembed_prototype'))
+# The project's systems whose rounds run in process (`core/inprocess.py`):
+# `<system>_inprocess`.
+INPROCESS_SYSTEMS = tuple(s + benchmark_report.INPROCESS_SUFFIX
+                          for s in ('global', 'fedembed_prototype'))
 # FedAvg's model trained on the cohort's examples as one batch per step.
 BATCHED_CEILING = CEILING + benchmark_report.BATCHED_SUFFIX
 SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS, *BATCHED_SYSTEMS,
+           *INPROCESS_SYSTEMS,
            *(ceiling_name(s) for s in PROJECT_SYSTEMS), BATCHED_CEILING,
            'keras_central')
 render_markdown = benchmark_report.render_markdown
@@ -304,16 +315,23 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
   are saved there (`np.savez`, in order).
   """
   batched = name in BATCHED_SYSTEMS
+  in_process = name in INPROCESS_SYSTEMS
   if batched:
     name = name[:-len(benchmark_report.BATCHED_SUFFIX)]
+  if in_process:
+    name = name[:-len(benchmark_report.INPROCESS_SUFFIX)]
   proc = build_project_process(name, seed)
-  num_shards = sharded.resolve_num_shards(proc, shards)
-  if batched and not num_shards:
-    raise app.UsageError(f'{name}{benchmark_report.BATCHED_SUFFIX} needs '
-                         'shards (--simulation_shards != 0)')
-  train = sharded.maybe_shard(
-      proc, num_shards, shards_in=shards_in, batched=batched,
-      batch_users=(batch_users or None) if batched else None)
+  if in_process:  # One user at a time; no TFF runtime (`child_main`).
+    num_shards = 0
+    train = inprocess.build(proc)
+  else:
+    num_shards = sharded.resolve_num_shards(proc, shards)
+    if batched and not num_shards:
+      raise app.UsageError(f'{name}{benchmark_report.BATCHED_SUFFIX} needs '
+                           'shards (--simulation_shards != 0)')
+    train = sharded.maybe_shard(
+        proc, num_shards, shards_in=shards_in, batched=batched,
+        batch_users=(batch_users or None) if batched else None)
   element_spec = tff.types.type_to_tf_tensor_specs(
       proc.client_data_type.element)
   keys = tuple(element_spec.keys())
@@ -340,6 +358,7 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
   return times, {'simulation_shards': num_shards,
                  'simulation_batch_users': batch_users if batched else None,
                  'shards_in': shards_in if num_shards else None,
+                 'simulation_inprocess': in_process,
                  'local_epochs': epochs}
 
 
@@ -626,10 +645,20 @@ def child_main(f) -> None:
   if (f.workers or f.local_epochs != 1) and f.child not in PROJECT_SYSTEMS:
     raise app.UsageError('--workers and --local_epochs apply to the '
                          f'project\'s systems, not {f.child}')
-  # With --workers the services' thread pools are their own flags'.
-  with runtime.local_runtime(workers=f.workers or None,
-                             intra_op_threads=threads[0],
-                             inter_op_threads=threads[1]):
+  if f.workers and f.child in INPROCESS_SYSTEMS:
+    raise app.UsageError(f'{f.child} runs in this process: no --workers')
+  # With --workers the services' thread pools are their own flags'. An
+  # in-process system starts no TFF runtime (nor its worker_binary, whose
+  # memory would count in its peak RSS): its process's TensorFlow takes
+  # the thread flags.
+  if f.child in INPROCESS_SYSTEMS:
+    runtime.configure_driver_threads(threads[0], threads[1])
+    context = contextlib.nullcontext()
+  else:
+    context = runtime.local_runtime(workers=f.workers or None,
+                                    intra_op_threads=threads[0],
+                                    inter_op_threads=threads[1])
+  with context:
     if f.child == 'tff_fedavg':
       times, extra = _run_tff_fedavg(data, f.cohort, f.rounds, f.seed, rss_at)
     elif f.child == BATCHED_CEILING:

@@ -36,14 +36,17 @@ README_SYSTEMS = ('fedembed_prototype', 'fedembed_prototype_batched', 'global',
 
 
 BATCHED_SUFFIX = '_batched'
+# A project system whose rounds run in process (`core/inprocess.py`).
+INPROCESS_SUFFIX = '_inprocess'
 
 
 def own_ceiling(system: str) -> str:
   """The ceiling of the model `system` trains (itself for a ceiling)."""
   if system.startswith(CEILING):
     return system
-  if system.endswith(BATCHED_SUFFIX):
-    system = system[:-len(BATCHED_SUFFIX)]
+  for suffix in (BATCHED_SUFFIX, INPROCESS_SUFFIX):
+    if system.endswith(suffix):
+      system = system[:-len(suffix)]
   return CEILING if system in FEDAVG_MODEL else ceiling_name(system)
 
 

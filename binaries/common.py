@@ -226,6 +226,14 @@ def define_flags():
       'that a group\'s per-user weights and optimizer slots stay in the '
       'CPU\'s cache (docs/performance.md). 0: all of a shard\'s users at '
       'once.')
+  flags.DEFINE_bool(
+      'simulation_inprocess', False,
+      'Run each training round\'s production form (its compiled '
+      'MapReduceForm) as TensorFlow functions in this process, one user at '
+      'a time, without TFF\'s runtime (core/inprocess.py; the same results '
+      'as one user per TFF client up to float rounding; evaluation still '
+      'runs on TFF\'s runtime). For the algorithms --list says it covers; '
+      'not with --simulation_shards > 0 or --simulation_batched.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')
@@ -250,7 +258,7 @@ def define_flags():
                       'train_metrics',
                       'use_gpu', 'workers', 'simulation_shards',
                       'simulation_batched', 'simulation_batch_users',
-                      'intra_op_threads',
+                      'simulation_inprocess', 'intra_op_threads',
                       'inter_op_threads'])
   # Privacy.
   flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
@@ -452,7 +460,8 @@ def configs_from_flags(f):
           strategies=tuple(f.eval_strategies)),
       simulation=run_spec.Simulation(
           shards=f.simulation_shards, batched=f.simulation_batched,
-          batch_users=f.simulation_batch_users),
+          batch_users=f.simulation_batch_users,
+          inprocess=f.simulation_inprocess),
       output=run_spec.Output(f.root_output_dir, f.experiment_name))
   config = spec.config()
   if population_from_flags:  # else validated once the task is loaded
@@ -526,6 +535,8 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
     runs = (f'; runs on: {", ".join(t for t, m in missing.items() if not m)}'
             if name in outside else '')
     batched = '; runs batched (--simulation_batched)' if spec.batched else ''
+    batched += ('; runs in process (--simulation_inprocess)'
+                if not spec.inprocess else '')
     evaluated = (f'; evaluates with {spec.evaluation}' if spec.evaluation
                  else '')
     lines.append(f'  {name} ({spec.family}): {spec.summary}{batched}'
@@ -551,6 +562,14 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
   lines += [f'    {name} does not run them: {spec.distributed_dp}'
             for name, spec in algorithm_registry.SPECS.items()
             if spec.distributed_dp]
+  not_inprocess = [f'    {name} does not run in process: {spec.inprocess}'
+                   for name, spec in algorithm_registry.SPECS.items()
+                   if spec.inprocess]
+  lines += ['', 'In-process rounds (--simulation_inprocess): the round\'s '
+            'production form run in the driver (core/inprocess.py), one '
+            'user at a time; '
+            + ('the algorithms below do not run it:' if not_inprocess else
+               'every algorithm above, every stage')] + not_inprocess
   lines += ['', 'Tasks:']
   for name in list(task_registry.SPECS) + [
       t for t in tasks if t not in task_registry.SPECS]:

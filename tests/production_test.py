@@ -40,8 +40,11 @@ _GROUPED = types.SimpleNamespace(**vars(conformance._TASK),  # pylint: disable=p
                                  groups=lambda ids: [i % 2 for i in ids])
 
 
-def _built(name, dp):
-  overrides = {} if dp == 'none' else {'aggregator_factory': _DP}
+def _built(name, dp, aggregator=None):
+  """`name` built on the tiny task; under DP with `aggregator` (default
+  `_DP`)."""
+  overrides = {} if dp == 'none' else {
+      'aggregator_factory': aggregator or _DP}
   if name == 'feddva':  # Small encoders: compilation reads every graph.
     overrides.update(pretrain_rounds=2, dim=2, channels='2,2,2,3', hidden=5)
   if 'groups' in registry.spec(name).needs:

@@ -97,6 +97,12 @@ class AlgorithmSpec:
       holds one entry of each family, and each whose update has a structure
       of its own, to it (it runs, its production form carrying secure sums;
       or it fails).
+    inprocess: empty when the in-process round (`core/inprocess.py`: the
+      round's compiled MapReduceForm run as TensorFlow functions in the
+      driver, `--simulation_inprocess`) runs the algorithm, every stage of
+      it; else why it does not. `tests/inprocess_test.py` holds the
+      covered entries to `process.next`, round for round (one of each
+      family by default, every one with TFF_PERSONAL_INPROCESS_ALL=1).
   """
   name: str
   builder: Callable[..., Any]
@@ -108,6 +114,7 @@ class AlgorithmSpec:
   batched: bool = False
   evaluation: str = ''
   distributed_dp: str = ''
+  inprocess: str = ''
 
   @property
   def staged(self) -> bool:

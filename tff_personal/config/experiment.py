@@ -105,6 +105,14 @@ class ExperimentConfig:
   # weights and optimizer slots stay in cache; 25 to 50 measured fastest in
   # docs/performance.md). 0: all of a shard's users at once.
   simulation_batch_users: int = 25
+  # Run each training round's production form in the driver: its compiled
+  # MapReduceForm pieces as TensorFlow functions of this process, one user
+  # at a time, without TFF's runtime (core/inprocess.py; the same results
+  # as one user per TFF client up to float rounding). Only for algorithms
+  # the registry declares covered (`AlgorithmSpec.inprocess`); not with
+  # simulation_shards > 0 or simulation_batched. Evaluation still runs
+  # through TFF's runtime (the local worker, or --workers).
+  simulation_inprocess: bool = False
   # Before testing, each evaluated client trains its private variables only
   # (shared weights frozen) on its own training data for one local pass (the
   # task's `local_epochs`), starting from its stored state: test-time
@@ -298,6 +306,15 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   if config.dp.is_distributed and not_distributed:
     raise ValueError(f'{config.algorithm} does not run dp mechanism '
                      f'{config.dp.mechanism!r}: {not_distributed}')
+  if config.simulation_inprocess:
+    not_inprocess = registry.spec(config.algorithm).inprocess
+    if not_inprocess:
+      raise ConfigurationError(f'simulation_inprocess: {config.algorithm} '
+                               f'has no in-process round: {not_inprocess}')
+    if config.simulation_shards > 0 or config.simulation_batched:
+      raise ConfigurationError(
+          'simulation_inprocess runs one user at a time in the driver; it '
+          'does not combine with simulation_shards > 0 or simulation_batched')
   if (config.dp.mechanism not in ('none', 'gaussian_fixed') and
       config.simulation_shards > 0):
     raise ValueError(
@@ -409,7 +426,8 @@ _NOT_BUILT_FROM = (
     'experiment_name', 'root_output_dir', 'resume', 'rounds',
     'checkpoint_every', 'keep_checkpoints', 'eval_every', 'eval_clients',
     'curve_eval_clients', 'eval_chunk', 'simulation_shards',
-    'simulation_batched', 'simulation_batch_users', 'eval_fine_tune',
+    'simulation_batched', 'simulation_batch_users', 'simulation_inprocess',
+    'eval_fine_tune',
     'test_fine_tune', 'cold_start_epochs', 'eval_strategies',
     'client_state_backend')
 _DERIVED = weakref.WeakKeyDictionary()

@@ -126,11 +126,13 @@ class Evaluation:
 @dataclasses.dataclass(frozen=True)
 class Simulation:
   """How rounds are simulated: `shards` (-1 automatic, 0 one user per TFF
-  client), `batched` (a shard's users trained together) and
-  `batch_users` (the most trained together)."""
+  client), `batched` (a shard's users trained together),
+  `batch_users` (the most trained together) and `inprocess` (the round's
+  production form run in the driver, `core/inprocess.py`)."""
   shards: int = -1
   batched: bool = False
   batch_users: int = 25
+  inprocess: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +175,7 @@ CONFIG_FIELDS = {
     ('simulation', 'shards'): 'simulation_shards',
     ('simulation', 'batched'): 'simulation_batched',
     ('simulation', 'batch_users'): 'simulation_batch_users',
+    ('simulation', 'inprocess'): 'simulation_inprocess',
     ('output', 'root_output_dir'): 'root_output_dir',
     ('output', 'experiment_name'): 'experiment_name',
 }

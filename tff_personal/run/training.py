@@ -19,6 +19,7 @@ from tff_personal.config import experiment
 from tff_personal.config import strategies as strategies_lib
 from tff_personal.core import client_state as client_state_lib
 from tff_personal.core import evaluation
+from tff_personal.core import inprocess
 from tff_personal.core import privacy
 from tff_personal.core import sharded
 from tff_personal.core import stages as stages_lib
@@ -377,21 +378,28 @@ def _training_parts(task, proc, config: experiment.ExperimentConfig,
   per-group stage, or a run resumed in the same Python process, trace it
   once.
   """
-  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
-  # Tasks whose examples travel in a compact form (speech: uint8) say so.
-  wire = getattr(task, 'wire_format', None)
-  train_proc = experiment.derived(
-      proc, ('training form', num_shards, repr(wire),
-             config.simulation_batched, config.simulation_batch_users),
-      lambda: sharded.maybe_shard(proc, num_shards, wire,
-                                  batched=config.simulation_batched,
-                                  batch_users=(
-                                      config.simulation_batch_users or None)
-                                  if config.simulation_batched else None))
-  log_fn((f'simulation: {num_shards} shards per round'
-          + (', users trained together' if config.simulation_batched
-             else '')) if num_shards else
-         'simulation: one user per TFF client')
+  if config.simulation_inprocess:  # `experiment.validate` checked it.
+    num_shards = 0
+    train_proc = experiment.derived(proc, ('training form', 'inprocess'),
+                                    lambda: inprocess.build(proc))
+    log_fn('simulation: the round\'s production form in process, one user '
+           'at a time')
+  else:
+    num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
+    # Tasks whose examples travel in a compact form (speech: uint8) say so.
+    wire = getattr(task, 'wire_format', None)
+    train_proc = experiment.derived(
+        proc, ('training form', num_shards, repr(wire),
+               config.simulation_batched, config.simulation_batch_users),
+        lambda: sharded.maybe_shard(proc, num_shards, wire,
+                                    batched=config.simulation_batched,
+                                    batch_users=(
+                                        config.simulation_batch_users or None)
+                                    if config.simulation_batched else None))
+    log_fn((f'simulation: {num_shards} shards per round'
+            + (', users trained together' if config.simulation_batched
+               else '')) if num_shards else
+           'simulation: one user per TFF client')
   rounds = training_loop.checkpoint_rounds(directory)
   if rounds and not config.resume:  # Before the store is opened: SQLite
     # would fold a killed run's write-ahead log into the database.

@@ -1,0 +1,361 @@
+"""The in-process round: a process's production form run as TensorFlow here.
+
+`production.production_form(process)` compiles a round to TFF's
+`MapReduceForm`, whose pieces are TensorFlow computations. Called as
+`tff.Computation`s, each goes through TFF's runtime (the C++ worker,
+serialization, gRPC) at every call. `build(process)` turns the same
+compiled pieces into TensorFlow functions of this Python process and runs
+them in the order a MapReduce platform does:
+
+* `initialize`: the state-initialization computation TFF compiles from
+  `process.initialize` (`get_state_initialization_computation`);
+* `prepare` at the server;
+* each device's program (`ProductionForm.device_program()`: `work` and the
+  new client state from the same graph), once per client;
+* `zero`, `accumulate` over the uploads, `report`, the secure sums added up
+  (`production._reduce`, shared with `ProductionForm.run_map_reduce_round`),
+  and `update`, which holds the aggregator as compiled (clipping, DP noise).
+
+Nothing here executes through TFF's runtime: compiling to MapReduceForm
+traces and transforms only, and the pieces run as TensorFlow functions, so
+no `worker_binary` is started or needed (`runtime.local_runtime()` is for
+`process.next`, the reference). Results come back in the Python containers
+TFF's execution context gives for the process's own types (`process.next`'s
+result), so a state of either round feeds the other.
+
+Each piece is stamped into a `tf.compat.v1.wrap_function` by TFF's own
+`tensorflow_utils.deserialize_and_call_tf_computation` (over placeholders for
+its flattened parameter; a dataset arrives as its variant tensor), then
+pruned into a call function and the computation's initialization function,
+which runs before every call as TFF's TensorFlow executor does. Written by
+hand, because TFF has no in-process executor for TensorFlow computations
+since its Python executors were removed: that wrapping, the flattening of
+arguments by type, and the round's order (its reduction is
+`production._reduce`).
+
+A multi-stage algorithm (`core/stages.py`) runs one process per stage: each
+stage's process gets its own in-process round (`build(stage.process)`), as
+the run path does (`run/training.py`).
+
+Example:
+
+  round_ = inprocess.build(process)
+  state = round_.initialize()
+  state, client_states, metrics = round_.next(state, client_states,
+                                              datasets)
+  # The same contract as process.next; states feed either.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+from tensorflow_federated.python.core.impl.computation import computation_impl
+from tensorflow_federated.python.core.impl.computation import function_utils
+from tensorflow_federated.python.core.impl.types import type_conversions
+from tensorflow_federated.python.core.impl.utils import tensorflow_utils
+
+from tff_personal.core import production
+
+
+class NotInProcessError(ValueError):
+  """A process's round cannot run in process; the message says why."""
+
+
+# The MapReduceForm pieces the round runs, in the order it runs them. Of
+# the secure sums' bounds only the modulus enters the sums (`% modulus`);
+# the bitwidth and maximum input bound what a platform's secure aggregation
+# accepts, and a plain sum of the same integers needs neither.
+PIECES = ('prepare', 'device', 'zero', 'accumulate', 'merge', 'report',
+          'secure_modular_sum_modulus', 'update')
+
+_STAMPS = itertools.count()
+
+
+def _type_leaves(type_spec) -> list:
+  """The leaves (tensor and sequence types) of a TFF type, in order."""
+  if type_spec is None:
+    return []
+  if isinstance(type_spec, tff.StructType):
+    return [leaf for _, element in tff.structure.iter_elements(type_spec)
+            for leaf in _type_leaves(element)]
+  return [type_spec]
+
+
+def _element(value, index: int, name: str | None):
+  """Element `index` (named `name`) of a value of a struct type."""
+  if isinstance(value, tff.structure.Struct):
+    return value[index]
+  if isinstance(value, Mapping):
+    return value[name] if name is not None else list(value.values())[index]
+  if attrs.has(type(value)):
+    return getattr(value, name) if name else getattr(
+        value, attrs.fields(type(value))[index].name)
+  if isinstance(value, (list, tuple)):
+    return value[index]
+  raise TypeError(f'{type(value).__name__} is not a value of a struct type')
+
+
+def value_leaves(value, type_spec) -> list:
+  """`value`'s leaves in `type_spec`'s order (walked by the type: a
+  mapping is read by the type's names, not its own order)."""
+  if isinstance(type_spec, tff.FederatedType):
+    type_spec = type_spec.member
+  if isinstance(type_spec, tff.StructType):
+    elements = list(tff.structure.iter_elements(type_spec))
+    if len(elements) != _length(value):
+      raise TypeError(f'a value of {len(elements)} elements is expected '
+                      f'for {type_spec}, got {_length(value)}')
+    return [leaf for i, (name, t) in enumerate(elements)
+            for leaf in value_leaves(_element(value, i, name), t)]
+  return [value]
+
+
+def _length(value) -> int:
+  if attrs.has(type(value)):
+    return len(attrs.fields(type(value)))
+  try:
+    return len(value)
+  except TypeError:
+    return -1
+
+
+def packed(leaves: Sequence[Any], type_spec):
+  """`leaves` in `type_spec`'s structure, in the Python containers TFF's
+  execution context returns for that type (`type_to_py_container`)."""
+  leaves, count = list(leaves), len(_type_leaves(type_spec))
+  if len(leaves) != count:
+    raise ValueError(f'{len(leaves)} values for the {count} leaves of '
+                     f'{type_spec}')
+  it = iter(leaves)
+
+  def build(t):
+    if isinstance(t, tff.StructType):
+      return tff.structure.Struct(
+          [(name, build(e)) for name, e in tff.structure.iter_elements(t)])
+    return next(it)
+
+  return type_conversions.type_to_py_container(build(type_spec), type_spec)
+
+
+def _tensor_spec(leaf) -> tf.TensorSpec:
+  if isinstance(leaf, tff.SequenceType):
+    return tf.TensorSpec([], tf.variant)
+  if not isinstance(leaf, tff.TensorType):
+    raise NotInProcessError(f'a parameter leaf of type {leaf} is neither a '
+                            'tensor nor a sequence')
+  return tf.TensorSpec(leaf.shape, leaf.dtype)
+
+
+def _element_spec(type_spec):
+  """A sequence element type's `tf.TensorSpec`s (an `OrderedDict` for a
+  named struct, a tuple for an unnamed one)."""
+  if isinstance(type_spec, tff.StructType):
+    elements = list(tff.structure.iter_elements(type_spec))
+    if all(name for name, _ in elements):
+      return collections.OrderedDict(
+          (name, _element_spec(t)) for name, t in elements)
+    return tuple(_element_spec(t) for _, t in elements)
+  return tf.TensorSpec(type_spec.shape, type_spec.dtype)
+
+
+def _fed(value, leaf):
+  """One argument leaf as the tensor its placeholder takes."""
+  if isinstance(leaf, tff.SequenceType):
+    if not isinstance(value, tf.data.Dataset):
+      raise TypeError(f'a tf.data.Dataset is expected for {leaf}, got '
+                      f'{type(value).__name__}')
+    return tf.data.experimental.to_variant(value)
+  return tf.convert_to_tensor(np.asarray(value, leaf.dtype))
+
+
+class InProcessComputation:
+  """A TensorFlow `tff.Computation` as a TensorFlow function of this
+  process: called with the arguments TFF takes, it returns what TFF's
+  execution context returns (numpy leaves in the type's containers).
+
+  Its initialization (variables, tables) runs before every call, as TFF's
+  TensorFlow executor runs a computation's `initialize_op`.
+  """
+
+  def __init__(self, computation: tff.Computation, name: str = ''):
+    proto = computation_impl.ConcreteComputation.get_proto(computation)
+    if proto.WhichOneof('computation') != 'tensorflow':
+      raise NotInProcessError(
+          f'{name or "the computation"} is a {proto.WhichOneof("computation")}'
+          ' computation, not one TensorFlow computation')
+    self.name = name
+    self.type_signature = computation.type_signature
+    self.calls = 0
+    parameter = self.type_signature.parameter
+    self._leaves = _type_leaves(parameter)
+    result_leaves = _type_leaves(self.type_signature.result)
+    if any(not isinstance(t, tff.TensorType) for t in result_leaves):
+      raise NotInProcessError(f'{name}: its result {self.type_signature.result}'
+                              ' holds more than tensors')
+    stamped = {}
+
+    def body(*placeholders):
+      graph = tf.compat.v1.get_default_graph()
+      arg = None
+      if parameter is not None:
+        it = iter(placeholders)
+
+        def build(t):
+          if isinstance(t, tff.StructType):
+            return tff.structure.Struct(
+                [(n, build(e)) for n, e in tff.structure.iter_elements(t)])
+          if isinstance(t, tff.SequenceType):
+            return tf.data.experimental.from_variant(
+                next(it), _element_spec(t.element))
+          return next(it)
+
+        arg = build(parameter)
+      token = tf.constant('inprocess', tf.string)
+      # A unique suffix: the shared names of this stamp's variables are
+      # its own in this process's resource manager.
+      init_op, result = tensorflow_utils.deserialize_and_call_tf_computation(
+          proto, arg, graph, f'inprocess_{next(_STAMPS)}', token)
+      stamped['init_op'] = init_op
+      outputs = (tff.structure.flatten(result) if isinstance(
+          result, tff.structure.Struct) else [result])
+      return [tf.identity(t) for t in outputs]
+
+    wrapped = tf.compat.v1.wrap_function(
+        body, [_tensor_spec(t) for t in self._leaves])
+    self._call = (wrapped.prune(wrapped.inputs, wrapped.outputs)
+                  if result_leaves else None)
+    self._init = None
+    if stamped['init_op'] is not None:
+      self._init = wrapped.prune(wrapped.inputs, stamped['init_op'])
+
+  def __call__(self, *args, **kwargs):
+    self.calls += 1
+    parameter = self.type_signature.parameter
+    arg = function_utils.pack_args(parameter, args, kwargs)
+    feeds = [] if parameter is None else [
+        _fed(v, t) for v, t in zip(value_leaves(arg, parameter), self._leaves,
+                                   strict=True)]
+    if self._init is not None:
+      self._init(*feeds)
+    outputs = [] if self._call is None else self._call(*feeds)
+    return packed([t.numpy() for t in outputs], self.type_signature.result)
+
+
+def _as(value, from_type, to_type):
+  """`value` (of `from_type`) in `to_type`'s containers: the same leaves."""
+  got, want = _type_leaves(from_type), _type_leaves(to_type)
+  if len(got) != len(want) or any(
+      not a.is_equivalent_to(b) for a, b in zip(got, want)):
+    raise NotInProcessError(f'the compiled form gives {from_type} where the '
+                            f'process gives {to_type}')
+  return packed(value_leaves(value, from_type), to_type)
+
+
+class InProcessRound:
+  """A process's round, its production form run in this Python process.
+
+  `initialize()` and `next(state, client_states, datasets)` keep
+  `StatefulClientProcess`'s contract (`core/process.py`), which the
+  training loop calls. `pieces` maps each of `PIECES` to its
+  `InProcessComputation` (`calls` counts its calls).
+
+  Attributes:
+    process: the `StatefulClientProcess` it was made from.
+    form: its `production.ProductionForm`.
+  """
+
+  def __init__(self, process):
+    self.process = process
+    try:
+      self.form = production.production_form(process)
+      mrf = self.form.map_reduce_form()
+      initialize = (
+          tff.backends.mapreduce.get_state_initialization_computation(
+              process.initialize,
+              grappler_config=production._NO_GRAPPLER))  # pylint: disable=protected-access
+      device = self.form.device_program()
+    except (production.NotProductionReadyError, TypeError) as e:
+      raise NotInProcessError(
+          f'{type(process).__name__} has no in-process round: {e}') from e
+    self.pieces = collections.OrderedDict(
+        [('initialize', InProcessComputation(initialize, 'initialize'))] +
+        [(name, InProcessComputation(
+            device if name == 'device' else getattr(mrf, name), name))
+         for name in PIECES])
+    signature = process.next.type_signature
+    self._state_type = signature.result[0].member
+    self._client_state_type = signature.result[1].member
+    self._metrics_type = signature.result[2].member
+    self._form_state_type = mrf.prepare.type_signature.parameter
+
+  def __getattr__(self, name):
+    # Read-only views of the process (its types, model functions) for code
+    # that takes a process: only `initialize` and `next` run differently.
+    if name in ('process', 'form', 'pieces') or name.startswith('_'):
+      raise AttributeError(name)
+    return getattr(self.process, name)
+
+  def initialize(self):
+    """The server's initial state, as `process.initialize()` gives it."""
+    init = self.pieces['initialize']
+    return _as(init(), init.type_signature.result, self._state_type)
+
+  def next(self, state, client_states: Sequence[Any],
+           datasets: Sequence[Any], merge_after: int = 0):
+    """One round: `(new_state, new_client_states, metrics)`, as
+    `process.next(state, client_states, datasets)` gives them.
+
+    Args:
+      state: the server state (of either round).
+      client_states: each client's state.
+      datasets: each client's `tf.data.Dataset`.
+      merge_after: the first accumulator takes this many clients and a
+        second the rest, joined by `merge` (0: one accumulator).
+    """
+    client_states, datasets = list(client_states), list(datasets)
+    if len(client_states) != len(datasets):
+      raise ValueError(f'{len(client_states)} client states for '
+                       f'{len(datasets)} datasets')
+    p = self.pieces
+    state = _as(state, self._state_type, self._form_state_type)
+    broadcast = p['prepare'](state)
+    uploads, new_client_states = [], []
+    result_type = p['device'].type_signature.result
+    for client_state, data in zip(client_states, datasets):
+      out = p['device']({'client_state': client_state, 'data': data},
+                        broadcast)
+      uploads.append(out['upload'] if isinstance(out, Mapping) else out[0])
+      new_client_states.append(_as(
+          out['client_state'] if isinstance(out, Mapping) else out[1],
+          result_type.client_state, self._client_state_type))
+    new_state, metrics = production._reduce(  # pylint: disable=protected-access
+        _Pieces(p), state, uploads, merge_after)
+    update_result = p['update'].type_signature.result
+    return (_as(new_state, update_result[0], self._state_type),
+            new_client_states,
+            _as(metrics, update_result[1], self._metrics_type))
+
+
+class _Pieces:
+  """The in-process pieces under `MapReduceForm`'s attribute names, for
+  `production._reduce`."""
+
+  def __init__(self, pieces: Mapping[str, Callable]):
+    self.__dict__.update(pieces)
+
+
+def build(process) -> InProcessRound:
+  """The in-process round of a `StatefulClientProcess` (module docstring).
+
+  Raises:
+    NotInProcessError: its round does not compile to MapReduceForm, or a
+      piece is not one TensorFlow computation (the message says why).
+  """
+  return InProcessRound(process)
