@@ -233,7 +233,9 @@ def define_flags():
       'a time, without TFF\'s runtime (core/inprocess.py; the same results '
       'as one user per TFF client up to float rounding; evaluation still '
       'runs on TFF\'s runtime). For the algorithms --list says it covers; '
-      'not with --simulation_shards > 0 or --simulation_batched.')
+      'not with --simulation_shards > 0 or --simulation_batched. For '
+      'fidelity to production, not speed: today it is far slower than the '
+      'sharded default (docs/performance.md).')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')
