@@ -339,3 +339,25 @@ def test_the_option_is_not_part_of_a_runs_identity():
   assert not experiment.ExperimentConfig(**{
       k: v for k, v in dataclasses.asdict(_config()).items()
       if k in fields}).simulation_inprocess  # Not the default.
+
+
+def test_a_dataset_with_python_state_runs_the_eager_form_alike():
+  """A dataset that cannot be serialized into a session's feed (it holds
+  Python state: `from_generator`) runs through the eager import of the
+  same computation, with the same result as the serializable dataset."""
+  proc, in_process = _round('global', 'none', 0)
+  clients = fedembed_testdata.initial_states(proc, len(SIZES), seed=4)
+  data = _data_fn('global', proc)(SIZES, 0)
+
+  def generated(dataset):
+    return tf.data.Dataset.from_generator(
+        lambda: dataset.as_numpy_iterator(),
+        output_signature=dataset.element_spec)
+
+  state = in_process.initialize()
+  result = proc.next.type_signature.result
+  want = in_process.next(state, list(clients), data)
+  got = in_process.next(state, list(clients), [generated(d) for d in data])
+  _check_close(got[0], want[0], result[0], 'server state')
+  for u, (a, b) in enumerate(zip(got[1], want[1], strict=True)):
+    _check_close(a, b, result[1], f'client {u}')

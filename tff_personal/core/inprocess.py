@@ -23,14 +23,19 @@ no `worker_binary` is started or needed (`runtime.local_runtime()` is for
 TFF's execution context gives for the process's own types (`process.next`'s
 result), so a state of either round feeds the other.
 
-Each piece is stamped into a `tf.compat.v1.wrap_function` by TFF's own
-`tensorflow_utils.deserialize_and_call_tf_computation` (over placeholders for
-its flattened parameter; a dataset arrives as its variant tensor), then
-pruned into a call function and the computation's initialization function,
-which runs before every call as TFF's TensorFlow executor does. Written by
-hand, because TFF has no in-process executor for TensorFlow computations
-since its Python executors were removed: that wrapping, the flattening of
-arguments by type, and the round's order (its reduction is
+Each piece is imported once by TFF's own
+`tensorflow_utils.deserialize_and_call_tf_computation` into a graph of its
+own (over placeholders for its flattened parameter) and run in one
+`tf.compat.v1.Session`, as TFF's TensorFlow executor runs it: its
+initialization before every call, a dataset fed as its serialized graph
+(`DatasetToGraphV2`, as TFF serializes a sequence), Grappler off because
+the graph is compiled already (optimizing its functions again at every call
+cost most of a call). A dataset that cannot be serialized (one with Python
+state) runs through the same import stamped into a
+`tf.compat.v1.wrap_function` instead, its variant tensor passed as it is.
+Written by hand, because TFF has no in-process executor for TensorFlow
+computations since its Python executors were removed: that wrapping, the
+flattening of arguments by type, and the round's order (its reduction is
 `production._reduce`).
 
 A multi-stage algorithm (`core/stages.py`) runs one process per stage: each
@@ -234,18 +239,92 @@ class InProcessComputation:
     self._init = None
     if stamped['init_op'] is not None:
       self._init = wrapped.prune(wrapped.inputs, stamped['init_op'])
+    self._session = _SessionForm(proto, parameter, self._leaves)
 
   def __call__(self, *args, **kwargs):
     self.calls += 1
     parameter = self.type_signature.parameter
     arg = function_utils.pack_args(parameter, args, kwargs)
-    feeds = [] if parameter is None else [
-        _fed(v, t) for v, t in zip(value_leaves(arg, parameter), self._leaves,
-                                   strict=True)]
+    values = [] if parameter is None else value_leaves(arg, parameter)
+    outputs = self._session(values)
+    if outputs is None:  # A dataset that cannot be serialized: eagerly.
+      feeds = [_fed(v, t) for v, t in zip(values, self._leaves, strict=True)]
+      if self._init is not None:
+        self._init(*feeds)
+      outputs = [] if self._call is None else [
+          t.numpy() for t in self._call(*feeds)]
+    return packed(list(outputs), self.type_signature.result)
+
+
+# A session's graph is already compiled (TFF's MapReduceForm compiler, and
+# `production` compiles without Grappler): optimizing its functions again at
+# every call cost most of a device program's call (docs/performance.md).
+_SESSION_CONFIG = tf.compat.v1.ConfigProto()
+_SESSION_CONFIG.graph_options.rewrite_options.disable_meta_optimizer = True
+_NO_DATA_OPTIMIZATION = tf.data.Options()
+_NO_DATA_OPTIMIZATION.experimental_optimization.apply_default_optimizations = (
+    False)
+
+
+class _SessionForm:
+  """A TensorFlow computation imported once into a graph of its own and run
+  in one `tf.compat.v1.Session`, as TFF's TensorFlow executor runs it: its
+  initialization before every call, a dataset fed as its serialized graph
+  (`DatasetToGraphV2`, as TFF serializes a sequence). Returns None for a
+  dataset that cannot be serialized (e.g. one with Python state), which the
+  caller then runs eagerly."""
+
+  def __init__(self, proto, parameter, leaves):
+    self._leaves = leaves
+    self._graph = tf.Graph()
+    with self._graph.as_default():
+      self._placeholders = []
+
+      def build(t):
+        if isinstance(t, tff.StructType):
+          return tff.structure.Struct(
+              [(n, build(e)) for n, e in tff.structure.iter_elements(t)])
+        if isinstance(t, tff.SequenceType):
+          placeholder = tf.compat.v1.placeholder(tf.string, [])
+          self._placeholders.append(placeholder)
+          return tf.data.experimental.from_variant(
+              tf.raw_ops.DatasetFromGraph(graph_def=placeholder),
+              _element_spec(t.element))
+        placeholder = tf.compat.v1.placeholder(t.dtype, t.shape)
+        self._placeholders.append(placeholder)
+        return placeholder
+
+      arg = None if parameter is None else build(parameter)
+      token = tf.constant('inprocess', tf.string)
+      self._init, result = tensorflow_utils.deserialize_and_call_tf_computation(
+          proto, arg, self._graph, f'session_{next(_STAMPS)}', token)
+      self._outputs = (tff.structure.flatten(result) if isinstance(
+          result, tff.structure.Struct) else [result])
+    self._session = tf.compat.v1.Session(graph=self._graph,
+                                         config=_SESSION_CONFIG)
+
+  def __call__(self, values):
+    feed = {}
+    for placeholder, value, leaf in zip(self._placeholders, values,
+                                        self._leaves, strict=True):
+      if isinstance(leaf, tff.SequenceType):
+        if not isinstance(value, tf.data.Dataset):
+          raise TypeError(f'a tf.data.Dataset is expected for {leaf}, got '
+                          f'{type(value).__name__}')
+        try:
+          value = tf.raw_ops.DatasetToGraphV2(
+              input_dataset=tf.data.experimental.to_variant(
+                  value.with_options(_NO_DATA_OPTIMIZATION)),
+              external_state_policy=2).numpy()  # 2: fail on Python state.
+        except (tf.errors.FailedPreconditionError,
+                tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
+          return None
+      else:
+        value = np.asarray(value, leaf.dtype)
+      feed[placeholder] = value
     if self._init is not None:
-      self._init(*feeds)
-    outputs = [] if self._call is None else self._call(*feeds)
-    return packed([t.numpy() for t in outputs], self.type_signature.result)
+      self._session.run(self._init, feed)
+    return self._session.run(self._outputs, feed) if self._outputs else []
 
 
 def _as(value, from_type, to_type):
