@@ -33,10 +33,13 @@ of each round drawn from (seed, round)). Systems:
 * `global_batched`, `fedembed_prototype_batched`: the system with each
   shard's users trained together (`--simulation_batched`,
   `core/batched.py`; FedEmbed's form is `models/fedembed_batched.py`).
-* `global_inprocess`, `fedembed_prototype_inprocess`: the system's round
-  as its production form run in the driver (`--simulation_inprocess`,
-  `core/inprocess.py`: the compiled MapReduceForm's pieces as TensorFlow
-  functions, one user at a time), with no TFF runtime started.
+* `<system>_inprocess` (of `global`, `fedembed_prototype` and their
+  `_batched` forms): the same shards, with the round's aggregation, DP
+  noise and server step run from its compiled production pieces in the
+  driver (`--simulation_round=inprocess`, `core/inprocess.py`), no TFF
+  runtime started; `--simulation_shards=0` runs each user's device
+  program there too. The other project rows run the round on TFF's
+  runtime (`--simulation_round=tff`), the reference form.
 * `tf_ceiling_batched`: FedAvg's model trained as if the cohort were one
   client, each step one batch of the cohort's batches together: the same
   examples and steps, the arithmetic limit of training clients together.
@@ -119,7 +122,8 @@ BATCHED_SYSTEMS = tuple(s + benchmark_report.BATCHED_SUFFIX
 # The project's systems whose rounds run in process (`core/inprocess.py`):
 # `<system>_inprocess`.
 INPROCESS_SYSTEMS = tuple(s + benchmark_report.INPROCESS_SUFFIX
-                          for s in ('global', 'fedembed_prototype'))
+                          for s in ('global', 'fedembed_prototype',
+                                    *BATCHED_SYSTEMS))
 # FedAvg's model trained on the cohort's examples as one batch per step.
 BATCHED_CEILING = CEILING + benchmark_report.BATCHED_SUFFIX
 SYSTEMS = ('tff_fedavg', *PROJECT_SYSTEMS, *BATCHED_SYSTEMS,
@@ -314,24 +318,25 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
   With `final_weights` (a path), the last server model's trainable weights
   are saved there (`np.savez`, in order).
   """
-  batched = name in BATCHED_SYSTEMS
   in_process = name in INPROCESS_SYSTEMS
-  if batched:
-    name = name[:-len(benchmark_report.BATCHED_SUFFIX)]
   if in_process:
     name = name[:-len(benchmark_report.INPROCESS_SUFFIX)]
+  batched = name in BATCHED_SYSTEMS
+  if batched:
+    name = name[:-len(benchmark_report.BATCHED_SUFFIX)]
   proc = build_project_process(name, seed)
-  if in_process:  # One user at a time; no TFF runtime (`child_main`).
-    num_shards = 0
+  num_shards = sharded.resolve_num_shards(proc, shards)
+  if batched and not num_shards:
+    raise app.UsageError(f'{name}{benchmark_report.BATCHED_SUFFIX} needs '
+                         'shards (--simulation_shards != 0)')
+  if in_process and not num_shards:  # Each user's device program here.
     train = inprocess.build(proc)
-  else:
-    num_shards = sharded.resolve_num_shards(proc, shards)
-    if batched and not num_shards:
-      raise app.UsageError(f'{name}{benchmark_report.BATCHED_SUFFIX} needs '
-                           'shards (--simulation_shards != 0)')
+  else:  # In process: no TFF runtime is started (`child_main`).
     train = sharded.maybe_shard(
         proc, num_shards, shards_in=shards_in, batched=batched,
-        batch_users=(batch_users or None) if batched else None)
+        batch_users=(batch_users or None) if batched else None,
+        aggregate_in=(sharded.AGGREGATE_IN_PROCESS if in_process
+                      else sharded.AGGREGATE_IN_TFF))
   element_spec = tff.types.type_to_tf_tensor_specs(
       proc.client_data_type.element)
   keys = tuple(element_spec.keys())
@@ -358,7 +363,7 @@ def _run_project(name, data, cohort, rounds, seed, shards, rss_at,
   return times, {'simulation_shards': num_shards,
                  'simulation_batch_users': batch_users if batched else None,
                  'shards_in': shards_in if num_shards else None,
-                 'simulation_inprocess': in_process,
+                 'simulation_round': 'inprocess' if in_process else 'tff',
                  'local_epochs': epochs}
 
 

@@ -44,7 +44,7 @@ def own_ceiling(system: str) -> str:
   """The ceiling of the model `system` trains (itself for a ceiling)."""
   if system.startswith(CEILING):
     return system
-  for suffix in (BATCHED_SUFFIX, INPROCESS_SUFFIX):
+  for suffix in (INPROCESS_SUFFIX, BATCHED_SUFFIX):
     if system.endswith(suffix):
       system = system[:-len(suffix)]
   return CEILING if system in FEDAVG_MODEL else ceiling_name(system)

@@ -226,16 +226,17 @@ def define_flags():
       'that a group\'s per-user weights and optimizer slots stay in the '
       'CPU\'s cache (docs/performance.md). 0: all of a shard\'s users at '
       'once.')
-  flags.DEFINE_bool(
-      'simulation_inprocess', False,
-      'Run each training round\'s production form (its compiled '
-      'MapReduceForm) as TensorFlow functions in this process, one user at '
-      'a time, without TFF\'s runtime (core/inprocess.py; the same results '
-      'as one user per TFF client up to float rounding; evaluation still '
-      'runs on TFF\'s runtime). For the algorithms --list says it covers; '
-      'not with --simulation_shards > 0 or --simulation_batched. For '
-      'fidelity to production, not speed: today it is far slower than the '
-      'sharded default (docs/performance.md).')
+  flags.DEFINE_enum(
+      'simulation_round', 'auto', list(experiment.ROUND_FORMS),
+      'Where a training round runs. inprocess: its compiled production '
+      'pieces (MapReduceForm) as TensorFlow functions in this process, '
+      'without TFF\'s runtime (core/inprocess.py): sharded, the shards\' '
+      'work in the driver and the aggregation, DP noise and server step '
+      'from the compiled pieces; with --simulation_shards=0, each user\'s '
+      'device program too. tff: on TFF\'s runtime (the reference form). '
+      'auto: inprocess for the algorithms --list says it covers when the '
+      'run is sharded, else tff. The same results up to float rounding; '
+      'evaluation runs on TFF\'s runtime.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')
@@ -260,7 +261,7 @@ def define_flags():
                       'train_metrics',
                       'use_gpu', 'workers', 'simulation_shards',
                       'simulation_batched', 'simulation_batch_users',
-                      'simulation_inprocess', 'intra_op_threads',
+                      'simulation_round', 'intra_op_threads',
                       'inter_op_threads'])
   # Privacy.
   flags.DEFINE_enum('dp', 'none', list(privacy.MECHANISMS),
@@ -463,7 +464,7 @@ def configs_from_flags(f):
       simulation=run_spec.Simulation(
           shards=f.simulation_shards, batched=f.simulation_batched,
           batch_users=f.simulation_batch_users,
-          inprocess=f.simulation_inprocess),
+          round=f.simulation_round),
       output=run_spec.Output(f.root_output_dir, f.experiment_name))
   config = spec.config()
   if population_from_flags:  # else validated once the task is loaded
@@ -537,7 +538,7 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
     runs = (f'; runs on: {", ".join(t for t, m in missing.items() if not m)}'
             if name in outside else '')
     batched = '; runs batched (--simulation_batched)' if spec.batched else ''
-    batched += ('; runs in process (--simulation_inprocess)'
+    batched += ('; rounds run in process (--simulation_round)'
                 if not spec.inprocess else '')
     evaluated = (f'; evaluates with {spec.evaluation}' if spec.evaluation
                  else '')
@@ -567,9 +568,9 @@ def listing(tasks: Sequence[str] = (), algorithms: Sequence[str] = ()
   not_inprocess = [f'    {name} does not run in process: {spec.inprocess}'
                    for name, spec in algorithm_registry.SPECS.items()
                    if spec.inprocess]
-  lines += ['', 'In-process rounds (--simulation_inprocess): the round\'s '
-            'production form run in the driver (core/inprocess.py), one '
-            'user at a time; '
+  lines += ['', 'In-process rounds (--simulation_round=auto|inprocess|tff): '
+            'the round\'s compiled production form run in the driver '
+            '(core/inprocess.py), the default (auto) for a sharded run; '
             + ('the algorithms below do not run it:' if not_inprocess else
                'every algorithm above, every stage')] + not_inprocess
   lines += ['', 'Tasks:']

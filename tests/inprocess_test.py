@@ -38,6 +38,7 @@ from tff_personal.config import experiment
 from tff_personal.core import inprocess
 from tff_personal.core import privacy
 from tff_personal.core import production
+from tff_personal.core import sharded
 from tff_personal.run import runs
 
 SIZES = [4, 7, 5]
@@ -128,6 +129,65 @@ def _check_same_rounds(name, dp, stage):
   # Each piece ran once per round, each device once per client.
   calls = {k: p.calls - before[k] for k, p in in_process.pieces.items()}
   assert calls['device'] == 2 * len(SIZES) and calls['update'] == 2, calls
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_stages(name, dp):
+  """The processes of `name`'s stages, under DP with the library's own
+  DP aggregator (`privacy.build_aggregator`, which the sharded form reads)
+  at noise multiplier 0 and a clip below the updates' norms."""
+  aggregator = privacy.build_aggregator(privacy.DPConfig(
+      mechanism='gaussian_fixed', noise_multiplier=0.0, clip_norm=0.01,
+      clients_per_round=len(SIZES), population=100, rounds=2))
+  built = production_test._built(  # pylint: disable=protected-access
+      name, dp, aggregator if dp != 'none' else None)
+  return [form.process for _, form in production.production_forms(built)]
+
+
+def _check_same_sharded_rounds(name, dp, stage):
+  """Two shards, the round's aggregation and server step in process
+  against the same shards aggregated on TFF's runtime."""
+  proc = _sharded_stages(name, dp)[stage]
+  assert sharded.resolve_num_shards(proc, -1) > 0, f'{name} is not sharded'
+  reference = sharded.ShardedProcess(proc, 2)
+  in_process = sharded.ShardedProcess(
+      proc, 2, aggregate_in=sharded.AGGREGATE_IN_PROCESS)
+  pieces = in_process.inprocess_round.pieces
+  before = {k: p.calls for k, p in pieces.items()}
+  result = in_process.inprocess_round.process.next.type_signature.result
+  client_type = proc.next.type_signature.result[1]
+  clients = fedembed_testdata.initial_states(proc, len(SIZES), seed=4)
+  initial = reference.initialize()
+  _check_close(in_process.initialize(), initial, result[0],
+               f'{name} initial state')
+  got = _two_rounds(name, proc, in_process.next, in_process.initialize(),
+                    list(clients))
+  want = _two_rounds(name, proc, reference.next, initial, list(clients))
+  _check_close(got[0], want[0], result[0], f'{name} {dp} server state')
+  for u, (a, b) in enumerate(zip(got[1], want[1], strict=True)):
+    _check_close(a, b, client_type, f'{name} {dp} client {u}')
+  _check_close(got[2], want[2], result[2], f'{name} {dp} metrics')
+  assert not all(np.allclose(a, b) for a, b in zip(
+      _leaves(want[0], result[0]), _leaves(initial, result[0]))), name
+  # Each piece once per round, the device piece once per shard.
+  calls = {k: p.calls - before[k] for k, p in pieces.items()}
+  assert calls['device'] == 2 * 2 and calls['update'] == 2, calls
+
+
+@pytest.mark.parametrize('name,stage', FAMILIES)
+@pytest.mark.parametrize('dp', ['none', 'gaussian_fixed'])
+def test_one_algorithm_per_family_sharded_in_process_as_on_tff(name, stage,
+                                                                dp):
+  _check_same_sharded_rounds(name, dp, stage)
+
+
+@_EVERY_ONLY
+@pytest.mark.parametrize('name', COVERED)
+def test_every_covered_algorithm_sharded_in_process_as_on_tff(name):
+  for stage in range(len(_sharded_stages(name, 'none'))):
+    if sharded.resolve_num_shards(_sharded_stages(name, 'none')[stage],
+                                  -1):
+      _check_same_sharded_rounds(name, 'none', stage)
 
 
 @pytest.mark.parametrize('name,stage', FAMILIES)
@@ -303,42 +363,56 @@ def _config(**kwargs):
   return experiment.ExperimentConfig(**{
       'algorithm': 'global', 'rounds': 2, 'clients_per_round': 3,
       'root_output_dir': '/nonexistent', 'experiment_name': 'x',
-      'simulation_inprocess': True, **kwargs})
+      'simulation_round': 'inprocess', **kwargs})
 
 
 def test_the_option_is_refused_where_it_does_not_run(monkeypatch):
-  """An algorithm the registry declares not covered, or a sharded or
-  batched simulation beside it, is refused in one line before any work."""
-  experiment.validate(_config(), 10)
-  for bad in (_config(simulation_shards=2),
-              _config(simulation_batched=True)):
-    with pytest.raises(experiment.ConfigurationError,
-                       match='^simulation_inprocess runs one user'):
-      experiment.validate(bad, 10)
+  """An algorithm the registry declares not covered, asked to run in
+  process, or an unknown form, is refused in one line before any work;
+  'auto' then runs it on TFF's runtime, and runs a covered algorithm in
+  process only when sharded."""
+  for ok in (_config(), _config(simulation_shards=2),
+             _config(simulation_batched=True)):
+    experiment.validate(ok, 10)
+  with pytest.raises(experiment.ConfigurationError) as e:
+    experiment.validate(_config(simulation_round='fast'), 10)
+  assert str(e.value) == ("simulation_round must be one of ('auto', "
+                          "'inprocess', 'tff'), got 'fast'")
+  auto = _config(simulation_round='auto')
+  assert experiment.round_in_process(auto, 2)
+  assert not experiment.round_in_process(auto, 0)
+  assert not experiment.round_in_process(
+      _config(simulation_round='tff'), 2)
   monkeypatch.setitem(registry.SPECS, 'global', dataclasses.replace(
       registry.SPECS['global'], inprocess='a reason'))
   with pytest.raises(experiment.ConfigurationError) as e:
     experiment.validate(_config(), 10)
-  assert str(e.value) == ('simulation_inprocess: global has no in-process '
-                          'round: a reason')
+  assert str(e.value) == ('simulation_round=inprocess: global has no '
+                          'in-process round: a reason')
+  experiment.validate(auto, 10)
+  assert not experiment.round_in_process(auto, 2)
 
 
 def test_the_option_is_not_part_of_a_runs_identity():
-  """A run keeps its digest with or without it (a simulation setting, as
-  `simulation_shards` is), and a record from before the field reads as
-  the default."""
-  record = {'config': dataclasses.asdict(_config(simulation_inprocess=False)),
+  """A run keeps its digest whichever form ran its rounds (a simulation
+  setting, as `simulation_shards` is), and a record of the retired
+  `simulation_inprocess` field, or of none, has the same digest; 'auto'
+  is the default."""
+  record = {'config': dataclasses.asdict(_config(simulation_round='tff')),
             'task': {'name': 'synthetic', 'arguments': {}}}
   with_it = {**record, 'config': {**record['config'],
-                                  'simulation_inprocess': True}}
+                                  'simulation_round': 'inprocess'}}
   before = {**record, 'config': {k: v for k, v in record['config'].items()
-                                 if k != 'simulation_inprocess'}}
-  assert runs.digest(with_it) == runs.digest(record) == runs.digest(before)
+                                 if k != 'simulation_round'}}
+  retired = {**before, 'config': {**before['config'],
+                                  'simulation_inprocess': False}}
+  assert (runs.digest(with_it) == runs.digest(record) ==
+          runs.digest(before) == runs.digest(retired))
   fields = {f.name for f in dataclasses.fields(experiment.ExperimentConfig)
             if f.default is dataclasses.MISSING}
-  assert not experiment.ExperimentConfig(**{
+  assert experiment.ExperimentConfig(**{
       k: v for k, v in dataclasses.asdict(_config()).items()
-      if k in fields}).simulation_inprocess  # Not the default.
+      if k in fields}).simulation_round == 'auto'
 
 
 def test_a_dataset_with_python_state_runs_the_eager_form_alike():

@@ -99,7 +99,7 @@ class AlgorithmSpec:
       or it fails).
     inprocess: empty when the in-process round (`core/inprocess.py`: the
       round's compiled MapReduceForm run as TensorFlow functions in the
-      driver, `--simulation_inprocess`) runs the algorithm, every stage of
+      driver, `--simulation_round`) runs the algorithm, every stage of
       it; else why it does not. `tests/inprocess_test.py` holds the
       covered entries to `process.next`, round for round (one of each
       family by default, every one with TFF_PERSONAL_INPROCESS_ALL=1).

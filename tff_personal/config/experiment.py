@@ -105,14 +105,18 @@ class ExperimentConfig:
   # weights and optimizer slots stay in cache; 25 to 50 measured fastest in
   # docs/performance.md). 0: all of a shard's users at once.
   simulation_batch_users: int = 25
-  # Run each training round's production form in the driver: its compiled
-  # MapReduceForm pieces as TensorFlow functions of this process, one user
-  # at a time, without TFF's runtime (core/inprocess.py; the same results
-  # as one user per TFF client up to float rounding). Only for algorithms
-  # the registry declares covered (`AlgorithmSpec.inprocess`); not with
-  # simulation_shards > 0 or simulation_batched. Evaluation still runs
-  # through TFF's runtime (the local worker, or --workers).
-  simulation_inprocess: bool = False
+  # Where a training round runs (`ROUND_FORMS`). 'inprocess': its compiled
+  # production pieces (MapReduceForm) as TensorFlow functions of this
+  # process, without TFF's runtime (core/inprocess.py): sharded, the
+  # shards' client work in the driver as always and the aggregation, DP
+  # noise and server step from the compiled pieces; with
+  # simulation_shards=0, each user's device program too. Only for
+  # algorithms the registry declares covered (`AlgorithmSpec.inprocess`).
+  # 'tff': the round on TFF's runtime, the reference form. 'auto' (the
+  # default): 'inprocess' for a covered algorithm run sharded, else 'tff'.
+  # The results are the same up to float rounding (tests/inprocess_test.py).
+  # Evaluation runs on TFF's runtime either way.
+  simulation_round: str = 'auto'
   # Before testing, each evaluated client trains its private variables only
   # (shared weights frozen) on its own training data for one local pass (the
   # task's `local_epochs`), starting from its stored state: test-time
@@ -203,6 +207,18 @@ def make_private_optimizer(config: ExperimentConfig):
 
 
 PRIVATE_OPTIMIZERS = ('adam', 'sgd')
+
+# `ExperimentConfig.simulation_round`'s values.
+ROUND_FORMS = ('auto', 'inprocess', 'tff')
+
+
+def round_in_process(config: ExperimentConfig, num_shards: int) -> bool:
+  """Whether a training round of `config` with `num_shards` shards (0: one
+  user per client) runs in process (`ExperimentConfig.simulation_round`):
+  asked for, or 'auto' for an algorithm the registry covers run sharded."""
+  if config.simulation_round == 'auto':
+    return num_shards > 0 and not registry.spec(config.algorithm).inprocess
+  return config.simulation_round == 'inprocess'
 
 
 class ConfigurationError(ValueError):
@@ -306,15 +322,15 @@ def validate(config: ExperimentConfig, population: int) -> privacy.DPConfig:
   if config.dp.is_distributed and not_distributed:
     raise ValueError(f'{config.algorithm} does not run dp mechanism '
                      f'{config.dp.mechanism!r}: {not_distributed}')
-  if config.simulation_inprocess:
+  if config.simulation_round not in ROUND_FORMS:
+    raise ConfigurationError(f'simulation_round must be one of {ROUND_FORMS}, '
+                             f'got {config.simulation_round!r}')
+  if config.simulation_round == 'inprocess':
     not_inprocess = registry.spec(config.algorithm).inprocess
     if not_inprocess:
-      raise ConfigurationError(f'simulation_inprocess: {config.algorithm} '
-                               f'has no in-process round: {not_inprocess}')
-    if config.simulation_shards > 0 or config.simulation_batched:
-      raise ConfigurationError(
-          'simulation_inprocess runs one user at a time in the driver; it '
-          'does not combine with simulation_shards > 0 or simulation_batched')
+      raise ConfigurationError(f'simulation_round=inprocess: '
+                               f'{config.algorithm} has no in-process round: '
+                               f'{not_inprocess}')
   if (config.dp.mechanism not in ('none', 'gaussian_fixed') and
       config.simulation_shards > 0):
     raise ValueError(
@@ -426,7 +442,7 @@ _NOT_BUILT_FROM = (
     'experiment_name', 'root_output_dir', 'resume', 'rounds',
     'checkpoint_every', 'keep_checkpoints', 'eval_every', 'eval_clients',
     'curve_eval_clients', 'eval_chunk', 'simulation_shards',
-    'simulation_batched', 'simulation_batch_users', 'simulation_inprocess',
+    'simulation_batched', 'simulation_batch_users', 'simulation_round',
     'eval_fine_tune',
     'test_fine_tune', 'cold_start_epochs', 'eval_strategies',
     'client_state_backend')

@@ -127,12 +127,12 @@ class Evaluation:
 class Simulation:
   """How rounds are simulated: `shards` (-1 automatic, 0 one user per TFF
   client), `batched` (a shard's users trained together),
-  `batch_users` (the most trained together) and `inprocess` (the round's
-  production form run in the driver, `core/inprocess.py`)."""
+  `batch_users` (the most trained together) and `round` (where a round
+  runs: 'auto', 'inprocess' or 'tff', `ExperimentConfig.simulation_round`)."""
   shards: int = -1
   batched: bool = False
   batch_users: int = 25
-  inprocess: bool = False
+  round: str = 'auto'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ CONFIG_FIELDS = {
     ('simulation', 'shards'): 'simulation_shards',
     ('simulation', 'batched'): 'simulation_batched',
     ('simulation', 'batch_users'): 'simulation_batch_users',
-    ('simulation', 'inprocess'): 'simulation_inprocess',
+    ('simulation', 'round'): 'simulation_round',
     ('output', 'root_output_dir'): 'root_output_dir',
     ('output', 'experiment_name'): 'experiment_name',
 }

@@ -384,16 +384,25 @@ def production_form(process) -> ProductionForm:
   """The production split of a `StatefulClientProcess`.
 
   Raises:
-    NotProductionReadyError: the process records no per-user client step
-      (its client work was given only as a TFF computation), so its device
-      part cannot be taken out.
+    NotProductionReadyError: the process records neither a per-user client
+      step nor a client work of its own types (its client work was given
+      only inside its round), so its device part cannot be taken out.
   """
   composition = process.composition
-  if composition is None or composition.client_step is None:
-    raise NotProductionReadyError(
-        f'{type(process).__name__} records no per-user client step '
-        '(compose_stateful_client_process(client_step=...)), so its device '
-        'part cannot be taken out of its round')
+  # The round's own client work where it was recorded with the process's
+  # types (its parameters' names aside); else the same step traced here.
+  client_work = None if composition is None else composition.client_work
+  want = (process.model_weights_type, process.client_state_type,
+          process.client_data_type)
+  if client_work is None or not _takes(client_work, want):
+    if composition is None or composition.client_step is None:
+      raise NotProductionReadyError(
+          f'{type(process).__name__} records no per-user client step '
+          '(compose_stateful_client_process(client_step=...)), so its '
+          'device part cannot be taken out of its round')
+    client_work = process_lib.client_work_from_step(
+        composition.client_step, process.model_weights_type,
+        process.client_state_type, process.client_data_type)
   state_type = process.state_type
   client_type = tff.StructType([
       ('client_state', process.client_state_type),
@@ -407,15 +416,6 @@ def production_form(process) -> ProductionForm:
                                           clients.data)
     return new_state, measurements
 
-  # The round's own client work where it was recorded with the process's
-  # types (its parameters' names aside); else the same step traced here.
-  client_work = composition.client_work
-  want = (process.model_weights_type, process.client_state_type,
-          process.client_data_type)
-  if client_work is None or not _takes(client_work, want):
-    client_work = process_lib.client_work_from_step(
-        composition.client_step, process.model_weights_type,
-        process.client_state_type, process.client_data_type)
   return ProductionForm(process=process, initialize=process.initialize,
                         next=next_fn, client_work=client_work)
 

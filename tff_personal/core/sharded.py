@@ -97,6 +97,7 @@ from tff_personal.core import batched as batched_lib
 from tff_personal.core import best_scoring
 from tff_personal.core import client_data
 from tff_personal.core import flat_transport
+from tff_personal.core import inprocess
 from tff_personal.core import moved
 from tff_personal.core import privacy
 from tff_personal.core import process as process_lib
@@ -343,6 +344,11 @@ class DriverShardWork:
 IN_DRIVER = 'driver'
 IN_EXECUTOR = 'executor'
 
+# Where the round's aggregation, DP noise and server step run once the
+# shards' results are in (`ShardedProcess(..., aggregate_in=)`).
+AGGREGATE_IN_TFF = 'tff'
+AGGREGATE_IN_PROCESS = 'inprocess'
+
 
 def _batch_count(dataset) -> int:
   """A client's number of batches, or -1 when it is not known up front
@@ -366,7 +372,8 @@ class ShardedProcess:
   def __init__(self, base: process_lib.StatefulClientProcess, num_shards: int,
                wire: client_data.WireFormat | None = None,
                shards_in: str = IN_DRIVER, batched: bool = False,
-               batch_users: int | None = None):
+               batch_users: int | None = None,
+               aggregate_in: str = AGGREGATE_IN_TFF):
     """Builds the sharded form of `base`.
 
     Args:
@@ -395,10 +402,23 @@ class ShardedProcess:
         one after another. Each user has its own weights and optimizer
         slots, so a group's state should stay in the CPU's cache; None:
         all of a shard's users at once.
+      aggregate_in: Where the round's aggregation, DP noise and server step
+        run on the shards' results: `AGGREGATE_IN_TFF` (TFF's runtime, the
+        reference) or `AGGREGATE_IN_PROCESS` (the compiled MapReduceForm
+        pieces of the same process as TensorFlow functions of this process,
+        `core/inprocess.py`: no `worker_binary`); needs `IN_DRIVER`. The
+        in-process round is compiled on first use and raises
+        `inprocess.NotInProcessError` if the process does not compile.
     """
     if shards_in not in (IN_DRIVER, IN_EXECUTOR):
       raise ValueError(f'shards_in must be {IN_DRIVER!r} or {IN_EXECUTOR!r}, '
                        f'got {shards_in!r}')
+    if aggregate_in not in (AGGREGATE_IN_TFF, AGGREGATE_IN_PROCESS):
+      raise ValueError(f'aggregate_in must be {AGGREGATE_IN_TFF!r} or '
+                       f'{AGGREGATE_IN_PROCESS!r}, got {aggregate_in!r}')
+    if aggregate_in == AGGREGATE_IN_PROCESS and shards_in != IN_DRIVER:
+      raise ValueError('aggregate_in=inprocess runs the shards in the driver '
+                       f'(shards_in={IN_DRIVER!r}), got {shards_in!r}')
     composition = base.composition
     if composition is None or composition.client_step is None:
       raise ValueError(
@@ -462,6 +482,8 @@ class ShardedProcess:
     self._from_results = None  # Built on first use.
     self._transport = None  # Set with _from_results.
     self._results_call = None  # Built on first use.
+    self._aggregate_in = aggregate_in
+    self._inprocess_round = None  # Built on first use.
 
   @property
   def driver_work(self) -> DriverShardWork:
@@ -526,6 +548,19 @@ class ShardedProcess:
       self._from_results = self._compose(precomputed, no_state)
     return self._from_results
 
+  @property
+  def aggregate_in(self) -> str:
+    """Where the aggregation and server step run (`AGGREGATE_IN_*`)."""
+    return self._aggregate_in
+
+  @property
+  def inprocess_round(self) -> inprocess.InProcessRound:
+    """`_process_from_results`'s round compiled to its production form
+    and run in this process (`inprocess.build`), built on first use."""
+    if self._inprocess_round is None:
+      self._inprocess_round = inprocess.build(self._process_from_results())
+    return self._inprocess_round
+
   def _aggregate_results(self, state, results: Sequence[Any]):
     """The round's TFF call on the shards' `results`: the aggregation, DP
     noise and server step of `_process_from_results`. Returns the new
@@ -537,6 +572,11 @@ class ShardedProcess:
     state. The state held between rounds is the process's own (structured)
     value.
     """
+    if self._aggregate_in == AGGREGATE_IN_PROCESS:
+      sent = [self._sent(r) for r in results]
+      state, _, metrics = self.inprocess_round.next(state, [()] * len(sent),
+                                                    sent)
+      return state, metrics
     if self._results_call is None:
       process = self._process_from_results()
       next_type = process.next.type_signature
@@ -627,6 +667,8 @@ class ShardedProcess:
 
   def initialize(self):
     # The process `next` will run, so that only one is traced.
+    if self._aggregate_in == AGGREGATE_IN_PROCESS:
+      return self.inprocess_round.initialize()
     if self._shards_in == IN_EXECUTOR and runtime.worker_map() is None:
       return self._process.initialize()
     return self._process_from_results().initialize()
@@ -756,16 +798,18 @@ def resolve_num_shards(process, requested: int) -> int:
 def maybe_shard(process, num_shards: int,
                 wire: client_data.WireFormat | None = None,
                 shards_in: str = IN_DRIVER, batched: bool = False,
-                batch_users: int | None = None):
+                batch_users: int | None = None,
+                aggregate_in: str = AGGREGATE_IN_TFF):
   """`ShardedProcess(process, num_shards, wire, shards_in, batched,
-  batch_users)`, or `process` for 0 (refused with `batched`)."""
+  batch_users, aggregate_in)`, or `process` for 0 (refused with
+  `batched`)."""
   if num_shards == 0:
     if batched:
       raise ValueError('batched training runs in shards; it needs '
                        'simulation_shards != 0')
     return process
   return ShardedProcess(process, num_shards, wire, shards_in, batched,
-                        batch_users)
+                        batch_users, aggregate_in)
 
 
 # Names that moved away raise an error naming their new place.

@@ -148,7 +148,8 @@ EVALUATION_FIELDS = ('eval_clients', 'curve_eval_clients', 'eval_chunk',
 # accounted for all its rounds at that multiplier).
 RESUMABLE_FIELDS = EVALUATION_FIELDS + (
     'simulation_shards', 'simulation_batched', 'simulation_batch_users',
-    'simulation_inprocess',
+    'simulation_round',
+    'simulation_inprocess',  # Retired (simulation_round); in older records.
     'eval_every',
     'checkpoint_every', 'keep_checkpoints',
     'resume', 'rounds',

@@ -368,6 +368,42 @@ def _run_per_group(task, proc, config: experiment.ExperimentConfig, dp, groups,
   return _write_summary(config, summary, report, flag_values, log_fn)
 
 
+def _sharded_form(task, proc, config: experiment.ExperimentConfig,
+                  num_shards: int, aggregate_in: str):
+  """`proc` sharded as `config` says (itself for 0 shards), made once per
+  process and settings (`experiment.derived`)."""
+  # Tasks whose examples travel in a compact form (speech: uint8) say so.
+  wire = getattr(task, 'wire_format', None)
+  return experiment.derived(
+      proc, ('training form', num_shards, repr(wire),
+             config.simulation_batched, config.simulation_batch_users,
+             aggregate_in),
+      lambda: sharded.maybe_shard(
+          proc, num_shards, wire, batched=config.simulation_batched,
+          batch_users=(config.simulation_batch_users or None)
+          if config.simulation_batched else None,
+          aggregate_in=aggregate_in))
+
+
+def _in_process_form(task, proc, config: experiment.ExperimentConfig,
+                     num_shards: int):
+  """The in-process training form of `proc`: sharded, the shards' work in
+  the driver and the round's compiled pieces run here (compiled now, so
+  that a process that does not compile says so before any round); with
+  no shards, each user's device program too (`inprocess.build`).
+
+  Raises:
+    inprocess.NotInProcessError: the round does not compile.
+  """
+  if not num_shards:
+    return experiment.derived(proc, ('training form', 'inprocess'),
+                              lambda: inprocess.build(proc))
+  form = _sharded_form(task, proc, config, num_shards,
+                       sharded.AGGREGATE_IN_PROCESS)
+  form.inprocess_round  # pylint: disable=pointless-statement
+  return form
+
+
 def _training_parts(task, proc, config: experiment.ExperimentConfig,
                     directory: str, log_fn):
   """`(train_proc, num_shards, store, train_data_fn)` of one process run
@@ -378,28 +414,27 @@ def _training_parts(task, proc, config: experiment.ExperimentConfig,
   per-group stage, or a run resumed in the same Python process, trace it
   once.
   """
-  if config.simulation_inprocess:  # `experiment.validate` checked it.
-    num_shards = 0
-    train_proc = experiment.derived(proc, ('training form', 'inprocess'),
-                                    lambda: inprocess.build(proc))
-    log_fn('simulation: the round\'s production form in process, one user '
-           'at a time')
-  else:
-    num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
-    # Tasks whose examples travel in a compact form (speech: uint8) say so.
-    wire = getattr(task, 'wire_format', None)
-    train_proc = experiment.derived(
-        proc, ('training form', num_shards, repr(wire),
-               config.simulation_batched, config.simulation_batch_users),
-        lambda: sharded.maybe_shard(proc, num_shards, wire,
-                                    batched=config.simulation_batched,
-                                    batch_users=(
-                                        config.simulation_batch_users or None)
-                                    if config.simulation_batched else None))
-    log_fn((f'simulation: {num_shards} shards per round'
-            + (', users trained together' if config.simulation_batched
-               else '')) if num_shards else
-           'simulation: one user per TFF client')
+  num_shards = sharded.resolve_num_shards(proc, config.simulation_shards)
+  in_process = experiment.round_in_process(config, num_shards)
+  train_proc = None
+  if in_process:
+    try:
+      train_proc = _in_process_form(task, proc, config, num_shards)
+    except inprocess.NotInProcessError as e:
+      if config.simulation_round != 'auto':
+        raise
+      log_fn(f'simulation: the round runs on TFF\'s runtime ({e})')
+      in_process = False
+  if train_proc is None:
+    train_proc = _sharded_form(task, proc, config, num_shards,
+                               sharded.AGGREGATE_IN_TFF)
+  where = ('in this process (its compiled production form)' if in_process
+           else 'on TFF\'s runtime')
+  log_fn((f'simulation: {num_shards} shards per round'
+          + (', users trained together' if config.simulation_batched
+             else '')) if num_shards else
+         'simulation: one user per TFF client')
+  log_fn(f'simulation: the round\'s aggregation and server step run {where}')
   rounds = training_loop.checkpoint_rounds(directory)
   if rounds and not config.resume:  # Before the store is opened: SQLite
     # would fold a killed run's write-ahead log into the database.
