@@ -1,24 +1,32 @@
-"""The in-process round (`core/inprocess.py`) against `process.next`.
+"""The in-process round (`core/inprocess.py`) against TFF's runtime.
 
-A process's compiled MapReduceForm, run as TensorFlow functions in this
-process, equals TFF's round of the same process round for round: two rounds
-of three users with different example counts give the same server state,
-the same new state of every client and the same metrics (float32, to
-1e-5). By default for the cheapest algorithm of every family of the
-registry (`FAMILIES`), without DP and under TFF's DP aggregator at noise
-multiplier 0 (clipping on); with `TFF_PERSONAL_INPROCESS_ALL=1` also for
-every algorithm the registry declares covered (`AlgorithmSpec.inprocess`),
-every stage, without DP (about two more minutes on two cores). Each piece runs as often as the
-round needs it (counted), a skipped piece shows as a different round, no
-TFF execution happens on the way, the states of either round feed the
-other, the secure sums run, and DP noise is the compiled `update`'s fresh
-draw at the configured scale. The tiny models and ragged clients are the conformance suite's and
-`tests/production_test.py`'s.
+Two forms, each held round for round to the same round on TFF's runtime:
+two rounds of three users with different example counts give the same
+server state, the same new state of every client and the same metrics
+(float32, to 1e-5).
+
+* One user per client: a process's compiled MapReduceForm run as
+  TensorFlow functions here against `process.next`.
+* Sharded (the default in-process form): two shards' work in the driver,
+  the round's aggregation, DP noise and server step from the compiled
+  pieces of `ShardedProcess`'s round, against the same shards aggregated
+  on TFF's runtime.
+
+By default for the cheapest algorithm of every family of the registry
+(`FAMILIES`), without DP and under DP at noise multiplier 0 (clipping on);
+with `TFF_PERSONAL_INPROCESS_ALL=1` also for every algorithm the registry
+declares covered (`AlgorithmSpec.inprocess`), every stage, without DP
+(several more minutes on two cores). Each piece runs as often as the round
+needs it (counted), a skipped piece shows as a different round, no TFF
+execution happens on the way, the states of either round feed the other,
+the secure sums run, and DP noise is the compiled `update`'s fresh draw at
+the configured scale. The tiny models and ragged clients are the
+conformance suite's and `tests/production_test.py`'s.
 """
-
 import dataclasses
 import functools
 import os
+import types
 
 import numpy as np
 import pytest
@@ -146,32 +154,41 @@ def _sharded_stages(name, dp):
 
 def _check_same_sharded_rounds(name, dp, stage):
   """Two shards, the round's aggregation and server step in process
-  against the same shards aggregated on TFF's runtime."""
+  (as one graph, and piece by piece) against the same shards aggregated on
+  TFF's runtime."""
   proc = _sharded_stages(name, dp)[stage]
   assert sharded.resolve_num_shards(proc, -1) > 0, f'{name} is not sharded'
   reference = sharded.ShardedProcess(proc, 2)
   in_process = sharded.ShardedProcess(
       proc, 2, aggregate_in=sharded.AGGREGATE_IN_PROCESS)
-  pieces = in_process.inprocess_round.pieces
-  before = {k: p.calls for k, p in pieces.items()}
-  result = in_process.inprocess_round.process.next.type_signature.result
+  round_ = in_process.inprocess_round
+  result = round_.process.next.type_signature.result
   client_type = proc.next.type_signature.result[1]
   clients = fedembed_testdata.initial_states(proc, len(SIZES), seed=4)
   initial = reference.initialize()
   _check_close(in_process.initialize(), initial, result[0],
                f'{name} initial state')
-  got = _two_rounds(name, proc, in_process.next, in_process.initialize(),
-                    list(clients))
   want = _two_rounds(name, proc, reference.next, initial, list(clients))
-  _check_close(got[0], want[0], result[0], f'{name} {dp} server state')
-  for u, (a, b) in enumerate(zip(got[1], want[1], strict=True)):
-    _check_close(a, b, client_type, f'{name} {dp} client {u}')
-  _check_close(got[2], want[2], result[2], f'{name} {dp} metrics')
   assert not all(np.allclose(a, b) for a, b in zip(
       _leaves(want[0], result[0]), _leaves(initial, result[0]))), name
-  # Each piece once per round, the device piece once per shard.
-  calls = {k: p.calls - before[k] for k, p in pieces.items()}
-  assert calls['device'] == 2 * 2 and calls['update'] == 2, calls
+  assert round_.fuse  # A shard's inputs are tensors.
+  for fuse in (True, False):
+    round_.fuse = fuse
+    before = {k: p.calls for k, p in round_.pieces.items()}
+    got = _two_rounds(name, proc, in_process.next, in_process.initialize(),
+                      list(clients))
+    what = f'{name} {dp} {"fused" if fuse else "by piece"}'
+    _check_close(got[0], want[0], result[0], f'{what} server state')
+    for u, (a, b) in enumerate(zip(got[1], want[1], strict=True)):
+      _check_close(a, b, client_type, f'{what} client {u}')
+    _check_close(got[2], want[2], result[2], f'{what} metrics')
+    calls = {k: p.calls - before[k] for k, p in round_.pieces.items()}
+    if fuse:  # One graph of two shards ran; no piece on its own.
+      assert list(round_._fused) == [2], round_._fused  # pylint: disable=protected-access
+      assert not any(calls[k] for k in inprocess.PIECES), calls
+    else:  # Each piece once per round, the device piece once per shard.
+      assert calls['device'] == 2 * 2 and calls['update'] == 2, calls
+  round_.fuse = True
 
 
 @pytest.mark.parametrize('name,stage', FAMILIES)
@@ -252,6 +269,38 @@ def test_a_skipped_piece_shows_as_another_round():
     _check_close(got, want, proc.next.type_signature.result[0], 'skipped')
 
 
+def test_a_fused_round_without_an_accumulation_shows_as_another_round():
+  """The one-graph round stamps what it is given: with `accumulate`
+  replaced by one that drops the upload, its state is not the reference's
+  (so the equivalence above can fail for the fused form too)."""
+  proc = _sharded_stages('global', 'none')[0]
+  in_process = sharded.ShardedProcess(
+      proc, 2, aggregate_in=sharded.AGGREGATE_IN_PROCESS)
+  round_ = in_process.inprocess_round
+  mrf = round_.form.map_reduce_form()
+  accumulate_type = mrf.accumulate.type_signature
+
+  @tff.tensorflow.computation(*accumulate_type.parameter)
+  def dropping(accumulator, upload):
+    del upload
+    if isinstance(accumulator, tff.structure.Struct):
+      return tff.structure.map_structure(tf.identity, accumulator)
+    return tf.nest.map_structure(tf.identity, accumulator)
+
+  clients = fedembed_testdata.initial_states(proc, len(SIZES), seed=4)
+  data = conformance._datasets(SIZES, 0)  # pylint: disable=protected-access
+  want, _, _ = in_process.next(in_process.initialize(), clients, data)
+  round_._fused[2] = inprocess._FusedRound(  # pylint: disable=protected-access
+      types.SimpleNamespace(**{k: getattr(mrf, k) for k in (
+          'prepare', 'zero', 'report', 'update',
+          'secure_modular_sum_modulus')}, accumulate=dropping),
+      round_._device, 2)  # pylint: disable=protected-access
+  got, _, _ = in_process.next(in_process.initialize(), clients, data)
+  result = round_.process.next.type_signature.result
+  with pytest.raises(AssertionError):
+    _check_close(got, want, result[0], 'dropped')
+
+
 def test_it_executes_nothing_on_tffs_runtime():
   """Built and run under a context that refuses every TFF execution (no
   worker is asked for): compiling traces only."""
@@ -262,12 +311,12 @@ def test_it_executes_nothing_on_tffs_runtime():
       runtime_error_context.RuntimeErrorContext()):
     with pytest.raises(Exception):  # The guard holds: TFF cannot run here.
       proc.initialize()
-    in_process = inprocess.build(proc)
-    state, new_clients, metrics = in_process.next(
-        in_process.initialize(), clients, data)
-  assert int(metrics['train']['clients']) == len(SIZES)
-  assert len(new_clients) == len(SIZES)
-  _check_close(state, state, proc.next.type_signature.result[0], 'state')
+    for in_process in (inprocess.build(proc), sharded.ShardedProcess(
+        proc, 2, aggregate_in=sharded.AGGREGATE_IN_PROCESS)):
+      state, new_clients, metrics = in_process.next(
+          in_process.initialize(), clients, data)
+      assert int(metrics['train']['clients']) == len(SIZES)
+      assert len(new_clients) == len(SIZES)
 
 
 def test_states_of_either_round_feed_the_other():
@@ -323,18 +372,42 @@ def test_secure_sums_run_in_process(aggregator):
                     tf.nest.flatten(plain.get_model_weights(want[0])),
                     strict=True):
       np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+  if aggregator != 'secure_aggregator':
+    return  # Distributed DP runs one user per client, not sharded.
+  # Sharded, the one-graph round adds the shards' summands up in its graph.
+  fused = sharded.ShardedProcess(
+      secure, 2, aggregate_in=sharded.AGGREGATE_IN_PROCESS)
+  assert fused.inprocess_round.fuse
+  got = _two_rounds('global', secure, fused.next, fused.initialize(),
+                    list(clients))
+  reference = sharded.ShardedProcess(secure, 2)
+  want = _two_rounds('global', secure, reference.next,
+                     reference.initialize(), list(clients))
+  for x, y in zip(tf.nest.flatten(plain.get_model_weights(got[0])),
+                  tf.nest.flatten(plain.get_model_weights(want[0])),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_dp_noise_is_updates_own_draw():
+@pytest.mark.parametrize('form', ['one_user_per_client', 'sharded'])
+def test_dp_noise_is_updates_own_draw(form):
   """At noise multiplier 1 the compiled `update` draws fresh noise at every
-  call, in process as under TFF: two rounds from the same inputs differ by
-  the difference of two draws, whose standard deviation is sqrt(2) times
-  the noise's on the mean update (z * clip / clients; server SGD at 1)."""
+  call, in process as under TFF (one user per client, or sharded with the
+  round as one graph): two rounds from the same inputs differ by the
+  difference of two draws, whose standard deviation is sqrt(2) times the
+  noise's on the mean update (z * clip / clients; server SGD at 1)."""
   clip = 0.01
-  proc = conformance._build('global', aggregator_factory=(  # pylint: disable=protected-access
-      tff.aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
-          noise_multiplier=1.0, clients_per_round=len(SIZES), clip=clip)))
-  in_process = inprocess.build(proc)
+  if form == 'sharded':  # The library's aggregator, which shards read.
+    factory = privacy.build_aggregator(privacy.DPConfig(
+        mechanism='gaussian_fixed', noise_multiplier=1.0, clip_norm=clip,
+        clients_per_round=len(SIZES), population=100, rounds=2))
+  else:
+    factory = tff.aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
+        noise_multiplier=1.0, clients_per_round=len(SIZES), clip=clip)
+  proc = conformance._build('global', aggregator_factory=factory)  # pylint: disable=protected-access
+  in_process = (inprocess.build(proc) if form != 'sharded' else
+                sharded.ShardedProcess(
+                    proc, 2, aggregate_in=sharded.AGGREGATE_IN_PROCESS))
   clients = fedembed_testdata.initial_states(proc, len(SIZES), seed=4)
   data = conformance._datasets(SIZES, 0)  # pylint: disable=protected-access
   state = in_process.initialize()

@@ -61,6 +61,7 @@ import attrs
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
+from tensorflow.core.protobuf import config_pb2
 from tensorflow_federated.python.core.impl.computation import computation_impl
 from tensorflow_federated.python.core.impl.computation import function_utils
 from tensorflow_federated.python.core.impl.types import type_conversions
@@ -131,6 +132,56 @@ def _length(value) -> int:
     return -1
 
 
+class _Leaf(int):
+  """A leaf's position in a container template (`_packer`)."""
+
+
+_PACKERS = {}
+
+
+def _packer(type_spec) -> Callable[[Sequence[Any]], Any]:
+  """A function of a type's leaves that builds the Python containers
+  TFF's execution context returns for `type_spec` (`type_to_py_container`),
+  made once per type: `type_to_py_container` builds a template of leaf
+  positions, which each call fills in."""
+  key = id(type_spec)
+  if key in _PACKERS and _PACKERS[key][0] is type_spec:
+    return _PACKERS[key][1]
+  positions = itertools.count()
+
+  def build(t):
+    if isinstance(t, tff.StructType):
+      return tff.structure.Struct(
+          [(name, build(e)) for name, e in tff.structure.iter_elements(t)])
+    return _Leaf(next(positions))
+
+  template = type_conversions.type_to_py_container(build(type_spec),
+                                                   type_spec)
+
+  def fill(t, leaves):
+    if isinstance(t, _Leaf):
+      return leaves[t]
+    if isinstance(t, tff.structure.Struct):
+      return tff.structure.Struct(
+          [(n, fill(v, leaves)) for n, v in tff.structure.iter_elements(t)])
+    if isinstance(t, Mapping):
+      return type(t)((k, fill(v, leaves)) for k, v in t.items())
+    if attrs.has(type(t)):
+      return type(t)(**{f.name: fill(getattr(t, f.name), leaves)
+                        for f in attrs.fields(type(t)) if f.init})
+    if isinstance(t, tuple) and hasattr(t, '_fields'):  # A namedtuple.
+      return type(t)(*(fill(v, leaves) for v in t))
+    if isinstance(t, (list, tuple)):
+      return type(t)(fill(v, leaves) for v in t)
+    raise TypeError(f'{type(t).__name__} in the containers of {type_spec}')
+
+  def pack(leaves):
+    return fill(template, leaves)
+
+  _PACKERS[key] = (type_spec, pack)
+  return pack
+
+
 def packed(leaves: Sequence[Any], type_spec):
   """`leaves` in `type_spec`'s structure, in the Python containers TFF's
   execution context returns for that type (`type_to_py_container`)."""
@@ -138,15 +189,7 @@ def packed(leaves: Sequence[Any], type_spec):
   if len(leaves) != count:
     raise ValueError(f'{len(leaves)} values for the {count} leaves of '
                      f'{type_spec}')
-  it = iter(leaves)
-
-  def build(t):
-    if isinstance(t, tff.StructType):
-      return tff.structure.Struct(
-          [(name, build(e)) for name, e in tff.structure.iter_elements(t)])
-    return next(it)
-
-  return type_conversions.type_to_py_container(build(type_spec), type_spec)
+  return _packer(type_spec)(leaves)
 
 
 def _tensor_spec(leaf) -> tf.TensorSpec:
@@ -327,14 +370,27 @@ class _SessionForm:
     return self._session.run(self._outputs, feed) if self._outputs else []
 
 
+_SAME_LEAVES = {}
+
+
 def _as(value, from_type, to_type):
-  """`value` (of `from_type`) in `to_type`'s containers: the same leaves."""
-  got, want = _type_leaves(from_type), _type_leaves(to_type)
-  if len(got) != len(want) or any(
-      not a.is_equivalent_to(b) for a, b in zip(got, want)):
-    raise NotInProcessError(f'the compiled form gives {from_type} where the '
-                            f'process gives {to_type}')
+  """`value` (of `from_type`) in `to_type`'s containers: the same leaves
+  (checked once per pair of types)."""
+  _check_same_leaves(from_type, to_type)
   return packed(value_leaves(value, from_type), to_type)
+
+
+def _check_same_leaves(from_type, to_type):
+  """Raises NotInProcessError unless the two types have the same leaves
+  (checked once per pair of types)."""
+  key = (id(from_type), id(to_type))
+  if key not in _SAME_LEAVES:
+    got, want = _type_leaves(from_type), _type_leaves(to_type)
+    if len(got) != len(want) or any(
+        not a.is_equivalent_to(b) for a, b in zip(got, want)):
+      raise NotInProcessError(f'the compiled form gives {from_type} where '
+                              f'the process gives {to_type}')
+    _SAME_LEAVES[key] = (from_type, to_type)  # Keeps the ids in use.
 
 
 class InProcessRound:
@@ -373,6 +429,13 @@ class InProcessRound:
     self._client_state_type = signature.result[1].member
     self._metrics_type = signature.result[2].member
     self._form_state_type = mrf.prepare.type_signature.parameter
+    self._mrf = mrf
+    self._device = device
+    self._fused = {}  # Cohort size -> its `_FusedRound`, built on use.
+    # Whether `next` runs the round as one graph where it can (clients'
+    # inputs of tensors only, one accumulator); False: piece by piece.
+    self.fuse = not any(isinstance(t, tff.SequenceType) for t in _type_leaves(
+        device.type_signature.parameter[0]))
 
   def __getattr__(self, name):
     # Read-only views of the process (its types, model functions) for code
@@ -402,6 +465,8 @@ class InProcessRound:
     if len(client_states) != len(datasets):
       raise ValueError(f'{len(client_states)} client states for '
                        f'{len(datasets)} datasets')
+    if self.fuse and not merge_after:
+      return self._next_fused(state, client_states, datasets)
     p = self.pieces
     state = _as(state, self._state_type, self._form_state_type)
     broadcast = p['prepare'](state)
@@ -420,6 +485,166 @@ class InProcessRound:
     return (_as(new_state, update_result[0], self._state_type),
             new_client_states,
             _as(metrics, update_result[1], self._metrics_type))
+
+  def _next_fused(self, state, client_states, datasets):
+    """`next` as one session call (`_FusedRound`, one per cohort size)."""
+    count = len(datasets)
+    update_result = self._mrf.update.type_signature.result
+    client_type = self._device.type_signature.result[1]
+    if count not in self._fused:
+      for pair in ((self._state_type, self._form_state_type),
+                   (update_result[0], self._state_type),
+                   (client_type, self._client_state_type),
+                   (update_result[1], self._metrics_type)):
+        _check_same_leaves(*pair)
+      self._fused[count] = _FusedRound(self._mrf, self._device, count)
+    inputs = self._device.type_signature.parameter[0]
+    state_leaves = value_leaves(state, self._state_type)
+    client_leaves = [
+        value_leaves({'client_state': c, 'data': d}, inputs)
+        for c, d in zip(client_states, datasets)]
+    new_state, metrics, new_clients = self._fused[count](state_leaves,
+                                                         client_leaves)
+    return (packed(new_state, self._state_type),
+            [packed(c, self._client_state_type) for c in new_clients],
+            packed(metrics, self._metrics_type))
+
+
+def _callable(session, feeds, fetches, targets=()):
+  """`session`'s callable of `feeds` (placeholders) to `fetches` (a list
+  of numpy arrays), running `targets` too: TensorFlow's own callable
+  (`Session._make_callable_from_options`, as Keras's graph functions use),
+  without `Session.run`'s per-call handling of feeds and fetches."""
+  options = config_pb2.CallableOptions()
+  options.feed.extend(t.name for t in feeds)
+  options.fetch.extend(t.name for t in fetches)
+  options.target.extend(op.name for op in targets)
+  return session._make_callable_from_options(options)  # pylint: disable=protected-access
+
+
+def _struct(type_spec, values):
+  """`values` (one per element of the struct type `type_spec`) as a
+  `tff.structure.Struct` named as the type."""
+  return tff.structure.Struct(
+      [(name, v) for (name, _), v in zip(
+          tff.structure.iter_elements(type_spec), values, strict=True)])
+
+
+def _flat(value) -> list:
+  """The leaves of a value a stamped computation returned."""
+  if isinstance(value, tff.structure.Struct):
+    return tff.structure.flatten(value)
+  return [value]
+
+
+class _FusedRound:
+  """A round of `clients` clients as one graph, run in one session call.
+
+  The compiled pieces are stamped into one graph in the round's order:
+  `prepare` on the server state; the device program once per client on
+  its input and the broadcast; `zero`, then `accumulate` over the uploads
+  in client order; `report`; each secure sum as the plain sum of the
+  clients' summands (the modular one `% modulus`); `update` on the state
+  and those. The same pieces and order as `InProcessRound.next`'s piece by
+  piece path (which `production._reduce` shares with
+  `ProductionForm.run_map_reduce_round`); one call instead of one per
+  piece. Every stamp's initialization runs before each call. Clients'
+  inputs must be tensors (a sharded round's); sequences take the piece by
+  piece path.
+
+  Called with the state's leaves and each client's input leaves (in the
+  types' order), it returns `(state leaves, metrics leaves, [each client's
+  new state leaves])`.
+  """
+
+  def __init__(self, mrf, device, clients: int):
+    graph = tf.Graph()
+    placeholders = []
+    inits = []
+    token_holder = []
+
+    def feed(t):
+      if isinstance(t, tff.StructType):
+        return _struct(t, [feed(e) for _, e in
+                           tff.structure.iter_elements(t)])
+      if not isinstance(t, tff.TensorType):
+        raise NotInProcessError(f'a fused round takes tensors, not {t}')
+      placeholder = tf.compat.v1.placeholder(t.dtype, t.shape)
+      placeholders.append(placeholder)
+      return placeholder
+
+    def call(computation, arg):
+      proto = computation_impl.ConcreteComputation.get_proto(computation)
+      init, result = tensorflow_utils.deserialize_and_call_tf_computation(
+          proto, arg, graph, f'fused_{next(_STAMPS)}', token_holder[0])
+      if init is not None:
+        inits.append(init)
+      return result
+
+    def pair(computation, first, second):
+      return call(computation, _struct(
+          computation.type_signature.parameter, [first, second]))
+
+    with graph.as_default():
+      token_holder.append(tf.constant('inprocess', tf.string))
+      state = feed(mrf.prepare.type_signature.parameter)
+      inputs = [feed(device.type_signature.parameter[0])
+                for _ in range(clients)]
+      self._state_count = len(_flat(state))
+      broadcast = call(mrf.prepare, state)
+      outs = [pair(device, i, broadcast) for i in inputs]
+      accumulator = call(mrf.zero, None)
+      for out in outs:
+        accumulator = pair(mrf.accumulate, accumulator, out[0][0])
+      update_arg = mrf.update.type_signature.parameter
+      secure = []
+      for kind in (1, 2, 3):
+        summands = [_flat(out[0][kind]) for out in outs]
+        sums = [tf.math.add_n(list(leaf)) if len(leaf) > 1 else leaf[0]
+                for leaf in zip(*summands)]
+        if kind == 3 and sums:
+          moduli = _flat(call(mrf.secure_modular_sum_modulus, None))
+          if len(moduli) == 1:
+            moduli = moduli * len(sums)
+          sums = [v % tf.cast(m, v.dtype) for v, m in zip(sums, moduli,
+                                                          strict=True)]
+        it = iter(sums)
+
+        def build(t, it=it):
+          if isinstance(t, tff.StructType):
+            return _struct(t, [build(e) for _, e in
+                               tff.structure.iter_elements(t)])
+          return next(it)
+
+        secure.append(build(update_arg[1][kind]))
+      report = call(mrf.report, accumulator)
+      new_state, metrics = pair(
+          mrf.update, state, _struct(update_arg[1], [report, *secure]))
+      self._counts = (len(_flat(new_state)), len(_flat(metrics)))
+      fetches = _flat(new_state) + _flat(metrics)
+      self._client_count = len(_flat(outs[0][1])) if outs else 0
+      for out in outs:
+        fetches += _flat(out[1])
+      fetches = [tf.identity(t) for t in fetches]
+      init = tf.group(*inits) if inits else None
+    self._session = tf.compat.v1.Session(graph=graph, config=_SESSION_CONFIG)
+    self._run = _callable(self._session, placeholders, fetches)
+    self._init = (_callable(self._session, placeholders, [], [init])
+                  if init is not None else None)
+    self._feed_types = [(p.dtype.as_numpy_dtype) for p in placeholders]
+
+  def __call__(self, state_leaves, client_leaves):
+    values = [np.asarray(v, t) for v, t in zip(
+        list(state_leaves) + [x for c in client_leaves for x in c],
+        self._feed_types, strict=True)]
+    if self._init is not None:
+      self._init(*values)
+    out = self._run(*values)
+    states, metrics = self._counts
+    rest = out[states + metrics:]
+    k = self._client_count
+    return (out[:states], out[states:states + metrics],
+            [rest[i * k:(i + 1) * k] for i in range(len(client_leaves))])
 
 
 class _Pieces:
