@@ -46,6 +46,7 @@ from tff_personal.config import experiment
 from tff_personal.core import inprocess
 from tff_personal.core import privacy
 from tff_personal.core import production
+from tff_personal.core import runtime
 from tff_personal.core import sharded
 from tff_personal.run import runs
 
@@ -508,3 +509,53 @@ def test_a_dataset_with_python_state_runs_the_eager_form_alike():
   _check_close(got[0], want[0], result[0], 'server state')
   for u, (a, b) in enumerate(zip(got[1], want[1], strict=True)):
     _check_close(a, b, result[1], f'client {u}')
+
+
+def _run(tmp_path, name, task, **kwargs):
+  config = experiment.ExperimentConfig(**{
+      'algorithm': 'global', 'rounds': 2, 'clients_per_round': 5,
+      'simulation_shards': 2, 'eval_clients': 6, 'checkpoint_every': 1,
+      'seed': 3, 'root_output_dir': str(tmp_path), 'experiment_name': name,
+      'dp': privacy.DPConfig(mechanism='gaussian_fixed',
+                             noise_multiplier=0.0, clip_norm=0.05),
+      **kwargs})
+  return runs.run_experiment(task, config, log_fn=lambda s: None)
+
+
+def _final_weights(run):
+  return [np.asarray(w) for w in tf.nest.flatten(run.weights())]
+
+
+def test_a_sharded_run_needs_no_tff_runtime_and_resumes_either_way(
+    tmp_path):
+  """A sharded DP run (clipping on, noise multiplier 0) trains and
+  evaluates under a context that refuses every TFF execution, on the SQLite
+  store, and ends where the same run on TFF's runtime (memory store) ends:
+  the same global weights to float rounding and the same evaluation. Killed
+  after round 1 (its checkpoint kept) and resumed on the other form, it
+  ends there too."""
+  from tasks import registry as task_registry  # pylint: disable=g-import-not-at-top
+  task = task_registry.build_task('synthetic', num_users=40, seed=4)
+  with context_stack_impl.context_stack.install(
+      runtime_error_context.RuntimeErrorContext()):
+    in_process = _run(tmp_path, 'inprocess', task,
+                      client_state_backend='sqlite')
+  with runtime.local_runtime():
+    on_tff = _run(tmp_path, 'tff', task, simulation_round='tff',
+                  client_state_backend='memory')
+    first = _run(tmp_path, 'resumed', task, rounds=1,
+                 simulation_round='tff', client_state_backend='sqlite')
+    del first
+    resumed = _run(tmp_path, 'resumed', task, resume=True,
+                   simulation_round='inprocess',
+                   client_state_backend='sqlite')
+  assert in_process['rounds_completed'] == resumed['rounds_completed'] == 2
+  for run in (in_process, resumed):
+    for x, y in zip(_final_weights(run), _final_weights(on_tff),
+                    strict=True):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    assert run['eval']['accuracy'] == pytest.approx(
+        on_tff['eval']['accuracy'], abs=1e-6)
+  # Round 2 moved the weights: the comparison is not of two no-ops.
+  assert not all(np.allclose(x, y) for x, y in zip(
+      _final_weights(on_tff), tf.nest.flatten(on_tff.weights(round=1))))
