@@ -9,6 +9,7 @@ its full tables and `readme_markdown` the README's summary, which
 from __future__ import annotations
 
 import statistics
+from typing import Sequence
 
 CEILING = 'tf_ceiling'
 # The machine's own two-core speed-up (`benchmark_workers.two_core_speedup`).
@@ -28,8 +29,11 @@ def ceiling_name(system: str) -> str:
 
 # The README's summary: these systems, every cohort, each as a fraction of
 # its model's ceiling.
-README_SYSTEMS = ('fedembed_prototype', 'fedembed_prototype_batched', 'global',
-                  'global_batched', 'pfl_fedavg', 'tff_fedavg',
+README_SYSTEMS = ('fedembed_prototype', 'fedembed_prototype_inprocess',
+                  'fedembed_prototype_batched',
+                  'fedembed_prototype_batched_inprocess', 'global',
+                  'global_inprocess', 'global_batched',
+                  'global_batched_inprocess', 'pfl_fedavg', 'tff_fedavg',
                   'keras_central', ceiling_name('global'),
                   ceiling_name('fedembed_prototype'),
                   ceiling_name('global') + '_batched')
@@ -228,12 +232,20 @@ def machine(run: dict) -> str:
   return run['machine'].split(', load average')[0]
 
 
-def readme_markdown(run: dict) -> str:
-  """The README's performance tables from a `benchmark_run.json`, and the
-  command that made them."""
+README_PARTS = ('systems', 'families', 'scale', 'workers')
+
+
+def readme_markdown(run: dict, parts: Sequence[str] = README_PARTS) -> str:
+  """The README's performance tables from a `benchmark_run.json` (those of
+  `parts`, of `README_PARTS`), and the command that made them."""
+  unknown = set(parts) - set(README_PARTS)
+  if unknown:
+    raise ValueError(f'parts must be of {README_PARTS}, got {sorted(unknown)}')
   records = [r for r in run['records'] if not r.get('memory_run')]
-  scale = [r for r in records if r.get('population')]
-  systems = [r for r in records if _is_system(r)]
+  scale = [r for r in records if r.get('population')] if (
+      'scale' in parts) else []
+  systems = [r for r in records if _is_system(r)] if (
+      'systems' in parts) else []
   cohorts = sorted({r['cohort'] for r in systems})
   by_key = {(r['name'], r['cohort']): r for r in systems}
   lines = []
@@ -245,7 +257,11 @@ def readme_markdown(run: dict) -> str:
              '`tf_ceiling_fedembed_prototype` for FedEmbed\'s; '
              '`tf_ceiling_batched` trains FedAvg\'s model on each step\'s '
              'batches of the whole cohort as one batch). `_batched`: the '
-             'shards\' users trained together (`--simulation_batched`):',
+             'shards\' users trained together (`--simulation_batched`); '
+             '`_inprocess`: the round\'s aggregation, DP noise and server '
+             'step from its compiled production form in the driver, no TFF '
+             'runtime (`--simulation_round`, the default); the others on '
+             'TFF\'s runtime:',
              '',
              '| system | ' + ' | '.join(f'cohort {c}' for c in cohorts) + ' |',
              '|---|' + '---:|' * len(cohorts)]
@@ -260,7 +276,8 @@ def readme_markdown(run: dict) -> str:
           f"{r['client_updates_per_s']:.0f} "
           f"({_ratio(r['client_updates_per_s'], ceiling.get('client_updates_per_s'))})"))
     lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
-  families = [r for r in records if r.get('form') == 'sharded']
+  families = [r for r in records if r.get('form') == 'sharded'] if (
+      'families' in parts) else []
   if families:
     per_client = {r['name']: r for r in records
                   if r.get('form') == 'per_client'}
@@ -284,6 +301,7 @@ def readme_markdown(run: dict) -> str:
           f"{'-' if b is None else _ratio(b, r['client_updates_per_s'])} |")
   if scale:
     lines += _scale_lines(scale)
-  lines += _worker_lines(records)
+  if 'workers' in parts:
+    lines += _worker_lines(records)
   lines += ['', f"Command: `{run['command']}`"]
   return '\n'.join(line for line in lines if line is not None) + '\n'

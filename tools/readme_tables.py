@@ -31,11 +31,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, 'README.md')
 TARGETS = os.path.join(ROOT, 'docs', 'papers', 'targets.json')
 # The committed benchmark runs (each `binaries.benchmark`'s
-# benchmark_run.json, ratios within a run): the systems with the family
-# rows, and the whole loop at population scale.
+# benchmark_run.json, ratios within a run) and the parts of each the README
+# shows (`benchmark_report.README_PARTS`): the systems, the family rows,
+# and the whole loop at population scale.
 BENCHMARK_RUNS = tuple(
-    os.path.join(ROOT, 'docs', 'benchmark', name)
-    for name in ('systems_run.json', 'scale_run.json'))
+    (os.path.join(ROOT, 'docs', 'benchmark', name), parts)
+    for name, parts in (('inprocess_run.json', ('systems',)),
+                        ('systems_run.json', ('families',)),
+                        ('scale_run.json', ('scale',))))
 
 MET_LABELS = {True: 'met', False: 'not met', 'partly': 'partly'}
 SECTIONS = ('matrix', 'results', 'performance')
@@ -101,10 +104,10 @@ def performance_markdown(paths=BENCHMARK_RUNS) -> str:
     sys.path.insert(0, ROOT)
   from binaries import benchmark_report  # pylint: disable=g-import-not-at-top
   parts, machines = [], set()
-  for path in paths:
+  for path, shown in paths:
     with open(path) as f:
       run = json.load(f)
-    parts.append(benchmark_report.readme_markdown(run).strip('\n'))
+    parts.append(benchmark_report.readme_markdown(run, shown).strip('\n'))
     machines.add(benchmark_report.machine(run))
   return '\n\n'.join(parts + [f"Machine: {', '.join(sorted(machines))}."])
 

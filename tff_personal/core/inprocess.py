@@ -229,7 +229,9 @@ class InProcessComputation:
   execution context returns (numpy leaves in the type's containers).
 
   Its initialization (variables, tables) runs before every call, as TFF's
-  TensorFlow executor runs a computation's `initialize_op`.
+  TensorFlow executor runs a computation's `initialize_op`. Its graph is
+  imported on the first call (a session's), and again into an eager
+  function only for a dataset that cannot be serialized.
   """
 
   def __init__(self, computation: tff.Computation, name: str = ''):
@@ -247,6 +249,17 @@ class InProcessComputation:
     if any(not isinstance(t, tff.TensorType) for t in result_leaves):
       raise NotInProcessError(f'{name}: its result {self.type_signature.result}'
                               ' holds more than tensors')
+    self._proto = proto
+    self._session = None  # Both built on first use.
+    self._eager = None
+
+  def _eager_form(self):
+    """`(call, init)`: the computation imported into a
+    `tf.compat.v1.wrap_function` of its flattened parameter (built once)."""
+    if self._eager is not None:
+      return self._eager
+    proto, parameter = self._proto, self.type_signature.parameter
+    result_leaves = _type_leaves(self.type_signature.result)
     stamped = {}
 
     def body(*placeholders):
@@ -277,25 +290,28 @@ class InProcessComputation:
 
     wrapped = tf.compat.v1.wrap_function(
         body, [_tensor_spec(t) for t in self._leaves])
-    self._call = (wrapped.prune(wrapped.inputs, wrapped.outputs)
-                  if result_leaves else None)
-    self._init = None
+    call = (wrapped.prune(wrapped.inputs, wrapped.outputs)
+            if result_leaves else None)
+    init = None
     if stamped['init_op'] is not None:
-      self._init = wrapped.prune(wrapped.inputs, stamped['init_op'])
-    self._session = _SessionForm(proto, parameter, self._leaves)
+      init = wrapped.prune(wrapped.inputs, stamped['init_op'])
+    self._eager = (call, init)
+    return self._eager
 
   def __call__(self, *args, **kwargs):
     self.calls += 1
     parameter = self.type_signature.parameter
     arg = function_utils.pack_args(parameter, args, kwargs)
     values = [] if parameter is None else value_leaves(arg, parameter)
+    if self._session is None:
+      self._session = _SessionForm(self._proto, parameter, self._leaves)
     outputs = self._session(values)
     if outputs is None:  # A dataset that cannot be serialized: eagerly.
+      call, init = self._eager_form()
       feeds = [_fed(v, t) for v, t in zip(values, self._leaves, strict=True)]
-      if self._init is not None:
-        self._init(*feeds)
-      outputs = [] if self._call is None else [
-          t.numpy() for t in self._call(*feeds)]
+      if init is not None:
+        init(*feeds)
+      outputs = [] if call is None else [t.numpy() for t in call(*feeds)]
     return packed(list(outputs), self.type_signature.result)
 
 
