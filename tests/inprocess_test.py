@@ -13,7 +13,8 @@ server state, the same new state of every client and the same metrics
   on TFF's runtime.
 
 By default for the cheapest algorithm of every family of the registry
-(`FAMILIES`), without DP and under DP at noise multiplier 0 (clipping on);
+(`FAMILIES`), without DP and under DP at noise multiplier 0 (clipping on;
+sharded, for two families: `SHARDED_CASES`);
 with `TFF_PERSONAL_INPROCESS_ALL=1` also for every algorithm the registry
 declares covered (`AlgorithmSpec.inprocess`), every stage, without DP
 (several more minutes on two cores). Each piece runs as often as the round
@@ -192,8 +193,14 @@ def _check_same_sharded_rounds(name, dp, stage):
   round_.fuse = True
 
 
-@pytest.mark.parametrize('name,stage', FAMILIES)
-@pytest.mark.parametrize('dp', ['none', 'gaussian_fixed'])
+# Sharded: every family without DP; under DP (the sharded DP aggregator,
+# the same for every family) FedAvg and one with private state.
+SHARDED_CASES = [(name, stage, 'none') for name, stage in FAMILIES] + [
+    ('global', 0, 'gaussian_fixed'), ('fedembed_personal', 0,
+                                      'gaussian_fixed')]
+
+
+@pytest.mark.parametrize('name,stage,dp', SHARDED_CASES)
 def test_one_algorithm_per_family_sharded_in_process_as_on_tff(name, stage,
                                                                 dp):
   _check_same_sharded_rounds(name, dp, stage)
