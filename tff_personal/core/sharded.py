@@ -328,7 +328,7 @@ class DriverShardWork:
   def traced_loops(self) -> list:
     """The shard loops traced so far (`tf.function`s, one per concurrent
     shard), e.g. to inspect their graphs."""
-    return list(self._runs)
+    return [run.function for run in self._runs]
 
   def __call__(self, calls: Sequence[tuple],
                lanes: int | None = None) -> list:
