@@ -357,9 +357,10 @@ def render_accuracy(records, pooling: str) -> str:
             'clients drawn by the seed from the training population, each '
             'with its stored state through the method\'s declared '
             f'evaluation. cold start: the {WITHHELD} withheld users, each '
-            'started from the final shared model (' +
-            ', '.join(GLOBAL_START) + ': `start=global`; the others: '
-            '`start=initial`) and adapted on its own training examples. '
+            'with the final shared model and a private part from its shared '
+            'counterpart (' + ', '.join(GLOBAL_START) + ': `start=global`) '
+            'or from the model\'s initialisers (the others: '
+            '`start=initial`), adapted on its own training examples. '
             'DP: user-level `gaussian_fixed` at the epsilon in '
             'results.jsonl, at the no-DP choice of rates.']
   return '\n'.join(lines) + '\n'
