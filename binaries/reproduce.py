@@ -32,6 +32,7 @@ FLAGS = flags.FLAGS
 
 # Paper modules. Each paper issue adds its registration here.
 from papers import benchmark  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from papers import benchmark_tuned  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from papers import feddva  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from papers import fedembed  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from papers import fedperc  # pylint: disable=g-import-not-at-top,g-bad-import-order
@@ -39,6 +40,7 @@ from papers import furl  # pylint: disable=g-import-not-at-top,g-bad-import-orde
 from papers import group  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 reporting.register_paper('benchmark', benchmark)
+reporting.register_paper('benchmark_tuned', benchmark_tuned)
 reporting.register_paper('furl', furl)
 reporting.register_paper('feddva', feddva)
 reporting.register_paper('fedembed', fedembed)

@@ -109,3 +109,18 @@ def test_bad_eval_ids_are_refused_before_the_run(task, tmp_path, ids,
     runs.run_experiment(task, config, log_fn=lambda s: None,
                         eval_ids=ids)
   assert not os.path.exists(config.experiment_dir)
+
+
+def test_validation_draw_is_disjoint_from_the_test_draw_and_seeded():
+  test = run_evaluation.eval_client_ids(900, 100, seed=2)
+  validation = run_evaluation.validation_client_ids(900, 100, 100, seed=2)
+  assert len(validation) == 100 == len(set(validation))
+  assert validation == sorted(validation)
+  assert not set(validation) & set(test)
+  assert all(0 <= i < 900 for i in validation)
+  assert validation == run_evaluation.validation_client_ids(900, 100, 100, 2)
+  assert validation != run_evaluation.validation_client_ids(900, 100, 100, 3)
+  # Every user tested (eval_clients 0), or too few left: refused.
+  for clients, eval_clients in ((1, 0), (801, 100), (0, 100)):
+    with pytest.raises(ValueError, match='validation clients'):
+      run_evaluation.validation_client_ids(900, clients, eval_clients, 2)

@@ -403,6 +403,22 @@ def test_run_config_and_conflicts(tmp_path, monkeypatch):
                                         _TABLE, config)
 
 
+def test_run_config_leaves_a_longer_papers_flags_to_it():
+  table = reporting.Table(name='t', paper='fake_tuned', metric='accuracy',
+                          methods=['global'],
+                          columns=[reporting.Column('a', {'x': 1})])
+  longer = types.SimpleNamespace(TABLES={'t': table}, cells=None,
+                                 run_cell=None)
+  f = types.SimpleNamespace(fake_lr=0.1, fake_tuned_lr=0.2)
+  reporting.register_paper('fake_tuned', longer)
+  try:
+    assert reporting.run_config('fake', object(), f) == {'fake_lr': 0.1}
+    assert reporting.run_config('fake_tuned', longer, f) == {
+        'fake_tuned_lr': 0.2}
+  finally:
+    reporting.unregister_paper('fake_tuned')
+
+
 def test_killed_run_resumes_with_the_remaining_cells(tmp_path, paper):
   paper.fail_on = reporting.Cell('fake', 'personal',
                                  {'num_users': 10, 'dp': 'none'}, 1)

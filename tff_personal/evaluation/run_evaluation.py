@@ -293,6 +293,27 @@ def eval_client_ids(population: int, eval_clients: int, seed: int
                             replace=False)).tolist()
 
 
+def validation_client_ids(population: int, clients: int, eval_clients: int,
+                          seed: int) -> list[int]:
+  """Validation users for choosing hyperparameters (sorted): `clients` of
+  them drawn by `seed` from the users that `eval_client_ids(population,
+  eval_clients, seed)` does not test, so validation and test never share a
+  user.
+
+  Raises:
+    ValueError: `eval_clients` is 0 (every user is tested) or fewer than
+      `clients` users are left, or `clients` < 1.
+  """
+  test = set(eval_client_ids(population, eval_clients, seed))
+  rest = [i for i in range(population) if i not in test]
+  if not 0 < clients <= len(rest):
+    raise ValueError(f'validation clients must be in [1, {len(rest)}] (the '
+                     f'population {population} less {len(test)} test '
+                     f'clients), got {clients}')
+  rng = np.random.default_rng([seed, 0x7A1D])
+  return np.sort(rng.choice(rest, clients, replace=False)).tolist()
+
+
 def load_client_states(proc, config: experiment.ExperimentConfig,
                        population: int, directory: str, rounds: int) -> list:
   """Every client's state as committed at round `rounds` by the run of

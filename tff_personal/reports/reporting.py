@@ -508,17 +508,19 @@ def _config_value(value: Any) -> Any:
 def run_config(paper: str, module: Any, flag_values: Any) -> dict[str, Any]:
   """The flags that shape `paper`'s results beyond its cells' settings.
 
-  Every flag named `<paper>_*` and the `COMMON_CONFIG_FLAGS`, less the
-  module's `SETTING_FLAGS` (in the cells' settings) and `OPERATIONAL_FLAGS`
-  (how a run is carried out, e.g. its checkpoint interval, not what it
-  computes); paths that exist are resolved, so the same data reached by
+  Every flag named `<paper>_*` (but not those of another registered paper
+  named `<paper>_<more>`) and the `COMMON_CONFIG_FLAGS`, less the module's
+  `SETTING_FLAGS` (in the cells' settings) and `OPERATIONAL_FLAGS` (how a
+  run is carried out, e.g. its checkpoint interval, not what it computes); paths that exist are resolved, so the same data reached by
   another relative path is the same configuration.
   """
   skip = (set(getattr(module, 'SETTING_FLAGS', ()))
           | set(getattr(module, 'OPERATIONAL_FLAGS', ())))
+  # Another registered paper named `<paper>_...` owns its own flags.
+  longer = [f'{p}_' for p in _PAPERS if p.startswith(f'{paper}_')]
   names = [n for n in _flag_names(flag_values)
            if (n.startswith(f'{paper}_') or n in COMMON_CONFIG_FLAGS)
-           and n not in skip]
+           and n not in skip and not any(n.startswith(p) for p in longer)]
   return {n: _config_value(getattr(flag_values, n)) for n in sorted(names)}
 
 
