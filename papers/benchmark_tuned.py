@@ -76,11 +76,6 @@ PRIVATE_LR_METHODS = tuple(
 # (no adaptation) is recorded too.
 GLOBAL_START = ('ditto', 'apfl', 'pfedme')
 COLD_SAMPLES = (0, 'all')
-# Not evaluated as new users: the library's new-user evaluation fine-tunes
-# a method with nothing private as a whole-model copy of the process
-# (`fedavg_ft.WholeModelView`), which refuses FedBABU's frozen head
-# ("personal models need a model without non-trainable variables").
-NO_COLD_START = ('fedbabu',)
 
 
 def cold_start_strategy(method: str) -> str:
@@ -269,8 +264,7 @@ def cell_spec(cell: reporting.Cell, flag_values, out_dir: str,
           server='sgd', server_learning_rate=rates.server),
       evaluation=dataclasses.replace(
           spec.evaluation,
-          strategies=(cold_start_strategy(cell.method),) if (
-              final and cell.method not in NO_COLD_START) else ()))
+          strategies=(cold_start_strategy(cell.method),) if final else ()))
 
 
 def _accuracies(prefix: str, metrics: Mapping[str, Any]) -> dict:
@@ -313,8 +307,6 @@ def run_cell(cell: reporting.Cell, flag_values, out_dir: str) -> dict:
                   if k.startswith(run_evaluation.TRAINED_PREFIX)}
   if 'accuracy_pooled' in participated:
     metrics.update(_accuracies('participated_', participated))
-  if cell.method in NO_COLD_START:
-    return _with_privacy(metrics, run)
   cold = run[run_evaluation.STRATEGIES]['cold']
   metrics['cold_clients'] = cold['users']
   metrics['cold_start'] = cold['strategy']
@@ -372,9 +364,7 @@ def render_accuracy(records, pooling: str) -> str:
             'with the final shared model and a private part from its shared '
             'counterpart (' + ', '.join(GLOBAL_START) + ': `start=global`) '
             'or from the model\'s initialisers (the others: '
-            '`start=initial`), adapted on its own training examples ('
-            + ', '.join(NO_COLD_START) + ': not evaluated as new users, '
-            'see `NO_COLD_START`). '
+            '`start=initial`), adapted on its own training examples. '
             'DP: user-level `gaussian_fixed` at the epsilon in '
             'results.jsonl, at the no-DP choice of rates.']
   return '\n'.join(lines) + '\n'

@@ -121,11 +121,12 @@ def test_a_final_cell_is_the_benchmarks_run_with_withheld_users(tmp_path):
   assert tuning.privacy.mechanism == 'none'
   assert not tuning.evaluation.strategies
   assert 'start=initial' in tuned.cold_start_strategy('fedrep')
-  # FedBABU's frozen head: not evaluated as new users (see NO_COLD_START).
+  # FedBABU, with nothing private, is a new user from the global model.
   babu = tuned.cell_spec(reporting.Cell(
       tuned.PAPER, 'fedbabu', {'stage': 'final', 'dp': 'none'}, 0), flags,
                          str(tmp_path), 900, tuned.Rates())
-  assert not babu.evaluation.strategies
+  assert babu.evaluation.strategies == (
+      'cold=cold_start(start=initial,samples=0/all)',)
 
 
 def test_tables_read_the_records():

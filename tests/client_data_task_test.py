@@ -6,6 +6,7 @@ on them as on the native task; bad ClientData is refused, naming why.
 """
 
 import collections
+import types
 
 from absl import flags
 from absl.testing import flagsaver
@@ -251,6 +252,30 @@ def test_cold_start_from_the_global_model_on_your_own_client_data(tmp_path):
   with pytest.raises(new_user_evaluation.NewUserError,
                      match="fedrep's private state has no shared"):
     new_user_evaluation.global_start(fedrep, weights, 'fedrep')
+
+
+def test_fedbabu_new_users_fine_tune_the_whole_model_head_included(tmp_path):
+  """FedBABU trains under a frozen head and fine-tunes every layer at
+  evaluation: a new user starts from the final body and the frozen head
+  and takes one pass of the run's SGD on all of them, as Keras does by
+  hand (the whole-model copy of a process with nothing private would
+  refuse the frozen head)."""
+  task = _withheld_task(2)
+  config = experiment.ExperimentConfig(
+      algorithm='fedbabu', rounds=2, clients_per_round=3,
+      root_output_dir=str(tmp_path), experiment_name='babu',
+      client_optimizer='sgd', client_learning_rate=0.5, seed=3,
+      eval_strategies=('cold=cold_start(samples=0/all)',))
+  with runtime.local_runtime():
+    run = runs.run_experiment(task, config, log_fn=lambda s: None)
+    weights = run.weights()
+  # Body (trained) then head (frozen): the Keras model's order.
+  whole = types.SimpleNamespace(
+      trainable=list(weights.trainable) + list(weights.non_trainable))
+  cold = run.summary['strategies']['cold']
+  for samples, count in (('0', 0), ('all', 12)):
+    assert cold['samples'][samples]['loss'] == pytest.approx(
+        _by_hand(task, whole, 0.5, count), rel=1e-4), samples
 
 
 def test_the_binary_evaluates_withheld_users_from_the_global_model(

@@ -151,11 +151,15 @@ def evaluate_new_users(task, proc, state, store,
   # Withheld users scored as the task scores them (`task.WithheldTask`
   # maps their ids back to the task's own).
   score = getattr(task, 'withheld_evaluate', task.evaluate)
-  # Fine-tuning a process whose clients hold no private variables tunes a
-  # copy of the whole global model (`fedavg_ft.WholeModelView`).
+  # Fine-tuning a process whose evaluated clients hold no private variables
+  # tunes a copy of the whole global model (`fedavg_ft.WholeModelView`); a
+  # process that declares its own evaluated model (FedBABU's: its frozen
+  # head unfrozen) is tuned as it declares, as `run_evaluation` does.
   evaluated = proc
+  eval_state_type = getattr(proc, 'eval_client_state_type',
+                            proc.client_state_type)
   if adaptation_fn is not None and not len(  # pylint: disable=g-explicit-length-test
-      proc.client_state_type[process_lib.CLIENT_STATE_PRIVATE]):
+      eval_state_type[process_lib.CLIENT_STATE_PRIVATE]):
     evaluated = fedavg_ft.WholeModelView(proc)
   states = process_lib.eval_client_states(evaluated, weights, starts)
   model_fn = getattr(evaluated, 'eval_model_fn', proc.model_fn)
