@@ -235,8 +235,7 @@ def define_flags():
       'from the compiled pieces; with --simulation_shards=0, each user\'s '
       'device program too. tff: on TFF\'s runtime (the reference form). '
       'auto: inprocess for the algorithms --list says it covers when the '
-      'run is sharded, else tff. The same results up to float rounding; '
-      'evaluation runs on TFF\'s runtime.')
+      'run is sharded, else tff. The same results up to float rounding.')
   flags.DEFINE_bool('use_gpu', False,
                     'Allow TF to place client computations on a GPU. Off by '
                     'default; CPU is what the tests and CI use.')

@@ -115,7 +115,7 @@ class ExperimentConfig:
   # 'tff': the round on TFF's runtime, the reference form. 'auto' (the
   # default): 'inprocess' for a covered algorithm run sharded, else 'tff'.
   # The results are the same up to float rounding (tests/inprocess_test.py).
-  # Evaluation runs on TFF's runtime either way.
+  # Evaluation does not depend on it: sharded, it runs in the driver.
   simulation_round: str = 'auto'
   # Before testing, each evaluated client trains its private variables only
   # (shared weights frozen) on its own training data for one local pass (the

@@ -396,6 +396,9 @@ def _in_process_form(task, proc, config: experiment.ExperimentConfig,
     inprocess.NotInProcessError: the round does not compile.
   """
   if not num_shards:
+    if config.simulation_batched:
+      raise ValueError('batched training runs in shards; it needs '
+                       'simulation_shards != 0')
     return experiment.derived(proc, ('training form', 'inprocess'),
                               lambda: inprocess.build(proc))
   form = _sharded_form(task, proc, config, num_shards,
