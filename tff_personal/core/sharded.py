@@ -37,6 +37,14 @@ several workers the shards run on them (`runtime.worker_map`). The two
 places give the same round up to float rounding (two TensorFlow runtimes;
 `tests/sharded_test.py`).
 
+Where the round's server side runs (`ShardedProcess(..., aggregate_in=)`):
+on TFF's runtime (`AGGREGATE_IN_TFF`, the reference), or in this process
+(`AGGREGATE_IN_PROCESS`, what `--simulation_round=auto` picks), where the
+process that takes the shards' results is compiled to its production
+form and its pieces run as one TensorFlow graph (`core/inprocess.py`), so
+no `worker_binary` is needed; `tests/inprocess_test.py` holds the two
+equal.
+
 Differential privacy: user-level DP clips each *user's* update before
 anything is summed; TFF's DP aggregator applied to shards would clip each
 shard's sum instead. So when the process aggregates with a DP factory of
@@ -294,8 +302,8 @@ class DriverShardWork:
   on entry) and its own traced loop, the same TF code as the computation's
   (`_shard_loop`). Routed through the executor, a round serialised every
   shard's examples into it and the results back; here they stay in this
-  process. The aggregation, DP noise included, still runs in TFF
-  (`ShardedProcess`): only the client work moves.
+  process. The aggregation, DP noise included, runs where `ShardedProcess`
+  says (`aggregate_in`): on TFF's runtime, or compiled, in this process.
 
   Args:
     make_step: The per-user step factory (`Composition.client_step`).
